@@ -1,0 +1,230 @@
+//! `/api/v1`: the JSON API (contract in `docs/api.md`).
+//!
+//! Errors are `{"error": "...", "field": "..."}` (field only when one is at fault): 400 for bad
+//! input (nothing is written), 404 unknown task, 409 stale `version`, 503 when etcd or Redis
+//! cannot be reached.
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use redis::AsyncCommands;
+use serde_json::{Value, json};
+use sluice::protocol::scripts;
+use sluice::protocol::{meta_field, slice, slice_field, unix_ms, validate_task_name};
+use tracing::{info, warn};
+
+use super::AppState;
+use crate::election::cluster_view;
+use crate::error::Error;
+use crate::spec::{FieldError, parse_request};
+use crate::tasks::{PutOutcome, TaskEntry};
+
+/// An API error response.
+#[derive(Debug)]
+pub struct ApiError {
+    status: StatusCode,
+    body: Value,
+}
+
+impl ApiError {
+    fn new(status: StatusCode, error: impl Into<String>) -> Self {
+        Self {
+            status,
+            body: json!({ "error": error.into() }),
+        }
+    }
+
+    fn field(status: StatusCode, e: FieldError) -> Self {
+        Self {
+            status,
+            body: json!({ "error": e.error, "field": e.field }),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, axum::Json(self.body)).into_response()
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(e: Error) -> Self {
+        warn!(%e, "API backend error");
+        match e {
+            Error::Etcd { .. } | Error::Timeout { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("etcd unavailable: {e}"),
+            ),
+            Error::Redis { .. } => Self::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("redis unavailable: {e}"),
+            ),
+            other => Self::new(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
+        }
+    }
+}
+
+type ApiResult<T> = Result<T, ApiError>;
+
+/// The API routes.
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/cluster", get(cluster))
+        .route("/tasks", get(list_tasks))
+        .route(
+            "/tasks/{name}",
+            get(get_task).put(put_task).delete(delete_task),
+        )
+        .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such API endpoint") })
+}
+
+fn check_name(name: &str) -> ApiResult<()> {
+    validate_task_name(name).map_err(|e| {
+        ApiError::field(
+            StatusCode::BAD_REQUEST,
+            FieldError {
+                error: e.to_string(),
+                field: "name".into(),
+            },
+        )
+    })
+}
+
+async fn cluster(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
+    let view = cluster_view(&s.etcd, &s.keys).await?;
+    Ok(axum::Json(json!({
+        "leader": view.leader,
+        "members": view.members,
+        "self": { "node_id": s.cfg.node_id, "addr": s.cfg.advertise },
+    })))
+}
+
+async fn list_tasks(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
+    let tasks: Vec<Value> = s
+        .store
+        .list()
+        .await?
+        .iter()
+        .map(|t| t.spec.to_api_json(&t.name, t.version))
+        .collect();
+    Ok(axum::Json(json!({ "tasks": tasks })))
+}
+
+/// Live status of a task, read from Redis. Fields are null when Redis cannot be read.
+async fn status(s: &AppState, t: &TaskEntry) -> Value {
+    let now = unix_ms();
+    let current = slice::start(now, t.spec.slice_ms);
+    let read = async {
+        let mut c = s.redis.conn().await?;
+        let (cap, rem): (Option<i64>, Option<i64>) = redis::cmd("HMGET")
+            .arg(s.keys.slice(&t.name, current))
+            .arg(slice_field::CAP)
+            .arg(slice_field::REM)
+            .query_async(&mut c)
+            .await?;
+        let rolled: Option<i64> = c.hget(s.keys.meta(&t.name), meta_field::ROLLED_TO).await?;
+        Ok::<_, redis::RedisError>((cap, rem, rolled))
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(1), read).await {
+        Ok(Ok((cap, rem, rolled))) => json!({
+            "effective_threshold": cap,
+            "current_slice_ms": current,
+            "remaining": rem,
+            "horizon_until_ms": rolled,
+        }),
+        other => json!({
+            "effective_threshold": null,
+            "current_slice_ms": current,
+            "remaining": null,
+            "horizon_until_ms": null,
+            "error": match other {
+                Ok(Err(e)) => format!("redis unavailable: {e}"),
+                _ => "redis unavailable: timed out".to_string(),
+            },
+        }),
+    }
+}
+
+async fn get_task(
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+) -> ApiResult<axum::Json<Value>> {
+    check_name(&name)?;
+    let t = s
+        .store
+        .get(&name)
+        .await?
+        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no task {name:?}")))?;
+    let mut v = t.spec.to_api_json(&t.name, t.version);
+    v["status"] = status(&s, &t).await;
+    Ok(axum::Json(v))
+}
+
+async fn put_task(
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> ApiResult<Response> {
+    check_name(&name)?;
+    let req =
+        parse_request(&name, &body).map_err(|e| ApiError::field(StatusCode::BAD_REQUEST, e))?;
+    match s.store.put(&name, &req.spec, req.version).await? {
+        PutOutcome::Created(version) => {
+            info!(task = name, version, "task created");
+            Ok((
+                StatusCode::CREATED,
+                axum::Json(req.spec.to_api_json(&name, version)),
+            )
+                .into_response())
+        }
+        PutOutcome::Replaced(version) => {
+            info!(task = name, version, "task replaced");
+            Ok((
+                StatusCode::OK,
+                axum::Json(req.spec.to_api_json(&name, version)),
+            )
+                .into_response())
+        }
+        PutOutcome::Conflict { current } => Err(ApiError {
+            status: StatusCode::CONFLICT,
+            body: json!({
+                "error": if current == 0 {
+                    format!("task {name:?} does not exist (version {} expected); reload and retry", req.version.unwrap_or(0))
+                } else {
+                    format!("task {name:?} was changed by someone else (now version {current}); reload and retry")
+                },
+                "field": "version",
+                "current_version": current,
+            }),
+        }),
+    }
+}
+
+async fn delete_task(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<StatusCode> {
+    check_name(&name)?;
+    if !s.store.delete(&name).await? {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no task {name:?}"),
+        ));
+    }
+    info!(task = name, "task deleted");
+    // The leader retires the meta hash when it sees the delete; do it here too, with the
+    // stored term (so the fence is kept), in case there is no leader right now.
+    let retire = async {
+        let mut c = s.redis.conn().await?;
+        let term: Option<i64> = c.hget(s.keys.meta(&name), meta_field::TERM).await?;
+        let ttl = (s.cfg.horizon + s.cfg.retention).as_millis() as u64;
+        scripts::retire(&mut c, &s.keys, &name, term.unwrap_or(0), ttl).await
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(1), retire).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => warn!(task = name, %e, "could not retire meta; the leader will"),
+        Err(_) => warn!(task = name, "retiring meta timed out; the leader will"),
+    }
+    Ok(StatusCode::NO_CONTENT)
+}

@@ -1,0 +1,43 @@
+//! Leader-only work, started when this replica wins the election and cancelled when it stops
+//! leading: rolling slices (with cron schedules and dynamic overrides folded in).
+
+use std::sync::Arc;
+
+use sluice::protocol::Keys;
+use sluice::protocol::conn::Redis;
+
+use crate::election::LeaderContext;
+use crate::metrics::Metrics;
+use crate::roller::{DynamicThresholds, RollConfig, Roller};
+use crate::tasks::TaskStore;
+
+/// What leader-only work needs.
+pub struct LeaderDeps {
+    /// Key builder.
+    pub keys: Keys,
+    /// Redis.
+    pub redis: Arc<Redis>,
+    /// Task specs.
+    pub store: TaskStore,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Rolling settings.
+    pub roll: RollConfig,
+    /// Dynamic threshold overrides.
+    pub dynamic: DynamicThresholds,
+}
+
+/// Runs every leader-only loop until the leadership ends.
+pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
+    // Each leadership starts with no memory of what was written: the first tick rewrites
+    // every task's window (the script skips slices that already hold the right value).
+    let roller = Roller::new(
+        deps.keys.clone(),
+        deps.redis.clone(),
+        deps.roll,
+        deps.metrics.clone(),
+    );
+    roller
+        .run(ctx, deps.store.clone(), deps.dynamic.clone())
+        .await;
+}

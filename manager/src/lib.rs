@@ -1,0 +1,167 @@
+//! # sluice-manager
+//!
+//! A manager replica: it serves the API and the dashboard, watches task specs in etcd, and
+//! campaigns for leadership; the leader keeps every task's slices written ahead in Redis.
+//!
+//! # Layout
+//!
+//! * [`config`]: flags, environment and TOML file, validated once.
+//! * [`election`]: etcd election and lease; leadership bounded by a proven-alive lease.
+//! * [`leader`]: the leader-only loops, started and stopped by the election.
+//! * [`tasks`]: task specs in etcd, and the watched snapshot the leader rolls from.
+//! * [`spec`]: the task spec and its validation (the only place it is validated).
+//! * [`schedule`]: cron schedules → a slice's threshold.
+//! * [`roller`]: planning and writing slices, fenced by term.
+//! * [`http`]: the JSON API, `/metrics`, `/healthz` and the embedded dashboard.
+//! * [`metrics`]: every metric, in one place.
+//! * [`error`]: the error type.
+//!
+//! `main.rs` only parses flags, sets up logging and calls [`run`].
+
+pub mod config;
+pub mod election;
+pub mod error;
+pub mod http;
+pub mod leader;
+pub mod metrics;
+pub mod roller;
+pub mod schedule;
+pub mod spec;
+pub mod tasks;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::ConnectOptions;
+use sluice::protocol::Keys;
+use sluice::protocol::conn::{ConnOptions, Redis};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+use crate::config::Config;
+use crate::election::{ElectionConfig, LeaderWork, NodeInfo, Role};
+use crate::error::{Error, Result};
+use crate::leader::LeaderDeps;
+use crate::metrics::Metrics;
+use crate::roller::{DynamicThresholds, RollConfig};
+use crate::tasks::TaskStore;
+
+/// Runs a replica until `shutdown` resolves, then stops in order: leader work stops and the
+/// leader resigns (a follower takes over at once), the HTTP server drains, watches end.
+pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+    let cfg = Arc::new(cfg);
+    let keys = Keys::new(&cfg.namespace).map_err(|e| Error::Startup(e.to_string()))?;
+    let metrics = Arc::new(Metrics::new());
+    let etcd = etcd_client::Client::connect(
+        &cfg.etcd,
+        Some(
+            ConnectOptions::new()
+                .with_connect_timeout(Duration::from_secs(1))
+                .with_keep_alive(Duration::from_secs(1), Duration::from_secs(1))
+                .with_keep_alive_while_idle(true),
+        ),
+    )
+    .await
+    .map_err(|source| Error::Etcd {
+        op: "connect",
+        source,
+    })?;
+    let redis = Arc::new(Redis::new(cfg.redis.clone(), ConnOptions::default()));
+    let store = TaskStore::new(etcd.clone(), keys.clone());
+    let (role_tx, role_rx) = watch::channel(Role::Follower);
+
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| Error::Startup(format!("--listen {}: {e}", cfg.listen)))?;
+    info!(
+        listen = %cfg.listen,
+        node_id = cfg.node_id,
+        namespace = cfg.namespace,
+        etcd = ?cfg.etcd,
+        redis = %cfg.redis,
+        "sluice-manager started"
+    );
+
+    let election_stop = CancellationToken::new();
+    let rest_stop = CancellationToken::new();
+    let tracker = TaskTracker::new();
+
+    tracker.spawn(store.clone().run_watch(rest_stop.clone()));
+
+    let deps = Arc::new(LeaderDeps {
+        keys: keys.clone(),
+        redis: redis.clone(),
+        store: store.clone(),
+        metrics: metrics.clone(),
+        roll: RollConfig {
+            horizon: cfg.horizon,
+            retention: cfg.retention,
+            tick: cfg.tick,
+        },
+        dynamic: DynamicThresholds::default(),
+    });
+    let work: LeaderWork = Arc::new(move |ctx| Box::pin(leader::lead(ctx, deps.clone())));
+    let election_cfg = ElectionConfig {
+        keys: keys.clone(),
+        node: NodeInfo {
+            node_id: cfg.node_id.clone(),
+            addr: cfg.advertise.clone(),
+            started_ms: sluice::protocol::unix_ms(),
+        },
+        ttl: cfg.lease_ttl,
+    };
+    let election = tracker.spawn(election::run(
+        etcd.clone(),
+        election_cfg,
+        work,
+        role_tx,
+        metrics.clone(),
+        election_stop.clone(),
+    ));
+
+    let state = http::AppState {
+        cfg: cfg.clone(),
+        keys,
+        store,
+        etcd,
+        redis,
+        metrics,
+        role: role_rx,
+    };
+    let server = axum::serve(listener, http::router(state))
+        .with_graceful_shutdown(rest_stop.clone().cancelled_owned());
+    let server = tracker.spawn(async move {
+        if let Err(e) = server.await {
+            warn!(%e, "HTTP server failed");
+        }
+    });
+    tracker.close();
+
+    shutdown.await;
+    info!("shutting down");
+    election_stop.cancel();
+    if tokio::time::timeout(Duration::from_secs(5), election)
+        .await
+        .is_err()
+    {
+        warn!("election did not stop within 5s");
+    }
+    rest_stop.cancel();
+    if tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .is_err()
+    {
+        warn!("HTTP server did not drain within 5s");
+    }
+    if tokio::time::timeout(Duration::from_secs(2), tracker.wait())
+        .await
+        .is_err()
+    {
+        warn!("some tasks did not stop within 2s");
+    }
+    info!("stopped");
+    Ok(())
+}

@@ -1,0 +1,457 @@
+//! Task specs: the JSON users write, its validation, and what the SDK gets from it.
+//!
+//! This module is the only place a spec is validated. Parsing goes through
+//! [`serde_json::Value`] by hand rather than `#[derive(Deserialize)]` so that every error names
+//! the exact field (`schedules[1].cron`, `dynamic.min`), which the API returns as
+//! `{"error": ..., "field": ...}` with status 400.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use sluice::protocol::{
+    Fallback, FallbackAlgorithm, MAX_SLICE_MS, MIN_SLICE_MS, Mode, OnFailure, TaskMeta,
+};
+
+use crate::schedule::parse_cron;
+
+/// Largest threshold (permits per slice) and other counts.
+pub const MAX_COUNT: u64 = 1_000_000_000_000;
+/// Most schedule entries per task.
+pub const MAX_SCHEDULES: usize = 64;
+/// Longest description, in characters.
+pub const MAX_DESCRIPTION: usize = 1024;
+
+/// One cron schedule entry: slices whose start matches `cron` get `threshold`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScheduleEntry {
+    /// Cron expression with a seconds field, evaluated in UTC.
+    pub cron: String,
+    /// Threshold for matching slices.
+    pub threshold: u64,
+}
+
+/// Dynamic limiting settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct DynamicSpec {
+    /// Whether the controller adjusts this task.
+    pub enabled: bool,
+    /// Lowest threshold the controller may set.
+    pub min: u64,
+    /// Highest threshold the controller may set.
+    pub max: u64,
+    /// Error rate above which the service is unhealthy.
+    pub target_error_rate: f64,
+    /// Mean latency (ms) above which the service is unhealthy.
+    pub target_latency_ms: f64,
+}
+
+/// A validated task spec, as stored in etcd (all defaults filled in).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskSpec {
+    /// Permits per slice.
+    pub threshold: u64,
+    /// Slice length in ms.
+    pub slice_ms: u64,
+    /// Pull chunk size; 0 = automatic.
+    pub pull: u64,
+    /// Per-host permits per slice while FAILED (and in mode `local`).
+    pub local_limit: u64,
+    /// FAILED behaviour.
+    pub on_failure: OnFailure,
+    /// Limiting mode.
+    pub mode: Mode,
+    /// Local limiter.
+    pub fallback: Fallback,
+    /// Cron schedules, later entries win.
+    pub schedules: Vec<ScheduleEntry>,
+    /// Dynamic limiting, if configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dynamic: Option<DynamicSpec>,
+    /// Free text.
+    pub description: String,
+}
+
+/// A validation error: what is wrong and which field.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {error}")]
+pub struct FieldError {
+    /// Human-readable message.
+    pub error: String,
+    /// JSON path of the field (`threshold`, `schedules[0].cron`), or `""` for the whole body.
+    pub field: String,
+}
+
+fn fe(field: impl Into<String>, error: impl Into<String>) -> FieldError {
+    FieldError {
+        error: error.into(),
+        field: field.into(),
+    }
+}
+
+/// A request body parsed into a spec, plus the optional optimistic-concurrency `version`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecRequest {
+    /// The spec.
+    pub spec: TaskSpec,
+    /// `version` the client read (etcd mod revision; 0 = "must not exist yet").
+    pub version: Option<i64>,
+}
+
+const TOP_FIELDS: &[&str] = &[
+    "threshold",
+    "slice_ms",
+    "pull",
+    "local_limit",
+    "on_failure",
+    "mode",
+    "fallback",
+    "schedules",
+    "dynamic",
+    "description",
+    "name",
+    "version",
+];
+
+struct Obj<'a> {
+    path: String,
+    map: &'a Map<String, Value>,
+}
+
+impl<'a> Obj<'a> {
+    fn new(path: &str, v: &'a Value, allowed: &[&str]) -> Result<Self, FieldError> {
+        let map = v
+            .as_object()
+            .ok_or_else(|| fe(path, "must be a JSON object"))?;
+        for k in map.keys() {
+            if !allowed.contains(&k.as_str()) {
+                return Err(fe(
+                    join(path, k),
+                    format!("unknown field; expected one of: {}", allowed.join(", ")),
+                ));
+            }
+        }
+        Ok(Self {
+            path: path.to_string(),
+            map,
+        })
+    }
+
+    fn field(&self, k: &str) -> String {
+        join(&self.path, k)
+    }
+
+    fn get(&self, k: &str) -> Option<&'a Value> {
+        self.map.get(k).filter(|v| !v.is_null())
+    }
+
+    fn count(&self, k: &str, default: Option<u64>, min: u64, max: u64) -> Result<u64, FieldError> {
+        let f = self.field(k);
+        let Some(v) = self.get(k) else {
+            return default.ok_or_else(|| fe(&f, "is required"));
+        };
+        let n = v
+            .as_u64()
+            .ok_or_else(|| fe(&f, format!("must be a whole number from {min} to {max}")))?;
+        if n < min || n > max {
+            return Err(fe(&f, format!("must be from {min} to {max}, got {n}")));
+        }
+        Ok(n)
+    }
+
+    fn float(&self, k: &str, default: f64, min_excl: f64, max: f64) -> Result<f64, FieldError> {
+        let f = self.field(k);
+        let Some(v) = self.get(k) else {
+            return Ok(default);
+        };
+        let x = v.as_f64().ok_or_else(|| fe(&f, "must be a number"))?;
+        if !(x > min_excl && x <= max) {
+            return Err(fe(
+                &f,
+                format!("must be greater than {min_excl} and at most {max}, got {x}"),
+            ));
+        }
+        Ok(x)
+    }
+
+    fn string(&self, k: &str) -> Result<Option<&'a str>, FieldError> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v
+                .as_str()
+                .map(Some)
+                .ok_or_else(|| fe(self.field(k), "must be a string")),
+        }
+    }
+
+    fn choice<T: std::str::FromStr<Err = String>>(
+        &self,
+        k: &str,
+        default: T,
+    ) -> Result<T, FieldError> {
+        match self.string(k)? {
+            None => Ok(default),
+            Some(s) => s.parse().map_err(|e: String| fe(self.field(k), e)),
+        }
+    }
+}
+
+fn join(path: &str, k: &str) -> String {
+    if path.is_empty() {
+        k.to_string()
+    } else {
+        format!("{path}.{k}")
+    }
+}
+
+/// Parses and validates a PUT body for task `name`.
+///
+/// `name` and `version` may appear in the body (as `GET` returns them); a `name` must equal
+/// the one in the path.
+pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| fe("", format!("malformed JSON: {e}")))?;
+    let o = Obj::new("", &v, TOP_FIELDS)?;
+
+    if let Some(n) = o.string("name")?
+        && n != name
+    {
+        return Err(fe(
+            "name",
+            format!("{n:?} does not match the task in the path ({name:?})"),
+        ));
+    }
+    let version = match o.get("version") {
+        None => None,
+        Some(v) => Some(
+            v.as_i64()
+                .filter(|n| *n >= 0)
+                .ok_or_else(|| fe("version", "must be a whole number ≥ 0 (as returned by GET)"))?,
+        ),
+    };
+
+    let threshold = o.count("threshold", None, 0, MAX_COUNT)?;
+    let slice_ms = o.count("slice_ms", Some(1000), MIN_SLICE_MS, MAX_SLICE_MS)?;
+    let pull = o.count("pull", Some(0), 0, MAX_COUNT)?;
+    let local_limit = o.count("local_limit", Some(threshold), 0, MAX_COUNT)?;
+    let on_failure: OnFailure = o.choice("on_failure", OnFailure::Local)?;
+    let mode: Mode = o.choice("mode", Mode::Pooled)?;
+
+    let fallback = match o.get("fallback") {
+        None => Fallback::default(),
+        Some(v) => {
+            let fo = Obj::new("fallback", v, &["algorithm", "burst"])?;
+            Fallback {
+                algorithm: fo.choice("algorithm", FallbackAlgorithm::TokenBucket)?,
+                burst: fo.count("burst", Some(0), 0, MAX_COUNT)?,
+            }
+        }
+    };
+
+    let mut schedules = Vec::new();
+    if let Some(v) = o.get("schedules") {
+        let arr = v
+            .as_array()
+            .ok_or_else(|| fe("schedules", "must be a list"))?;
+        if arr.len() > MAX_SCHEDULES {
+            return Err(fe("schedules", format!("at most {MAX_SCHEDULES} entries")));
+        }
+        for (i, e) in arr.iter().enumerate() {
+            let path = format!("schedules[{i}]");
+            let so = Obj::new(&path, e, &["cron", "threshold"])?;
+            let cron = so
+                .string("cron")?
+                .ok_or_else(|| fe(so.field("cron"), "is required"))?;
+            parse_cron(cron).map_err(|e| fe(so.field("cron"), e))?;
+            schedules.push(ScheduleEntry {
+                cron: cron.trim().to_string(),
+                threshold: so.count("threshold", None, 0, MAX_COUNT)?,
+            });
+        }
+    }
+
+    let dynamic = match o.get("dynamic") {
+        None => None,
+        Some(v) => {
+            let d = Obj::new(
+                "dynamic",
+                v,
+                &[
+                    "enabled",
+                    "min",
+                    "max",
+                    "target_error_rate",
+                    "target_latency_ms",
+                ],
+            )?;
+            let enabled = match d.get("enabled") {
+                None => false,
+                Some(b) => b
+                    .as_bool()
+                    .ok_or_else(|| fe("dynamic.enabled", "must be true or false"))?,
+            };
+            let min = d.count("min", Some(1.min(threshold)), 0, MAX_COUNT)?;
+            let max = d.count("max", Some(threshold.max(min)), 0, MAX_COUNT)?;
+            if min > max {
+                return Err(fe(
+                    "dynamic.min",
+                    format!("{min} is above dynamic.max ({max})"),
+                ));
+            }
+            Some(DynamicSpec {
+                enabled,
+                min,
+                max,
+                target_error_rate: d.float("target_error_rate", 0.05, 0.0, 1.0)?,
+                target_latency_ms: d.float("target_latency_ms", 1000.0, 0.0, 3_600_000.0)?,
+            })
+        }
+    };
+
+    let description = o.string("description")?.unwrap_or_default().to_string();
+    if description.chars().count() > MAX_DESCRIPTION {
+        return Err(fe(
+            "description",
+            format!("at most {MAX_DESCRIPTION} characters"),
+        ));
+    }
+
+    Ok(SpecRequest {
+        spec: TaskSpec {
+            threshold,
+            slice_ms,
+            pull,
+            local_limit,
+            on_failure,
+            mode,
+            fallback,
+            schedules,
+            dynamic,
+            description,
+        },
+        version,
+    })
+}
+
+impl TaskSpec {
+    /// What the SDK needs, with the spec's version.
+    pub fn meta(&self, version: i64) -> TaskMeta {
+        TaskMeta {
+            slice_ms: self.slice_ms,
+            threshold: self.threshold,
+            pull: self.pull,
+            local_limit: self.local_limit,
+            on_failure: self.on_failure,
+            mode: self.mode,
+            fallback: self.fallback,
+            version,
+        }
+    }
+
+    /// The spec as API JSON, with `name` and `version` added.
+    pub fn to_api_json(&self, name: &str, version: i64) -> Value {
+        let mut v = serde_json::to_value(self).unwrap_or(Value::Null);
+        if let Value::Object(m) = &mut v {
+            m.insert("name".into(), Value::from(name));
+            m.insert("version".into(), Value::from(version));
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(body: &str) -> Result<SpecRequest, FieldError> {
+        parse_request("t", body.as_bytes())
+    }
+
+    #[test]
+    fn defaults_are_filled() {
+        let r = parse(r#"{"threshold": 100}"#).unwrap();
+        assert_eq!(r.spec.slice_ms, 1000);
+        assert_eq!(r.spec.local_limit, 100);
+        assert_eq!(r.spec.on_failure, OnFailure::Local);
+        assert_eq!(r.spec.mode, Mode::Pooled);
+        assert_eq!(r.version, None);
+    }
+
+    #[test]
+    fn the_design_example_parses() {
+        let r = parse(
+            r#"{ "threshold": 5000, "slice_ms": 1000,
+  "pull": 0, "local_limit": 500, "on_failure": "local",
+  "schedules": [ { "cron": "0 0 9-17 * * Mon-Fri", "threshold": 20000 } ],
+  "dynamic": { "enabled": true, "min": 1000, "max": 20000,
+               "target_error_rate": 0.05, "target_latency_ms": 200 },
+  "description": "checkout API" }"#,
+        )
+        .unwrap();
+        assert_eq!(r.spec.schedules[0].threshold, 20000);
+        assert_eq!(r.spec.dynamic.as_ref().unwrap().max, 20000);
+        // Round trip through the stored form.
+        let stored = serde_json::to_string(&r.spec).unwrap();
+        let back: TaskSpec = serde_json::from_str(&stored).unwrap();
+        assert_eq!(back, r.spec);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let cases = [
+            ("{", ""),
+            ("[]", ""),
+            (r#"{}"#, "threshold"),
+            (r#"{"threshold": -1}"#, "threshold"),
+            (r#"{"threshold": 1.5}"#, "threshold"),
+            (r#"{"threshold": "10"}"#, "threshold"),
+            (r#"{"threshold": 1e13}"#, "threshold"),
+            (r#"{"threshold": 10, "slice_ms": 99}"#, "slice_ms"),
+            (r#"{"threshold": 10, "slice_ms": 86400001}"#, "slice_ms"),
+            (r#"{"threshold": 10, "on_failure": "panic"}"#, "on_failure"),
+            (r#"{"threshold": 10, "mode": "x"}"#, "mode"),
+            (r#"{"threshold": 10, "bogus": 1}"#, "bogus"),
+            (
+                r#"{"threshold": 10, "fallback": {"algorithm": "magic"}}"#,
+                "fallback.algorithm",
+            ),
+            (
+                r#"{"threshold": 10, "fallback": {"burts": 3}}"#,
+                "fallback.burts",
+            ),
+            (r#"{"threshold": 10, "schedules": {}}"#, "schedules"),
+            (
+                r#"{"threshold": 10, "schedules": [{"cron": "bad", "threshold": 1}]}"#,
+                "schedules[0].cron",
+            ),
+            (
+                r#"{"threshold": 10, "schedules": [{"cron": "* * * * * *"}]}"#,
+                "schedules[0].threshold",
+            ),
+            (
+                r#"{"threshold": 10, "dynamic": {"min": 5, "max": 1}}"#,
+                "dynamic.min",
+            ),
+            (
+                r#"{"threshold": 10, "dynamic": {"target_error_rate": 2}}"#,
+                "dynamic.target_error_rate",
+            ),
+            (
+                r#"{"threshold": 10, "dynamic": {"enabled": "yes"}}"#,
+                "dynamic.enabled",
+            ),
+            (r#"{"threshold": 10, "name": "other"}"#, "name"),
+            (r#"{"threshold": 10, "version": -3}"#, "version"),
+            (r#"{"threshold": 10, "description": 5}"#, "description"),
+        ];
+        for (body, field) in cases {
+            let e = parse(body).expect_err(body);
+            assert_eq!(e.field, field, "{body}: {e}");
+            assert!(!e.error.is_empty());
+        }
+    }
+
+    #[test]
+    fn name_and_version_are_accepted() {
+        let r = parse(r#"{"threshold": 10, "name": "t", "version": 42}"#).unwrap();
+        assert_eq!(r.version, Some(42));
+    }
+}

@@ -1,0 +1,368 @@
+//! Task specs in etcd (`/NS/tasks/<T>`): reads and writes for the API, and a watched snapshot
+//! for the leader.
+//!
+//! The API reads and writes etcd directly, so a write through one replica is visible through
+//! every other at once. The watcher keeps an immutable [`TaskSnapshot`] (swapped whole on every
+//! change) for the rolling loop; a broken watch resumes from the last revision it saw, and a
+//! compacted one reloads everything.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+};
+use sluice::protocol::Keys;
+use tokio::sync::watch;
+use tokio::time::sleep;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::election::ETCD_TIMEOUT;
+use crate::error::{Error, Result, etcd};
+use crate::schedule::CompiledSchedule;
+use crate::spec::TaskSpec;
+
+/// One task as stored.
+#[derive(Debug, Clone)]
+pub struct TaskEntry {
+    /// Name.
+    pub name: String,
+    /// Spec.
+    pub spec: TaskSpec,
+    /// Version: the etcd mod revision of the spec.
+    pub version: i64,
+    /// The spec's schedules, compiled.
+    pub schedule: Arc<CompiledSchedule>,
+}
+
+impl TaskEntry {
+    fn decode(name: &str, value: &[u8], version: i64) -> Result<Self> {
+        let spec: TaskSpec = serde_json::from_slice(value).map_err(|e| Error::Corrupt {
+            what: format!("task spec {name:?}"),
+            why: e.to_string(),
+        })?;
+        Ok(Self {
+            name: name.to_string(),
+            schedule: Arc::new(CompiledSchedule::new(&spec.schedules)),
+            spec,
+            version,
+        })
+    }
+}
+
+/// All tasks at one etcd revision.
+#[derive(Debug, Clone, Default)]
+pub struct TaskSnapshot {
+    /// Tasks by name.
+    pub tasks: BTreeMap<String, Arc<TaskEntry>>,
+    /// The etcd revision this snapshot reflects.
+    pub revision: i64,
+    /// False until the first full load succeeded.
+    pub loaded: bool,
+}
+
+/// Result of a conditional write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutOutcome {
+    /// Stored as a new task, at this version.
+    Created(i64),
+    /// Replaced an existing task, new version.
+    Replaced(i64),
+    /// The stored version differs from the expected one.
+    Conflict {
+        /// The stored version (0 = the task does not exist).
+        current: i64,
+    },
+}
+
+/// Access to task specs in etcd.
+#[derive(Clone)]
+pub struct TaskStore {
+    client: Client,
+    keys: Keys,
+    snapshot: watch::Sender<Arc<TaskSnapshot>>,
+}
+
+impl TaskStore {
+    /// A store; call [`TaskStore::run_watch`] to keep the snapshot current.
+    pub fn new(client: Client, keys: Keys) -> Self {
+        let (snapshot, _) = watch::channel(Arc::new(TaskSnapshot::default()));
+        Self {
+            client,
+            keys,
+            snapshot,
+        }
+    }
+
+    /// The latest snapshot (changes are announced on [`TaskStore::subscribe`]).
+    pub fn snapshot(&self) -> Arc<TaskSnapshot> {
+        self.snapshot.borrow().clone()
+    }
+
+    /// A receiver of new snapshots.
+    pub fn subscribe(&self) -> watch::Receiver<Arc<TaskSnapshot>> {
+        self.snapshot.subscribe()
+    }
+
+    fn name_of<'a>(&self, key: &'a [u8]) -> Option<&'a str> {
+        let key = std::str::from_utf8(key).ok()?;
+        key.strip_prefix(self.keys.etcd_tasks_prefix().as_str())
+    }
+
+    /// Every task, read from etcd now.
+    pub async fn list(&self) -> Result<Vec<TaskEntry>> {
+        let mut c = self.client.clone();
+        let prefix = self.keys.etcd_tasks_prefix();
+        let resp = etcd(
+            "list tasks",
+            ETCD_TIMEOUT,
+            c.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
+        )
+        .await?;
+        let mut out = Vec::new();
+        for kv in resp.kvs() {
+            let Some(name) = self.name_of(kv.key()) else {
+                continue;
+            };
+            match TaskEntry::decode(name, kv.value(), kv.mod_revision()) {
+                Ok(t) => out.push(t),
+                Err(e) => warn!(%e, "skipping unreadable task"),
+            }
+        }
+        Ok(out)
+    }
+
+    /// One task, read from etcd now.
+    pub async fn get(&self, name: &str) -> Result<Option<TaskEntry>> {
+        let mut c = self.client.clone();
+        let resp = etcd(
+            "get task",
+            ETCD_TIMEOUT,
+            c.get(self.keys.etcd_task(name), None),
+        )
+        .await?;
+        match resp.kvs().first() {
+            Some(kv) => TaskEntry::decode(name, kv.value(), kv.mod_revision()).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Stores `spec`. With `expected = Some(v)` the write happens only if the stored version is
+    /// `v` (0 = the task must not exist): no lost updates.
+    pub async fn put(
+        &self,
+        name: &str,
+        spec: &TaskSpec,
+        expected: Option<i64>,
+    ) -> Result<PutOutcome> {
+        let key = self.keys.etcd_task(name);
+        let value = serde_json::to_vec(spec).map_err(|e| Error::Corrupt {
+            what: "spec".into(),
+            why: e.to_string(),
+        })?;
+        let mut c = self.client.clone();
+        match expected {
+            None => {
+                let resp = etcd(
+                    "put task",
+                    ETCD_TIMEOUT,
+                    c.put(key, value, Some(PutOptions::new().with_prev_key())),
+                )
+                .await?;
+                let rev = resp.header().map_or(0, |h| h.revision());
+                Ok(if resp.prev_key().is_some() {
+                    PutOutcome::Replaced(rev)
+                } else {
+                    PutOutcome::Created(rev)
+                })
+            }
+            Some(v) => {
+                let txn = Txn::new()
+                    .when([Compare::mod_revision(key.as_str(), CompareOp::Equal, v)])
+                    .and_then([TxnOp::put(key.as_str(), value, None)])
+                    .or_else([TxnOp::get(key.as_str(), None)]);
+                let resp = etcd("put task (conditional)", ETCD_TIMEOUT, c.txn(txn)).await?;
+                let rev = resp.header().map_or(0, |h| h.revision());
+                if resp.succeeded() {
+                    return Ok(if v == 0 {
+                        PutOutcome::Created(rev)
+                    } else {
+                        PutOutcome::Replaced(rev)
+                    });
+                }
+                let current = resp
+                    .op_responses()
+                    .into_iter()
+                    .find_map(|op| match op {
+                        etcd_client::TxnOpResponse::Get(g) => {
+                            Some(g.kvs().first().map_or(0, |kv| kv.mod_revision()))
+                        }
+                        _ => None,
+                    })
+                    .unwrap_or(0);
+                Ok(PutOutcome::Conflict { current })
+            }
+        }
+    }
+
+    /// Deletes a task; false if it did not exist.
+    pub async fn delete(&self, name: &str) -> Result<bool> {
+        let mut c = self.client.clone();
+        let resp = etcd(
+            "delete task",
+            ETCD_TIMEOUT,
+            c.delete(self.keys.etcd_task(name), None),
+        )
+        .await?;
+        Ok(resp.deleted() > 0)
+    }
+
+    async fn load(&self) -> Result<TaskSnapshot> {
+        let mut c = self.client.clone();
+        let prefix = self.keys.etcd_tasks_prefix();
+        let resp = etcd(
+            "load tasks",
+            ETCD_TIMEOUT,
+            c.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
+        )
+        .await?;
+        let mut snap = TaskSnapshot {
+            revision: resp.header().map_or(0, |h| h.revision()),
+            loaded: true,
+            ..Default::default()
+        };
+        for kv in resp.kvs() {
+            let Some(name) = self.name_of(kv.key()) else {
+                continue;
+            };
+            match TaskEntry::decode(name, kv.value(), kv.mod_revision()) {
+                Ok(t) => {
+                    snap.tasks.insert(name.to_string(), Arc::new(t));
+                }
+                Err(e) => warn!(%e, "skipping unreadable task"),
+            }
+        }
+        Ok(snap)
+    }
+
+    /// Keeps the snapshot current until `shutdown`: a full load, then a watch from the next
+    /// revision, resumed from the last seen revision whenever it breaks.
+    pub async fn run_watch(self, shutdown: CancellationToken) {
+        let prefix = self.keys.etcd_tasks_prefix();
+        let mut snap: Option<TaskSnapshot> = None;
+        let mut backoff = Duration::from_millis(100);
+        while !shutdown.is_cancelled() {
+            let mut current = match snap.take() {
+                Some(s) => s,
+                None => match self.load().await {
+                    Ok(s) => {
+                        info!(tasks = s.tasks.len(), revision = s.revision, "tasks loaded");
+                        self.snapshot.send_replace(Arc::new(s.clone()));
+                        s
+                    }
+                    Err(e) => {
+                        warn!(%e, "cannot load tasks; retrying");
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return,
+                            _ = sleep(backoff) => {}
+                        }
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        continue;
+                    }
+                },
+            };
+            let mut c = self.client.clone();
+            let opts = WatchOptions::new()
+                .with_prefix()
+                .with_start_revision(current.revision + 1)
+                .with_progress_notify();
+            let mut stream = match etcd(
+                "watch tasks",
+                ETCD_TIMEOUT,
+                c.watch(prefix.as_str(), Some(opts)),
+            )
+            .await
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    warn!(%e, "cannot watch tasks; retrying");
+                    snap = Some(current);
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = sleep(backoff) => {}
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(100);
+            loop {
+                let msg = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    m = stream.message() => m,
+                };
+                let resp = match msg {
+                    Ok(Some(r)) => r,
+                    Ok(None) => {
+                        warn!(revision = current.revision, "task watch closed; resuming");
+                        snap = Some(current);
+                        break;
+                    }
+                    Err(e) => {
+                        warn!(%e, revision = current.revision, "task watch broke; resuming");
+                        snap = Some(current);
+                        break;
+                    }
+                };
+                if resp.compact_revision() > 0 || resp.canceled() {
+                    warn!(
+                        compact = resp.compact_revision(),
+                        reason = resp.cancel_reason(),
+                        "task watch cancelled (history compacted?); reloading"
+                    );
+                    break; // snap stays None: full reload
+                }
+                let mut changed = false;
+                for ev in resp.events() {
+                    let Some(kv) = ev.kv() else { continue };
+                    let Some(name) = self.name_of(kv.key()) else {
+                        continue;
+                    };
+                    current.revision = current.revision.max(kv.mod_revision());
+                    match ev.event_type() {
+                        EventType::Put => {
+                            match TaskEntry::decode(name, kv.value(), kv.mod_revision()) {
+                                Ok(t) => {
+                                    debug!(task = name, version = t.version, "task changed");
+                                    current.tasks.insert(name.to_string(), Arc::new(t));
+                                    changed = true;
+                                }
+                                Err(e) => warn!(%e, "ignoring unreadable task update"),
+                            }
+                        }
+                        EventType::Delete => {
+                            debug!(task = name, "task deleted");
+                            changed |= current.tasks.remove(name).is_some();
+                        }
+                    }
+                }
+                // A progress notification (no events) promises everything up to its header's
+                // revision was delivered; event responses only vouch for their events.
+                if resp.events().is_empty()
+                    && let Some(h) = resp.header()
+                {
+                    current.revision = current.revision.max(h.revision());
+                }
+                if changed {
+                    self.snapshot.send_replace(Arc::new(current.clone()));
+                }
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = sleep(backoff) => {}
+            }
+        }
+    }
+}

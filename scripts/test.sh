@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Runs every check and test of Sluice against real servers:
+#   system packages (installed when missing, as root) → etcd + Redis on free loopback ports →
+#   cargo fmt --check → dashboard build → clippy -D warnings → build → cargo test (unit, doc,
+#   end-to-end) → browser tests of the dashboard.
+# Everything started here is stopped by PID on exit, failure or Ctrl-C.
+#
+# Environment: SLUICE_TEST_FILTER=<name> runs only matching Rust tests (and skips the browser
+# tests); SLUICE_SKIP_BROWSER=1 skips the browser tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib.sh
+source scripts/lib.sh
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+ensure_base_packages
+if [ -f dashboard/package.json ]; then
+  ensure_packages node:nodejs npm:npm chromium:chromium
+fi
+
+log "cargo fmt --check"
+cargo fmt --all --check
+
+if [ -f dashboard/package.json ]; then
+  log "building the dashboard"
+  (cd dashboard && npm ci --no-audit --no-fund --loglevel=error && npm run build)
+fi
+
+log "clippy"
+cargo clippy --workspace --all-targets -- -D warnings
+
+log "building binaries and examples"
+cargo build --workspace --bins --examples
+
+start_etcd
+start_redis
+export SLUICE_TEST_ETCD="$ETCD_ENDPOINT" SLUICE_TEST_REDIS="$REDIS_URL"
+
+log "cargo test"
+# End-to-end tests start several managers each; two at a time keeps a 2-core machine honest.
+cargo test --workspace -- --test-threads="${SLUICE_TEST_THREADS:-2}" ${SLUICE_TEST_FILTER:-}
+
+if [ -f dashboard/package.json ] && [ -z "${SLUICE_SKIP_BROWSER:-}" ] && [ -z "${SLUICE_TEST_FILTER:-}" ]; then
+  log "browser tests"
+  (cd dashboard && SLUICE_MANAGER_BIN="$PWD/../target/debug/sluice-manager" \
+    SLUICE_LOADGEN_BIN="$PWD/../target/debug/examples/loadgen" npm run test:e2e)
+fi
+log "all tests passed"

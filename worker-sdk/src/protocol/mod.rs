@@ -1,0 +1,579 @@
+//! The wire protocol between Sluice managers and workers: the one place key names, Lua scripts
+//! and slice arithmetic exist.
+//!
+//! An SDK in another language implements Sluice by following this module (and `docs/protocol.md`,
+//! which is written from it). Nothing here talks to etcd; [`scripts`] and [`conn`] talk to Redis.
+//!
+//! # Redis layout (namespace `NS`, task `T`)
+//!
+//! ```text
+//!  NS:{T}:meta              hash   spec fields the SDK needs + version, term (fence), rolled_to
+//!  NS:{T}:s:<start_ms>      hash   cap, rem, term, adm, rej, ok, err, lat_sum_us, lat_n
+//!  NS:hosts                 hash   host id -> JSON {offset_ms, rtt_ms, seen_ms, sdk}
+//!  NS:alerts                stream alert feed (capped)
+//!
+//!  time ──────────────────────────────────────────────────────────────▶
+//!        │ s:1000 │ s:2000 │ s:3000 │ s:4000 │ ... │ s:61000 │
+//!          ended    current  ◀──────── written ahead (horizon) ───────▶
+//! ```
+//!
+//! Every key of a task carries the hash tag `{T}`, so a Lua script touching the meta hash and
+//! any number of its slices stays in one Redis Cluster slot.
+//!
+//! # etcd layout
+//!
+//! ```text
+//!  /NS/election          election name (leader key = /NS/election/<lease id>)
+//!  /NS/members/<node>    member registration, on the member's lease
+//!  /NS/tasks/<T>         task spec JSON (source of truth)
+//!  /NS/settings          global settings JSON
+//! ```
+
+pub mod conn;
+pub mod scripts;
+
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+
+/// Version of this protocol, written into every task's meta hash as `proto`.
+pub const PROTOCOL_VERSION: u32 = 1;
+
+/// The default namespace.
+pub const DEFAULT_NAMESPACE: &str = "sluice";
+
+/// Longest task name, in bytes.
+pub const MAX_TASK_NAME_LEN: usize = 64;
+
+/// Shortest slice, in milliseconds.
+pub const MIN_SLICE_MS: u64 = 100;
+
+/// Longest slice (one day), in milliseconds.
+pub const MAX_SLICE_MS: u64 = 86_400_000;
+
+/// A name was not acceptable as a namespace or task name.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid {what} {name:?}: {why}")]
+pub struct NameError {
+    /// `"task name"` or `"namespace"`.
+    pub what: &'static str,
+    /// The rejected name.
+    pub name: String,
+    /// Why it was rejected.
+    pub why: &'static str,
+}
+
+fn check_name(what: &'static str, name: &str) -> Result<(), NameError> {
+    let err = |why| NameError {
+        what,
+        name: name.to_string(),
+        why,
+    };
+    if name.is_empty() {
+        return Err(err("must not be empty"));
+    }
+    if name.len() > MAX_TASK_NAME_LEN {
+        return Err(err("must be at most 64 characters"));
+    }
+    if !name
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'))
+    {
+        return Err(err("may contain only A-Z a-z 0-9 _ . -"));
+    }
+    Ok(())
+}
+
+/// Checks a task name against `[A-Za-z0-9_.-]{1,64}`.
+///
+/// ```
+/// assert!(sluice::protocol::validate_task_name("checkout.v2").is_ok());
+/// assert!(sluice::protocol::validate_task_name("a/b").is_err());
+/// assert!(sluice::protocol::validate_task_name("").is_err());
+/// ```
+pub fn validate_task_name(name: &str) -> Result<(), NameError> {
+    check_name("task name", name)
+}
+
+/// Checks a namespace: the same alphabet as task names (no `:`, `/`, `{` or `}`, which would
+/// break the key layout).
+pub fn validate_namespace(ns: &str) -> Result<(), NameError> {
+    check_name("namespace", ns)
+}
+
+/// Builds every Redis key and etcd path of one namespace.
+///
+/// ```
+/// let keys = sluice::protocol::Keys::new("sluice").unwrap();
+/// assert_eq!(keys.meta("checkout"), "sluice:{checkout}:meta");
+/// assert_eq!(keys.slice("checkout", 1_700_000_000_000), "sluice:{checkout}:s:1700000000000");
+/// assert_eq!(keys.etcd_task("checkout"), "/sluice/tasks/checkout");
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keys {
+    ns: String,
+}
+
+impl Keys {
+    /// Keys of namespace `ns` (validated with [`validate_namespace`]).
+    pub fn new(ns: &str) -> Result<Self, NameError> {
+        validate_namespace(ns)?;
+        Ok(Self { ns: ns.to_string() })
+    }
+
+    /// The namespace.
+    pub fn namespace(&self) -> &str {
+        &self.ns
+    }
+
+    /// `NS:{T}:meta`: the task's meta hash.
+    pub fn meta(&self, task: &str) -> String {
+        format!("{}:{{{task}}}:meta", self.ns)
+    }
+
+    /// `NS:{T}:s:<start_ms>`: the hash of the slice starting at `start_ms`.
+    pub fn slice(&self, task: &str, start_ms: i64) -> String {
+        format!("{}:{{{task}}}:s:{start_ms}", self.ns)
+    }
+
+    /// `NS:{T}:hist:<resolution>`: compact per-task traffic history (harvested by the leader).
+    pub fn history(&self, task: &str, resolution: &str) -> String {
+        format!("{}:{{{task}}}:hist:{resolution}", self.ns)
+    }
+
+    /// `NS:{T}:dyn`: the dynamic-limiting controller's state (survives leader failover).
+    pub fn dynamic_state(&self, task: &str) -> String {
+        format!("{}:{{{task}}}:dyn", self.ns)
+    }
+
+    /// `NS:{T}:adj`: the list of dynamic-limiting adjustments.
+    pub fn adjustments(&self, task: &str) -> String {
+        format!("{}:{{{task}}}:adj", self.ns)
+    }
+
+    /// `NS:{T}:health`: external health reports (`POST /api/v1/tasks/{name}/health`).
+    pub fn health_reports(&self, task: &str) -> String {
+        format!("{}:{{{task}}}:health", self.ns)
+    }
+
+    /// `NS:{T}:log`: the sorted set of the `exact_sliding` mode.
+    pub fn sliding_log(&self, task: &str) -> String {
+        format!("{}:{{{task}}}:log", self.ns)
+    }
+
+    /// `NS:hosts`: host id → JSON with the host's clock offset to Redis `TIME`.
+    pub fn hosts(&self) -> String {
+        format!("{}:hosts", self.ns)
+    }
+
+    /// `NS:alerts`: the alert stream.
+    pub fn alerts(&self) -> String {
+        format!("{}:alerts", self.ns)
+    }
+
+    /// `/NS/election`: the etcd election name.
+    pub fn etcd_election(&self) -> String {
+        format!("/{}/election", self.ns)
+    }
+
+    /// `/NS/members/`: prefix of member registrations.
+    pub fn etcd_members_prefix(&self) -> String {
+        format!("/{}/members/", self.ns)
+    }
+
+    /// `/NS/members/<node_id>`.
+    pub fn etcd_member(&self, node_id: &str) -> String {
+        format!("/{}/members/{node_id}", self.ns)
+    }
+
+    /// `/NS/tasks/`: prefix of task specs.
+    pub fn etcd_tasks_prefix(&self) -> String {
+        format!("/{}/tasks/", self.ns)
+    }
+
+    /// `/NS/tasks/<T>`: one task spec.
+    pub fn etcd_task(&self, task: &str) -> String {
+        format!("/{}/tasks/{task}", self.ns)
+    }
+
+    /// `/NS/settings`: global settings JSON.
+    pub fn etcd_settings(&self) -> String {
+        format!("/{}/settings", self.ns)
+    }
+}
+
+/// Slice arithmetic. A slice of length `slice_ms` starts at a multiple of `slice_ms` (Unix
+/// milliseconds), so every host agrees on slice boundaries without talking to anyone.
+pub mod slice {
+    /// Start of the slice containing `t_ms`.
+    ///
+    /// ```
+    /// use sluice::protocol::slice::start;
+    /// assert_eq!(start(12_345, 1_000), 12_000);
+    /// assert_eq!(start(12_000, 1_000), 12_000);
+    /// assert_eq!(start(-1, 1_000), -1_000);
+    /// ```
+    pub fn start(t_ms: i64, slice_ms: u64) -> i64 {
+        let len = slice_ms.max(1) as i64;
+        t_ms - t_ms.rem_euclid(len)
+    }
+
+    /// End (exclusive) of the slice starting at `start_ms`.
+    pub fn end(start_ms: i64, slice_ms: u64) -> i64 {
+        start_ms + slice_ms as i64
+    }
+
+    /// Starts of every slice that begins before `until_ms`, from the slice containing `from_ms`.
+    ///
+    /// ```
+    /// use sluice::protocol::slice::starts;
+    /// let v: Vec<i64> = starts(1_500, 4_000, 1_000).collect();
+    /// assert_eq!(v, [1_000, 2_000, 3_000]);
+    /// ```
+    pub fn starts(from_ms: i64, until_ms: i64, slice_ms: u64) -> impl Iterator<Item = i64> {
+        let len = slice_ms.max(1) as i64;
+        let first = start(from_ms, slice_ms);
+        (0..)
+            .map(move |i| first + i * len)
+            .take_while(move |s| *s < until_ms)
+    }
+
+    /// Fraction of the slice starting at `start_ms` still ahead at `now_ms`, in `[0, 1]`.
+    pub fn remaining_fraction(now_ms: i64, start_ms: i64, slice_ms: u64) -> f64 {
+        let left = (end(start_ms, slice_ms) - now_ms) as f64 / slice_ms.max(1) as f64;
+        left.clamp(0.0, 1.0)
+    }
+}
+
+/// The current Unix time in milliseconds from the host clock.
+pub fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+macro_rules! string_enum {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $variant:ident = $s:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+        pub enum $name {
+            $($(#[$vm])* #[serde(rename = $s)] $variant),+
+        }
+
+        impl $name {
+            /// Every accepted spelling, for error messages.
+            pub const ALL: &'static [&'static str] = &[$($s),+];
+
+            /// The wire spelling.
+            pub fn as_str(self) -> &'static str {
+                match self { $(Self::$variant => $s),+ }
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $($s => Ok(Self::$variant),)+
+                    _ => Err(format!("must be one of {}", Self::ALL.join(", "))),
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+    };
+}
+
+string_enum! {
+    /// What a host does while it cannot reach the global quota (state FAILED).
+    OnFailure {
+        /// Decide with a local limiter at `local_limit` permits per slice per host.
+        Local = "local",
+        /// Admit everything.
+        Allow = "allow",
+        /// Reject everything.
+        Deny = "deny",
+    }
+}
+
+string_enum! {
+    /// How a task is limited.
+    Mode {
+        /// The slice design: hosts pull chunks of each slice's quota (default).
+        Pooled = "pooled",
+        /// Per-host only: every host applies `local_limit` per slice, no Redis.
+        Local = "local",
+        /// One atomic Redis call per decision against the slice (exact fixed window).
+        ExactFixed = "exact_fixed",
+        /// One atomic Redis call per decision against a sliding log.
+        ExactSliding = "exact_sliding",
+    }
+}
+
+string_enum! {
+    /// Algorithm of the local limiter used by mode `local` and by on_failure `local`.
+    FallbackAlgorithm {
+        /// Token bucket refilled at `local_limit` per slice, holding up to `burst`.
+        TokenBucket = "token_bucket",
+        /// Fixed window of one slice.
+        FixedWindow = "fixed_window",
+        /// Sliding window (two weighted fixed windows).
+        SlidingWindow = "sliding_window",
+        /// Sliding log of admission times.
+        SlidingLog = "sliding_log",
+        /// Leaky bucket (constant drain).
+        LeakyBucket = "leaky_bucket",
+    }
+}
+
+/// The local limiter settings of a task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fallback {
+    /// The algorithm.
+    pub algorithm: FallbackAlgorithm,
+    /// Burst size (token bucket capacity, leaky bucket queue); 0 = `local_limit`.
+    pub burst: u64,
+}
+
+impl Default for Fallback {
+    fn default() -> Self {
+        Self {
+            algorithm: FallbackAlgorithm::TokenBucket,
+            burst: 0,
+        }
+    }
+}
+
+/// The part of a task spec a worker needs, as stored in `NS:{T}:meta`.
+///
+/// The manager writes it (fenced, with the slices); the SDK reads it with `HGETALL`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskMeta {
+    /// Slice length.
+    pub slice_ms: u64,
+    /// Base threshold (permits per slice) from the spec. Slices carry the effective one (`cap`).
+    pub threshold: u64,
+    /// Pull chunk size; 0 = automatic.
+    pub pull: u64,
+    /// Permits per slice per host while FAILED (and in mode `local`).
+    pub local_limit: u64,
+    /// FAILED behaviour.
+    pub on_failure: OnFailure,
+    /// Limiting mode.
+    pub mode: Mode,
+    /// Local limiter settings.
+    pub fallback: Fallback,
+    /// The spec's version (its etcd mod revision).
+    pub version: i64,
+}
+
+/// Meta hash field names written by the manager and read by workers.
+pub mod meta_field {
+    /// Protocol version.
+    pub const PROTO: &str = "proto";
+    /// Slice length in ms.
+    pub const SLICE_MS: &str = "slice_ms";
+    /// Base threshold.
+    pub const THRESHOLD: &str = "threshold";
+    /// Pull chunk size.
+    pub const PULL: &str = "pull";
+    /// FAILED-state per-host limit.
+    pub const LOCAL_LIMIT: &str = "local_limit";
+    /// FAILED behaviour.
+    pub const ON_FAILURE: &str = "on_failure";
+    /// Limiting mode.
+    pub const MODE: &str = "mode";
+    /// Local limiter algorithm.
+    pub const FALLBACK: &str = "fallback";
+    /// Local limiter burst.
+    pub const FALLBACK_BURST: &str = "fallback_burst";
+    /// Spec version.
+    pub const VERSION: &str = "version";
+    /// Highest leader term that wrote this task: the fence.
+    pub const TERM: &str = "term";
+    /// End (exclusive, ms) of the last slice the leader has written.
+    pub const ROLLED_TO: &str = "rolled_to";
+    /// Present when the task was deleted (the hash then keeps only the fence).
+    pub const RETIRED: &str = "retired";
+}
+
+/// Slice hash field names.
+pub mod slice_field {
+    /// Threshold of this slice.
+    pub const CAP: &str = "cap";
+    /// Quota not yet pulled (may be negative after a threshold decrease).
+    pub const REM: &str = "rem";
+    /// Term of the leader that wrote it.
+    pub const TERM: &str = "term";
+    /// Admitted decisions flushed by workers.
+    pub const ADMITTED: &str = "adm";
+    /// Rejected decisions flushed by workers.
+    pub const REJECTED: &str = "rej";
+    /// Successful outcomes reported by workers.
+    pub const OK: &str = "ok";
+    /// Failed outcomes reported by workers.
+    pub const ERR: &str = "err";
+    /// Sum of reported latencies in microseconds.
+    pub const LAT_SUM_US: &str = "lat_sum_us";
+    /// Number of reported latencies.
+    pub const LAT_N: &str = "lat_n";
+    /// The counter fields, in the order [`crate::protocol::scripts::SliceCounters`] uses.
+    pub const COUNTERS: [&str; 6] = [ADMITTED, REJECTED, OK, ERR, LAT_SUM_US, LAT_N];
+}
+
+/// Why a meta hash could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MetaError {
+    /// The hash is empty or retired: the task does not exist (or Redis lost it).
+    #[error("task meta missing or retired")]
+    Missing,
+    /// A field is absent or malformed.
+    #[error("meta field {field:?}: {why}")]
+    Field {
+        /// The field.
+        field: &'static str,
+        /// What is wrong with it.
+        why: String,
+    },
+}
+
+impl TaskMeta {
+    /// The field/value pairs the manager writes into the meta hash.
+    pub fn to_pairs(&self) -> Vec<(&'static str, String)> {
+        use meta_field::*;
+        vec![
+            (PROTO, PROTOCOL_VERSION.to_string()),
+            (SLICE_MS, self.slice_ms.to_string()),
+            (THRESHOLD, self.threshold.to_string()),
+            (PULL, self.pull.to_string()),
+            (LOCAL_LIMIT, self.local_limit.to_string()),
+            (ON_FAILURE, self.on_failure.as_str().to_string()),
+            (MODE, self.mode.as_str().to_string()),
+            (FALLBACK, self.fallback.algorithm.as_str().to_string()),
+            (FALLBACK_BURST, self.fallback.burst.to_string()),
+            (VERSION, self.version.to_string()),
+        ]
+    }
+
+    /// Parses the result of `HGETALL NS:{T}:meta`.
+    pub fn from_pairs<'a>(
+        pairs: impl IntoIterator<Item = (&'a str, &'a str)>,
+    ) -> Result<Self, MetaError> {
+        use meta_field::*;
+        let map: std::collections::HashMap<&str, &str> = pairs.into_iter().collect();
+        if map.is_empty() || map.contains_key(RETIRED) || !map.contains_key(SLICE_MS) {
+            return Err(MetaError::Missing);
+        }
+        fn get<T: FromStr>(
+            map: &std::collections::HashMap<&str, &str>,
+            field: &'static str,
+        ) -> Result<T, MetaError>
+        where
+            T::Err: fmt::Display,
+        {
+            let raw = map.get(field).ok_or_else(|| MetaError::Field {
+                field,
+                why: "absent".into(),
+            })?;
+            raw.parse().map_err(|e: T::Err| MetaError::Field {
+                field,
+                why: format!("{raw:?}: {e}"),
+            })
+        }
+        let slice_ms: u64 = get(&map, SLICE_MS)?;
+        if !(MIN_SLICE_MS..=MAX_SLICE_MS).contains(&slice_ms) {
+            return Err(MetaError::Field {
+                field: SLICE_MS,
+                why: format!("{slice_ms} out of range"),
+            });
+        }
+        Ok(Self {
+            slice_ms,
+            threshold: get(&map, THRESHOLD)?,
+            pull: get(&map, PULL)?,
+            local_limit: get(&map, LOCAL_LIMIT)?,
+            on_failure: get(&map, ON_FAILURE)?,
+            mode: get(&map, MODE)?,
+            fallback: Fallback {
+                algorithm: get(&map, FALLBACK)?,
+                burst: get(&map, FALLBACK_BURST)?,
+            },
+            version: get(&map, VERSION)?,
+        })
+    }
+}
+
+/// One host's entry in `NS:hosts` (JSON), written by the SDK.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct HostReport {
+    /// Host clock minus Redis `TIME`, in ms (positive = host ahead).
+    pub offset_ms: f64,
+    /// Round trip of the measuring call, in ms: the offset's error bound is half of it.
+    pub rtt_ms: f64,
+    /// When the host last reported (host clock, Unix ms).
+    pub seen_ms: i64,
+    /// SDK version.
+    pub sdk: String,
+    /// Tasks this host uses, with the host's state for each (`normal`/`limited`/`failed`).
+    #[serde(default)]
+    pub tasks: std::collections::BTreeMap<String, String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert!(validate_task_name(&"a".repeat(64)).is_ok());
+        assert!(validate_task_name(&"a".repeat(65)).is_err());
+        for bad in ["a b", "a:b", "{a}", "a/b", "é"] {
+            assert!(validate_task_name(bad).is_err(), "{bad}");
+        }
+        assert!(Keys::new("x:y").is_err());
+    }
+
+    #[test]
+    fn slice_maths() {
+        assert_eq!(slice::start(1_999, 1_000), 1_000);
+        assert_eq!(slice::end(1_000, 250), 1_250);
+        assert_eq!(slice::starts(0, 1, 100).collect::<Vec<_>>(), [0]);
+        assert_eq!(slice::starts(100, 100, 100).count(), 0);
+        assert_eq!(slice::remaining_fraction(1_250, 1_000, 1_000), 0.75);
+        assert_eq!(slice::remaining_fraction(5_000, 1_000, 1_000), 0.0);
+    }
+
+    #[test]
+    fn meta_round_trip() {
+        let meta = TaskMeta {
+            slice_ms: 1000,
+            threshold: 5000,
+            pull: 0,
+            local_limit: 500,
+            on_failure: OnFailure::Local,
+            mode: Mode::Pooled,
+            fallback: Fallback::default(),
+            version: 7,
+        };
+        let pairs = meta.to_pairs();
+        let back = TaskMeta::from_pairs(pairs.iter().map(|(k, v)| (*k, v.as_str()))).unwrap();
+        assert_eq!(back, meta);
+        assert_eq!(
+            TaskMeta::from_pairs([("term", "3"), ("retired", "1")]),
+            Err(MetaError::Missing)
+        );
+        let err = TaskMeta::from_pairs(
+            pairs
+                .iter()
+                .map(|(k, v)| (*k, if *k == "mode" { "nope" } else { v.as_str() })),
+        )
+        .unwrap_err();
+        assert!(matches!(err, MetaError::Field { field: "mode", .. }));
+    }
+}

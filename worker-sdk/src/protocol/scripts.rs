@@ -1,0 +1,383 @@
+//! The Lua scripts of the protocol and typed calls to them.
+//!
+//! Every script touches the keys of one task only (one hash tag, one Cluster slot) and is
+//! atomic in Redis. The manager uses [`roll`] and [`retire`]; workers use [`pull`] and
+//! [`flush`].
+//!
+//! # Fencing
+//!
+//! A leader writes with its election term. [`ROLL_LUA`] and [`RETIRE_LUA`] refuse a term lower
+//! than the `term` stored in the task's meta hash and raise the stored term to theirs, so once
+//! a new leader has touched a task, a deposed leader (paused, partitioned) can no longer change
+//! it. The refused leader learns it from [`RollOutcome::Fenced`] and steps down.
+
+use std::sync::LazyLock;
+
+use redis::{RedisResult, Script, Value};
+
+use super::{Keys, TaskMeta};
+
+/// Writes meta and slices of one task, fenced by term.
+///
+/// `KEYS[1]` meta, `KEYS[2..]` slices. `ARGV`: term, full (0/1), expected `rolled_to`, new
+/// `rolled_to`, number of meta pairs `n`, `2n` meta field/values, then per slice: cap,
+/// expire-at (Unix ms).
+///
+/// Returns `{1, written}`, `{0, current_term}` (fenced), or `{2, 0}`: the meta hash is missing,
+/// retired or behind the leader's expectation (Redis restarted, flushed, or the task was
+/// retired), so the caller must resend the whole window with `full = 1`.
+///
+/// A slice that exists with another cap gets `rem += new_cap - old_cap` (consumption is kept);
+/// one with the same cap is left alone, so replays are harmless.
+pub const ROLL_LUA: &str = r#"
+local term = tonumber(ARGV[1])
+local m = redis.call('HMGET', KEYS[1], 'term', 'rolled_to', 'retired')
+local cur = tonumber(m[1])
+if cur and cur > term then return {0, cur} end
+local full = ARGV[2] == '1'
+if not full then
+  if (not cur) or m[3] then return {2, 0} end
+  if tonumber(m[2] or '0') < tonumber(ARGV[3]) then return {2, 0} end
+end
+local n = tonumber(ARGV[5])
+local i = 6
+if n > 0 then
+  local kv = {}
+  for j = 0, 2 * n - 1 do kv[#kv + 1] = ARGV[i + j] end
+  redis.call('HSET', KEYS[1], unpack(kv))
+  i = i + 2 * n
+end
+if full then redis.call('HDEL', KEYS[1], 'retired') end
+local new_rolled = tonumber(ARGV[4])
+if full or new_rolled > tonumber(m[2] or '0') then
+  redis.call('HSET', KEYS[1], 'term', term, 'rolled_to', new_rolled)
+elseif cur ~= term then
+  redis.call('HSET', KEYS[1], 'term', term)
+end
+local written = 0
+for k = 2, #KEYS do
+  local cap = tonumber(ARGV[i])
+  local exp = ARGV[i + 1]
+  i = i + 2
+  local old = redis.call('HGET', KEYS[k], 'cap')
+  if not old then
+    redis.call('HSET', KEYS[k], 'cap', cap, 'rem', cap, 'term', term)
+    redis.call('PEXPIREAT', KEYS[k], exp)
+    written = written + 1
+  elseif tonumber(old) ~= cap then
+    redis.call('HINCRBY', KEYS[k], 'rem', cap - tonumber(old))
+    redis.call('HSET', KEYS[k], 'cap', cap, 'term', term)
+    written = written + 1
+  end
+end
+return {1, written}
+"#;
+
+/// Marks a deleted task: the meta hash is replaced by a tombstone that keeps only the fence
+/// (`term`, `retired`) and expires after `ARGV[2]` ms. Slices are left to expire.
+///
+/// `KEYS[1]` meta. `ARGV`: term, tombstone ttl (ms). Returns `{1, 0}` or `{0, current_term}`.
+pub const RETIRE_LUA: &str = r#"
+local term = tonumber(ARGV[1])
+local cur = tonumber(redis.call('HGET', KEYS[1], 'term'))
+if cur and cur > term then return {0, cur} end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[1], 'term', term, 'retired', 1)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1, 0}
+"#;
+
+/// Pulls up to `ARGV[1]` permits from one slice; optionally adds counters to it.
+///
+/// `KEYS[1]` slice. `ARGV`: want, then optionally six counter deltas
+/// (adm, rej, ok, err, lat_sum_us, lat_n) that are added to this slice.
+///
+/// Returns `{granted, remaining, cap, time_s, time_us}` with Redis `TIME`; `granted = -1` when
+/// the slice does not exist (a worker never creates one). Never grants more than `rem`.
+pub const PULL_LUA: &str = r#"
+local t = redis.call('TIME')
+local h = redis.call('HMGET', KEYS[1], 'rem', 'cap')
+if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2])} end
+local rem = tonumber(h[1])
+local want = tonumber(ARGV[1])
+local grant = 0
+if rem > 0 and want > 0 then
+  grant = math.min(want, rem)
+  rem = redis.call('HINCRBY', KEYS[1], 'rem', -grant)
+end
+if #ARGV >= 7 then
+  local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n'}
+  for j = 1, 6 do
+    local d = tonumber(ARGV[j + 1])
+    if d and d ~= 0 then redis.call('HINCRBY', KEYS[1], f[j], d) end
+  end
+end
+return {grant, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2])}
+"#;
+
+/// Adds counters to slices that still exist (a missing slice is skipped, never created).
+///
+/// `KEYS` slices; `ARGV` six deltas per key (adm, rej, ok, err, lat_sum_us, lat_n).
+/// Returns how many slices were updated.
+pub const FLUSH_LUA: &str = r#"
+local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n'}
+local n = 0
+for k = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[k]) == 1 then
+    for j = 1, 6 do
+      local d = tonumber(ARGV[(k - 1) * 6 + j])
+      if d and d ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], d) end
+    end
+    n = n + 1
+  end
+end
+return n
+"#;
+
+static ROLL: LazyLock<Script> = LazyLock::new(|| Script::new(ROLL_LUA));
+static RETIRE: LazyLock<Script> = LazyLock::new(|| Script::new(RETIRE_LUA));
+static PULL: LazyLock<Script> = LazyLock::new(|| Script::new(PULL_LUA));
+static FLUSH: LazyLock<Script> = LazyLock::new(|| Script::new(FLUSH_LUA));
+
+/// One slice to write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SliceWrite {
+    /// Slice start (Unix ms).
+    pub start_ms: i64,
+    /// Threshold of the slice.
+    pub cap: u64,
+    /// When the key expires (Unix ms): the slice's end plus the retention.
+    pub expire_at_ms: i64,
+}
+
+/// A fenced write of one task's meta and slices.
+#[derive(Debug, Clone)]
+pub struct RollRequest<'a> {
+    /// The task.
+    pub task: &'a str,
+    /// The writer's election term.
+    pub term: i64,
+    /// Rewrite everything: meta fields and the whole window, regardless of the meta state.
+    pub full: bool,
+    /// The `rolled_to` the writer believes is stored (ignored when `full`).
+    pub expect_rolled_to: i64,
+    /// The new `rolled_to` (end of the last slice written).
+    pub new_rolled_to: i64,
+    /// Meta fields to (re)write, if any.
+    pub meta: Option<&'a TaskMeta>,
+    /// Slices to create or change.
+    pub slices: &'a [SliceWrite],
+}
+
+/// What [`roll`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RollOutcome {
+    /// Done; this many slices were created or changed.
+    Written(u64),
+    /// Refused: a newer leader (this term) has written the task.
+    Fenced {
+        /// The term stored in the meta hash.
+        current_term: i64,
+    },
+    /// The meta hash is missing, retired or behind: resend with `full = true`.
+    NeedFull,
+}
+
+/// Outcome of [`retire`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RetireOutcome {
+    /// The meta hash is now a tombstone.
+    Retired,
+    /// Refused: a newer leader has written the task.
+    Fenced {
+        /// The term stored in the meta hash.
+        current_term: i64,
+    },
+}
+
+fn pair(v: Value) -> RedisResult<(i64, i64)> {
+    let (a, b): (i64, i64) = redis::from_redis_value(v)?;
+    Ok((a, b))
+}
+
+/// Runs [`ROLL_LUA`].
+pub async fn roll<C>(conn: &mut C, keys: &Keys, req: &RollRequest<'_>) -> RedisResult<RollOutcome>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let mut inv = ROLL.prepare_invoke();
+    inv.key(keys.meta(req.task));
+    for s in req.slices {
+        inv.key(keys.slice(req.task, s.start_ms));
+    }
+    inv.arg(req.term)
+        .arg(if req.full { 1 } else { 0 })
+        .arg(req.expect_rolled_to)
+        .arg(req.new_rolled_to);
+    match req.meta {
+        Some(meta) => {
+            let pairs = meta.to_pairs();
+            inv.arg(pairs.len());
+            for (k, v) in pairs {
+                inv.arg(k).arg(v);
+            }
+        }
+        None => {
+            inv.arg(0);
+        }
+    }
+    for s in req.slices {
+        inv.arg(s.cap).arg(s.expire_at_ms);
+    }
+    let (status, value) = pair(inv.invoke_async(conn).await?)?;
+    Ok(match status {
+        1 => RollOutcome::Written(value.max(0) as u64),
+        0 => RollOutcome::Fenced {
+            current_term: value,
+        },
+        _ => RollOutcome::NeedFull,
+    })
+}
+
+/// Runs [`RETIRE_LUA`].
+pub async fn retire<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    term: i64,
+    tombstone_ttl_ms: u64,
+) -> RedisResult<RetireOutcome>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let (status, value) = pair(
+        RETIRE
+            .key(keys.meta(task))
+            .arg(term)
+            .arg(tombstone_ttl_ms.max(1))
+            .invoke_async(conn)
+            .await?,
+    )?;
+    Ok(if status == 1 {
+        RetireOutcome::Retired
+    } else {
+        RetireOutcome::Fenced {
+            current_term: value,
+        }
+    })
+}
+
+/// Counters a host adds to a slice hash.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SliceCounters {
+    /// Admitted decisions.
+    pub admitted: u64,
+    /// Rejected decisions.
+    pub rejected: u64,
+    /// Successful outcomes.
+    pub ok: u64,
+    /// Failed outcomes.
+    pub err: u64,
+    /// Sum of latencies (µs).
+    pub lat_sum_us: u64,
+    /// Number of latencies.
+    pub lat_n: u64,
+}
+
+impl SliceCounters {
+    /// The counters in [`super::slice_field::COUNTERS`] order.
+    pub fn as_array(&self) -> [u64; 6] {
+        [
+            self.admitted,
+            self.rejected,
+            self.ok,
+            self.err,
+            self.lat_sum_us,
+            self.lat_n,
+        ]
+    }
+
+    /// True when every counter is zero.
+    pub fn is_zero(&self) -> bool {
+        self.as_array().iter().all(|v| *v == 0)
+    }
+}
+
+/// Reply of [`pull`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PullReply {
+    /// The slice key does not exist.
+    Missing {
+        /// Redis `TIME` in Unix µs.
+        redis_time_us: i64,
+    },
+    /// The slice exists; `granted` may be 0 (exhausted).
+    Granted {
+        /// Permits granted (≤ want, ≤ what remained).
+        granted: u64,
+        /// What remains in the slice after this pull (may be negative).
+        remaining: i64,
+        /// The slice's threshold.
+        cap: u64,
+        /// Redis `TIME` in Unix µs.
+        redis_time_us: i64,
+    },
+}
+
+/// Runs [`PULL_LUA`] on the slice of `task` starting at `slice_start_ms`.
+pub async fn pull<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    slice_start_ms: i64,
+    want: u64,
+    counters: Option<&SliceCounters>,
+) -> RedisResult<PullReply>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let mut inv = PULL.prepare_invoke();
+    inv.key(keys.slice(task, slice_start_ms)).arg(want);
+    if let Some(c) = counters {
+        for v in c.as_array() {
+            inv.arg(v);
+        }
+    }
+    let (granted, remaining, cap, secs, micros): (i64, i64, i64, i64, i64) =
+        redis::from_redis_value(inv.invoke_async(conn).await?)?;
+    let redis_time_us = secs * 1_000_000 + micros;
+    Ok(if granted < 0 {
+        PullReply::Missing { redis_time_us }
+    } else {
+        PullReply::Granted {
+            granted: granted as u64,
+            remaining,
+            cap: cap.max(0) as u64,
+            redis_time_us,
+        }
+    })
+}
+
+/// Runs [`FLUSH_LUA`]: adds counters to the slices of `task` that still exist.
+/// Returns how many slices were updated.
+pub async fn flush<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    batch: &[(i64, SliceCounters)],
+) -> RedisResult<u64>
+where
+    C: redis::aio::ConnectionLike,
+{
+    if batch.is_empty() {
+        return Ok(0);
+    }
+    let mut inv = FLUSH.prepare_invoke();
+    for (start, c) in batch {
+        inv.key(keys.slice(task, *start));
+        for v in c.as_array() {
+            inv.arg(v);
+        }
+    }
+    inv.invoke_async(conn).await
+}
