@@ -219,13 +219,15 @@ impl Session {
     }
 
     /// Stops keep-alives and revokes the lease in the background (deleting our keys at once
-    /// rather than after the TTL); retried for two TTLs in case etcd is briefly unreachable.
+    /// rather than after the TTL). Retried for a while: after an etcd outage the server
+    /// restores leases with a fresh TTL, and revoking ours then lets a new election happen at
+    /// once instead of one TTL later.
     fn abandon(self, client: &Client, ttl: Duration) {
         self.stop.cancel();
         let mut c = client.clone();
         let lease = self.lease;
         tokio::spawn(async move {
-            let until = Instant::now() + ttl * 2;
+            let until = Instant::now() + (ttl * 2).max(Duration::from_secs(60));
             while Instant::now() < until {
                 match etcd("lease revoke", ETCD_TIMEOUT, c.lease_revoke(lease)).await {
                     Ok(_) => return,

@@ -7,6 +7,7 @@
 //!              │                       ├─ Written(n)  remember what was written
 //!              │                       ├─ NeedFull    Redis lost the task (restart, FLUSHALL):
 //!              │                       │              resend meta + whole window, same tick
+//!              │                       ├─ Retired     deleted after the spec we hold: skip
 //!              │                       └─ Fenced      a newer leader exists: step down now
 //!              └─ only what changed: new slices entering the window, and every not-ended
 //!                 slice whose threshold changed (spec version, schedule, dynamic override)
@@ -274,7 +275,7 @@ impl Roller {
             }
             let ttl = (self.cfg.horizon + self.cfg.retention).as_millis() as u64;
             let mut c = conn.clone();
-            match scripts::retire(&mut c, &self.keys, &name, ctx.term(), ttl).await {
+            match scripts::retire(&mut c, &self.keys, &name, ctx.term(), ttl, snap.revision).await {
                 Ok(RetireOutcome::Retired) => {
                     info!(task = name, "task deleted: meta retired");
                     self.state.remove(&name);
@@ -339,6 +340,12 @@ impl Roller {
                     Ok(RollOutcome::NeedFull) => {
                         stats.healed += 1;
                         pending.push((entry, true));
+                    }
+                    Ok(RollOutcome::Retired { revision }) => {
+                        // Deleted (through another replica) after the spec we hold; our watch
+                        // has not delivered the deletion yet. Never resurrect it.
+                        debug!(task = entry.name, revision, "task was deleted; skipping");
+                        self.state.remove(&entry.name);
                     }
                     Ok(RollOutcome::Fenced { current_term }) => {
                         self.metrics.fenced.inc();
@@ -409,6 +416,7 @@ async fn execute(
             full: plan.full && first,
             expect_rolled_to: expect,
             new_rolled_to: rolled_to,
+            spec_version: entry.version,
             meta: (plan.write_meta && first).then_some(&meta),
             slices: chunk,
         };

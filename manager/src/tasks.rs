@@ -207,8 +207,8 @@ impl TaskStore {
         }
     }
 
-    /// Deletes a task; false if it did not exist.
-    pub async fn delete(&self, name: &str) -> Result<bool> {
+    /// Deletes a task; returns the etcd revision of the deletion, or None if it did not exist.
+    pub async fn delete(&self, name: &str) -> Result<Option<i64>> {
         let mut c = self.client.clone();
         let resp = etcd(
             "delete task",
@@ -216,7 +216,7 @@ impl TaskStore {
             c.delete(self.keys.etcd_task(name), None),
         )
         .await?;
-        Ok(resp.deleted() > 0)
+        Ok((resp.deleted() > 0).then(|| resp.header().map_or(0, |h| h.revision())))
     }
 
     async fn load(&self) -> Result<TaskSnapshot> {

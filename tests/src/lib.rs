@@ -348,14 +348,8 @@ impl EtcdServer {
 
 fn wait_healthy_blocking(url: &str, what: &str) {
     let deadline = Instant::now() + START_TIMEOUT;
-    let client = reqwest::blocking::Client::builder()
-        .timeout(Duration::from_millis(500))
-        .build()
-        .expect("http client");
     loop {
-        if let Ok(r) = client.get(url).send()
-            && r.status().is_success()
-        {
+        if http_get_blocking(url).is_some_and(|(status, _)| status == 200) {
             return;
         }
         assert!(
@@ -364,6 +358,28 @@ fn wait_healthy_blocking(url: &str, what: &str) {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A minimal blocking HTTP/1.0 GET on loopback (usable inside or outside a runtime): status
+/// and body, or None when the server cannot be reached.
+pub fn http_get_blocking(url: &str) -> Option<(u16, String)> {
+    use std::io::{Read, Write};
+    let rest = url.strip_prefix("http://")?;
+    let (host, path) = rest
+        .split_once('/')
+        .map_or((rest, "/".to_string()), |(h, p)| (h, format!("/{p}")));
+    let addr: std::net::SocketAddr = host.parse().ok()?;
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(500)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(2))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").ok()?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).ok()?;
+    let status = buf.split_whitespace().nth(1)?.parse().ok()?;
+    let body = buf
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Some((status, body))
 }
 
 /// Settings of one `sluice-manager` replica started by [`Manager::start`].
@@ -420,39 +436,43 @@ impl Manager {
             .args(["--listen", &addr])
             .args(["--namespace", &opts.namespace])
             .args(["--node-id", &opts.node_id])
-            .args(["--lease-ttl", &opts.lease_ttl])
             .args(&opts.extra)
             .env(
                 "RUST_LOG",
                 std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "info".into()),
             );
+        if !opts.extra.iter().any(|a| a == "--lease-ttl") {
+            cmd.args(["--lease-ttl", &opts.lease_ttl]);
+        }
         let log = dir.path().join("manager.log");
         let proc = Proc::spawn(&format!("sluice-manager {}", opts.node_id), cmd, log);
-        let m = Self {
+        let mut m = Self {
             opts,
             addr,
             proc,
             _dir: dir,
         };
-        let http = http();
         let url = m.url("/healthz");
-        wait_until(
-            &format!("{} /healthz", m.opts.node_id),
-            START_TIMEOUT,
-            Duration::from_millis(50),
-            || {
-                let http = http.clone();
-                let url = url.clone();
-                async move {
-                    match http.get(&url).send().await {
-                        Ok(r) if r.status().is_success() => Some(()),
-                        _ => None,
-                    }
-                }
-            },
-        )
-        .await;
-        m
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok(r) = http().get(&url).send().await
+                && r.status().is_success()
+            {
+                return m;
+            }
+            assert!(
+                m.proc.is_running(),
+                "{} exited at start-up:\n{}",
+                m.opts.node_id,
+                m.proc.log()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "{} did not answer /healthz within {START_TIMEOUT:?}",
+                m.opts.node_id
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// `http://<addr><path>`.
@@ -515,6 +535,18 @@ impl Manager {
     pub async fn says_leader(&self) -> bool {
         self.metric("sluice_leader").await == Some(1.0)
     }
+
+    /// Waits (up to 15 s) until this replica says it is the leader.
+    pub async fn wait_leader(&self) {
+        let what = format!("{} to lead", self.opts.node_id);
+        wait_until(
+            &what,
+            Duration::from_secs(15),
+            Duration::from_millis(50),
+            || async { self.says_leader().await.then_some(()) },
+        )
+        .await
+    }
 }
 
 /// Reads `name value` from Prometheus text (an unlabelled sample).
@@ -544,4 +576,150 @@ pub fn redis_conn(url: &str) -> redis::Connection {
     redis::Client::open(url)
         .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(2)))
         .unwrap_or_else(|e| panic!("cannot connect to Redis at {url}: {e}"))
+}
+
+/// Starts `n` replicas named `n0`, `n1`, … on the given servers, each with `extra` flags.
+pub async fn start_replicas(
+    etcd: &str,
+    redis: &str,
+    ns: &str,
+    n: usize,
+    extra: &[&str],
+) -> Vec<Manager> {
+    let mut v = Vec::new();
+    for i in 0..n {
+        let mut o = ManagerOpts::new(etcd, redis, ns, &format!("n{i}"));
+        o.extra = extra.iter().map(|s| s.to_string()).collect();
+        v.push(Manager::start(o).await);
+    }
+    v
+}
+
+/// The leader as replica `m` reports it: `(node_id, term)`; None when there is none or `m`
+/// cannot be reached.
+pub async fn leader_seen_by(m: &Manager) -> Option<(String, i64)> {
+    let v = m.get_json("/api/v1/cluster").await?;
+    let l = v.get("leader")?;
+    Some((
+        l.get("node_id")?.as_str()?.to_string(),
+        l.get("term")?.as_i64()?,
+    ))
+}
+
+/// Waits until every replica in `ms` agrees on one leader; returns its index and term.
+pub async fn wait_for_leader(ms: &[&Manager], timeout: Duration) -> (usize, i64) {
+    wait_until(
+        "an agreed leader",
+        timeout,
+        Duration::from_millis(50),
+        || async {
+            let mut seen = None;
+            for m in ms {
+                let l = leader_seen_by(m).await?;
+                if seen.as_ref().is_some_and(|s| s != &l) {
+                    return None;
+                }
+                seen = Some(l);
+            }
+            let (id, term) = seen?;
+            let idx = ms.iter().position(|m| m.opts.node_id == id)?;
+            // The winner must also know it: it has confirmed its lease.
+            ms[idx].says_leader().await.then_some((idx, term))
+        },
+    )
+    .await
+}
+
+/// Reads `cap` of every slice of `task` starting in `[from_ms, until_ms)`: `(start, cap)`, with
+/// `None` for a missing slice.
+pub fn slice_caps(
+    conn: &mut redis::Connection,
+    ns: &str,
+    task: &str,
+    slice_ms: u64,
+    from_ms: i64,
+    until_ms: i64,
+) -> Vec<(i64, Option<u64>)> {
+    let keys = sluice::protocol::Keys::new(ns).expect("namespace");
+    let starts: Vec<i64> = sluice::protocol::slice::starts(from_ms, until_ms, slice_ms).collect();
+    let mut pipe = redis::pipe();
+    for s in &starts {
+        pipe.hget(keys.slice(task, *s), sluice::protocol::slice_field::CAP);
+    }
+    let caps: Vec<Option<u64>> = pipe.query(conn).expect("read slices");
+    starts.into_iter().zip(caps).collect()
+}
+
+/// Now, Unix ms.
+pub fn now_ms() -> i64 {
+    sluice::protocol::unix_ms()
+}
+
+/// A private Redis Cluster of `n` primaries (no replicas) on free ports.
+#[derive(Debug)]
+pub struct RedisCluster {
+    /// The nodes.
+    pub nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts `n` (≥ 3) cluster-enabled servers, joins them with `redis-cli --cluster create`
+    /// and waits until every node reports `cluster_state:ok`.
+    pub fn start(n: usize) -> Self {
+        let nodes: Vec<RedisServer> = (0..n)
+            .map(|_| {
+                RedisServer::start_with(&[
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-node-timeout",
+                    "2000",
+                ])
+            })
+            .collect();
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|s| format!("127.0.0.1:{}", s.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli (package redis-tools) is needed for the cluster test");
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let deadline = Instant::now() + START_TIMEOUT;
+        for s in &nodes {
+            loop {
+                let mut c = redis_conn(&s.url());
+                let info: String = redis::cmd("CLUSTER")
+                    .arg("INFO")
+                    .query(&mut c)
+                    .unwrap_or_default();
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster did not become ok: {info}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Self { nodes }
+    }
+
+    /// The `--redis` value for the cluster: every node URL, comma-separated.
+    pub fn urls(&self) -> String {
+        self.nodes
+            .iter()
+            .map(RedisServer::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
 }

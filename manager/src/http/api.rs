@@ -206,12 +206,12 @@ async fn put_task(
 
 async fn delete_task(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<StatusCode> {
     check_name(&name)?;
-    if !s.store.delete(&name).await? {
+    let Some(revision) = s.store.delete(&name).await? else {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             format!("no task {name:?}"),
         ));
-    }
+    };
     info!(task = name, "task deleted");
     // The leader retires the meta hash when it sees the delete; do it here too, with the
     // stored term (so the fence is kept), in case there is no leader right now.
@@ -219,7 +219,7 @@ async fn delete_task(State(s): State<AppState>, Path(name): Path<String>) -> Api
         let mut c = s.redis.conn().await?;
         let term: Option<i64> = c.hget(s.keys.meta(&name), meta_field::TERM).await?;
         let ttl = (s.cfg.horizon + s.cfg.retention).as_millis() as u64;
-        scripts::retire(&mut c, &s.keys, &name, term.unwrap_or(0), ttl).await
+        scripts::retire(&mut c, &s.keys, &name, term.unwrap_or(0), ttl, revision).await
     };
     match tokio::time::timeout(std::time::Duration::from_secs(1), retire).await {
         Ok(Ok(_)) => {}

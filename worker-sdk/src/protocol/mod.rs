@@ -399,7 +399,8 @@ pub mod meta_field {
     pub const TERM: &str = "term";
     /// End (exclusive, ms) of the last slice the leader has written.
     pub const ROLLED_TO: &str = "rolled_to";
-    /// Present when the task was deleted (the hash then keeps only the fence).
+    /// Present when the task was deleted: the etcd revision of the deletion (the hash then
+    /// keeps only this and the fence).
     pub const RETIRED: &str = "retired";
 }
 

@@ -20,12 +20,14 @@ use super::{Keys, TaskMeta};
 /// Writes meta and slices of one task, fenced by term.
 ///
 /// `KEYS[1]` meta, `KEYS[2..]` slices. `ARGV`: term, full (0/1), expected `rolled_to`, new
-/// `rolled_to`, number of meta pairs `n`, `2n` meta field/values, then per slice: cap,
-/// expire-at (Unix ms).
+/// `rolled_to`, spec version, number of meta pairs `n`, `2n` meta field/values, then per slice:
+/// cap, expire-at (Unix ms).
 ///
-/// Returns `{1, written}`, `{0, current_term}` (fenced), or `{2, 0}`: the meta hash is missing,
-/// retired or behind the leader's expectation (Redis restarted, flushed, or the task was
-/// retired), so the caller must resend the whole window with `full = 1`.
+/// Returns `{1, written}`, `{0, current_term}` (fenced), `{2, 0}`: the meta hash is missing,
+/// retired or behind the leader's expectation (Redis restarted or flushed), so the caller must
+/// resend the whole window with `full = 1`; or `{3, retired_rev}`: the task was deleted at etcd
+/// revision `retired_rev`, which is not older than the spec version being written — the writer
+/// has not seen the deletion yet and must not resurrect the task.
 ///
 /// A slice that exists with another cap gets `rem += new_cap - old_cap` (consumption is kept);
 /// one with the same cap is left alone, so replays are harmless.
@@ -38,9 +40,11 @@ local full = ARGV[2] == '1'
 if not full then
   if (not cur) or m[3] then return {2, 0} end
   if tonumber(m[2] or '0') < tonumber(ARGV[3]) then return {2, 0} end
+elseif m[3] and tonumber(m[3]) >= tonumber(ARGV[5]) then
+  return {3, tonumber(m[3])}
 end
-local n = tonumber(ARGV[5])
-local i = 6
+local n = tonumber(ARGV[6])
+local i = 7
 if n > 0 then
   local kv = {}
   for j = 0, 2 * n - 1 do kv[#kv + 1] = ARGV[i + j] end
@@ -74,15 +78,17 @@ return {1, written}
 "#;
 
 /// Marks a deleted task: the meta hash is replaced by a tombstone that keeps only the fence
-/// (`term`, `retired`) and expires after `ARGV[2]` ms. Slices are left to expire.
+/// (`term`) and the etcd revision of the deletion (`retired`), and expires after `ARGV[2]` ms.
+/// Slices are left to expire.
 ///
-/// `KEYS[1]` meta. `ARGV`: term, tombstone ttl (ms). Returns `{1, 0}` or `{0, current_term}`.
+/// `KEYS[1]` meta. `ARGV`: term, tombstone ttl (ms), deletion revision.
+/// Returns `{1, 0}` or `{0, current_term}`.
 pub const RETIRE_LUA: &str = r#"
 local term = tonumber(ARGV[1])
 local cur = tonumber(redis.call('HGET', KEYS[1], 'term'))
 if cur and cur > term then return {0, cur} end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'term', term, 'retired', 1)
+redis.call('HSET', KEYS[1], 'term', math.max(term, cur or 0), 'retired', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1, 0}
 "#;
@@ -161,6 +167,8 @@ pub struct RollRequest<'a> {
     pub full: bool,
     /// The `rolled_to` the writer believes is stored (ignored when `full`).
     pub expect_rolled_to: i64,
+    /// The spec version (etcd mod revision) being written.
+    pub spec_version: i64,
     /// The new `rolled_to` (end of the last slice written).
     pub new_rolled_to: i64,
     /// Meta fields to (re)write, if any.
@@ -181,6 +189,11 @@ pub enum RollOutcome {
     },
     /// The meta hash is missing, retired or behind: resend with `full = true`.
     NeedFull,
+    /// The task was deleted (at this etcd revision) after the spec being written: skip it.
+    Retired {
+        /// Revision of the deletion.
+        revision: i64,
+    },
 }
 
 /// Outcome of [`retire`].
@@ -213,7 +226,8 @@ where
     inv.arg(req.term)
         .arg(if req.full { 1 } else { 0 })
         .arg(req.expect_rolled_to)
-        .arg(req.new_rolled_to);
+        .arg(req.new_rolled_to)
+        .arg(req.spec_version);
     match req.meta {
         Some(meta) => {
             let pairs = meta.to_pairs();
@@ -235,6 +249,7 @@ where
         0 => RollOutcome::Fenced {
             current_term: value,
         },
+        3 => RollOutcome::Retired { revision: value },
         _ => RollOutcome::NeedFull,
     })
 }
@@ -246,6 +261,7 @@ pub async fn retire<C>(
     task: &str,
     term: i64,
     tombstone_ttl_ms: u64,
+    deleted_at_revision: i64,
 ) -> RedisResult<RetireOutcome>
 where
     C: redis::aio::ConnectionLike,
@@ -255,6 +271,7 @@ where
             .key(keys.meta(task))
             .arg(term)
             .arg(tombstone_ttl_ms.max(1))
+            .arg(deleted_at_revision)
             .invoke_async(conn)
             .await?,
     )?;

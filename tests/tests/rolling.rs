@@ -1,0 +1,320 @@
+//! Rolling end to end: healing lost Redis data, threshold changes by difference, schedules,
+//! deletion.
+
+use std::time::{Duration, Instant};
+
+use sluice::protocol::conn::{ConnOptions, Redis, RedisTarget};
+use sluice::protocol::scripts::{self, PullReply};
+use sluice::protocol::{Keys, meta_field, slice};
+use sluice_tests::*;
+
+const TICK: Duration = Duration::from_millis(500);
+
+fn all_present(conn: &mut redis::Connection, ns: &str, task: &str) -> bool {
+    let now = now_ms();
+    slice_caps(conn, ns, task, 1000, now, now + 59_000)
+        .iter()
+        .all(|(_, c)| c.is_some())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flushall_and_redis_restart_are_healed_within_one_tick() {
+    let ns = unique_ns("heal");
+    let mut redis_srv = RedisServer::start();
+    let m = Manager::start(ManagerOpts::new(
+        &shared_etcd(),
+        &redis_srv.url(),
+        &ns,
+        "n0",
+    ))
+    .await;
+    m.wait_leader().await;
+    let _ = m.put("/api/v1/tasks/h", r#"{"threshold": 10}"#).await;
+    let mut conn = redis_conn(&redis_srv.url());
+    wait_until(
+        "slices",
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || {
+            let ok = all_present(&mut conn, &ns, "h");
+            async move { ok.then_some(()) }
+        },
+    )
+    .await;
+
+    let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
+    let t0 = Instant::now();
+    wait_until(
+        "healed after FLUSHALL",
+        TICK * 3,
+        Duration::from_millis(10),
+        || {
+            let ok = all_present(&mut conn, &ns, "h");
+            async move { ok.then_some(()) }
+        },
+    )
+    .await;
+    let took = t0.elapsed();
+    eprintln!("FLUSHALL healed in {took:?}");
+    // One tick, plus the tick's own work.
+    assert!(
+        took <= TICK + Duration::from_millis(500),
+        "healing took {took:?}"
+    );
+
+    // A restarted Redis (no persistence) is empty too.
+    redis_srv.kill();
+    redis_srv.restart();
+    let t0 = Instant::now();
+    let mut conn = redis_conn(&redis_srv.url());
+    wait_until(
+        "healed after restart",
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || {
+            let ok = all_present(&mut conn, &ns, "h");
+            async move { ok.then_some(()) }
+        },
+    )
+    .await;
+    eprintln!("Redis restart healed in {:?}", t0.elapsed());
+    assert!(
+        m.says_leader().await,
+        "a Redis outage is not a reason to step down"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_threshold_change_applies_by_difference_and_keeps_consumption() {
+    let ns = unique_ns("diff");
+    let redis_url = shared_redis();
+    let keys = Keys::new(&ns).unwrap();
+    let m = Manager::start(ManagerOpts::new(&shared_etcd(), &redis_url, &ns, "n0")).await;
+    m.wait_leader().await;
+    // Long slices so the current one outlives the test.
+    let (s, _) = m
+        .put(
+            "/api/v1/tasks/d",
+            r#"{"threshold": 1000, "slice_ms": 60000}"#,
+        )
+        .await;
+    assert_eq!(s, 201);
+    let redis = Redis::new(
+        RedisTarget::parse(&redis_url).unwrap(),
+        ConnOptions::default(),
+    );
+    let mut c = redis.conn().await.unwrap();
+    let current = slice::start(now_ms(), 60_000);
+    if slice::end(current, 60_000) - now_ms() < 15_000 {
+        // Too close to the boundary for a stable test: wait for the next slice.
+        tokio::time::sleep(Duration::from_millis(
+            (slice::end(current, 60_000) - now_ms() + 100) as u64,
+        ))
+        .await;
+    }
+    let current = slice::start(now_ms(), 60_000);
+    let granted = wait_until(
+        "slice exists",
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || {
+            let mut c = c.clone();
+            let keys = keys.clone();
+            async move {
+                match scripts::pull(&mut c, &keys, "d", current, 300, None)
+                    .await
+                    .ok()?
+                {
+                    PullReply::Granted { granted, .. } => Some(granted),
+                    PullReply::Missing { .. } => None,
+                }
+            }
+        },
+    )
+    .await;
+    assert_eq!(granted, 300);
+
+    let (s, v) = m
+        .put(
+            "/api/v1/tasks/d",
+            r#"{"threshold": 1500, "slice_ms": 60000}"#,
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    let rem = wait_until(
+        "cap raised",
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || {
+            let mut c = c.clone();
+            let key = keys.slice("d", current);
+            async move {
+                let (cap, rem): (i64, i64) = redis::cmd("HMGET")
+                    .arg(&key)
+                    .arg("cap")
+                    .arg("rem")
+                    .query_async(&mut c)
+                    .await
+                    .ok()?;
+                (cap == 1500).then_some(rem)
+            }
+        },
+    )
+    .await;
+    assert_eq!(rem, 1500 - 300, "consumption is kept across the change");
+
+    // Lowering below what was consumed leaves nothing to grant.
+    let (s, _) = m
+        .put(
+            "/api/v1/tasks/d",
+            r#"{"threshold": 200, "slice_ms": 60000}"#,
+        )
+        .await;
+    assert_eq!(s, 200);
+    wait_until(
+        "cap lowered",
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || {
+            let mut c = c.clone();
+            let key = keys.slice("d", current);
+            async move {
+                let (cap, rem): (i64, i64) = redis::cmd("HMGET")
+                    .arg(&key)
+                    .arg("cap")
+                    .arg("rem")
+                    .query_async(&mut c)
+                    .await
+                    .ok()?;
+                (cap == 200 && rem == -100).then_some(())
+            }
+        },
+    )
+    .await;
+    match scripts::pull(&mut c, &keys, "d", current, 10, None)
+        .await
+        .unwrap()
+    {
+        PullReply::Granted {
+            granted,
+            remaining,
+            cap,
+            ..
+        } => {
+            assert_eq!((granted, remaining, cap), (0, -100, 200));
+        }
+        other => panic!("{other:?}"),
+    }
+    // The status endpoint reports it.
+    let v = m.get_json("/api/v1/tasks/d").await.unwrap();
+    assert_eq!(v["status"]["effective_threshold"], 200);
+    assert_eq!(v["status"]["remaining"], -100);
+    assert_eq!(v["status"]["current_slice_ms"], current);
+    assert!(v["status"]["horizon_until_ms"].as_i64().unwrap() >= now_ms() + 59_000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cron_schedules_set_the_threshold_of_matching_slices() {
+    let ns = unique_ns("cron");
+    let redis_url = shared_redis();
+    let m = Manager::start(ManagerOpts::new(&shared_etcd(), &redis_url, &ns, "n0")).await;
+    m.wait_leader().await;
+    // Even seconds get 20, seconds divisible by 10 get 30 (later entries win), others 10.
+    let (s, v) = m
+        .put(
+            "/api/v1/tasks/c",
+            r#"{"threshold": 10, "schedules": [
+                {"cron": "*/2 * * * * *", "threshold": 20},
+                {"cron": "*/10 * * * * *", "threshold": 30}]}"#,
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let mut conn = redis_conn(&redis_url);
+    let caps = wait_until(
+        "scheduled slices",
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || {
+            let now = now_ms();
+            let caps = slice_caps(&mut conn, &ns, "c", 1000, now, now + 30_000);
+            async move { caps.iter().all(|(_, c)| c.is_some()).then_some(caps) }
+        },
+    )
+    .await;
+    for (start, cap) in caps {
+        let sec = (start / 1000) % 60;
+        let want = if sec % 10 == 0 {
+            30
+        } else if sec % 2 == 0 {
+            20
+        } else {
+            10
+        };
+        assert_eq!(cap, Some(want), "slice {start} (second {sec})");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deleting_a_task_retires_its_meta_but_keeps_the_fence() {
+    let ns = unique_ns("del");
+    let redis_url = shared_redis();
+    let keys = Keys::new(&ns).unwrap();
+    let m = Manager::start(ManagerOpts::new(&shared_etcd(), &redis_url, &ns, "n0")).await;
+    m.wait_leader().await;
+    let term = m.metric("sluice_term").await.unwrap() as i64;
+    let _ = m.put("/api/v1/tasks/x", r#"{"threshold": 10}"#).await;
+    let mut conn = redis_conn(&redis_url);
+    wait_until(
+        "meta",
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || {
+            let t: Option<String> = redis::cmd("HGET")
+                .arg(keys.meta("x"))
+                .arg(meta_field::THRESHOLD)
+                .query(&mut conn)
+                .unwrap();
+            async move { t.map(|_| ()) }
+        },
+    )
+    .await;
+    assert_eq!(m.delete("/api/v1/tasks/x").await, 204);
+    assert_eq!(m.delete("/api/v1/tasks/x").await, 404);
+    assert!(m.get_json("/api/v1/tasks/x").await.is_none());
+    let meta: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(keys.meta("x"))
+        .query(&mut conn)
+        .unwrap();
+    let retired_at: i64 = meta
+        .get("retired")
+        .and_then(|r| r.parse().ok())
+        .unwrap_or(0);
+    assert!(
+        retired_at > 0,
+        "the tombstone records the deletion revision: {meta:?}"
+    );
+    assert_eq!(meta.get("term"), Some(&term.to_string()));
+    assert!(!meta.contains_key("threshold"));
+    let ttl: i64 = redis::cmd("PTTL")
+        .arg(keys.meta("x"))
+        .query(&mut conn)
+        .unwrap();
+    assert!(ttl > 0, "the tombstone expires");
+    // Re-creating the task brings it back.
+    let (s, _) = m.put("/api/v1/tasks/x", r#"{"threshold": 11}"#).await;
+    assert_eq!(s, 201);
+    wait_until(
+        "meta back",
+        Duration::from_secs(5),
+        Duration::from_millis(20),
+        || {
+            let t: Option<String> = redis::cmd("HGET")
+                .arg(keys.meta("x"))
+                .arg(meta_field::THRESHOLD)
+                .query(&mut conn)
+                .unwrap();
+            async move { (t.as_deref() == Some("11")).then_some(()) }
+        },
+    )
+    .await;
+}
