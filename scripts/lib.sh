@@ -43,7 +43,11 @@ sluice_tmp() {
 # cleanup — stops every process this script started (by PID), then removes the temp dir.
 cleanup() {
   local pid
-  for pid in "${SLUICE_PIDS[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for pid in "${SLUICE_PIDS[@]}"; do
+    # Children first (a loop started in a subshell keeps its current child otherwise).
+    pkill -TERM -P "$pid" 2>/dev/null || true
+    kill -TERM "$pid" 2>/dev/null || true
+  done
   for pid in "${SLUICE_PIDS[@]}"; do
     for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     kill -KILL "$pid" 2>/dev/null || true
