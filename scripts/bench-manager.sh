@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Benchmark: one leader rolling N tasks (default 10,000) of 1 s slices.
+# Reports slice writes/s, roll calls/s, Redis commands/s, manager and Redis CPU, the initial
+# fill time, and — measured in the same run on the same Redis — redis-benchmark HSET and
+# EVALSHA throughput as the baseline of what Redis can do.
+#
+#   scripts/bench-manager.sh [TASKS] [SECONDS]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/lib.sh
+source scripts/lib.sh
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+TASKS=${1:-10000}
+SECS=${2:-30}
+ensure_base_packages
+log "building sluice-manager (release)"
+cargo build --release -q -p sluice-manager
+start_etcd
+start_redis
+dir="$(sluice_tmp)"
+port=$(free_port)
+target/release/sluice-manager --etcd "$ETCD_ENDPOINT" --redis "$REDIS_URL" \
+  --listen "127.0.0.1:$port" --node-id bench >"$dir/manager.log" 2>&1 &
+MPID=$!
+SLUICE_PIDS+=($MPID)
+wait_for "manager" 30 curl -sf "http://127.0.0.1:$port/healthz"
+wait_for "leadership" 30 sh -c "curl -sf http://127.0.0.1:$port/metrics | grep -q '^sluice_leader 1'"
+RPORT=${REDIS_URL##*:}
+
+python3 - "$port" "$TASKS" "$SECS" "$MPID" "$RPORT" <<'PY'
+import concurrent.futures, json, os, subprocess, sys, time, urllib.request
+
+port, tasks, secs, mpid, rport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+base = f"http://127.0.0.1:{port}"
+tick = os.sysconf("SC_CLK_TCK")
+
+def metrics():
+    out = {}
+    with urllib.request.urlopen(base + "/metrics", timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            k, v = line.rsplit(" ", 1)
+            try:
+                out[k] = float(v)
+            except ValueError:
+                pass
+    return out
+
+def cpu_seconds(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / tick
+
+def redis_info():
+    out = subprocess.run(["redis-cli", "-p", rport, "info", "all"], capture_output=True, text=True).stdout
+    d = {}
+    for line in out.splitlines():
+        if ":" in line and not line.startswith("#"):
+            k, v = line.split(":", 1)
+            d[k] = v.strip()
+    return d
+
+def put(i):
+    body = json.dumps({"threshold": 1000 + i % 100, "slice_ms": 1000}).encode()
+    req = urllib.request.Request(f"{base}/api/v1/tasks/bench{i}", data=body, method="PUT")
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return r.status
+
+print(f"creating {tasks} tasks through the API ...", file=sys.stderr)
+t0 = time.time()
+with concurrent.futures.ThreadPoolExecutor(16) as ex:
+    statuses = list(ex.map(put, range(tasks)))
+assert all(s in (200, 201) for s in statuses), "some PUTs failed"
+t_created = time.time() - t0
+print(f"  {tasks} PUTs in {t_created:.1f}s ({tasks / t_created:.0f}/s)", file=sys.stderr)
+
+print("waiting for the initial fill (every task 60 s ahead) ...", file=sys.stderr)
+while True:
+    m = metrics()
+    if m.get("sluice_tasks") == tasks and m.get("sluice_horizon_ahead_seconds", 0) >= 59:
+        break
+    if time.time() - t0 > 600:
+        sys.exit("initial fill did not finish within 10 minutes")
+    time.sleep(0.2)
+t_fill = time.time() - t0
+print(f"  filled {t_fill:.1f}s after the first PUT", file=sys.stderr)
+
+time.sleep(2)
+m0, c0, r0, w0 = metrics(), cpu_seconds(mpid), redis_info(), time.time()
+print(f"measuring steady state for {secs}s ...", file=sys.stderr)
+time.sleep(secs)
+m1, c1, r1, w1 = metrics(), cpu_seconds(mpid), redis_info(), time.time()
+el = w1 - w0
+def rate(k): return (m1.get(k, 0) - m0.get(k, 0)) / el
+cmds = (int(r1["total_commands_processed"]) - int(r0["total_commands_processed"])) / el
+rcpu = (float(r1["used_cpu_sys"]) + float(r1["used_cpu_user"]) - float(r0["used_cpu_sys"]) - float(r0["used_cpu_user"])) / el
+ticks = m1["sluice_roll_tick_seconds_count"] - m0["sluice_roll_tick_seconds_count"]
+tick_ms = 1000 * (m1["sluice_roll_tick_seconds_sum"] - m0["sluice_roll_tick_seconds_sum"]) / max(ticks, 1)
+mem = int(r1["used_memory"]) / 2**20
+keys = subprocess.run(["redis-cli", "-p", rport, "dbsize"], capture_output=True, text=True).stdout.strip()
+
+def bench(args):
+    out = subprocess.run(["redis-benchmark", "-p", rport, "-q", "-c", "50"] + args, capture_output=True, text=True).stdout
+    for line in out.replace("\r", "\n").splitlines():
+        if "requests per second" in line:
+            return float(line.split(":")[1].split()[0])
+    return float("nan")
+hset = bench(["-n", "200000", "-t", "hset"])
+evalsha_script = "redis.call('HINCRBY', KEYS[1], 'rem', -1) return 1"
+sha = subprocess.run(["redis-cli", "-p", rport, "script", "load", evalsha_script], capture_output=True, text=True).stdout.strip()
+evalsha = bench(["-n", "200000", "evalsha", sha, "1", "bench:{x}:s"])
+
+print(f"""
+| measure ({tasks:,} tasks, 1 s slices, horizon 60 s, tick 500 ms) | value |
+|---|---|
+| initial fill (create {tasks:,} tasks through the API, then every task 60 s ahead) | {t_fill:.1f} s ({tasks / t_created:.0f} PUT/s) |
+| slice writes per second (steady) | {rate('sluice_slices_written_total'):,.0f} |
+| roll script calls per second | {rate('sluice_roll_calls_total'):,.0f} |
+| Redis commands per second (all, incl. inside scripts) | {cmds:,.0f} |
+| one rolling pass over all tasks (mean) | {tick_ms:.0f} ms |
+| manager CPU | {100 * (c1 - c0) / el:.0f} % of one core |
+| Redis CPU | {100 * rcpu:.0f} % of one core |
+| Redis memory, keys | {mem:,.0f} MiB, {int(keys):,} keys |
+| roll errors during the run | {m1.get('sluice_roll_errors_total', 0):.0f} |
+| baseline, same Redis: redis-benchmark HSET (50 clients) | {hset:,.0f} req/s |
+| baseline, same Redis: redis-benchmark EVALSHA of a one-HINCRBY script | {evalsha:,.0f} req/s |
+""")
+PY
