@@ -3,10 +3,42 @@
 //! One global rate limit for a service that runs on many hosts, decided locally in
 //! nanoseconds. See `docs/sdk.md` for a tour.
 //!
+//! ```no_run
+//! let client = sluice::Client::new(sluice::Config::new("redis://127.0.0.1:6379"))?;
+//! let task = client.task("checkout")?;
+//! if task.try_acquire(1).is_allowed() {
+//!     // do the work, then say how it went
+//!     task.report(sluice::Outcome::Ok, std::time::Duration::from_millis(3));
+//! }
+//! # Ok::<(), sluice::Error>(())
+//! ```
+//!
 //! # Layout
 //!
 //! * [`protocol`]: the wire contract with the manager: key names, Lua scripts, slice maths and
 //!   the Redis connection type. Nothing else builds a key.
+//! * [`shm`]: the host-shared memory segment: layout, the packed quota word, the pull lock.
+//! * [`client`]: the public API ([`Client`], [`Task`], [`Decision`]).
+//! * [`state`]: the NORMAL / LIMITED / FAILED state machine (pure).
+//! * [`pull`]: pull sizing and prefetch policy (pure).
+//! * [`limiter`]: local limiters for FAILED and mode `local` (pure algorithms).
+//! * [`health`]: outcome reporting.
+//! * [`layer`]: a tower layer answering 429 with `Retry-After`.
+//! * `background` (private): the client's thread that talks to Redis.
+//! * [`clock`]: the host clock read on the decision path.
 #![warn(missing_docs)]
 
+mod background;
+pub mod client;
+pub mod clock;
+pub mod health;
+pub mod layer;
+pub mod limiter;
 pub mod protocol;
+pub mod pull;
+pub mod shm;
+pub mod state;
+
+pub use client::{ClockSource, Client, Config, Decision, Error, Task};
+pub use health::Outcome;
+pub use state::HostState;

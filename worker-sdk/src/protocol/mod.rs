@@ -11,6 +11,8 @@
 //!  NS:{T}:s:<start_ms>      hash   cap, rem, term, adm, rej, ok, err, lat_sum_us, lat_n
 //!  NS:hosts                 hash   host id -> JSON {offset_ms, rtt_ms, seen_ms, sdk}
 //!  NS:alerts                stream alert feed (capped)
+//!  NS:alerts:state          hash   open alert episodes (leader)
+//!  NS:alerts:sent           zset   webhook deliveries (leader)
 //!
 //!  time ──────────────────────────────────────────────────────────────▶
 //!        │ s:1000 │ s:2000 │ s:3000 │ s:4000 │ ... │ s:61000 │
@@ -170,6 +172,18 @@ impl Keys {
     /// `NS:alerts`: the alert stream.
     pub fn alerts(&self) -> String {
         format!("{}:alerts", self.ns)
+    }
+
+    /// `NS:alerts:state`: hash of open alert episodes (`task:<T>` / `host:<H>` → JSON), so a new
+    /// leader continues an episode instead of alerting again.
+    pub fn alert_state(&self) -> String {
+        format!("{}:alerts:state", self.ns)
+    }
+
+    /// `NS:alerts:sent`: sorted set of webhook deliveries (`<alert id> <url>`, score = when), so
+    /// a new leader delivers what is pending and never resends what was delivered.
+    pub fn alerts_sent(&self) -> String {
+        format!("{}:alerts:sent", self.ns)
     }
 
     /// `/NS/election`: the etcd election name.

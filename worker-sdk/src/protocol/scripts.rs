@@ -140,7 +140,30 @@ end
 return n
 "#;
 
+/// Records a dynamic-limiting decision, fenced like [`ROLL_LUA`]: the controller state and the
+/// adjustment log of a task can only be written by the current leader.
+///
+/// `KEYS[1]` meta, `KEYS[2]` `NS:{T}:dyn` (hash), `KEYS[3]` `NS:{T}:adj` (list, newest first).
+/// `ARGV`: term, keep (log length), adjustment JSON ('' = none), then state field/value pairs.
+/// Returns `{1, 0}` or `{0, current_term}`.
+pub const ADJUST_LUA: &str = r#"
+local term = tonumber(ARGV[1])
+local cur = tonumber(redis.call('HGET', KEYS[1], 'term'))
+if cur and cur > term then return {0, cur} end
+if #ARGV > 3 then
+  local kv = {}
+  for j = 4, #ARGV do kv[#kv + 1] = ARGV[j] end
+  redis.call('HSET', KEYS[2], unpack(kv))
+end
+if ARGV[3] ~= '' then
+  redis.call('LPUSH', KEYS[3], ARGV[3])
+  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[2]) - 1)
+end
+return {1, 0}
+"#;
+
 static ROLL: LazyLock<Script> = LazyLock::new(|| Script::new(ROLL_LUA));
+static ADJUST: LazyLock<Script> = LazyLock::new(|| Script::new(ADJUST_LUA));
 static RETIRE: LazyLock<Script> = LazyLock::new(|| Script::new(RETIRE_LUA));
 static PULL: LazyLock<Script> = LazyLock::new(|| Script::new(PULL_LUA));
 static FLUSH: LazyLock<Script> = LazyLock::new(|| Script::new(FLUSH_LUA));
@@ -397,4 +420,33 @@ where
         }
     }
     inv.invoke_async(conn).await
+}
+
+/// Runs [`ADJUST_LUA`]: stores controller `state` (field/value pairs) and, if given, appends one
+/// adjustment (JSON) to the task's log, keeping the newest `keep`. Returns `Err(current_term)`
+/// when fenced.
+pub async fn adjust<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    term: i64,
+    state: &[(&str, String)],
+    adjustment: Option<&str>,
+    keep: usize,
+) -> RedisResult<Result<(), i64>>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let mut inv = ADJUST.prepare_invoke();
+    inv.key(keys.meta(task))
+        .key(keys.dynamic_state(task))
+        .key(keys.adjustments(task))
+        .arg(term)
+        .arg(keep.max(1))
+        .arg(adjustment.unwrap_or(""));
+    for (k, v) in state {
+        inv.arg(*k).arg(v);
+    }
+    let (status, value) = pair(inv.invoke_async(conn).await?)?;
+    Ok(if status == 1 { Ok(()) } else { Err(value) })
 }

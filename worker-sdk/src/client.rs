@@ -1,0 +1,664 @@
+//! The public API: [`Client`], [`Task`], [`Decision`].
+//!
+//! ```text
+//!   business thread                         background thread (one per Client)
+//!   ───────────────                         ─────────────────────────────────
+//!   task.try_acquire(n)                     loop every ≤10 ms or when poked:
+//!     1 load meta word   ─┐                   refresh meta (host-wide, ~1/s)
+//!     2 CAS quota word    │ shared memory     pull when below low water / prefetch the
+//!     3 below low water?  │ (/dev/shm)          next slice (under the host's pull lock)
+//!       → poke ───────────┼──────────────▶    probe while FAILED
+//!   → Decision           ─┘                   flush counters, report the host (rate-limited)
+//! ```
+//!
+//! The decision path never touches the network, never allocates, never blocks and never
+//! panics; everything that talks to Redis runs on the client's own thread and runtime.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Notify;
+
+use crate::health::{self, Outcome};
+use crate::limiter::{self, Params, Verdict};
+use crate::protocol::conn::{ConnOptions, Redis, RedisTarget};
+use crate::protocol::{Keys, Mode, NameError, OnFailure, TaskMeta, validate_task_name};
+use crate::shm::{FastMeta, Opened, Segment, SegmentError, Slot, field, unpack_quota};
+use crate::state::{Health, HostState, Machine, view};
+
+/// Which clock slices follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ClockSource {
+    /// The host clock (kept in step by NTP), as in the seed. Default.
+    #[default]
+    Host,
+    /// Redis `TIME`: the host clock minus the offset measured on every pull (bounded by half
+    /// the round trip). For hosts whose clocks cannot be trusted.
+    Redis,
+}
+
+/// Client settings. [`Config::new`] gives the defaults; every field is public.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// One Redis URL, or a comma-separated list of Redis Cluster seed nodes.
+    pub redis: String,
+    /// Namespace (default `sluice`).
+    pub namespace: String,
+    /// This host's id: names the shared segment and the entry in `NS:hosts` (default: the
+    /// hostname).
+    pub host_id: String,
+    /// Directory of the shared segment (default `/dev/shm`).
+    pub shm_dir: PathBuf,
+    /// Task slots of a newly created segment.
+    pub max_tasks: u32,
+    /// Bound on one Redis call (a pull that takes longer makes the task FAILED).
+    pub pull_timeout: Duration,
+    /// Bound on connecting to Redis.
+    pub connect_timeout: Duration,
+    /// Time between probes while FAILED (default 5 s).
+    pub probe_interval: Duration,
+    /// How often the task meta is re-read (host-wide; default 1 s).
+    pub meta_refresh: Duration,
+    /// How often counters are flushed into the slice hashes (host-wide; default 1 s).
+    pub flush_interval: Duration,
+    /// How often this host writes its entry in `NS:hosts` (host-wide; default 10 s).
+    pub host_report_interval: Duration,
+    /// A pull lock held longer than this is taken over even if its holder lives.
+    pub lock_timeout: Duration,
+    /// Longest wait of [`Task::acquire`] / [`Task::acquire_blocking`] for a refill.
+    pub acquire_timeout: Duration,
+    /// Which clock slices follow.
+    pub clock: ClockSource,
+    /// What to answer for a task whose meta is not known yet (never read by any process of
+    /// this host): `true` (default) admits ([`Decision::FallbackAllowed`]), `false` rejects.
+    pub allow_unknown: bool,
+}
+
+impl Config {
+    /// Defaults for the Redis at `redis`.
+    pub fn new(redis: impl Into<String>) -> Self {
+        Self {
+            redis: redis.into(),
+            namespace: crate::protocol::DEFAULT_NAMESPACE.to_string(),
+            host_id: gethostname::gethostname().to_string_lossy().into_owned(),
+            shm_dir: PathBuf::from("/dev/shm"),
+            max_tasks: crate::shm::DEFAULT_SLOTS,
+            pull_timeout: Duration::from_secs(1),
+            connect_timeout: Duration::from_secs(1),
+            probe_interval: Duration::from_secs(5),
+            meta_refresh: Duration::from_secs(1),
+            flush_interval: Duration::from_secs(1),
+            host_report_interval: Duration::from_secs(10),
+            lock_timeout: Duration::from_secs(3),
+            acquire_timeout: Duration::from_secs(1),
+            clock: ClockSource::Host,
+            allow_unknown: true,
+        }
+    }
+}
+
+/// Why a client or task could not be created.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A bad task name or namespace.
+    #[error(transparent)]
+    Name(#[from] NameError),
+    /// The Redis address does not parse.
+    #[error("Redis address: {0}")]
+    Redis(String),
+    /// The shared segment could not be opened.
+    #[error(transparent)]
+    Segment(#[from] SegmentError),
+    /// Every slot of the segment is taken.
+    #[error("shared segment {path} has no free slot for task {task:?}")]
+    SegmentFull {
+        /// The segment.
+        path: PathBuf,
+        /// The task.
+        task: String,
+    },
+    /// The background thread could not be started.
+    #[error("cannot start the background thread: {0}")]
+    Spawn(#[source] std::io::Error),
+}
+
+/// The answer to "may I do `n` units of work now?".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Admitted from the global quota.
+    Allowed,
+    /// Rejected: the global quota of this slice is spent (LIMITED), or a refill is on its way
+    /// (then `retry_after` is short; [`Task::acquire`] waits for it instead).
+    Limited {
+        /// When a retry may succeed.
+        retry_after: Duration,
+    },
+    /// Admitted without the global quota: the task is FAILED (or exact, or not known yet) and
+    /// its `on_failure` policy admitted it.
+    FallbackAllowed,
+    /// Rejected by the `on_failure` policy while FAILED.
+    FallbackDenied {
+        /// When a retry may succeed.
+        retry_after: Duration,
+    },
+}
+
+impl Decision {
+    /// True when the work may proceed.
+    #[inline]
+    pub fn is_allowed(&self) -> bool {
+        matches!(self, Decision::Allowed | Decision::FallbackAllowed)
+    }
+
+    /// True when the global quota did not decide (FAILED, unknown task).
+    pub fn is_fallback(&self) -> bool {
+        matches!(
+            self,
+            Decision::FallbackAllowed | Decision::FallbackDenied { .. }
+        )
+    }
+
+    /// When a rejected caller may retry.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            Decision::Limited { retry_after } | Decision::FallbackDenied { retry_after } => {
+                Some(*retry_after)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Retry hint while a refill is in flight.
+const PENDING_RETRY: Duration = Duration::from_millis(1);
+
+pub(crate) enum Step {
+    Decided(Decision),
+    Pending,
+}
+
+pub(crate) struct Shared {
+    pub(crate) cfg: Config,
+    pub(crate) keys: Keys,
+    pub(crate) seg: Segment,
+    pub(crate) redis: Redis,
+    pub(crate) tasks: Mutex<Vec<Arc<TaskInner>>>,
+    pub(crate) wake: Notify,
+    pub(crate) redis_calls: AtomicU64,
+    pub(crate) pid: u32,
+    pub(crate) machine: Machine,
+    pub(crate) stop: AtomicBool,
+}
+
+impl Shared {
+    #[inline]
+    pub(crate) fn now_us(&self) -> i64 {
+        let h = crate::clock::host_us();
+        match self.cfg.clock {
+            ClockSource::Host => h,
+            ClockSource::Redis => {
+                h - self
+                    .seg
+                    .header()
+                    .clock_offset_us
+                    .load(Ordering::Relaxed)
+            }
+        }
+    }
+}
+
+pub(crate) struct TaskInner {
+    pub(crate) name: String,
+    pub(crate) slot: usize,
+    /// Full index of the slice the last decision fell in (saves a division per decision).
+    index_cache: AtomicU64,
+    pub(crate) poked: AtomicBool,
+    pub(crate) deposited: Notify,
+    pub(crate) waiters: AtomicUsize,
+}
+
+struct Guard {
+    shared: Arc<Shared>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.wake.notify_one();
+        if let Some(h) = self.thread.lock().ok().and_then(|mut t| t.take()) {
+            let _ = h.join();
+        }
+    }
+}
+
+/// A connection to Sluice for this process: the host segment, one Redis connection, and the
+/// background thread. Cheap to clone; the thread stops (after a last flush) when the last
+/// `Client` and [`Task`] are dropped.
+#[derive(Clone)]
+pub struct Client {
+    shared: Arc<Shared>,
+    guard: Arc<Guard>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client")
+            .field("namespace", &self.shared.cfg.namespace)
+            .field("host_id", &self.shared.cfg.host_id)
+            .field("segment", &self.shared.seg.path())
+            .finish()
+    }
+}
+
+impl Client {
+    /// Opens the host segment (creating or replacing it when needed) and starts the
+    /// background thread. Does not wait for Redis: a client starts while Redis is down.
+    pub fn new(cfg: Config) -> Result<Self, Error> {
+        let keys = Keys::new(&cfg.namespace)?;
+        let target = RedisTarget::parse(&cfg.redis).map_err(Error::Redis)?;
+        let path = Segment::path_for(&cfg.shm_dir, &cfg.namespace, &cfg.host_id);
+        let (seg, opened) = Segment::open(&path, cfg.max_tasks)?;
+        match &opened {
+            Opened::Existing => tracing::debug!(path = %path.display(), "joined host segment"),
+            Opened::Created => tracing::info!(path = %path.display(), "created host segment"),
+            Opened::Replaced(why) => {
+                tracing::warn!(path = %path.display(), reason = %why, "replaced host segment")
+            }
+        }
+        let redis = Redis::new(
+            target,
+            ConnOptions {
+                connect_timeout: cfg.connect_timeout,
+                response_timeout: cfg.pull_timeout,
+            },
+        );
+        let shared = Arc::new(Shared {
+            machine: Machine {
+                probe_interval_ms: cfg.probe_interval.as_millis().max(1) as i64,
+            },
+            cfg,
+            keys,
+            seg,
+            redis,
+            tasks: Mutex::new(Vec::new()),
+            wake: Notify::new(),
+            redis_calls: AtomicU64::new(0),
+            pid: std::process::id(),
+            stop: AtomicBool::new(false),
+        });
+        let thread = crate::background::spawn(shared.clone()).map_err(Error::Spawn)?;
+        Ok(Self {
+            guard: Arc::new(Guard {
+                shared: shared.clone(),
+                thread: Mutex::new(Some(thread)),
+            }),
+            shared,
+        })
+    }
+
+    /// A handle to task `name` (its slot in the host segment is claimed on first use).
+    pub fn task(&self, name: &str) -> Result<Task, Error> {
+        validate_task_name(name)?;
+        let mut tasks = self
+            .shared
+            .tasks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        let inner = match tasks.iter().find(|t| t.name == name) {
+            Some(t) => t.clone(),
+            None => {
+                let lock_ms = self.shared.cfg.lock_timeout.as_millis() as u64;
+                let slot =
+                    self.shared
+                        .seg
+                        .find_or_claim(name, lock_ms)
+                        .ok_or_else(|| Error::SegmentFull {
+                            path: self.shared.seg.path().to_path_buf(),
+                            task: name.to_string(),
+                        })?;
+                let t = Arc::new(TaskInner {
+                    name: name.to_string(),
+                    slot,
+                    index_cache: AtomicU64::new(0),
+                    poked: AtomicBool::new(false),
+                    deposited: Notify::new(),
+                    waiters: AtomicUsize::new(0),
+                });
+                tasks.push(t.clone());
+                t
+            }
+        };
+        drop(tasks);
+        self.shared.wake.notify_one();
+        Ok(Task {
+            inner,
+            shared: self.shared.clone(),
+            _guard: self.guard.clone(),
+        })
+    }
+
+    /// Redis calls this process has made (pulls, probes, flushes, meta reads, host reports).
+    pub fn redis_calls(&self) -> u64 {
+        self.shared.redis_calls.load(Ordering::Relaxed)
+    }
+
+    /// The host segment's file.
+    pub fn segment_path(&self) -> &std::path::Path {
+        self.shared.seg.path()
+    }
+
+    /// This host's clock minus Redis `TIME` (best recent measurement) and its round trip;
+    /// `None` before the first pull.
+    pub fn clock_offset(&self) -> Option<(Duration, bool, Duration)> {
+        let h = self.shared.seg.header();
+        let rtt = h.clock_rtt_us.load(Ordering::Relaxed);
+        if rtt <= 0 {
+            return None;
+        }
+        let off = h.clock_offset_us.load(Ordering::Relaxed);
+        Some((
+            Duration::from_micros(off.unsigned_abs()),
+            off >= 0,
+            Duration::from_micros(rtt as u64),
+        ))
+    }
+}
+
+/// A handle to one task. Cheap to clone and share between threads.
+#[derive(Clone)]
+pub struct Task {
+    inner: Arc<TaskInner>,
+    shared: Arc<Shared>,
+    _guard: Arc<Guard>,
+}
+
+impl std::fmt::Debug for Task {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Task")
+            .field("name", &self.inner.name)
+            .field("state", &self.state())
+            .finish()
+    }
+}
+
+impl Task {
+    /// The task's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Now on the clock slices follow (Unix µs).
+    #[inline]
+    pub fn now_us(&self) -> i64 {
+        self.shared.now_us()
+    }
+
+    /// Decides `n` permits now, from the host's local quota. Never waits.
+    #[inline]
+    pub fn try_acquire(&self, n: u64) -> Decision {
+        self.try_acquire_at(n, self.shared.now_us())
+    }
+
+    /// Decides `n` permits as of `now_us` (Unix µs on [`Task::now_us`]'s clock). For callers
+    /// that must know which slice a decision was charged to (load generators, tests); the
+    /// quota of a slice is only ever spent by decisions that fall in it.
+    #[inline]
+    pub fn try_acquire_at(&self, n: u64, now_us: i64) -> Decision {
+        match self.decide(n, now_us) {
+            Step::Decided(d) => d,
+            Step::Pending => Decision::Limited {
+                retry_after: PENDING_RETRY,
+            },
+        }
+    }
+
+    /// Like [`Task::try_acquire`], but when the local quota is being refilled, waits for the
+    /// refill (at most [`Config::acquire_timeout`]). Works on any executor (it is woken by the
+    /// client's background thread, not by a timer of the caller's runtime).
+    pub async fn acquire(&self, n: u64) -> Decision {
+        let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
+        loop {
+            let notified = self.inner.deposited.notified();
+            match self.decide(n, self.shared.now_us()) {
+                Step::Decided(d) => return d,
+                Step::Pending if Instant::now() >= deadline => {
+                    return Decision::Limited {
+                        retry_after: PENDING_RETRY,
+                    };
+                }
+                Step::Pending => {
+                    self.inner.waiters.fetch_add(1, Ordering::AcqRel);
+                    self.shared.wake.notify_one();
+                    notified.await;
+                    self.inner.waiters.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+        }
+    }
+
+    /// [`Task::acquire`] for programs without an async runtime: sleeps in short steps.
+    pub fn acquire_blocking(&self, n: u64) -> Decision {
+        let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
+        loop {
+            match self.decide(n, self.shared.now_us()) {
+                Step::Decided(d) => return d,
+                Step::Pending if Instant::now() >= deadline => {
+                    return Decision::Limited {
+                        retry_after: PENDING_RETRY,
+                    };
+                }
+                Step::Pending => std::thread::sleep(Duration::from_micros(200)),
+            }
+        }
+    }
+
+    /// Reports how admitted work ended, for the slice's health counters.
+    pub fn report(&self, outcome: Outcome, latency: Duration) {
+        let Some(slot) = self.slot() else { return };
+        let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
+            return;
+        };
+        let index = self.index(self.shared.now_us(), m.slice_ms * 1_000);
+        health::record(slot, index, outcome, latency);
+    }
+
+    /// The task's state on this host now.
+    pub fn state(&self) -> HostState {
+        let Some(slot) = self.slot() else {
+            return HostState::Unknown;
+        };
+        let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
+            return HostState::Unknown;
+        };
+        let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
+        let index = self.index(self.shared.now_us(), m.slice_ms * 1_000);
+        let tag = index as u32;
+        view(health, slot.entry(tag).word.load(Ordering::Acquire), tag)
+    }
+
+    /// The last known meta (from this host's segment), if any.
+    pub fn meta(&self) -> Option<TaskMeta> {
+        self.slot()?.meta()
+    }
+
+    /// Waits (blocking, polling) until the task's meta is known, at most `timeout`.
+    pub fn wait_ready(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.meta().is_some() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            self.shared.wake.notify_one();
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    #[inline]
+    fn slot(&self) -> Option<&Slot> {
+        self.shared.seg.slot(self.inner.slot)
+    }
+
+    /// Full slice index of `now_us`, from a cache when the slice has not changed.
+    #[inline]
+    fn index(&self, now_us: i64, slice_us: u64) -> u64 {
+        let cached = self.inner.index_cache.load(Ordering::Relaxed);
+        let start = cached.wrapping_mul(slice_us) as i64;
+        if now_us >= start && now_us < start.wrapping_add(slice_us as i64) {
+            return cached;
+        }
+        let index = now_us.max(0) as u64 / slice_us.max(1);
+        self.inner.index_cache.store(index, Ordering::Relaxed);
+        index
+    }
+
+    #[inline]
+    fn decide(&self, n: u64, now_us: i64) -> Step {
+        if n == 0 {
+            return Step::Decided(Decision::Allowed);
+        }
+        let Some(slot) = self.slot() else {
+            return Step::Decided(self.unknown());
+        };
+        let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
+            self.poke();
+            return Step::Decided(self.unknown());
+        };
+        let slice_us = m.slice_ms * 1_000;
+        let index = self.index(now_us, slice_us);
+        match m.mode {
+            Mode::Pooled => self.pooled(slot, &m, index, n, now_us),
+            Mode::Local => {
+                let d = match self.local(slot, &m, n, now_us) {
+                    Verdict::Admit => Decision::Allowed,
+                    Verdict::Deny { retry_after_us } => Decision::Limited {
+                        retry_after: Duration::from_micros(retry_after_us),
+                    },
+                };
+                self.count(slot, index, n, d.is_allowed());
+                Step::Decided(d)
+            }
+            // Exact modes need a Redis round trip per decision, which the synchronous path
+            // cannot wait for: it answers as FAILED would.
+            Mode::ExactFixed | Mode::ExactSliding => {
+                Step::Decided(self.fallback(slot, &m, index, n, now_us))
+            }
+        }
+    }
+
+    #[inline]
+    fn pooled(&self, slot: &Slot, m: &FastMeta, index: u64, n: u64, now_us: i64) -> Step {
+        let tag = index as u32;
+        let e = slot.entry(tag);
+        let mut q = e.word.load(Ordering::Acquire);
+        loop {
+            let (t, _, c) = unpack_quota(q);
+            if t != tag || (c as u64) < n {
+                break;
+            }
+            match e
+                .word
+                .compare_exchange_weak(q, q - n, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    if c as u64 - n < e.low_water.load(Ordering::Relaxed) {
+                        self.want(slot, index, n);
+                    }
+                    return Step::Decided(Decision::Allowed);
+                }
+                Err(x) => q = x,
+            }
+        }
+        // Not enough local quota for this slice.
+        if let Health::Failed { .. } = Health::decode(slot.ctl.state.load(Ordering::Acquire)) {
+            return Step::Decided(self.fallback(slot, m, index, n, now_us));
+        }
+        let (t, exhausted, _) = unpack_quota(q);
+        let slice_us = m.slice_ms * 1_000;
+        if (t == tag && exhausted) || n > crate::shm::MAX_COUNT as u64 {
+            slot.count(index, field::REJECTED, n);
+            let end = (index + 1).saturating_mul(slice_us) as i64;
+            return Step::Decided(Decision::Limited {
+                retry_after: Duration::from_micros((end - now_us).max(1) as u64),
+            });
+        }
+        slot.count(index, field::REJECTED, n);
+        self.want(slot, index, n);
+        Step::Pending
+    }
+
+    fn local(&self, slot: &Slot, m: &FastMeta, n: u64, now_us: i64) -> Verdict {
+        let p = Params {
+            limit: slot.meta.local_limit.load(Ordering::Relaxed),
+            window_us: m.slice_ms * 1_000,
+            burst: slot.meta.burst.load(Ordering::Relaxed),
+        };
+        limiter::decide_shared(slot, m.algorithm, &p, now_us, n)
+    }
+
+    fn fallback(&self, slot: &Slot, m: &FastMeta, index: u64, n: u64, now_us: i64) -> Decision {
+        let d = match m.on_failure {
+            OnFailure::Allow => Decision::FallbackAllowed,
+            OnFailure::Deny => {
+                let next = slot.ctl.next_probe_ms.load(Ordering::Relaxed) * 1_000;
+                Decision::FallbackDenied {
+                    retry_after: Duration::from_micros((next - now_us).max(1_000) as u64),
+                }
+            }
+            OnFailure::Local => match self.local(slot, m, n, now_us) {
+                Verdict::Admit => Decision::FallbackAllowed,
+                Verdict::Deny { retry_after_us } => Decision::FallbackDenied {
+                    retry_after: Duration::from_micros(retry_after_us),
+                },
+            },
+        };
+        self.count(slot, index, n, d.is_allowed());
+        d
+    }
+
+    fn count(&self, slot: &Slot, index: u64, n: u64, admitted: bool) {
+        let f = if admitted {
+            field::ADMITTED
+        } else {
+            field::REJECTED
+        };
+        slot.count(index, f, n);
+    }
+
+    fn unknown(&self) -> Decision {
+        if self.shared.cfg.allow_unknown {
+            Decision::FallbackAllowed
+        } else {
+            Decision::FallbackDenied {
+                retry_after: Duration::from_millis(100),
+            }
+        }
+    }
+
+    /// Asks the background thread for quota of slice `index`.
+    #[inline]
+    fn want(&self, slot: &Slot, index: u64, n: u64) {
+        let w = index + 1;
+        if slot.ctl.want.load(Ordering::Relaxed) != w {
+            slot.ctl.want.store(w, Ordering::Relaxed);
+        }
+        if slot.ctl.max_n.load(Ordering::Relaxed) < n {
+            slot.ctl.max_n.fetch_max(n, Ordering::Relaxed);
+        }
+        self.poke();
+    }
+
+    #[inline]
+    fn poke(&self) {
+        if !self.inner.poked.load(Ordering::Relaxed) && !self.inner.poked.swap(true, Ordering::AcqRel)
+        {
+            self.shared.wake.notify_one();
+        }
+    }
+}

@@ -1,0 +1,196 @@
+//! How much quota to pull, and when (pure).
+//!
+//! The seed pulls `host threshold / 50` per call ("单机阈值与拉取值的比值为50"). Sluice does not
+//! know the host's share of the threshold up front, so it estimates it from what this host
+//! actually consumed, and sizes every pull from that estimate:
+//!
+//! ```text
+//!  share    = min(cap, max(demand in the last slice, consumption so far projected to the
+//!                          whole slice))            (first slice ever: cap)
+//!  chunk    = share / PULLS_PER_SLICE               (~25 pulls per slice at a steady share)
+//!  chunk   ≥ rate × 4 round trips                   (a chunk outlives the pull that refills it)
+//!  chunk   ≤ rate × time left in the slice × 1.25   (little is stranded at the slice's end)
+//!  chunk   ≥ the largest n asked for; a task's fixed `pull` replaces all of this
+//!  low water = min(chunk / 2, rate × (2 round trips + 2 ms))
+//! ```
+//!
+//! When the local quota falls below the low-water mark a decision pokes the background puller,
+//! so under steady load the refill lands before the quota runs out. Near a slice's end the
+//! next slice's first chunk is prefetched ([`prefetch_lead_ms`]), so the first decisions of a
+//! slice do not wait either.
+//!
+//! With 25 pulls per slice per host, a task shared evenly by `h` hosts costs about `25·h`
+//! pulls per `threshold` admitted: 0.025 calls per admitted decision at 2,000/s over 2 hosts,
+//! half of the seed's 0.05, and less when demand exceeds the threshold (the slice is spent in
+//! fewer, rate-sized chunks). `docs/sdk.md` has the measured numbers.
+
+/// Target pulls per slice for a host consuming its share at a steady rate.
+pub const PULLS_PER_SLICE: u64 = 25;
+
+/// What the policy looks at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PullInput {
+    /// The task's fixed pull size (0 = automatic).
+    pub fixed: u64,
+    /// The slice's threshold (the last `cap` Redis reported, else the task threshold).
+    pub cap: u64,
+    /// Slice length.
+    pub slice_ms: u64,
+    /// Time since the slice started.
+    pub elapsed_ms: f64,
+    /// Permits this host admitted in the slice so far.
+    pub consumed: u64,
+    /// Demand (admitted + rejected) this host saw in the previous slice; 0 = unknown.
+    pub demand_prev: u64,
+    /// Round trip of the last pull.
+    pub rtt_ms: f64,
+    /// Largest `n` a decision asked for.
+    pub max_n: u64,
+}
+
+/// The policy's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PullPlan {
+    /// Permits to ask for.
+    pub want: u64,
+    /// Refill when the local quota falls below this.
+    pub low_water: u64,
+}
+
+/// Sizes a pull.
+///
+/// ```
+/// use sluice::pull::{plan, PullInput};
+/// let base = PullInput { fixed: 0, cap: 2_000, slice_ms: 1_000, elapsed_ms: 0.0, consumed: 0,
+///                        demand_prev: 1_000, rtt_ms: 0.5, max_n: 1 };
+/// // A host that used 1,000 of 2,000 last slice pulls 1,000 / 25 = 40 at a time.
+/// assert_eq!(plan(&base).want, 40);
+/// // Demand far above the threshold: the share is the whole cap, 80 per pull.
+/// assert_eq!(plan(&PullInput { demand_prev: 50_000, ..base }).want, 80);
+/// // 20 ms before the end, at 1 permit/ms: at most 1.25 × 20 = 25.
+/// assert_eq!(plan(&PullInput { elapsed_ms: 980.0, consumed: 980, ..base }).want, 25);
+/// // A fixed pull size wins.
+/// assert_eq!(plan(&PullInput { fixed: 7, ..base }).want, 7);
+/// ```
+pub fn plan(i: &PullInput) -> PullPlan {
+    let slice_ms = i.slice_ms.max(1) as f64;
+    let cap = i.cap.max(1);
+    let elapsed = i.elapsed_ms.clamp(0.0, slice_ms);
+    let projected = if elapsed >= (slice_ms / 20.0).max(1.0) && i.consumed > 0 {
+        (i.consumed as f64 * slice_ms / elapsed) as u64
+    } else {
+        0
+    };
+    let share = if i.demand_prev == 0 && projected == 0 {
+        cap
+    } else {
+        i.demand_prev.max(projected).min(cap).max(1)
+    };
+    let rate_per_ms = share as f64 / slice_ms;
+    let rtt = i.rtt_ms.max(0.2);
+    let max_n = i.max_n.max(1);
+    let want = if i.fixed > 0 {
+        i.fixed.max(max_n)
+    } else {
+        let base = share.div_ceil(PULLS_PER_SLICE);
+        let by_rate = (rate_per_ms * 4.0 * rtt).ceil() as u64;
+        let left = slice_ms - elapsed;
+        let by_end = (rate_per_ms * left * 1.25).ceil() as u64;
+        base.max(by_rate).min(by_end).max(max_n)
+    };
+    let want = want.min(crate::shm::MAX_COUNT as u64);
+    let low_water = ((rate_per_ms * (2.0 * rtt + 2.0)).ceil() as u64)
+        .min(want / 2)
+        .max(max_n.min(want));
+    PullPlan { want, low_water }
+}
+
+/// How long before a slice ends its successor's first chunk is prefetched.
+///
+/// ```
+/// assert_eq!(sluice::pull::prefetch_lead_ms(1_000, 0.5), 20.0);
+/// assert_eq!(sluice::pull::prefetch_lead_ms(100, 10.0), 25.0);
+/// ```
+pub fn prefetch_lead_ms(slice_ms: u64, rtt_ms: f64) -> f64 {
+    let s = slice_ms as f64;
+    (4.0 * rtt_ms).max(s / 50.0).max(2.0).min(s / 4.0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input() -> PullInput {
+        PullInput {
+            fixed: 0,
+            cap: 2_000,
+            slice_ms: 1_000,
+            elapsed_ms: 0.0,
+            consumed: 0,
+            demand_prev: 0,
+            rtt_ms: 0.5,
+            max_n: 1,
+        }
+    }
+
+    #[test]
+    fn first_slice_assumes_the_whole_cap() {
+        assert_eq!(plan(&input()).want, 80);
+    }
+
+    #[test]
+    fn surge_within_a_slice_raises_the_share() {
+        // Last slice 100, but this one already consumed 500 in 100 ms: projected 5,000 → cap.
+        let p = plan(&PullInput {
+            demand_prev: 100,
+            elapsed_ms: 100.0,
+            consumed: 500,
+            ..input()
+        });
+        assert_eq!(p.want, 80);
+    }
+
+    #[test]
+    fn slow_hosts_pull_small_chunks_and_never_zero() {
+        let p = plan(&PullInput {
+            demand_prev: 10,
+            ..input()
+        });
+        assert_eq!(p.want, 1);
+        assert_eq!(p.low_water, 1);
+        let p = plan(&PullInput {
+            demand_prev: 10,
+            max_n: 5,
+            ..input()
+        });
+        assert_eq!(p.want, 5);
+    }
+
+    #[test]
+    fn fast_rate_with_short_slices_keeps_four_round_trips() {
+        // 100 ms slices, share 10,000 → 100/ms; rtt 2 ms → at least 800 per pull.
+        let p = plan(&PullInput {
+            cap: 10_000,
+            slice_ms: 100,
+            demand_prev: 20_000,
+            rtt_ms: 2.0,
+            ..input()
+        });
+        assert_eq!(p.want, 800);
+        assert!(p.low_water <= p.want / 2 && p.low_water >= 100);
+    }
+
+    #[test]
+    fn low_water_is_below_the_chunk() {
+        for demand in [1, 10, 100, 1_000, 100_000] {
+            for elapsed in [0.0, 500.0, 999.0] {
+                let p = plan(&PullInput {
+                    demand_prev: demand,
+                    elapsed_ms: elapsed,
+                    ..input()
+                });
+                assert!(p.want >= 1 && p.low_water <= p.want, "{p:?}");
+            }
+        }
+    }
+}
