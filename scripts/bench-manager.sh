@@ -30,7 +30,7 @@ wait_for "leadership" 30 sh -c "curl -sf http://127.0.0.1:$port/metrics | grep -
 RPORT=${REDIS_URL##*:}
 
 python3 - "$port" "$TASKS" "$SECS" "$MPID" "$RPORT" <<'PY'
-import concurrent.futures, json, os, subprocess, sys, time, urllib.request
+import concurrent.futures, json, os, re, subprocess, sys, time, urllib.request
 
 port, tasks, secs, mpid, rport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 base = f"http://127.0.0.1:{port}"
@@ -104,10 +104,8 @@ keys = subprocess.run(["redis-cli", "-p", rport, "dbsize"], capture_output=True,
 
 def bench(args):
     out = subprocess.run(["redis-benchmark", "-p", rport, "-q", "-c", "50"] + args, capture_output=True, text=True).stdout
-    for line in out.replace("\r", "\n").splitlines():
-        if "requests per second" in line:
-            return float(line.split(":")[1].split()[0])
-    return float("nan")
+    found = re.findall(r"([0-9.]+) requests per second", out.replace("\r", "\n"))
+    return float(found[-1]) if found else float("nan")
 hset = bench(["-n", "200000", "-t", "hset"])
 evalsha_script = "redis.call('HINCRBY', KEYS[1], 'rem', -1) return 1"
 sha = subprocess.run(["redis-cli", "-p", rport, "script", "load", evalsha_script], capture_output=True, text=True).stdout.strip()

@@ -2,7 +2,6 @@
 # and cleanup of everything started, by PID. Source it; do not run it.
 
 SLUICE_PIDS=()
-SLUICE_TMP=""
 
 log() { printf '\033[1;34m==>\033[0m %s\n' "$*" >&2; }
 die() { printf '\033[1;31merror:\033[0m %s\n' "$*" >&2; exit 1; }
@@ -35,10 +34,9 @@ free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
 }
 
-sluice_tmp() {
-  [ -n "$SLUICE_TMP" ] || SLUICE_TMP=$(mktemp -d "${TMPDIR:-/tmp}/sluice.XXXXXX")
-  echo "$SLUICE_TMP"
-}
+# The temp dir of this run (removed by cleanup), created when lib.sh is sourced.
+SLUICE_TMP=$(mktemp -d "${TMPDIR:-/tmp}/sluice.XXXXXX")
+sluice_tmp() { echo "$SLUICE_TMP"; }
 
 # cleanup — stops every process this script started (by PID), then removes the temp dir.
 cleanup() {
