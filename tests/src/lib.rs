@@ -723,3 +723,156 @@ impl RedisCluster {
             .join(",")
     }
 }
+
+/// A webhook receiver on 127.0.0.1: records the JSON body of every POST and answers 200
+/// (or `fail_first` times 500 first, to exercise retries).
+pub struct WebhookReceiver {
+    /// `http://127.0.0.1:<port>/hook`.
+    pub url: String,
+    received: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl WebhookReceiver {
+    /// Starts the receiver; the first `fail_first` requests get a 500.
+    pub async fn start(fail_first: usize) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+        let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let store = received.clone();
+        let failures = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(fail_first));
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut sock, _)) = listener.accept().await else { return };
+                let store = store.clone();
+                let failures = failures.clone();
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    // Read headers, then Content-Length bytes of body.
+                    let body = loop {
+                        let Ok(n) = sock.read(&mut chunk).await else { return };
+                        if n == 0 {
+                            return;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                        let text = String::from_utf8_lossy(&buf).to_string();
+                        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+                            let len = head
+                                .lines()
+                                .find_map(|l| {
+                                    let (k, v) = l.split_once(':')?;
+                                    k.eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok())?
+                                })
+                                .unwrap_or(0);
+                            if body.len() >= len {
+                                break body[..len].to_string();
+                            }
+                        }
+                    };
+                    let fail = failures
+                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| f.checked_sub(1))
+                        .is_ok();
+                    let status = if fail { "500 Internal Server Error" } else { "200 OK" };
+                    if !fail && let Ok(v) = serde_json::from_str::<Value>(&body) {
+                        store.lock().expect("lock").push(v);
+                    }
+                    let _ = sock
+                        .write_all(format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").as_bytes())
+                        .await;
+                });
+            }
+        });
+        Self { url, received, task }
+    }
+
+    /// Every body received so far.
+    pub fn received(&self) -> Vec<Value> {
+        self.received.lock().expect("lock").clone()
+    }
+}
+
+impl Drop for WebhookReceiver {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A running `loadgen` example (one simulated host), see `worker-sdk/examples/loadgen.rs`.
+#[derive(Debug)]
+pub struct Loadgen {
+    /// The process.
+    pub proc: Proc,
+    out: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Loadgen {
+    /// Starts `loadgen` with `args` (everything after the binary name); stdout goes to a file
+    /// read by [`Loadgen::wait_json`], stderr to the process log.
+    pub fn spawn(args: &[String]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let out = dir.path().join("stdout.json");
+        let log = dir.path().join("loadgen.log");
+        let mut cmd = Command::new(workspace_bin("examples/loadgen"));
+        cmd.args(args).env(
+            "RUST_LOG",
+            std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "sluice=info".into()),
+        );
+        let stdout = File::create(&out).expect("create stdout file");
+        let errlog = File::options()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("open log");
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(errlog)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start loadgen: {e}"));
+        Self {
+            proc: Proc {
+                name: "loadgen".into(),
+                child: Some(child),
+                log,
+            },
+            out,
+            _dir: dir,
+        }
+    }
+
+    /// Waits (polling, at most `timeout`) for the process to exit 0 and returns its one JSON
+    /// line. Panics with the log tail otherwise.
+    pub async fn wait_json(&mut self, timeout: Duration) -> Value {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let child = self.proc.child.as_mut().expect("loadgen was killed");
+            if let Some(st) = child.try_wait().expect("wait loadgen") {
+                assert!(st.success(), "loadgen failed ({st}):\n{}", self.proc.log());
+                let text = std::fs::read_to_string(&self.out).expect("read loadgen stdout");
+                let lines: Vec<&str> = text.lines().filter(|l| !l.trim().is_empty()).collect();
+                assert_eq!(lines.len(), 1, "loadgen must print one line, got {text:?}");
+                return serde_json::from_str(lines[0])
+                    .unwrap_or_else(|e| panic!("bad loadgen JSON {:?}: {e}", lines[0]));
+            }
+            assert!(
+                Instant::now() < deadline,
+                "loadgen did not finish within {timeout:?}:\n{}",
+                self.proc.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+/// Removes the shared memory segment (and its lock file) of `namespace` + `host_id` in
+/// `/dev/shm`, as the SDK names it.
+pub fn remove_segment(namespace: &str, host_id: &str) {
+    let path = sluice::shm::Segment::path_for(Path::new("/dev/shm"), namespace, host_id);
+    let _ = std::fs::remove_file(&path);
+    let mut lock = path.into_os_string();
+    lock.push(".lock");
+    let _ = std::fs::remove_file(lock);
+}

@@ -187,7 +187,7 @@ pub(crate) struct Shared {
     pub(crate) redis: Redis,
     pub(crate) tasks: Mutex<Vec<Arc<TaskInner>>>,
     pub(crate) wake: Notify,
-    pub(crate) redis_calls: AtomicU64,
+    pub(crate) redis_calls: Arc<AtomicU64>,
     pub(crate) pid: u32,
     pub(crate) machine: Machine,
     pub(crate) stop: AtomicBool,
@@ -286,7 +286,7 @@ impl Client {
             redis,
             tasks: Mutex::new(Vec::new()),
             wake: Notify::new(),
-            redis_calls: AtomicU64::new(0),
+            redis_calls: Arc::new(AtomicU64::new(0)),
             pid: std::process::id(),
             stop: AtomicBool::new(false),
         });
@@ -346,6 +346,11 @@ impl Client {
         self.shared.redis_calls.load(Ordering::Relaxed)
     }
 
+    /// A handle to the same count that outlives the client (read it after the last flush).
+    pub fn redis_calls_counter(&self) -> RedisCalls {
+        RedisCalls(self.shared.redis_calls.clone())
+    }
+
     /// The host segment's file.
     pub fn segment_path(&self) -> &std::path::Path {
         self.shared.seg.path()
@@ -365,6 +370,17 @@ impl Client {
             off >= 0,
             Duration::from_micros(rtt as u64),
         ))
+    }
+}
+
+/// A count of Redis calls made by one client ([`Client::redis_calls_counter`]).
+#[derive(Debug, Clone)]
+pub struct RedisCalls(Arc<AtomicU64>);
+
+impl RedisCalls {
+    /// The count now.
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
     }
 }
 

@@ -760,12 +760,7 @@ impl Segment {
             source,
         };
         let slots = slots.clamp(1, MAX_SLOTS);
-        let lock_path = path.with_extension(format!(
-            "{}lock",
-            path.extension()
-                .map(|e| format!("{}.", e.to_string_lossy()))
-                .unwrap_or_default()
-        ));
+        let lock_path = sibling(path, ".lock");
         let lock = OpenOptions::new()
             .read(true)
             .write(true)
@@ -850,7 +845,7 @@ impl Segment {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
-        let tmp = path.with_extension(format!("tmp.{}.{nanos}", std::process::id()));
+        let tmp = sibling(path, &format!(".tmp.{}.{nanos}", std::process::id()));
         let result = (|| {
             let file = OpenOptions::new()
                 .read(true)
@@ -970,6 +965,13 @@ impl Segment {
             .filter_map(|i| Some((i, self.slot(i)?.name()?)))
             .collect()
     }
+}
+
+/// `path` with `suffix` appended to its file name.
+fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let mut s = path.as_os_str().to_os_string();
+    s.push(suffix);
+    PathBuf::from(s)
 }
 
 struct Flock<'a>(&'a File);
