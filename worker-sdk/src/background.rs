@@ -34,6 +34,44 @@ const BUSY_TICK: Duration = Duration::from_millis(1);
 /// Meta re-read period while the meta is unknown.
 const UNKNOWN_META_RETRY_MS: i64 = 200;
 
+/// The result of one logical Redis call: `Err(())` when it timed out.
+type CallResult<T> = Result<redis::RedisResult<T>, ()>;
+
+/// Runs one Redis call bounded by the pull timeout. A connection-level error is retried once
+/// after a short pause: after Redis restarts, a process's first request fails on the dead
+/// connection and triggers the reconnect that the retry then uses, so one stale connection
+/// does not flip a healthy host back to FAILED.
+async fn call<T, F, Fut>(sh: &Shared, mut f: F) -> CallResult<T>
+where
+    F: FnMut(crate::protocol::conn::RedisConn) -> Fut,
+    Fut: std::future::Future<Output = redis::RedisResult<T>>,
+{
+    tokio::time::timeout(sh.cfg.pull_timeout, async {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            sh.redis_calls.fetch_add(1, Ordering::Relaxed);
+            let r = match sh.redis.conn().await {
+                Ok(c) => f(c).await,
+                Err(e) => Err(e),
+            };
+            match r {
+                Err(e)
+                    if attempt == 1
+                        && (e.is_io_error()
+                            || e.is_connection_dropped()
+                            || e.is_connection_refusal()) =>
+                {
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                r => return r,
+            }
+        }
+    })
+    .await
+    .map_err(|_| ())
+}
+
 pub(crate) fn spawn(shared: Arc<Shared>) -> std::io::Result<std::thread::JoinHandle<()>> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -110,13 +148,14 @@ async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, now_ms: i64) {
         return;
     }
     let key = sh.keys.meta(&t.name);
-    sh.redis_calls.fetch_add(1, Ordering::Relaxed);
-    let res = tokio::time::timeout(sh.cfg.pull_timeout, async {
-        let mut c = sh.redis.conn().await?;
-        redis::cmd("HGETALL")
-            .arg(&key)
-            .query_async::<Vec<(String, String)>>(&mut c)
-            .await
+    let res = call(sh, |mut c| {
+        let key = key.clone();
+        async move {
+            redis::cmd("HGETALL")
+                .arg(&key)
+                .query_async::<Vec<(String, String)>>(&mut c)
+                .await
+        }
     })
     .await;
     let outcome = match res {
@@ -298,11 +337,9 @@ async fn pull(
     };
     let plan = pull::plan(&input);
     let want = if demand { plan.want } else { 0 };
-    sh.redis_calls.fetch_add(1, Ordering::Relaxed);
     let before = crate::clock::host_us();
     let started = Instant::now();
-    let res = tokio::time::timeout(sh.cfg.pull_timeout, async {
-        let mut c = sh.redis.conn().await?;
+    let res = call(sh, |mut c| async move {
         scripts::pull(&mut c, &sh.keys, &t.name, start_ms, want, None).await
     })
     .await;
@@ -404,10 +441,9 @@ async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i6
             )
         })
         .collect();
-    sh.redis_calls.fetch_add(1, Ordering::Relaxed);
-    let res = tokio::time::timeout(sh.cfg.pull_timeout, async {
-        let mut c = sh.redis.conn().await?;
-        scripts::flush(&mut c, &sh.keys, &t.name, &batch).await
+    let res = call(sh, |mut c| {
+        let batch = &batch;
+        async move { scripts::flush(&mut c, &sh.keys, &t.name, batch).await }
     })
     .await;
     if !matches!(res, Ok(Ok(_))) {
@@ -451,16 +487,17 @@ async fn report_host(sh: &Shared) {
     let Ok(json) = serde_json::to_string(&report) else {
         return;
     };
-    sh.redis_calls.fetch_add(1, Ordering::Relaxed);
     let key = sh.keys.hosts();
-    let _ = tokio::time::timeout(sh.cfg.pull_timeout, async {
-        let mut c = sh.redis.conn().await?;
-        redis::cmd("HSET")
-            .arg(&key)
-            .arg(&sh.cfg.host_id)
-            .arg(json)
-            .query_async::<i64>(&mut c)
-            .await
+    let _ = call(sh, |mut c| {
+        let (key, json) = (&key, &json);
+        async move {
+            redis::cmd("HSET")
+                .arg(key)
+                .arg(&sh.cfg.host_id)
+                .arg(json)
+                .query_async::<i64>(&mut c)
+                .await
+        }
     })
     .await;
 }
