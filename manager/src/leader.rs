@@ -1,5 +1,6 @@
 //! Leader-only work, started when this replica wins the election and cancelled when it stops
-//! leading: rolling slices (with cron schedules and dynamic overrides folded in).
+//! leading: rolling slices (with cron schedules and dynamic overrides folded in), and
+//! harvesting ended slices into the traffic history.
 
 use std::sync::Arc;
 
@@ -7,6 +8,7 @@ use sluice::protocol::Keys;
 use sluice::protocol::conn::Redis;
 
 use crate::election::LeaderContext;
+use crate::history::Harvester;
 use crate::metrics::Metrics;
 use crate::roller::{DynamicThresholds, RollConfig, Roller};
 use crate::tasks::TaskStore;
@@ -37,7 +39,14 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
         deps.roll,
         deps.metrics.clone(),
     );
-    roller
-        .run(ctx, deps.store.clone(), deps.dynamic.clone())
-        .await;
+    let harvester = Harvester::new(
+        deps.keys.clone(),
+        deps.redis.clone(),
+        deps.roll.retention,
+        deps.metrics.clone(),
+    );
+    tokio::join!(
+        roller.run(ctx.clone(), deps.store.clone(), deps.dynamic.clone()),
+        harvester.run(ctx, deps.store.clone()),
+    );
 }

@@ -12,6 +12,7 @@
 //! * [`spec`]: the task spec and its validation (the only place it is validated).
 //! * [`schedule`]: cron schedules → a slice's threshold.
 //! * [`roller`]: planning and writing slices, fenced by term.
+//! * [`history`]: the leader's harvest of ended slices into compact per-task history rings.
 //! * [`http`]: the JSON API, `/metrics`, `/healthz` and the embedded dashboard.
 //! * [`metrics`]: every metric, in one place.
 //! * [`error`]: the error type.
@@ -21,6 +22,7 @@
 pub mod config;
 pub mod election;
 pub mod error;
+pub mod history;
 pub mod http;
 pub mod leader;
 pub mod metrics;

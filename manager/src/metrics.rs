@@ -33,6 +33,14 @@ pub struct Metrics {
     pub tasks: Gauge,
     /// Duration of one rolling tick over all tasks.
     pub roll_tick_seconds: Histogram,
+    /// Slices read by the history harvest (leader only).
+    pub history_slices: Counter,
+    /// History records written (both resolutions).
+    pub history_records: Counter,
+    /// Failed history harvests of one task (retried next tick).
+    pub history_errors: Counter,
+    /// Duration of one history harvest tick over all tasks.
+    pub history_tick_seconds: Histogram,
 }
 
 impl Default for Metrics {
@@ -56,6 +64,10 @@ impl Metrics {
             horizon_ahead: Gauge::default(),
             tasks: Gauge::default(),
             roll_tick_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            history_slices: Counter::default(),
+            history_records: Counter::default(),
+            history_errors: Counter::default(),
+            history_tick_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             registry: Registry::default(),
         };
         registry.register(
@@ -103,6 +115,26 @@ impl Metrics {
             "roll_tick_seconds",
             "Duration of one rolling tick over all tasks",
             m.roll_tick_seconds.clone(),
+        );
+        registry.register(
+            "history_slices",
+            "Slices read by the history harvest (leader only)",
+            m.history_slices.clone(),
+        );
+        registry.register(
+            "history_records",
+            "History records written (both resolutions)",
+            m.history_records.clone(),
+        );
+        registry.register(
+            "history_errors",
+            "Failed history harvests of one task (retried next tick)",
+            m.history_errors.clone(),
+        );
+        registry.register(
+            "history_tick_seconds",
+            "Duration of one history harvest tick over all tasks",
+            m.history_tick_seconds.clone(),
         );
         Self { registry, ..m }
     }

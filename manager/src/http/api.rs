@@ -79,6 +79,7 @@ pub fn routes() -> Router<AppState> {
             "/tasks/{name}",
             get(get_task).put(put_task).delete(delete_task),
         )
+        .merge(super::history::routes())
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such API endpoint") })
 }
 

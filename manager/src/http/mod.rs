@@ -4,6 +4,7 @@
 //! Every replica serves everything; writes go to etcd, so they work through any replica.
 
 pub mod api;
+pub mod history;
 pub mod ui;
 
 use std::sync::Arc;

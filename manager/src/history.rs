@@ -1,0 +1,803 @@
+//! Traffic history: the leader copies every slice's `cap`, `adm` and `rej` into two compact,
+//! fixed-size rings per task before the slice keys expire, so the dashboard can show an hour
+//! at one-second resolution and a week at one-minute resolution.
+//!
+//! # Layout
+//!
+//! ```text
+//!  NS:{T}:hist:1s   string, 3 600 slots × 32 B = 115 KB: one record per second, kept 1 h
+//!  NS:{T}:hist:1m   string, 10 080 slots × 32 B = 323 KB: one record per minute, kept 7 days
+//!
+//!  record, little-endian (32 bytes):
+//!  ┌──────────────────────┬────────────┬─────────────┬─────────────┬─────────────┐
+//!  │ tag u32 = start_ms/1000 │ slices u32 │ cap_sum u64 │ admitted u64│ rejected u64│
+//!  └──────────────────────┴────────────┴─────────────┴─────────────┴─────────────┘
+//!  slot = (start_ms / resolution) mod slots; byte offset = slot × 32
+//! ```
+//!
+//! A record sums the slices that *start* in its bucket: `slices` of them, whose caps add up to
+//! `cap_sum`. A slot whose tag is not the bucket asked for holds an older lap of the ring (or
+//! nothing): it reads as empty. Memory per task is therefore bounded (438 KB at most, whatever
+//! the traffic), writes are `SETRANGE` in place, reads are one or two `GETRANGE`s, and the
+//! history survives a leader failover because it lives in Redis. Both keys share the task's
+//! hash tag, so they sit in the task's Redis Cluster slot; they expire when no longer written
+//! (a deleted task's history goes away after its retention).
+//!
+//! # Harvesting
+//!
+//! ```text
+//!  slices:  │ s │ s │ s │ s │ s │ s │ s │ s │ s │ s │ (current)
+//!           ◀── harvested ──▶◀── settling ──▶
+//!                        done_to         now − settle − slice_ms
+//! ```
+//!
+//! Every second the leader reads, for every task at once (one pipeline per task, all tasks
+//! concurrently), the slices of every one-second bucket that has *settled* (its slices ended at
+//! least [`settle`] ago, so workers have flushed their counters), writes the bucket's record and
+//! recomputes the record of its minute from the second records of that minute. A record is a
+//! pure function of the slices, so harvesting a bucket twice writes the same bytes: a new leader
+//! simply starts `retention` back (what is still in Redis) and overwrites what the previous
+//! leader may already have written. Slices newer than the harvest are read live by the API
+//! ([`read_live`]), so the live chart is current to the second.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use sluice::protocol::conn::{Redis, RedisConn};
+use sluice::protocol::{Keys, slice, slice_field, unix_ms};
+use tracing::{debug, warn};
+
+use crate::election::LeaderContext;
+use crate::error::{Error, Result, redis as redis_err};
+use crate::metrics::Metrics;
+use crate::tasks::{TaskSnapshot, TaskStore};
+
+/// Size of one encoded [`Record`].
+pub const RECORD_BYTES: usize = 32;
+
+/// Most slices read for one task in one tick (a new leader catching up on 100 ms slices reads
+/// its backlog over several ticks).
+pub const MAX_SLICES_PER_TICK: i64 = 2_000;
+
+/// Longest wait after a slice ends before it is harvested (workers flush late counters).
+pub const MAX_SETTLE: Duration = Duration::from_secs(5);
+
+/// Period of the harvest loop.
+pub const TICK: Duration = Duration::from_secs(1);
+
+/// Harvest calls (per task) in flight at once: multiplexed on one connection, pipelined.
+const CONCURRENCY: usize = 128;
+
+/// Bound on one Redis round trip.
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One ring of records.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Series {
+    /// The name in the key (`NS:{T}:hist:<name>`) and in the API (`resolution=`).
+    pub name: &'static str,
+    /// Bucket length in ms.
+    pub res_ms: i64,
+    /// Number of slots (buckets kept).
+    pub slots: i64,
+}
+
+/// One-second resolution, kept one hour.
+pub const SECONDS: Series = Series {
+    name: "1s",
+    res_ms: 1_000,
+    slots: 3_600,
+};
+
+/// One-minute resolution, kept seven days.
+pub const MINUTES: Series = Series {
+    name: "1m",
+    res_ms: 60_000,
+    slots: 10_080,
+};
+
+impl Series {
+    /// The series called `name` (`1s` or `1m`).
+    pub fn by_name(name: &str) -> Option<Self> {
+        [SECONDS, MINUTES].into_iter().find(|s| s.name == name)
+    }
+
+    /// How far back this series reaches, in ms.
+    pub fn span_ms(&self) -> i64 {
+        self.res_ms * self.slots
+    }
+
+    /// Start of the bucket containing `t_ms`.
+    pub fn bucket(&self, t_ms: i64) -> i64 {
+        t_ms - t_ms.rem_euclid(self.res_ms)
+    }
+
+    /// Slot of the bucket starting at `start_ms`.
+    ///
+    /// ```
+    /// use sluice_manager::history::SECONDS;
+    /// assert_eq!(SECONDS.slot(1_000), 1);
+    /// assert_eq!(SECONDS.slot(3_601_000), 1); // one lap later: same slot
+    /// ```
+    pub fn slot(&self, start_ms: i64) -> i64 {
+        (start_ms / self.res_ms).rem_euclid(self.slots)
+    }
+
+    /// The runs of consecutive slots holding the buckets `first..=last` (at most one lap): at
+    /// most two `(first bucket start, count)` pairs, split where the ring wraps.
+    ///
+    /// ```
+    /// use sluice_manager::history::SECONDS;
+    /// assert_eq!(SECONDS.runs(10_000, 12_000), vec![(10_000, 3)]);
+    /// // 3 599 s is the last slot; 3 600 s wraps to slot 0.
+    /// assert_eq!(SECONDS.runs(3_598_000, 3_601_000), vec![(3_598_000, 2), (3_600_000, 2)]);
+    /// ```
+    pub fn runs(&self, first: i64, last: i64) -> Vec<(i64, i64)> {
+        let first = self
+            .bucket(first)
+            .max(self.bucket(last) - (self.slots - 1) * self.res_ms);
+        let last = self.bucket(last);
+        if last < first {
+            return Vec::new();
+        }
+        let count = (last - first) / self.res_ms + 1;
+        let to_wrap = self.slots - self.slot(first);
+        if count <= to_wrap {
+            vec![(first, count)]
+        } else {
+            vec![
+                (first, to_wrap),
+                (first + to_wrap * self.res_ms, count - to_wrap),
+            ]
+        }
+    }
+}
+
+/// The traffic of the slices that start in one bucket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Record {
+    /// Start of the bucket (Unix ms).
+    pub start_ms: i64,
+    /// Slices found in the bucket.
+    pub slices: u32,
+    /// Sum of their caps (thresholds).
+    pub cap_sum: u64,
+    /// Admitted decisions.
+    pub admitted: u64,
+    /// Rejected decisions.
+    pub rejected: u64,
+}
+
+impl Record {
+    /// The mean threshold per slice (rounded), or 0 for an empty record.
+    ///
+    /// ```
+    /// use sluice_manager::history::Record;
+    /// let r = Record { start_ms: 0, slices: 4, cap_sum: 402, admitted: 0, rejected: 0 };
+    /// assert_eq!(r.threshold(), 101);
+    /// ```
+    pub fn threshold(&self) -> u64 {
+        if self.slices == 0 {
+            0
+        } else {
+            (self.cap_sum + u64::from(self.slices) / 2) / u64::from(self.slices)
+        }
+    }
+
+    /// Adds another record's counts to this one.
+    pub fn add(&mut self, o: &Record) {
+        self.slices = self.slices.saturating_add(o.slices);
+        self.cap_sum = self.cap_sum.saturating_add(o.cap_sum);
+        self.admitted = self.admitted.saturating_add(o.admitted);
+        self.rejected = self.rejected.saturating_add(o.rejected);
+    }
+
+    /// The 32-byte encoding (see the module docs).
+    pub fn encode(&self) -> [u8; RECORD_BYTES] {
+        let mut b = [0u8; RECORD_BYTES];
+        let tag = (self.start_ms / 1000).clamp(0, i64::from(u32::MAX)) as u32;
+        b[0..4].copy_from_slice(&tag.to_le_bytes());
+        b[4..8].copy_from_slice(&self.slices.to_le_bytes());
+        b[8..16].copy_from_slice(&self.cap_sum.to_le_bytes());
+        b[16..24].copy_from_slice(&self.admitted.to_le_bytes());
+        b[24..32].copy_from_slice(&self.rejected.to_le_bytes());
+        b
+    }
+
+    /// Decodes the record in `b` if it belongs to the bucket starting at `start_ms` (else the
+    /// slot is empty or holds an older lap).
+    ///
+    /// ```
+    /// use sluice_manager::history::Record;
+    /// let r = Record { start_ms: 1_700_000_000_000, slices: 1, cap_sum: 5, admitted: 3, rejected: 1 };
+    /// assert_eq!(Record::decode(&r.encode(), r.start_ms), Some(r));
+    /// assert_eq!(Record::decode(&r.encode(), r.start_ms - 3_600_000), None);
+    /// assert_eq!(Record::decode(&[0; 32], r.start_ms), None);
+    /// ```
+    pub fn decode(b: &[u8], start_ms: i64) -> Option<Self> {
+        let b: &[u8; RECORD_BYTES] = b.get(..RECORD_BYTES)?.try_into().ok()?;
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_le_bytes(x)
+        };
+        let tag = u32_at(0);
+        let slices = u32_at(4);
+        if tag == 0 || i64::from(tag) * 1000 != start_ms || slices == 0 {
+            return None;
+        }
+        Some(Self {
+            start_ms,
+            slices,
+            cap_sum: u64_at(8),
+            admitted: u64_at(16),
+            rejected: u64_at(24),
+        })
+    }
+}
+
+/// What one slice hash held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SliceSample {
+    /// Slice start (Unix ms).
+    pub start_ms: i64,
+    /// Its cap.
+    pub cap: u64,
+    /// Admitted decisions flushed into it.
+    pub admitted: u64,
+    /// Rejected decisions flushed into it.
+    pub rejected: u64,
+}
+
+/// Sums slices into the buckets of `series` (by slice start).
+///
+/// ```
+/// use sluice_manager::history::{aggregate, SliceSample, SECONDS};
+/// let s = |start_ms, admitted| SliceSample { start_ms, cap: 10, admitted, rejected: 0 };
+/// let r = aggregate(&[s(1_000, 1), s(1_500, 2), s(2_000, 4)], SECONDS);
+/// assert_eq!(r[&1_000].admitted, 3);
+/// assert_eq!(r[&1_000].slices, 2);
+/// assert_eq!(r[&2_000].cap_sum, 10);
+/// ```
+pub fn aggregate(samples: &[SliceSample], series: Series) -> BTreeMap<i64, Record> {
+    let mut out: BTreeMap<i64, Record> = BTreeMap::new();
+    for s in samples {
+        let b = series.bucket(s.start_ms);
+        out.entry(b)
+            .or_insert(Record {
+                start_ms: b,
+                ..Record::default()
+            })
+            .add(&Record {
+                start_ms: b,
+                slices: 1,
+                cap_sum: s.cap,
+                admitted: s.admitted,
+                rejected: s.rejected,
+            });
+    }
+    out
+}
+
+/// How long after a slice ends it is harvested: long enough for workers to flush their last
+/// counters, short enough to leave most of the slice key's `retention`.
+///
+/// ```
+/// use std::time::Duration;
+/// use sluice_manager::history::settle;
+/// assert_eq!(settle(Duration::from_secs(60)), Duration::from_secs(5));
+/// assert_eq!(settle(Duration::from_secs(4)), Duration::from_secs(1));
+/// ```
+pub fn settle(retention: Duration) -> Duration {
+    (retention / 4).min(MAX_SETTLE)
+}
+
+/// End (exclusive) of the one-second buckets whose slices have all ended `settle` ago: the
+/// bucket of the first slice that has not.
+///
+/// ```
+/// use std::time::Duration;
+/// use sluice_manager::history::settled_until;
+/// // 1 s slices, settle 5 s: at 20.5 s the bucket [14 s, 15 s) (slice ends 15 s) is settled.
+/// assert_eq!(settled_until(20_500, 1_000, Duration::from_secs(5)), 15_000);
+/// ```
+pub fn settled_until(now_ms: i64, slice_ms: u64, settle: Duration) -> i64 {
+    SECONDS.bucket(slice::start(now_ms - settle.as_millis() as i64, slice_ms))
+}
+
+/// Where a new leadership starts harvesting a task: as far back as slices may still exist (but
+/// within the one-second ring), and never after the start of the slice in progress (so a long
+/// slice that began earlier is harvested when it ends).
+pub fn first_bucket(now_ms: i64, slice_ms: u64, retention: Duration, settle: Duration) -> i64 {
+    let alive = now_ms - retention.as_millis() as i64 + settle.as_millis() as i64 + 1_000;
+    let from = alive.max(now_ms - SECONDS.span_ms() + 60_000);
+    SECONDS.bucket(from.min(slice::start(now_ms, slice_ms)))
+}
+
+/// Reads the slices starting in `[from_ms, until_ms)` (at most `max` of them) with one
+/// pipeline; slices that do not exist are left out.
+pub async fn read_slices(
+    conn: &mut RedisConn,
+    keys: &Keys,
+    task: &str,
+    slice_ms: u64,
+    from_ms: i64,
+    until_ms: i64,
+    max: i64,
+) -> Result<Vec<SliceSample>> {
+    let starts: Vec<i64> = slice::starts(from_ms, until_ms, slice_ms)
+        .filter(|s| *s >= from_ms)
+        .take(max.max(0) as usize)
+        .collect();
+    if starts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut pipe = redis::pipe();
+    for s in &starts {
+        pipe.cmd("HMGET")
+            .arg(keys.slice(task, *s))
+            .arg(slice_field::CAP)
+            .arg(slice_field::ADMITTED)
+            .arg(slice_field::REJECTED);
+    }
+    type Row = (Option<i64>, Option<i64>, Option<i64>);
+    let rows: Vec<Row> = bounded("read slices", pipe.query_async(conn)).await?;
+    Ok(starts
+        .into_iter()
+        .zip(rows)
+        .filter_map(|(start_ms, (cap, adm, rej))| {
+            Some(SliceSample {
+                start_ms,
+                cap: cap?.max(0) as u64,
+                admitted: adm.unwrap_or(0).max(0) as u64,
+                rejected: rej.unwrap_or(0).max(0) as u64,
+            })
+        })
+        .collect())
+}
+
+/// Reads the records of `series` for the buckets `from_ms..=to_ms` (at most one lap), oldest
+/// first; empty and stale slots are left out.
+pub async fn read_series(
+    conn: &mut RedisConn,
+    keys: &Keys,
+    task: &str,
+    series: Series,
+    from_ms: i64,
+    to_ms: i64,
+) -> Result<Vec<Record>> {
+    let runs = series.runs(from_ms, to_ms);
+    if runs.is_empty() {
+        return Ok(Vec::new());
+    }
+    let key = keys.history(task, series.name);
+    let mut pipe = redis::pipe();
+    for (first, count) in &runs {
+        let off = series.slot(*first) * RECORD_BYTES as i64;
+        pipe.cmd("GETRANGE")
+            .arg(&key)
+            .arg(off)
+            .arg(off + count * RECORD_BYTES as i64 - 1);
+    }
+    let blobs: Vec<Vec<u8>> = bounded("read history", pipe.query_async(conn)).await?;
+    let mut out = Vec::new();
+    for ((first, count), blob) in runs.iter().zip(blobs) {
+        for i in 0..*count {
+            let at = i as usize * RECORD_BYTES;
+            let Some(bytes) = blob.get(at..at + RECORD_BYTES) else {
+                break; // the string is shorter: never written that far
+            };
+            if let Some(r) = Record::decode(bytes, first + i * series.res_ms) {
+                out.push(r);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Adds the commands writing `records` (each into its slot) to `pipe`; consecutive slots are
+/// written with one `SETRANGE`.
+fn write_records(pipe: &mut redis::Pipeline, key: &str, series: Series, records: &[Record]) {
+    let mut i = 0;
+    while i < records.len() {
+        let mut blob = records[i].encode().to_vec();
+        let first = records[i].start_ms;
+        let mut j = i + 1;
+        while j < records.len()
+            && records[j].start_ms == records[j - 1].start_ms + series.res_ms
+            && series.slot(records[j].start_ms) == series.slot(records[j - 1].start_ms) + 1
+        {
+            blob.extend_from_slice(&records[j].encode());
+            j += 1;
+        }
+        pipe.cmd("SETRANGE")
+            .arg(key)
+            .arg(series.slot(first) * RECORD_BYTES as i64)
+            .arg(blob)
+            .ignore();
+        i = j;
+    }
+}
+
+async fn bounded<T>(
+    op: &'static str,
+    fut: impl Future<Output = redis::RedisResult<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(CALL_TIMEOUT, fut).await {
+        Ok(r) => r.map_err(redis_err(op)),
+        Err(_) => Err(Error::Timeout {
+            op,
+            after: CALL_TIMEOUT,
+        }),
+    }
+}
+
+/// What the harvester knows of one task.
+#[derive(Debug, Clone, Default)]
+struct TaskHarvest {
+    /// Every one-second bucket before this has been harvested.
+    done_to: i64,
+    /// Second records of the current and previous minute (to recompute minute records).
+    recent: BTreeMap<i64, Record>,
+}
+
+/// The leader's harvest loop.
+pub struct Harvester {
+    keys: Keys,
+    redis: Arc<Redis>,
+    metrics: Arc<Metrics>,
+    retention: Duration,
+    settle: Duration,
+    state: HashMap<String, TaskHarvest>,
+}
+
+/// Counts of one harvest tick.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct HarvestStats {
+    /// Slices read.
+    pub slices: u64,
+    /// Records written (both series).
+    pub records: u64,
+    /// Tasks whose harvest failed this tick (retried next tick).
+    pub errors: u64,
+}
+
+impl Harvester {
+    /// A harvester for slices kept `retention` after they end.
+    pub fn new(keys: Keys, redis: Arc<Redis>, retention: Duration, metrics: Arc<Metrics>) -> Self {
+        Self {
+            keys,
+            redis,
+            metrics,
+            retention,
+            settle: settle(retention),
+            state: HashMap::new(),
+        }
+    }
+
+    /// Harvests every [`TICK`] until leadership ends.
+    pub async fn run(mut self, ctx: LeaderContext, store: TaskStore) {
+        let mut interval = tokio::time::interval(TICK);
+        interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = ctx.token().cancelled() => return,
+                _ = interval.tick() => {}
+            }
+            let snap = store.snapshot();
+            if !snap.loaded {
+                continue;
+            }
+            let started = Instant::now();
+            match self.tick(&ctx, &snap).await {
+                Ok(stats) => {
+                    self.metrics
+                        .history_tick_seconds
+                        .observe(started.elapsed().as_secs_f64());
+                    debug!(?stats, "harvest tick");
+                }
+                Err(e) => debug!(%e, "harvest tick stopped"),
+            }
+        }
+    }
+
+    /// One pass over every task: read settled slices, write their records.
+    pub async fn tick(&mut self, ctx: &LeaderContext, snap: &TaskSnapshot) -> Result<HarvestStats> {
+        self.state.retain(|name, _| snap.tasks.contains_key(name));
+        let conn = self.redis.conn().await.map_err(redis_err("connect"))?;
+        let now = unix_ms();
+        let jobs: Vec<(String, u64, Option<TaskHarvest>)> = snap
+            .tasks
+            .values()
+            .map(|e| {
+                (
+                    e.name.clone(),
+                    e.spec.slice_ms,
+                    self.state.get(&e.name).cloned(),
+                )
+            })
+            .collect();
+        let (keys, retention, settle) = (&self.keys, self.retention, self.settle);
+        let results: Vec<(String, Result<Harvested>)> = futures::stream::iter(jobs)
+            .map(|(name, slice_ms, st)| {
+                let mut c = conn.clone();
+                async move {
+                    let r = harvest_task(
+                        &mut c, keys, ctx, &name, slice_ms, st, now, retention, settle,
+                    )
+                    .await;
+                    (name, r)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        let mut stats = HarvestStats::default();
+        for (name, r) in results {
+            match r {
+                Ok((st, slices, records)) => {
+                    stats.slices += slices;
+                    stats.records += records;
+                    self.state.insert(name, st);
+                }
+                Err(Error::NotLeader) => return Err(Error::NotLeader),
+                Err(e) => {
+                    stats.errors += 1;
+                    warn!(task = name, %e, "history harvest failed; will retry next tick");
+                }
+            }
+        }
+        self.metrics.history_slices.inc_by(stats.slices);
+        self.metrics.history_records.inc_by(stats.records);
+        self.metrics.history_errors.inc_by(stats.errors);
+        Ok(stats)
+    }
+}
+
+/// A task's new harvest state, slices read and records written.
+type Harvested = (TaskHarvest, u64, u64);
+
+/// Harvests one task: returns its new state, slices read and records written.
+#[allow(clippy::too_many_arguments)]
+async fn harvest_task(
+    conn: &mut RedisConn,
+    keys: &Keys,
+    ctx: &LeaderContext,
+    task: &str,
+    slice_ms: u64,
+    state: Option<TaskHarvest>,
+    now: i64,
+    retention: Duration,
+    settle: Duration,
+) -> Result<Harvested> {
+    let mut st = match state {
+        Some(s) => s,
+        None => {
+            // A new leadership: start as far back as slices may exist, and load the second
+            // records already written from that minute on (by an earlier leader), so minute
+            // records keep what only the ring still holds.
+            let done_to = first_bucket(now, slice_ms, retention, settle);
+            let recent = read_series(conn, keys, task, SECONDS, MINUTES.bucket(done_to), now)
+                .await?
+                .into_iter()
+                .map(|r| (r.start_ms, r))
+                .collect();
+            TaskHarvest { done_to, recent }
+        }
+    };
+    let until = settled_until(now, slice_ms, settle);
+    if until <= st.done_to {
+        return Ok((st, 0, 0));
+    }
+    // Bound the work of one tick, in whole buckets.
+    let span = (MAX_SLICES_PER_TICK * slice_ms as i64).max(SECONDS.res_ms);
+    let until = until
+        .min(SECONDS.bucket(st.done_to + span))
+        .max(st.done_to + SECONDS.res_ms);
+    let samples = read_slices(
+        conn,
+        keys,
+        task,
+        slice_ms,
+        st.done_to,
+        until,
+        MAX_SLICES_PER_TICK + 1,
+    )
+    .await?;
+    let seconds: Vec<Record> = aggregate(&samples, SECONDS).into_values().collect();
+    for r in &seconds {
+        st.recent.insert(r.start_ms, *r);
+    }
+    // Recompute each touched minute from its second records.
+    let mut minutes: Vec<Record> = Vec::new();
+    let mut m = MINUTES.bucket(st.done_to);
+    while m < until {
+        let mut rec = Record {
+            start_ms: m,
+            ..Record::default()
+        };
+        for r in st.recent.range(m..m + MINUTES.res_ms).map(|(_, r)| r) {
+            rec.add(r);
+        }
+        if rec.slices > 0 {
+            minutes.push(rec);
+        }
+        m += MINUTES.res_ms;
+    }
+    let written = (seconds.len() + minutes.len()) as u64;
+    if written > 0 {
+        if !ctx.is_valid() {
+            return Err(Error::NotLeader);
+        }
+        let k1 = keys.history(task, SECONDS.name);
+        let k2 = keys.history(task, MINUTES.name);
+        let mut pipe = redis::pipe();
+        write_records(&mut pipe, &k1, SECONDS, &seconds);
+        write_records(&mut pipe, &k2, MINUTES, &minutes);
+        // A ring that is no longer written (deleted task) expires once it is all stale.
+        pipe.cmd("PEXPIRE")
+            .arg(&k1)
+            .arg(SECONDS.span_ms() + 60_000)
+            .ignore();
+        pipe.cmd("PEXPIRE")
+            .arg(&k2)
+            .arg(MINUTES.span_ms() + 3_600_000)
+            .ignore();
+        bounded("write history", pipe.query_async::<()>(conn)).await?;
+    }
+    st.done_to = until;
+    let keep_from = MINUTES.bucket(st.done_to) - MINUTES.res_ms;
+    st.recent = st.recent.split_off(&keep_from);
+    Ok((st, samples.len() as u64, written))
+}
+
+/// Reads the most recent slices of a task straight from their hashes, from `from_ms` to now
+/// (the slice in progress included): what the harvest has not reached yet.
+pub async fn read_live(
+    conn: &mut RedisConn,
+    keys: &Keys,
+    task: &str,
+    slice_ms: u64,
+    from_ms: i64,
+    now_ms: i64,
+) -> Result<Vec<SliceSample>> {
+    read_slices(
+        conn,
+        keys,
+        task,
+        slice_ms,
+        from_ms,
+        now_ms + 1,
+        MAX_SLICES_PER_TICK,
+    )
+    .await
+}
+
+/// Where the live part of a one-second history starts: what the harvester may not have
+/// written yet (settle, one slice, a tick of lag and a second of margin), and never after the
+/// start of the slice in progress.
+pub fn live_from(now_ms: i64, slice_ms: u64, retention: Duration) -> i64 {
+    let lag = settle(retention).as_millis() as i64 + slice_ms as i64 + 3 * TICK.as_millis() as i64;
+    SECONDS.bucket((now_ms - lag).min(slice::start(now_ms, slice_ms)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample(start_ms: i64, cap: u64, admitted: u64, rejected: u64) -> SliceSample {
+        SliceSample {
+            start_ms,
+            cap,
+            admitted,
+            rejected,
+        }
+    }
+
+    #[test]
+    fn record_round_trip_keeps_big_counts() {
+        let r = Record {
+            start_ms: 4_000_000_000_000 / 1000 * 1000,
+            slices: 600,
+            cap_sum: 1_000_000_000_000 * 600,
+            admitted: u64::MAX / 3,
+            rejected: 7,
+        };
+        assert_eq!(Record::decode(&r.encode(), r.start_ms), Some(r));
+        assert_eq!(r.threshold(), 1_000_000_000_000);
+    }
+
+    #[test]
+    fn short_slices_sum_into_seconds_and_minutes() {
+        let samples: Vec<SliceSample> = (0..1200)
+            .map(|i| sample(60_000 + i * 100, 10, 3, 1))
+            .collect();
+        let secs = aggregate(&samples, SECONDS);
+        assert_eq!(secs.len(), 120);
+        assert!(secs.values().all(|r| r.slices == 10 && r.admitted == 30));
+        let mins = aggregate(&samples, MINUTES);
+        assert_eq!(mins.len(), 2);
+        assert_eq!(mins[&60_000].admitted, 1_800);
+        assert_eq!(mins[&60_000].threshold(), 10);
+    }
+
+    #[test]
+    fn long_slices_land_in_the_bucket_of_their_start() {
+        let samples = [
+            sample(0, 5, 1, 0),
+            sample(2_500, 5, 2, 0),
+            sample(5_000, 5, 3, 0),
+        ];
+        let secs = aggregate(&samples, SECONDS);
+        assert_eq!(secs.keys().copied().collect::<Vec<_>>(), [0, 2_000, 5_000]);
+    }
+
+    #[test]
+    fn runs_cover_at_most_one_lap() {
+        let lap = SECONDS.span_ms();
+        let runs = SECONDS.runs(0, 3 * lap);
+        let total: i64 = runs.iter().map(|r| r.1).sum();
+        assert_eq!(total, SECONDS.slots);
+        assert_eq!(runs.last().map(|r| r.0 + (r.1 - 1) * 1000), Some(3 * lap));
+        assert!(SECONDS.runs(5_000, 4_000).is_empty());
+        assert_eq!(MINUTES.runs(59_999, 60_000), vec![(0, 2)]);
+    }
+
+    #[test]
+    fn settling_waits_for_the_slice_end() {
+        let settle = Duration::from_secs(5);
+        // 100 ms slices: bucket [9 s, 10 s) ends at 10 s, settled from 15 s.
+        assert_eq!(settled_until(14_999, 100, settle), 9_000);
+        assert_eq!(settled_until(15_000, 100, settle), 10_000);
+        // 10 s slices: the slice starting at 0 ends at 10 s, settled from 15 s (and the empty
+        // buckets up to the next slice with it).
+        assert_eq!(settled_until(14_999, 10_000, settle), 0);
+        assert_eq!(settled_until(15_000, 10_000, settle), 10_000);
+    }
+
+    #[test]
+    fn a_new_leader_starts_where_slices_may_still_exist() {
+        let ret = Duration::from_secs(60);
+        let settle = settle(ret);
+        let now = 10_000_000;
+        let first = first_bucket(now, 1_000, ret, settle);
+        assert_eq!(first, now - 54_000);
+        // The slice in progress started before that: start there.
+        let day = 86_400_000;
+        assert_eq!(first_bucket(day + 50_000_000, day as u64, ret, settle), day);
+        // A week of retention is read back one hour at most.
+        let week = Duration::from_secs(7 * 86_400);
+        let now = 1_700_000_000_000;
+        assert!(first_bucket(now, 1_000, week, settle) >= now - 3_600_000);
+    }
+
+    #[test]
+    fn live_part_covers_what_the_harvest_has_not_reached() {
+        let ret = Duration::from_secs(60);
+        let now = 100_500;
+        let live = live_from(now, 1_000, ret);
+        // Not yet harvested: buckets from settled_until on.
+        assert!(live <= settled_until(now, 1_000, settle(ret)) - 1_000);
+        // A long slice in progress is read live until it has been harvested.
+        assert!(live_from(now, 60_000, ret) <= 60_000);
+    }
+
+    #[test]
+    fn writes_coalesce_consecutive_slots() {
+        let recs: Vec<Record> = [3_598_000, 3_599_000, 3_600_000, 3_602_000]
+            .iter()
+            .map(|&s| Record {
+                start_ms: s,
+                slices: 1,
+                ..Record::default()
+            })
+            .collect();
+        let mut pipe = redis::pipe();
+        write_records(&mut pipe, "k", SECONDS, &recs);
+        // 3598+3599 together; 3600 wraps to slot 0; 3602 is not adjacent.
+        assert_eq!(pipe.cmd_iter().count(), 3);
+    }
+}

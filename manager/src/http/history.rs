@@ -1,0 +1,404 @@
+//! Traffic endpoints of `/api/v1` (contract in `docs/api.md`): a task's history, the hosts that
+//! report to `NS:hosts`, and a one-call traffic summary of every task for the dashboard's task
+//! list.
+//!
+//! ```text
+//!  GET /tasks/{name}/history?seconds=N[&resolution=1s|1m]  ring records + live slices
+//!  GET /hosts[?task=T]                                      NS:hosts, parsed
+//!  GET /traffic                                             every task: threshold now, rates,
+//!                                                           host states
+//! ```
+//!
+//! All three read Redis only (the task list comes from etcd); every Redis round trip is
+//! bounded, and a Redis that cannot be reached is a 503.
+
+use std::collections::{BTreeMap, HashMap};
+
+use axum::Router;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use futures::StreamExt;
+use serde_json::{Value, json};
+use sluice::protocol::conn::RedisConn;
+use sluice::protocol::{HostReport, meta_field, slice, unix_ms, validate_task_name};
+
+use super::AppState;
+use super::api::ApiError;
+use crate::error::{Error, Result as CrateResult, redis as redis_err};
+use crate::history::{self, MINUTES, Record, SECONDS, Series, SliceSample};
+
+/// Longest history that can be asked for: the one-minute ring's span (7 days).
+pub const MAX_SECONDS: u64 = 7 * 86_400;
+
+/// History returned when `seconds` is not given.
+pub const DEFAULT_SECONDS: u64 = 300;
+
+/// A host whose last report is older than this is shown as stale and not counted in
+/// `/traffic`.
+pub const STALE_HOST_MS: i64 = 60_000;
+
+/// Window of the rates in `/traffic`.
+pub const TRAFFIC_WINDOW_MS: i64 = 5_000;
+
+/// Bound on a single Redis read of these endpoints.
+const HOSTS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The routes of this module (merged into [`super::api::routes`]).
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/tasks/{name}/history", get(task_history))
+        .route("/hosts", get(hosts))
+        .route("/traffic", get(traffic))
+}
+
+/// A failed request: a backend error (mapped like every API error), or a status with a body.
+#[derive(Debug)]
+enum Failure {
+    Backend(ApiError),
+    Reply(StatusCode, Value),
+}
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        match self {
+            Self::Backend(e) => e.into_response(),
+            Self::Reply(status, body) => (status, axum::Json(body)).into_response(),
+        }
+    }
+}
+
+type Reply = Result<axum::Json<Value>, Failure>;
+
+fn bad(field: &str, error: impl Into<String>) -> Failure {
+    Failure::Reply(
+        StatusCode::BAD_REQUEST,
+        json!({ "error": error.into(), "field": field }),
+    )
+}
+
+fn backend(e: Error) -> Failure {
+    Failure::Backend(ApiError::from(e))
+}
+
+fn check_params(q: &HashMap<String, String>, allowed: &[&str]) -> Result<(), Failure> {
+    match q.keys().find(|k| !allowed.contains(&k.as_str())) {
+        Some(k) => Err(bad(
+            k,
+            format!("unknown parameter; expected one of: {}", allowed.join(", ")),
+        )),
+        None => Ok(()),
+    }
+}
+
+fn check_task_name(field: &str, name: &str) -> Result<(), Failure> {
+    validate_task_name(name).map_err(|e| bad(field, e.to_string()))
+}
+
+/// The validated query of a history request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryQuery {
+    /// How far back, in seconds.
+    pub seconds: u64,
+    /// Which ring.
+    pub series: Series,
+}
+
+/// Validates `seconds` and `resolution` (pure; the errors name the parameter).
+///
+/// ```
+/// use std::collections::HashMap;
+/// use sluice_manager::http::history::parse_history_query;
+/// let q = |pairs: &[(&str, &str)]| {
+///     let m: HashMap<String, String> =
+///         pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+///     parse_history_query(&m)
+/// };
+/// assert_eq!(q(&[]).unwrap().seconds, 300);
+/// assert_eq!(q(&[("seconds", "3600")]).unwrap().series.name, "1s");
+/// assert_eq!(q(&[("seconds", "86400")]).unwrap().series.name, "1m");
+/// assert_eq!(q(&[("seconds", "0")]).unwrap_err().0, "seconds");
+/// assert_eq!(q(&[("seconds", "86400"), ("resolution", "1s")]).unwrap_err().0, "resolution");
+/// ```
+pub fn parse_history_query(
+    q: &HashMap<String, String>,
+) -> Result<HistoryQuery, (&'static str, String)> {
+    let seconds = match q.get("seconds") {
+        None => DEFAULT_SECONDS,
+        Some(raw) => match raw.trim().parse::<u64>() {
+            Ok(n) if (1..=MAX_SECONDS).contains(&n) => n,
+            _ => {
+                return Err((
+                    "seconds",
+                    format!("must be a whole number from 1 to {MAX_SECONDS}, got {raw:?}"),
+                ));
+            }
+        },
+    };
+    let series = match q.get("resolution") {
+        None if seconds as i64 * 1000 <= SECONDS.span_ms() => SECONDS,
+        None => MINUTES,
+        Some(raw) => Series::by_name(raw.trim())
+            .ok_or(("resolution", format!("must be 1s or 1m, got {raw:?}")))?,
+    };
+    if seconds as i64 * 1000 > series.span_ms() {
+        return Err((
+            "resolution",
+            format!(
+                "{} history is kept for {} s; ask for at most that, or resolution=1m",
+                series.name,
+                series.span_ms() / 1000
+            ),
+        ));
+    }
+    Ok(HistoryQuery { seconds, series })
+}
+
+fn record_json(r: &Record) -> Value {
+    json!({
+        "start_ms": r.start_ms,
+        "threshold": r.threshold(),
+        "admitted": r.admitted,
+        "rejected": r.rejected,
+        "slice_count": r.slices,
+    })
+}
+
+async fn task_history(
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> Reply {
+    check_task_name("name", &name)?;
+    check_params(&q, &["seconds", "resolution"])?;
+    let hq = parse_history_query(&q).map_err(|(f, e)| bad(f, e))?;
+    let task = s.store.get(&name).await.map_err(backend)?.ok_or_else(|| {
+        Failure::Reply(
+            StatusCode::NOT_FOUND,
+            json!({ "error": format!("no task {name:?}") }),
+        )
+    })?;
+    let slice_ms = task.spec.slice_ms;
+    let mut conn = s
+        .redis
+        .conn()
+        .await
+        .map_err(|e| backend(redis_err("connect")(e)))?;
+    let now = unix_ms();
+    let from = now - hq.seconds as i64 * 1000;
+    let mut records: BTreeMap<i64, Record> =
+        history::read_series(&mut conn, &s.keys, &name, hq.series, from, now)
+            .await
+            .map_err(backend)?
+            .into_iter()
+            .map(|r| (r.start_ms, r))
+            .collect();
+    let mut live_from = Value::Null;
+    if hq.series == SECONDS {
+        // What the harvest has not written yet, read from the slices themselves.
+        let lf = history::live_from(now, slice_ms, s.cfg.retention);
+        let live = history::read_live(&mut conn, &s.keys, &name, slice_ms, lf, now)
+            .await
+            .map_err(backend)?;
+        records.extend(history::aggregate(&live, SECONDS));
+        live_from = json!(lf.max(SECONDS.bucket(from)));
+    }
+    let first = hq.series.bucket(from);
+    let slices: Vec<Value> = records
+        .range(first..)
+        .map(|(_, r)| record_json(r))
+        .collect();
+    Ok(axum::Json(json!({
+        "task": name,
+        "resolution_ms": hq.series.res_ms,
+        "slice_ms": slice_ms,
+        "now_ms": now,
+        "from_ms": first,
+        "live_from_ms": live_from,
+        "slices": slices,
+    })))
+}
+
+/// One entry of `NS:hosts`, as the API shows it.
+fn host_json(host_id: &str, raw: &str, now_ms: i64) -> Value {
+    match serde_json::from_str::<HostReport>(raw) {
+        Ok(h) => {
+            // `seen_ms` is the host's clock; minus its offset it is Redis time.
+            let age = (now_ms as f64 - (h.seen_ms as f64 - h.offset_ms)).max(0.0);
+            json!({
+                "host_id": host_id,
+                "offset_ms": h.offset_ms,
+                "rtt_ms": h.rtt_ms,
+                "seen_ms": h.seen_ms,
+                "sdk": h.sdk,
+                "tasks": h.tasks,
+                "age_ms": age.round() as i64,
+                "stale": age as i64 > STALE_HOST_MS,
+            })
+        }
+        Err(e) => json!({
+            "host_id": host_id,
+            "error": format!("unreadable report: {e}"),
+        }),
+    }
+}
+
+async fn read_hosts(s: &AppState) -> CrateResult<Vec<(String, String)>> {
+    let mut conn = s.redis.conn().await.map_err(redis_err("connect"))?;
+    let mut cmd = redis::cmd("HGETALL");
+    cmd.arg(s.keys.hosts());
+    let map: HashMap<String, String> =
+        match tokio::time::timeout(HOSTS_TIMEOUT, cmd.query_async(&mut conn)).await {
+            Ok(r) => r.map_err(redis_err("read hosts"))?,
+            Err(_) => {
+                return Err(Error::Timeout {
+                    op: "read hosts",
+                    after: HOSTS_TIMEOUT,
+                });
+            }
+        };
+    let mut v: Vec<(String, String)> = map.into_iter().collect();
+    v.sort();
+    Ok(v)
+}
+
+async fn hosts(State(s): State<AppState>, Query(q): Query<HashMap<String, String>>) -> Reply {
+    check_params(&q, &["task"])?;
+    let task = q.get("task").map(String::as_str);
+    if let Some(t) = task {
+        check_task_name("task", t)?;
+    }
+    let raw = read_hosts(&s).await.map_err(backend)?;
+    let now = unix_ms();
+    let hosts: Vec<Value> = raw
+        .iter()
+        .map(|(id, json)| host_json(id, json, now))
+        .filter(|h| task.is_none_or(|t| h["tasks"].get(t).is_some()))
+        .collect();
+    Ok(axum::Json(json!({ "now_ms": now, "hosts": hosts })))
+}
+
+/// Rates over the slices that ended in the window; when none has (long slices), over the part
+/// of the slice in progress that has elapsed. Returns (admitted/s, rejected/s, window ms).
+///
+/// ```
+/// use sluice_manager::history::SliceSample;
+/// use sluice_manager::http::history::rates;
+/// let s = |start_ms, admitted| SliceSample { start_ms, cap: 100, admitted, rejected: 0 };
+/// // Two ended 1 s slices (50 and 70 admitted) and the current one: 60/s.
+/// assert_eq!(rates(&[s(1_000, 50), s(2_000, 70), s(3_000, 5)], 1_000, 3_500).0, 60.0);
+/// // One 60 s slice, 30 s elapsed, 300 admitted: 10/s.
+/// assert_eq!(rates(&[s(0, 300)], 60_000, 30_000).0, 10.0);
+/// ```
+pub fn rates(samples: &[SliceSample], slice_ms: u64, now_ms: i64) -> (f64, f64, i64) {
+    let ended: Vec<&SliceSample> = samples
+        .iter()
+        .filter(|x| slice::end(x.start_ms, slice_ms) <= now_ms)
+        .collect();
+    let (used, span): (Vec<&SliceSample>, i64) = if ended.is_empty() {
+        let current: Vec<&SliceSample> = samples.iter().collect();
+        let span = current
+            .iter()
+            .map(|x| (now_ms - x.start_ms).clamp(0, slice_ms as i64))
+            .sum();
+        (current, span)
+    } else {
+        let n = ended.len() as i64;
+        (ended, n * slice_ms as i64)
+    };
+    if span <= 0 {
+        return (0.0, 0.0, 0);
+    }
+    let adm: u64 = used.iter().map(|x| x.admitted).sum();
+    let rej: u64 = used.iter().map(|x| x.rejected).sum();
+    let per_s = |n: u64| (n as f64 * 1000.0 / span as f64 * 100.0).round() / 100.0;
+    (per_s(adm), per_s(rej), span)
+}
+
+async fn task_traffic(
+    mut conn: RedisConn,
+    s: &AppState,
+    name: &str,
+    slice_ms: u64,
+    now: i64,
+) -> CrateResult<Value> {
+    let from = slice::start(now - TRAFFIC_WINDOW_MS, slice_ms);
+    let mut c2 = conn.clone();
+    let mut rolled = redis::cmd("HGET");
+    rolled.arg(s.keys.meta(name)).arg(meta_field::ROLLED_TO);
+    let (samples, rolled_to) = tokio::join!(
+        history::read_live(&mut conn, &s.keys, name, slice_ms, from, now),
+        tokio::time::timeout(HOSTS_TIMEOUT, rolled.query_async::<Option<i64>>(&mut c2)),
+    );
+    let samples = samples?;
+    let horizon_until_ms = match rolled_to {
+        Ok(r) => r.map_err(redis_err("read rolled_to"))?,
+        Err(_) => {
+            return Err(Error::Timeout {
+                op: "read rolled_to",
+                after: HOSTS_TIMEOUT,
+            });
+        }
+    };
+    let current = slice::start(now, slice_ms);
+    let threshold = samples
+        .iter()
+        .find(|x| x.start_ms == current)
+        .map(|x| x.cap);
+    let (adm, rej, window) = rates(&samples, slice_ms, now);
+    Ok(json!({
+        "threshold": threshold,
+        "admitted_per_s": adm,
+        "rejected_per_s": rej,
+        "window_ms": window,
+        "horizon_until_ms": horizon_until_ms,
+    }))
+}
+
+async fn traffic(State(s): State<AppState>) -> Reply {
+    let tasks = s.store.list().await.map_err(backend)?;
+    let conn = s
+        .redis
+        .conn()
+        .await
+        .map_err(|e| backend(redis_err("connect")(e)))?;
+    let now = unix_ms();
+    let raw_hosts = read_hosts(&s).await.map_err(backend)?;
+    let mut states: HashMap<String, BTreeMap<String, u64>> = HashMap::new();
+    for (id, raw) in &raw_hosts {
+        let h = host_json(id, raw, now);
+        if h["stale"] != Value::Bool(false) {
+            continue;
+        }
+        if let Some(ts) = h["tasks"].as_object() {
+            for (task, state) in ts {
+                let st = state.as_str().unwrap_or("unknown").to_string();
+                *states
+                    .entry(task.clone())
+                    .or_default()
+                    .entry(st)
+                    .or_default() += 1;
+            }
+        }
+    }
+    let s_ref = &s;
+    let results: Vec<(String, CrateResult<Value>)> = futures::stream::iter(tasks)
+        .map(|t| {
+            let c = conn.clone();
+            async move {
+                let r = task_traffic(c, s_ref, &t.name, t.spec.slice_ms, now).await;
+                (t.name, r)
+            }
+        })
+        .buffer_unordered(64)
+        .collect()
+        .await;
+    let mut out = serde_json::Map::new();
+    for (name, r) in results {
+        let mut v = r.map_err(backend)?;
+        v["hosts"] = json!(states.remove(&name).unwrap_or_default());
+        out.insert(name, v);
+    }
+    Ok(axum::Json(json!({ "now_ms": now, "tasks": out })))
+}
