@@ -737,14 +737,18 @@ impl WebhookReceiver {
     /// Starts the receiver; the first `fail_first` requests get a 500.
     pub async fn start(fail_first: usize) -> Self {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
         let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
         let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
         let store = received.clone();
         let failures = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(fail_first));
         let task = tokio::spawn(async move {
             loop {
-                let Ok((mut sock, _)) = listener.accept().await else { return };
+                let Ok((mut sock, _)) = listener.accept().await else {
+                    return;
+                };
                 let store = store.clone();
                 let failures = failures.clone();
                 tokio::spawn(async move {
@@ -752,7 +756,9 @@ impl WebhookReceiver {
                     let mut chunk = [0u8; 4096];
                     // Read headers, then Content-Length bytes of body.
                     let body = loop {
-                        let Ok(n) = sock.read(&mut chunk).await else { return };
+                        let Ok(n) = sock.read(&mut chunk).await else {
+                            return;
+                        };
                         if n == 0 {
                             return;
                         }
@@ -763,7 +769,8 @@ impl WebhookReceiver {
                                 .lines()
                                 .find_map(|l| {
                                     let (k, v) = l.split_once(':')?;
-                                    k.eq_ignore_ascii_case("content-length").then(|| v.trim().parse::<usize>().ok())?
+                                    k.eq_ignore_ascii_case("content-length")
+                                        .then(|| v.trim().parse::<usize>().ok())?
                                 })
                                 .unwrap_or(0);
                             if body.len() >= len {
@@ -774,7 +781,11 @@ impl WebhookReceiver {
                     let fail = failures
                         .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| f.checked_sub(1))
                         .is_ok();
-                    let status = if fail { "500 Internal Server Error" } else { "200 OK" };
+                    let status = if fail {
+                        "500 Internal Server Error"
+                    } else {
+                        "200 OK"
+                    };
                     if !fail && let Ok(v) = serde_json::from_str::<Value>(&body) {
                         store.lock().expect("lock").push(v);
                     }
@@ -784,7 +795,11 @@ impl WebhookReceiver {
                 });
             }
         });
-        Self { url, received, task }
+        Self {
+            url,
+            received,
+            task,
+        }
     }
 
     /// Every body received so far.

@@ -101,15 +101,25 @@ async fn two_hosts_share_one_threshold_without_over_admission() {
     }
     let first = *sum.keys().next().expect("no buckets");
     let last = *sum.keys().last().unwrap();
-    let full: Vec<i64> = sum.keys().copied().filter(|k| *k != first && *k != last).collect();
+    let full: Vec<i64> = sum
+        .keys()
+        .copied()
+        .filter(|k| *k != first && *k != last)
+        .collect();
     eprintln!("per-slice admitted (both hosts): {sum:?}");
     assert!(full.len() >= 8, "expected ≥ 8 full slices, got {full:?}");
     for (k, (a, _)) in &sum {
-        assert!(*a <= THRESHOLD, "slice {k} over-admitted: {a} > {THRESHOLD}");
+        assert!(
+            *a <= THRESHOLD,
+            "slice {k} over-admitted: {a} > {THRESHOLD}"
+        );
     }
     for k in &full {
         let a = sum[k].0;
-        assert!(a >= THRESHOLD * 95 / 100, "slice {k} under-used: {a} < 1900");
+        assert!(
+            a >= THRESHOLD * 95 / 100,
+            "slice {k} under-used: {a} < 1900"
+        );
     }
 
     // What the manager sees: the admitted counts flushed into the slice hashes.
@@ -126,14 +136,26 @@ async fn two_hosts_share_one_threshold_without_over_admission() {
         );
     }
 
-    let admitted: u64 = reports.iter().map(|r| r["admitted"].as_u64().unwrap()).sum();
-    let calls: u64 = reports.iter().map(|r| r["redis_calls"].as_u64().unwrap()).sum();
+    let admitted: u64 = reports
+        .iter()
+        .map(|r| r["admitted"].as_u64().unwrap())
+        .sum();
+    let calls: u64 = reports
+        .iter()
+        .map(|r| r["redis_calls"].as_u64().unwrap())
+        .sum();
     let fallback: u64 = reports
         .iter()
         .map(|r| r["fallback_admitted"].as_u64().unwrap())
         .sum();
     let ratio = calls as f64 / admitted as f64;
     eprintln!("admitted {admitted}, redis calls {calls}, calls per admitted {ratio:.4}");
-    assert_eq!(fallback, 0, "no decision may fall back while Redis is healthy");
-    assert!(ratio <= 0.05, "Redis calls per admitted decision {ratio:.4} > 0.05");
+    assert_eq!(
+        fallback, 0,
+        "no decision may fall back while Redis is healthy"
+    );
+    assert!(
+        ratio <= 0.05,
+        "Redis calls per admitted decision {ratio:.4} > 0.05"
+    );
 }

@@ -200,7 +200,10 @@ async fn redis_outage_falls_back_to_the_local_limit_and_recovers() {
             .map(|(k, v)| (*k, *v))
             .collect();
         eprintln!("{host}: slices inside the outage: {inside:?}");
-        assert!(inside.len() >= 3, "{host}: too few outage slices {inside:?}");
+        assert!(
+            inside.len() >= 3,
+            "{host}: too few outage slices {inside:?}"
+        );
         for (k, a) in inside {
             assert!(
                 (LOCAL_LIMIT * 9 / 10..=LOCAL_LIMIT * 11 / 10).contains(&a),

@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use serde::{Deserialize, Serialize};
-use sluice::{ClockSource, Client, Config, Decision, Outcome};
+use sluice::{Client, ClockSource, Config, Decision, Outcome};
 
 #[derive(Debug, Clone, Parser)]
 #[command(about = "Sluice load generator: P processes sharing one host segment")]
@@ -142,7 +142,8 @@ fn parent(args: &Args) -> Result<(), String> {
             .map_err(|e| format!("cannot start child {i}: {e}"))?;
         children.push(child);
     }
-    let deadline = Instant::now() + Duration::from_millis(args.duration_ms) + Duration::from_secs(60);
+    let deadline =
+        Instant::now() + Duration::from_millis(args.duration_ms) + Duration::from_secs(60);
     let mut total = Report {
         task: args.task.clone(),
         host_id: args.host_id.clone(),
@@ -193,7 +194,10 @@ fn parent(args: &Args) -> Result<(), String> {
     }
     total.decisions_per_sec =
         (total.admitted + total.rejected) as f64 / (args.duration_ms.max(1) as f64 / 1_000.0);
-    println!("{}", serde_json::to_string(&total).map_err(|e| e.to_string())?);
+    println!(
+        "{}",
+        serde_json::to_string(&total).map_err(|e| e.to_string())?
+    );
     Ok(())
 }
 
@@ -309,7 +313,12 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     }
     let secs = started.elapsed().as_secs_f64().max(1e-9);
     r.decisions_per_sec = (r.admitted + r.rejected) as f64 / secs;
-    tracing::debug!(child = index, admitted = r.admitted, rejected = r.rejected, "child done");
+    tracing::debug!(
+        child = index,
+        admitted = r.admitted,
+        rejected = r.rejected,
+        "child done"
+    );
     // Drop the client first: its last flush is part of its Redis calls.
     drop(task);
     drop(client);

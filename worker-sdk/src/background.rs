@@ -84,11 +84,7 @@ pub(crate) fn spawn(shared: Arc<Shared>) -> std::io::Result<std::thread::JoinHan
 async fn run(sh: Arc<Shared>) {
     loop {
         let stopping = sh.stop.load(Ordering::Acquire);
-        let tasks: Vec<Arc<TaskInner>> = sh
-            .tasks
-            .lock()
-            .map(|t| t.clone())
-            .unwrap_or_default();
+        let tasks: Vec<Arc<TaskInner>> = sh.tasks.lock().map(|t| t.clone()).unwrap_or_default();
         let busy = futures::future::join_all(tasks.iter().map(|t| step(&sh, t, stopping))).await;
         if stopping {
             return;
@@ -274,8 +270,7 @@ async fn pooled(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i
     if need_cur(slot) {
         pull(sh, t, slot, m, index, now_us, true).await;
     }
-    if need_next(slot) && Health::decode(slot.ctl.state.load(Ordering::Acquire)) == Health::Normal
-    {
+    if need_next(slot) && Health::decode(slot.ctl.state.load(Ordering::Acquire)) == Health::Normal {
         pull(sh, t, slot, m, index + 1, now_us, true).await;
     }
     slot.pull_lock().unlock(token);
@@ -290,7 +285,10 @@ fn lock(sh: &Shared, slot: &Slot, now_ms: i64) -> Option<u64> {
             took_over_from,
         } => {
             if let Some(pid) = took_over_from {
-                tracing::warn!(holder = pid, "took over the pull lock from a dead or stuck process");
+                tracing::warn!(
+                    holder = pid,
+                    "took over the pull lock from a dead or stuck process"
+                );
             }
             Some(token)
         }

@@ -199,13 +199,7 @@ impl Shared {
         let h = crate::clock::host_us();
         match self.cfg.clock {
             ClockSource::Host => h,
-            ClockSource::Redis => {
-                h - self
-                    .seg
-                    .header()
-                    .clock_offset_us
-                    .load(Ordering::Relaxed)
-            }
+            ClockSource::Redis => h - self.seg.header().clock_offset_us.load(Ordering::Relaxed),
         }
     }
 }
@@ -303,23 +297,19 @@ impl Client {
     /// A handle to task `name` (its slot in the host segment is claimed on first use).
     pub fn task(&self, name: &str) -> Result<Task, Error> {
         validate_task_name(name)?;
-        let mut tasks = self
-            .shared
-            .tasks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let mut tasks = self.shared.tasks.lock().unwrap_or_else(|e| e.into_inner());
         let inner = match tasks.iter().find(|t| t.name == name) {
             Some(t) => t.clone(),
             None => {
                 let lock_ms = self.shared.cfg.lock_timeout.as_millis() as u64;
-                let slot =
-                    self.shared
-                        .seg
-                        .find_or_claim(name, lock_ms)
-                        .ok_or_else(|| Error::SegmentFull {
-                            path: self.shared.seg.path().to_path_buf(),
-                            task: name.to_string(),
-                        })?;
+                let slot = self
+                    .shared
+                    .seg
+                    .find_or_claim(name, lock_ms)
+                    .ok_or_else(|| Error::SegmentFull {
+                        path: self.shared.seg.path().to_path_buf(),
+                        task: name.to_string(),
+                    })?;
                 let t = Arc::new(TaskInner {
                     name: name.to_string(),
                     slot,
@@ -672,7 +662,8 @@ impl Task {
 
     #[inline]
     fn poke(&self) {
-        if !self.inner.poked.load(Ordering::Relaxed) && !self.inner.poked.swap(true, Ordering::AcqRel)
+        if !self.inner.poked.load(Ordering::Relaxed)
+            && !self.inner.poked.swap(true, Ordering::AcqRel)
         {
             self.shared.wake.notify_one();
         }

@@ -14,7 +14,9 @@ pub fn host_us() -> i64 {
     };
     // SAFETY: clock_gettime writes into the timespec we pass; CLOCK_REALTIME always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_REALTIME, &mut ts) };
-    ts.tv_sec as i64 * 1_000_000 + ts.tv_nsec as i64 / 1_000
+    #[allow(clippy::unnecessary_cast)] // time_t and c_long are not i64 everywhere
+    let us = ts.tv_sec as i64 * 1_000_000 + ts.tv_nsec as i64 / 1_000;
+    us
 }
 
 /// Host Unix time in milliseconds.

@@ -39,6 +39,6 @@ pub mod pull;
 pub mod shm;
 pub mod state;
 
-pub use client::{ClockSource, Client, Config, Decision, Error, Task};
+pub use client::{Client, ClockSource, Config, Decision, Error, Task};
 pub use health::Outcome;
 pub use state::HostState;

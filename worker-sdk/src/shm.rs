@@ -226,7 +226,7 @@ pub struct Slot {
 const HEADER_SIZE: usize = std::mem::size_of::<Header>();
 const SLOT_SIZE: usize = std::mem::size_of::<Slot>();
 const _: () = assert!(HEADER_SIZE == 128);
-const _: () = assert!(SLOT_SIZE % 64 == 0);
+const _: () = assert!(SLOT_SIZE.is_multiple_of(64));
 
 /// Size in bytes of a segment with `slots` slots.
 pub fn segment_size(slots: u32) -> u64 {
@@ -258,7 +258,11 @@ pub fn pack_quota(tag: u32, exhausted: bool, count: u32) -> u64 {
 
 /// Unpacks a quota word into `(tag, exhausted, count)`.
 pub fn unpack_quota(w: u64) -> (u32, bool, u32) {
-    ((w >> 32) as u32, w & EXHAUSTED != 0, (w & MAX_COUNT as u64) as u32)
+    (
+        (w >> 32) as u32,
+        w & EXHAUSTED != 0,
+        (w & MAX_COUNT as u64) as u32,
+    )
 }
 
 /// True when tag `a` is later than tag `b` (wrapping, like TCP sequence numbers).
@@ -280,7 +284,12 @@ pub struct FastMeta {
     pub algorithm: FallbackAlgorithm,
 }
 
-const MODES: [Mode; 4] = [Mode::Pooled, Mode::Local, Mode::ExactFixed, Mode::ExactSliding];
+const MODES: [Mode; 4] = [
+    Mode::Pooled,
+    Mode::Local,
+    Mode::ExactFixed,
+    Mode::ExactSliding,
+];
 const ON_FAILURE: [OnFailure; 3] = [OnFailure::Local, OnFailure::Allow, OnFailure::Deny];
 const ALGORITHMS: [FallbackAlgorithm; 5] = [
     FallbackAlgorithm::TokenBucket,
@@ -406,7 +415,14 @@ impl Slot {
     /// count (`granted − accounted − count left`) goes to the counter ring. A grant for a slice
     /// older than the entry's is dropped (it can no longer be spent). `exhausted` marks that
     /// Redis has nothing left for the slice. Returns false when the grant was dropped.
-    pub fn deposit(&self, tag: u32, full_index: u64, granted: u64, exhausted: bool, now_us: i64) -> bool {
+    pub fn deposit(
+        &self,
+        tag: u32,
+        full_index: u64,
+        granted: u64,
+        exhausted: bool,
+        now_us: i64,
+    ) -> bool {
         let e = self.entry(tag);
         let add = granted.min(MAX_COUNT as u64) as u32;
         let mut cur = e.word.load(Ordering::Acquire);
@@ -444,7 +460,9 @@ impl Slot {
     fn close_entry(&self, e: &QuotaEntry, old_tag: u32, left: u32, new_index: u64) {
         let granted = e.granted.load(Ordering::Relaxed);
         let accounted = e.accounted.load(Ordering::Relaxed);
-        let admitted = granted.saturating_sub(accounted).saturating_sub(left as u64);
+        let admitted = granted
+            .saturating_sub(accounted)
+            .saturating_sub(left as u64);
         if granted == 0 {
             return;
         }
@@ -648,7 +666,10 @@ impl PidLock<'_> {
             }
             return busy(self.0.load(Ordering::Acquire), now_ms);
         }
-        LockAttempt::Busy { pid: holder, age_ms: age }
+        LockAttempt::Busy {
+            pid: holder,
+            age_ms: age,
+        }
     }
 
     /// Releases the lock if `token` still holds it (a holder that was taken over does not
@@ -686,7 +707,8 @@ pub fn pid_alive(pid: u32) -> bool {
     // A zombie (dead, not yet reaped) still answers kill(0).
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
         Ok(stat) => !matches!(
-            stat.rsplit_once(')').and_then(|(_, rest)| rest.split_whitespace().next()),
+            stat.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next()),
             Some("Z") | Some("X")
         ),
         Err(_) => rc == 0,
@@ -749,7 +771,11 @@ impl Segment {
     /// assert_eq!(p.to_str(), Some("/dev/shm/sluice.sluice.web-1"));
     /// ```
     pub fn path_for(dir: &Path, namespace: &str, host_id: &str) -> PathBuf {
-        dir.join(format!("sluice.{}.{}", sanitize(namespace), sanitize(host_id)))
+        dir.join(format!(
+            "sluice.{}.{}",
+            sanitize(namespace),
+            sanitize(host_id)
+        ))
     }
 
     /// Opens (creating or replacing as needed) the segment at `path` with `slots` slots for a
@@ -784,8 +810,7 @@ impl Segment {
             opened = Opened::Created;
         }
         Self::create_fresh(path, slots).map_err(err)?;
-        let seg = Self::map_existing(path)
-            .map_err(|reason| err(std::io::Error::other(reason)))?;
+        let seg = Self::map_existing(path).map_err(|reason| err(std::io::Error::other(reason)))?;
         Ok((seg, opened))
     }
 
@@ -828,7 +853,10 @@ impl Segment {
         if slot_size != SLOT_SIZE as u64 {
             return Err(format!("slot size {slot_size}, this SDK uses {SLOT_SIZE}"));
         }
-        if slots == 0 || slots > MAX_SLOTS as u64 || size != segment_size(slots as u32) || size != len
+        if slots == 0
+            || slots > MAX_SLOTS as u64
+            || size != segment_size(slots as u32)
+            || size != len
         {
             return Err(format!(
                 "size {size} / file {len} does not match {slots} slots"
@@ -927,7 +955,8 @@ impl Segment {
         }
         let lock = PidLock(&self.header().alloc_lock);
         let pid = std::process::id();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_millis(lock_timeout_ms * 2);
+        let deadline =
+            std::time::Instant::now() + std::time::Duration::from_millis(lock_timeout_ms * 2);
         let token = loop {
             match lock.try_lock(pid, crate::clock::host_ms(), lock_timeout_ms) {
                 LockAttempt::Acquired { token, .. } => break token,
@@ -1016,10 +1045,16 @@ mod tests {
         let (_d, seg) = tmp_seg(2);
         let s = seg.slot(0).unwrap();
         assert!(s.deposit(10, 10, 5, false, 0));
-        assert_eq!(unpack_quota(s.entry(10).word.load(Ordering::Relaxed)), (10, false, 5));
+        assert_eq!(
+            unpack_quota(s.entry(10).word.load(Ordering::Relaxed)),
+            (10, false, 5)
+        );
         // Same parity, later slice: replaces (and closes) slice 10.
         assert!(s.deposit(12, 12, 3, true, 0));
-        assert_eq!(unpack_quota(s.entry(12).word.load(Ordering::Relaxed)), (12, true, 3));
+        assert_eq!(
+            unpack_quota(s.entry(12).word.load(Ordering::Relaxed)),
+            (12, true, 3)
+        );
         // A late grant for slice 10 is dropped.
         assert!(!s.deposit(10, 12, 9, false, 0));
         // Slice 10 admitted nothing: granted 5, 5 left.
@@ -1086,18 +1121,27 @@ mod tests {
         let LockAttempt::Acquired { token, .. } = lock.try_lock(me, 1_000, 5_000) else {
             panic!("free lock not acquired")
         };
-        assert!(matches!(lock.try_lock(me, 1_010, 5_000), LockAttempt::Busy { .. }));
+        assert!(matches!(
+            lock.try_lock(me, 1_010, 5_000),
+            LockAttempt::Busy { .. }
+        ));
         // Timed out.
         assert!(matches!(
             lock.try_lock(me, 7_000, 5_000),
             LockAttempt::Acquired { took_over_from: Some(p), .. } if p == me
         ));
-        assert!(!lock.unlock(token), "a replaced holder must not unlock its successor");
+        assert!(
+            !lock.unlock(token),
+            "a replaced holder must not unlock its successor"
+        );
         // A pid that cannot exist.
         w.store(((i32::MAX as u64 - 1) << 32) | 1_000, Ordering::Relaxed);
         assert!(matches!(
             lock.try_lock(me, 1_001, 5_000),
-            LockAttempt::Acquired { took_over_from: Some(_), .. }
+            LockAttempt::Acquired {
+                took_over_from: Some(_),
+                ..
+            }
         ));
     }
 
@@ -1107,15 +1151,23 @@ mod tests {
         let path = Segment::path_for(dir.path(), "ns", "h");
         std::fs::write(&path, vec![0xA5u8; 4096]).unwrap();
         let (seg, opened) = Segment::open(&path, 4).unwrap();
-        assert!(matches!(opened, Opened::Replaced(ref r) if r.contains("magic")), "{opened:?}");
+        assert!(
+            matches!(opened, Opened::Replaced(ref r) if r.contains("magic")),
+            "{opened:?}"
+        );
         assert_eq!(seg.slots(), 4);
         drop(seg);
         // An older layout: valid magic, other version.
         let (seg, _) = Segment::open(&path, 4).unwrap();
-        seg.header().version.store(LAYOUT_VERSION - 1, Ordering::Relaxed);
+        seg.header()
+            .version
+            .store(LAYOUT_VERSION - 1, Ordering::Relaxed);
         drop(seg);
         let (seg, opened) = Segment::open(&path, 4).unwrap();
-        assert!(matches!(opened, Opened::Replaced(ref r) if r.contains("version")), "{opened:?}");
+        assert!(
+            matches!(opened, Opened::Replaced(ref r) if r.contains("version")),
+            "{opened:?}"
+        );
         assert_eq!(seg.header().version.load(Ordering::Relaxed), LAYOUT_VERSION);
         drop(seg);
         // Truncated.

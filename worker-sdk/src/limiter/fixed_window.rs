@@ -24,8 +24,8 @@ pub(super) fn decide(p: &Params, cells: &mut impl Cells, now_us: u64, n: u64) ->
 
 #[cfg(test)]
 mod tests {
-    use crate::limiter::testing::admitted_per_window;
     use crate::limiter::Params;
+    use crate::limiter::testing::admitted_per_window;
     use crate::protocol::FallbackAlgorithm::FixedWindow;
 
     #[test]

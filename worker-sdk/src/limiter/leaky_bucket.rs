@@ -40,7 +40,7 @@ pub(super) fn decide(p: &Params, cells: &mut impl Cells, now_us: u64, n: u64) ->
 #[cfg(test)]
 mod tests {
     use crate::limiter::testing::admitted_per_window;
-    use crate::limiter::{decide, MemCells, Params};
+    use crate::limiter::{MemCells, Params, decide};
     use crate::protocol::FallbackAlgorithm::LeakyBucket;
 
     #[test]

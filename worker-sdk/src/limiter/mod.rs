@@ -24,7 +24,7 @@ pub mod token_bucket;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::protocol::FallbackAlgorithm;
-use crate::shm::{LIMITER_CELLS, LockAttempt, LOG_CAP, PidLock, Slot};
+use crate::shm::{LIMITER_CELLS, LOG_CAP, LockAttempt, PidLock, Slot};
 
 /// The state words an algorithm reads and writes. Cell 0 is reserved (a fingerprint of the
 /// parameters: the state is reset when they change); algorithms use cells 1.. and the log.
@@ -163,7 +163,13 @@ fn fingerprint(alg: FallbackAlgorithm, p: &Params) -> u64 {
 /// assert!(!decide(FixedWindow, &p, &mut c, 30, 1).admitted());
 /// assert!(decide(FixedWindow, &p, &mut c, 1_000_000, 1).admitted());
 /// ```
-pub fn decide(alg: FallbackAlgorithm, p: &Params, cells: &mut impl Cells, now_us: i64, n: u64) -> Verdict {
+pub fn decide(
+    alg: FallbackAlgorithm,
+    p: &Params,
+    cells: &mut impl Cells,
+    now_us: i64,
+    n: u64,
+) -> Verdict {
     let fp = fingerprint(alg, p);
     if cells.get(0) != fp {
         for i in 0..LIMITER_CELLS {
@@ -223,7 +229,7 @@ fn spin_lock(lock: PidLock<'_>) -> u64 {
             return token;
         }
         spins = spins.wrapping_add(1);
-        if spins % 256 == 0 {
+        if spins.is_multiple_of(256) {
             // Rarely: is the holder dead or stuck?
             if let LockAttempt::Acquired { token, .. } =
                 lock.try_lock(pid, now_ms, LIMITER_LOCK_TIMEOUT_MS)
@@ -231,7 +237,7 @@ fn spin_lock(lock: PidLock<'_>) -> u64 {
                 return token;
             }
         }
-        if spins % 16 == 0 {
+        if spins.is_multiple_of(16) {
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();
@@ -280,7 +286,13 @@ mod tests {
             window_us: 1_000_000,
             burst: 0,
         };
-        for alg in [TokenBucket, FixedWindow, SlidingWindow, SlidingLog, LeakyBucket] {
+        for alg in [
+            TokenBucket,
+            FixedWindow,
+            SlidingWindow,
+            SlidingLog,
+            LeakyBucket,
+        ] {
             // Demand 10x the limit for 10 windows, starting on a window boundary.
             let got = testing::admitted_per_window(alg, &p, 5_000_000, 333, 10_000_000);
             for (i, w) in got.iter().enumerate().skip(1) {
@@ -313,7 +325,13 @@ mod tests {
             window_us: 1_000,
             burst: 0,
         };
-        for alg in [TokenBucket, FixedWindow, SlidingWindow, SlidingLog, LeakyBucket] {
+        for alg in [
+            TokenBucket,
+            FixedWindow,
+            SlidingWindow,
+            SlidingLog,
+            LeakyBucket,
+        ] {
             let mut c = MemCells::default();
             assert!(!decide(alg, &p, &mut c, 5, 1).admitted(), "{alg:?}");
         }

@@ -74,7 +74,7 @@ pub(super) fn decide(p: &Params, cells: &mut impl Cells, now_us: u64, n: u64) ->
 #[cfg(test)]
 mod tests {
     use crate::limiter::testing::admitted_per_window;
-    use crate::limiter::{decide, MemCells, Params, Verdict};
+    use crate::limiter::{MemCells, Params, Verdict, decide};
     use crate::protocol::FallbackAlgorithm::SlidingLog;
 
     #[test]
@@ -94,7 +94,10 @@ mod tests {
             t += 7_000;
         }
         for (i, a) in times.iter().enumerate() {
-            let inside = times[i..].iter().take_while(|b| **b < a + 1_000_000).count();
+            let inside = times[i..]
+                .iter()
+                .take_while(|b| **b < a + 1_000_000)
+                .count();
             assert!(inside <= 5, "{inside} admissions within 1 s of {a}");
         }
         assert!(times.len() >= 24, "{}", times.len());
