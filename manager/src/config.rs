@@ -54,6 +54,9 @@ pub struct Cli {
     /// Period of the leader's rolling loop [default: 500ms]
     #[arg(long, env = "SLUICE_TICK")]
     pub tick: Option<String>,
+    /// Period of the dynamic-limiting controller [default: 5s]
+    #[arg(long, env = "SLUICE_CONTROL_PERIOD")]
+    pub control_period: Option<String>,
     /// Bearer token required by mutating API calls (unset = no auth)
     #[arg(long, env = "SLUICE_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
@@ -76,6 +79,7 @@ struct FileConfig {
     horizon: Option<String>,
     retention: Option<String>,
     tick: Option<String>,
+    control_period: Option<String>,
     api_token: Option<String>,
     log_json: Option<bool>,
 }
@@ -120,6 +124,8 @@ pub struct Config {
     pub retention: Duration,
     /// Rolling loop period.
     pub tick: Duration,
+    /// Dynamic-limiting control period.
+    pub control_period: Duration,
     /// API token.
     pub api_token: Option<String>,
     /// JSON logs.
@@ -227,6 +233,10 @@ impl Config {
         if !(Duration::from_millis(50)..=Duration::from_secs(10)).contains(&tick) {
             return Err(err("tick", "must be between 50ms and 10s"));
         }
+        let control_period = duration("control-period", &pick!(control_period, "5s"))?;
+        if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&control_period) {
+            return Err(err("control-period", "must be between 1s and 1h"));
+        }
         let horizon = duration("horizon", &pick!(horizon, "60s"))?;
         if horizon < tick * 2 || horizon > Duration::from_secs(7 * 86_400) {
             return Err(err(
@@ -255,6 +265,7 @@ impl Config {
             horizon,
             retention,
             tick,
+            control_period,
             api_token,
             log_json,
         })

@@ -12,6 +12,10 @@
 //! * [`spec`]: the task spec and its validation (the only place it is validated).
 //! * [`schedule`]: cron schedules → a slice's threshold.
 //! * [`roller`]: planning and writing slices, fenced by term.
+//! * [`dynamic`]: dynamic limiting: thresholds that follow the service's health.
+//! * [`skew`]: clock-skew detection (key movement, host offsets).
+//! * [`alerts`]: the alert pipeline: stream, metrics, webhooks, episodes.
+//! * [`settings`]: global settings (webhooks, skew threshold) in etcd.
 //! * [`history`]: the leader's harvest of ended slices into compact per-task history rings.
 //! * [`http`]: the JSON API, `/metrics`, `/healthz` and the embedded dashboard.
 //! * [`metrics`]: every metric, in one place.
@@ -19,7 +23,9 @@
 //!
 //! `main.rs` only parses flags, sets up logging and calls [`run`].
 
+pub mod alerts;
 pub mod config;
+pub mod dynamic;
 pub mod election;
 pub mod error;
 pub mod history;
@@ -28,6 +34,8 @@ pub mod leader;
 pub mod metrics;
 pub mod roller;
 pub mod schedule;
+pub mod settings;
+pub mod skew;
 pub mod spec;
 pub mod tasks;
 
@@ -104,6 +112,8 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
             tick: cfg.tick,
         },
         dynamic: DynamicThresholds::default(),
+        etcd: etcd.clone(),
+        control_period: cfg.control_period,
     });
     let work: LeaderWork = Arc::new(move |ctx| Box::pin(leader::lead(ctx, deps.clone())));
     let election_cfg = ElectionConfig {

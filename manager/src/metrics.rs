@@ -4,8 +4,10 @@
 
 use std::sync::atomic::AtomicU64;
 
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
@@ -13,6 +15,16 @@ use prometheus_client::registry::Registry;
 /// The manager's metrics.
 pub struct Metrics {
     registry: Registry,
+    /// Alerts emitted, by kind (firing and resolved).
+    pub alerts: Family<KindLabel, Counter>,
+    /// Largest |clock offset to Redis| over hosts reporting in the last minute (ms; leader only).
+    pub max_clock_offset_ms: Gauge<f64, AtomicU64>,
+    /// Webhook deliveries that succeeded.
+    pub webhook_deliveries: Counter,
+    /// Webhook attempts that failed (each retry counts).
+    pub webhook_failures: Counter,
+    /// Webhook deliveries dropped because the queue was full.
+    pub webhook_dropped: Counter,
     /// 1 while this replica is the leader.
     pub leader: Gauge,
     /// Election term of this replica's current leadership (0 when follower).
@@ -43,6 +55,13 @@ pub struct Metrics {
     pub history_tick_seconds: Histogram,
 }
 
+/// Label of `sluice_alerts_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    /// Alert kind (`clock_skew`).
+    pub kind: String,
+}
+
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
@@ -54,6 +73,11 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("sluice");
         let m = Self {
+            alerts: Family::default(),
+            max_clock_offset_ms: Gauge::default(),
+            webhook_deliveries: Counter::default(),
+            webhook_failures: Counter::default(),
+            webhook_dropped: Counter::default(),
             leader: Gauge::default(),
             term: Gauge::default(),
             leader_changes: Counter::default(),
@@ -136,6 +160,31 @@ impl Metrics {
             "Duration of one history harvest tick over all tasks",
             m.history_tick_seconds.clone(),
         );
+        registry.register(
+            "alerts",
+            "Alerts emitted, by kind (firing and resolved)",
+            m.alerts.clone(),
+        );
+        registry.register(
+            "max_clock_offset_ms",
+            "Largest |clock offset to Redis| over hosts reporting in the last minute (leader only)",
+            m.max_clock_offset_ms.clone(),
+        );
+        registry.register(
+            "webhook_deliveries",
+            "Webhook deliveries that succeeded",
+            m.webhook_deliveries.clone(),
+        );
+        registry.register(
+            "webhook_failures",
+            "Webhook attempts that failed (each retry counts)",
+            m.webhook_failures.clone(),
+        );
+        registry.register(
+            "webhook_dropped",
+            "Webhook deliveries dropped because the queue was full",
+            m.webhook_dropped.clone(),
+        );
         Self { registry, ..m }
     }
 
@@ -153,6 +202,15 @@ impl Metrics {
                 self.horizon_ahead.set(0.0);
             }
         }
+    }
+
+    /// Counts an alert of `kind`.
+    pub fn alert(&self, kind: &str) {
+        self.alerts
+            .get_or_create(&KindLabel {
+                kind: kind.to_string(),
+            })
+            .inc();
     }
 
     /// Prometheus text exposition.

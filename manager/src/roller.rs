@@ -451,6 +451,13 @@ impl DynamicThresholds {
         self.inner.read().map(|m| m.clone()).unwrap_or_default()
     }
 
+    /// Removes every override.
+    pub fn clear(&self) {
+        if let Ok(mut m) = self.inner.write() {
+            m.clear();
+        }
+    }
+
     /// Sets (Some) or clears (None) a task's override.
     pub fn set(&self, task: &str, value: Option<u64>) {
         if let Ok(mut m) = self.inner.write() {

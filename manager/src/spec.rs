@@ -42,6 +42,27 @@ pub struct DynamicSpec {
     pub target_error_rate: f64,
     /// Mean latency (ms) above which the service is unhealthy.
     pub target_latency_ms: f64,
+    /// Additive increase per control period; 0 = automatic: (max − min) / 100, at least 1.
+    #[serde(default)]
+    pub increase_step: u64,
+    /// Multiplicative decrease factor, in (0, 1).
+    #[serde(default = "default_decrease_factor")]
+    pub decrease_factor: f64,
+}
+
+fn default_decrease_factor() -> f64 {
+    0.8
+}
+
+impl DynamicSpec {
+    /// The additive increase per control period.
+    pub fn step(&self) -> u64 {
+        if self.increase_step > 0 {
+            self.increase_step
+        } else {
+            ((self.max - self.min) / 100).max(1)
+        }
+    }
 }
 
 /// A validated task spec, as stored in etcd (all defaults filled in).
@@ -280,6 +301,8 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
                     "max",
                     "target_error_rate",
                     "target_latency_ms",
+                    "increase_step",
+                    "decrease_factor",
                 ],
             )?;
             let enabled = match d.get("enabled") {
@@ -302,6 +325,14 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
                 max,
                 target_error_rate: d.float("target_error_rate", 0.05, 0.0, 1.0)?,
                 target_latency_ms: d.float("target_latency_ms", 1000.0, 0.0, 3_600_000.0)?,
+                increase_step: d.count("increase_step", Some(0), 0, MAX_COUNT)?,
+                decrease_factor: {
+                    let f = d.float("decrease_factor", default_decrease_factor(), 0.0, 1.0)?;
+                    if f >= 1.0 {
+                        return Err(fe("dynamic.decrease_factor", "must be below 1"));
+                    }
+                    f
+                },
             })
         }
     };

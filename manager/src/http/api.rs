@@ -30,18 +30,27 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, error: impl Into<String>) -> Self {
+    /// An error without a field.
+    pub fn new(status: StatusCode, error: impl Into<String>) -> Self {
         Self {
             status,
             body: json!({ "error": error.into() }),
         }
     }
 
-    fn field(status: StatusCode, e: FieldError) -> Self {
+    /// An error naming the field at fault.
+    pub fn field(status: StatusCode, e: FieldError) -> Self {
         Self {
             status,
             body: json!({ "error": e.error, "field": e.field }),
         }
+    }
+}
+
+impl ApiError {
+    /// Adds a field to the error body (e.g. `current_version` of a 409).
+    pub fn set(&mut self, key: &str, value: Value) {
+        self.body[key] = value;
     }
 }
 
@@ -68,7 +77,8 @@ impl From<Error> for ApiError {
     }
 }
 
-type ApiResult<T> = Result<T, ApiError>;
+/// Result of a handler.
+pub type ApiResult<T> = Result<T, ApiError>;
 
 /// The API routes.
 pub fn routes() -> Router<AppState> {
@@ -80,6 +90,7 @@ pub fn routes() -> Router<AppState> {
             get(get_task).put(put_task).delete(delete_task),
         )
         .merge(super::history::routes())
+        .merge(super::ops::routes())
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such API endpoint") })
 }
 

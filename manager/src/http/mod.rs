@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod history;
+pub mod ops;
 pub mod ui;
 
 use std::sync::Arc;

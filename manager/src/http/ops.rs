@@ -1,0 +1,184 @@
+//! Operations endpoints: alerts, global settings, and dynamic limiting's inputs and outputs.
+//!
+//! * `GET /api/v1/alerts?limit=N` → `{"alerts": [...]}`, newest first (default 100, at most 1,000).
+//! * `GET /api/v1/settings` → the settings with their `version`.
+//! * `PUT /api/v1/settings` → validated (400 with the field), optional `version` (409 if stale).
+//! * `POST /api/v1/tasks/{name}/health` → 204; `{"error_rate", "latency_ms", "source"}`.
+//! * `GET /api/v1/tasks/{name}/adjustments?limit=N` → `{"adjustments": [...]}`, newest first.
+
+use std::collections::HashMap;
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, Query, State};
+use axum::http::StatusCode;
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::api::{ApiError, ApiResult};
+use crate::alerts;
+use crate::dynamic::{self, HealthReport};
+use crate::settings::{self, Settings};
+use crate::spec::FieldError;
+
+/// The routes of this module.
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/alerts", get(list_alerts))
+        .route("/settings", get(get_settings).put(put_settings))
+        .route("/tasks/{name}/health", post(post_health))
+        .route("/tasks/{name}/adjustments", get(list_adjustments))
+}
+
+fn bad(field: &str, error: impl Into<String>) -> ApiError {
+    ApiError::field(
+        StatusCode::BAD_REQUEST,
+        FieldError {
+            error: error.into(),
+            field: field.to_string(),
+        },
+    )
+}
+
+fn limit_param(q: &HashMap<String, String>) -> ApiResult<usize> {
+    match q.get("limit").map(|v| v.parse::<usize>()) {
+        None => Ok(100),
+        Some(Ok(n)) if (1..=1000).contains(&n) => Ok(n),
+        Some(_) => Err(bad("limit", "must be a whole number from 1 to 1000")),
+    }
+}
+
+async fn list_alerts(
+    State(s): State<AppState>,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult<axum::Json<Value>> {
+    let limit = limit_param(&q)?;
+    let a = alerts::recent(&s.redis, &s.keys, limit).await?;
+    Ok(axum::Json(alerts::to_json(&a)))
+}
+
+fn settings_json(st: &Settings, version: i64) -> Value {
+    let mut v = serde_json::to_value(st).unwrap_or(Value::Null);
+    v["version"] = Value::from(version);
+    v
+}
+
+async fn get_settings(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
+    let (st, version) = settings::load(&s.etcd, &s.keys).await?;
+    Ok(axum::Json(settings_json(&st, version)))
+}
+
+async fn put_settings(State(s): State<AppState>, body: Bytes) -> ApiResult<axum::Json<Value>> {
+    let req =
+        settings::parse_request(&body).map_err(|e| ApiError::field(StatusCode::BAD_REQUEST, e))?;
+    match settings::store(&s.etcd, &s.keys, &req.settings, req.version).await? {
+        Ok(version) => {
+            tracing::info!(
+                version,
+                webhooks = req.settings.webhooks.len(),
+                "settings changed"
+            );
+            Ok(axum::Json(settings_json(&req.settings, version)))
+        }
+        Err(current) => {
+            let mut e = ApiError::field(
+                StatusCode::CONFLICT,
+                FieldError {
+                    error: format!(
+                        "settings were changed by someone else (now version {current}); reload and retry"
+                    ),
+                    field: "version".into(),
+                },
+            );
+            e.set("current_version", Value::from(current));
+            Err(e)
+        }
+    }
+}
+
+async fn task_exists(s: &AppState, name: &str) -> ApiResult<()> {
+    sluice::protocol::validate_task_name(name).map_err(|e| bad("name", e.to_string()))?;
+    match s.store.get(name).await? {
+        Some(_) => Ok(()),
+        None => Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no task {name:?}"),
+        )),
+    }
+}
+
+/// Parses `{"error_rate": 0..1, "latency_ms": ≥ 0, "source": "..."}`; at least one measure.
+fn parse_health(body: &[u8]) -> ApiResult<(String, HealthReport)> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| bad("", format!("malformed JSON: {e}")))?;
+    let m = v
+        .as_object()
+        .ok_or_else(|| bad("", "must be a JSON object"))?;
+    if let Some(k) = m
+        .keys()
+        .find(|k| !["error_rate", "latency_ms", "source"].contains(&k.as_str()))
+    {
+        return Err(bad(
+            k,
+            "unknown field; expected one of: error_rate, latency_ms, source",
+        ));
+    }
+    let num = |k: &str, max: f64| -> ApiResult<Option<f64>> {
+        match m.get(k).filter(|v| !v.is_null()) {
+            None => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .filter(|f| (0.0..=max).contains(f))
+                .map(Some)
+                .ok_or_else(|| bad(k, format!("must be a number from 0 to {max}"))),
+        }
+    };
+    let error_rate = num("error_rate", 1.0)?;
+    let latency_ms = num("latency_ms", 3_600_000.0)?;
+    if error_rate.is_none() && latency_ms.is_none() {
+        return Err(bad("error_rate", "give error_rate and/or latency_ms"));
+    }
+    let source = match m.get("source").filter(|v| !v.is_null()) {
+        None => "default".to_string(),
+        Some(x) => {
+            let s = x
+                .as_str()
+                .ok_or_else(|| bad("source", "must be a string"))?;
+            if s.is_empty() || s.len() > 64 {
+                return Err(bad("source", "must be 1 to 64 characters"));
+            }
+            s.to_string()
+        }
+    };
+    Ok((
+        source,
+        HealthReport {
+            error_rate,
+            latency_ms,
+            at_ms: sluice::protocol::unix_ms(),
+        },
+    ))
+}
+
+async fn post_health(
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+    body: Bytes,
+) -> ApiResult<StatusCode> {
+    task_exists(&s, &name).await?;
+    let (source, report) = parse_health(&body)?;
+    dynamic::record_report(&s.redis, &s.keys, &name, &source, &report).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn list_adjustments(
+    State(s): State<AppState>,
+    Path(name): Path<String>,
+    Query(q): Query<HashMap<String, String>>,
+) -> ApiResult<axum::Json<Value>> {
+    let limit = limit_param(&q)?;
+    task_exists(&s, &name).await?;
+    let a = dynamic::adjustments(&s.redis, &s.keys, &name, limit).await?;
+    Ok(axum::Json(json!({ "adjustments": a })))
+}

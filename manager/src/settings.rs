@@ -1,0 +1,206 @@
+//! Global settings (`/NS/settings` in etcd): alert webhooks and clock-skew thresholds.
+//!
+//! Validated here, once; read and written through `GET/PUT /api/v1/settings`. The leader
+//! re-reads them every couple of seconds, so a change takes effect without a restart.
+
+use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use sluice::protocol::Keys;
+
+use crate::election::ETCD_TIMEOUT;
+use crate::error::{Error, Result, etcd};
+use crate::spec::FieldError;
+
+/// Most webhooks.
+pub const MAX_WEBHOOKS: usize = 16;
+
+/// The global settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Settings {
+    /// URLs that receive every alert as a JSON POST.
+    pub webhooks: Vec<String>,
+    /// A host whose |clock offset to Redis| exceeds this is flagged (ms).
+    pub skew_threshold_ms: u64,
+    /// An alert episode is resolved after this long without a new trigger (ms).
+    pub alert_quiet_ms: u64,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            webhooks: Vec::new(),
+            skew_threshold_ms: 100,
+            alert_quiet_ms: 10_000,
+        }
+    }
+}
+
+fn fe(field: impl Into<String>, error: impl Into<String>) -> FieldError {
+    FieldError {
+        error: error.into(),
+        field: field.into(),
+    }
+}
+
+/// A settings write: the settings and the optional `version` the client read.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SettingsRequest {
+    /// The new settings.
+    pub settings: Settings,
+    /// Expected version (etcd mod revision; 0 = never written).
+    pub version: Option<i64>,
+}
+
+/// Parses and validates a `PUT /api/v1/settings` body. Absent fields keep their defaults.
+pub fn parse_request(body: &[u8]) -> std::result::Result<SettingsRequest, FieldError> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| fe("", format!("malformed JSON: {e}")))?;
+    let map = v
+        .as_object()
+        .ok_or_else(|| fe("", "must be a JSON object"))?;
+    const FIELDS: &[&str] = &["webhooks", "skew_threshold_ms", "alert_quiet_ms", "version"];
+    for k in map.keys() {
+        if !FIELDS.contains(&k.as_str()) {
+            return Err(fe(
+                k.as_str(),
+                format!("unknown field; expected one of: {}", FIELDS.join(", ")),
+            ));
+        }
+    }
+    let mut s = Settings::default();
+    if let Some(w) = map.get("webhooks").filter(|v| !v.is_null()) {
+        let arr = w
+            .as_array()
+            .ok_or_else(|| fe("webhooks", "must be a list of URLs"))?;
+        if arr.len() > MAX_WEBHOOKS {
+            return Err(fe("webhooks", format!("at most {MAX_WEBHOOKS} webhooks")));
+        }
+        for (i, u) in arr.iter().enumerate() {
+            let field = format!("webhooks[{i}]");
+            let u = u.as_str().ok_or_else(|| fe(&field, "must be a string"))?;
+            let url = reqwest::Url::parse(u).map_err(|e| fe(&field, format!("{u:?}: {e}")))?;
+            if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+                return Err(fe(
+                    &field,
+                    format!("{u:?} must be an http:// or https:// URL"),
+                ));
+            }
+            s.webhooks.push(u.to_string());
+        }
+    }
+    let count =
+        |k: &str, min: u64, max: u64, default: u64| -> std::result::Result<u64, FieldError> {
+            match map.get(k).filter(|v| !v.is_null()) {
+                None => Ok(default),
+                Some(v) => v
+                    .as_u64()
+                    .filter(|n| (min..=max).contains(n))
+                    .ok_or_else(|| fe(k, format!("must be a whole number from {min} to {max}"))),
+            }
+        };
+    s.skew_threshold_ms = count("skew_threshold_ms", 1, 60_000, s.skew_threshold_ms)?;
+    s.alert_quiet_ms = count("alert_quiet_ms", 1_000, 3_600_000, s.alert_quiet_ms)?;
+    let version = match map.get("version").filter(|v| !v.is_null()) {
+        None => None,
+        Some(v) => Some(
+            v.as_i64()
+                .filter(|n| *n >= 0)
+                .ok_or_else(|| fe("version", "must be a whole number ≥ 0 (as returned by GET)"))?,
+        ),
+    };
+    Ok(SettingsRequest {
+        settings: s,
+        version,
+    })
+}
+
+/// Reads the settings and their version (0 = never written: defaults).
+pub async fn load(client: &Client, keys: &Keys) -> Result<(Settings, i64)> {
+    let mut c = client.clone();
+    let resp = etcd(
+        "get settings",
+        ETCD_TIMEOUT,
+        c.get(keys.etcd_settings(), None),
+    )
+    .await?;
+    match resp.kvs().first() {
+        None => Ok((Settings::default(), 0)),
+        Some(kv) => {
+            let s = serde_json::from_slice(kv.value()).map_err(|e| Error::Corrupt {
+                what: "settings".into(),
+                why: e.to_string(),
+            })?;
+            Ok((s, kv.mod_revision()))
+        }
+    }
+}
+
+/// Writes the settings; with `expected`, only if the stored version still matches. Returns the
+/// new version, or `Err(current)` on a conflict.
+pub async fn store(
+    client: &Client,
+    keys: &Keys,
+    settings: &Settings,
+    expected: Option<i64>,
+) -> Result<std::result::Result<i64, i64>> {
+    let key = keys.etcd_settings();
+    let value = serde_json::to_vec(settings).map_err(|e| Error::Corrupt {
+        what: "settings".into(),
+        why: e.to_string(),
+    })?;
+    let mut txn = Txn::new();
+    if let Some(v) = expected {
+        txn = txn.when([Compare::mod_revision(key.as_str(), CompareOp::Equal, v)]);
+    }
+    let txn = txn
+        .and_then([TxnOp::put(key.as_str(), value, None)])
+        .or_else([TxnOp::get(key.as_str(), None)]);
+    let mut c = client.clone();
+    let resp = etcd("put settings", ETCD_TIMEOUT, c.txn(txn)).await?;
+    if resp.succeeded() {
+        return Ok(Ok(resp.header().map_or(0, |h| h.revision())));
+    }
+    let current = resp
+        .op_responses()
+        .into_iter()
+        .find_map(|op| match op {
+            etcd_client::TxnOpResponse::Get(g) => {
+                Some(g.kvs().first().map_or(0, |kv| kv.mod_revision()))
+            }
+            _ => None,
+        })
+        .unwrap_or(0);
+    Ok(Err(current))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_validation() {
+        let r = parse_request(b"{}").unwrap();
+        assert_eq!(r.settings, Settings::default());
+        let r =
+            parse_request(br#"{"webhooks": ["http://127.0.0.1:9/x"], "skew_threshold_ms": 50}"#)
+                .unwrap();
+        assert_eq!(r.settings.webhooks, ["http://127.0.0.1:9/x"]);
+        assert_eq!(r.settings.skew_threshold_ms, 50);
+        for (body, field) in [
+            (&b"nope"[..], ""),
+            (br#"{"webhooks": "http://x"}"#, "webhooks"),
+            (br#"{"webhooks": ["ftp://x"]}"#, "webhooks[0]"),
+            (br#"{"webhooks": ["not a url"]}"#, "webhooks[0]"),
+            (br#"{"webhooks": [5]}"#, "webhooks[0]"),
+            (br#"{"skew_threshold_ms": 0}"#, "skew_threshold_ms"),
+            (br#"{"skew_threshold_ms": -1}"#, "skew_threshold_ms"),
+            (br#"{"alert_quiet_ms": 10}"#, "alert_quiet_ms"),
+            (br#"{"version": "x"}"#, "version"),
+            (br#"{"webhook": []}"#, "webhook"),
+        ] {
+            let e = parse_request(body).unwrap_err();
+            assert_eq!(e.field, field, "{}", String::from_utf8_lossy(body));
+        }
+    }
+}
