@@ -336,8 +336,8 @@ async fn hosts_and_traffic_show_what_workers_report() {
     let cur = slice::start(unix_ms(), 1000);
     wait_slice(&c, &keys, "web", cur + 2000).await;
     flush(&mut c, &keys, "web", &[(cur, 40, 10), (cur + 1000, 60, 10)]).await;
-    // Once both have ended, the rate window (5 s) holds them.
-    let wait = (cur + 2_100 - unix_ms()).max(0) as u64;
+    // Once both have ended and settled (2 s for the last flushes), the rate window holds them.
+    let wait = (cur + 4_100 - unix_ms()).max(0) as u64;
     tokio::time::sleep(Duration::from_millis(wait)).await;
     let all = m.get_json("/api/v1/traffic").await.expect("traffic");
     let t = &all["tasks"]["web"];

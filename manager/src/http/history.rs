@@ -42,6 +42,10 @@ pub const STALE_HOST_MS: i64 = 60_000;
 /// Window of the rates in `/traffic`.
 pub const TRAFFIC_WINDOW_MS: i64 = 5_000;
 
+/// Slices that ended less than this ago are left out of the rates: workers flush their counters
+/// about once a second, so the newest slice is still filling.
+pub const FLUSH_LAG_MS: i64 = 2_000;
+
 /// Bound on a single Redis read of these endpoints.
 const HOSTS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
@@ -279,22 +283,24 @@ async fn hosts(State(s): State<AppState>, Query(q): Query<HashMap<String, String
     Ok(axum::Json(json!({ "now_ms": now, "hosts": hosts })))
 }
 
-/// Rates over the slices that ended in the window; when none has (long slices), over the part
-/// of the slice in progress that has elapsed. Returns (admitted/s, rejected/s, window ms).
+/// Rates over the slices that ended at least [`FLUSH_LAG_MS`] ago; when none has (long slices),
+/// over the elapsed part of the newest ones. Returns (admitted/s, rejected/s, window ms).
 ///
 /// ```
 /// use sluice_manager::history::SliceSample;
 /// use sluice_manager::http::history::rates;
 /// let s = |start_ms, admitted| SliceSample { start_ms, cap: 100, admitted, rejected: 0 };
-/// // Two ended 1 s slices (50 and 70 admitted) and the current one: 60/s.
-/// assert_eq!(rates(&[s(1_000, 50), s(2_000, 70), s(3_000, 5)], 1_000, 3_500).0, 60.0);
+/// // Two settled 1 s slices (50 and 70 admitted); the one that just ended and the current
+/// // one are still being flushed: 60/s.
+/// let v = [s(1_000, 50), s(2_000, 70), s(3_000, 20), s(4_000, 5)];
+/// assert_eq!(rates(&v, 1_000, 5_000).0, 60.0);
 /// // One 60 s slice, 30 s elapsed, 300 admitted: 10/s.
 /// assert_eq!(rates(&[s(0, 300)], 60_000, 30_000).0, 10.0);
 /// ```
 pub fn rates(samples: &[SliceSample], slice_ms: u64, now_ms: i64) -> (f64, f64, i64) {
     let ended: Vec<&SliceSample> = samples
         .iter()
-        .filter(|x| slice::end(x.start_ms, slice_ms) <= now_ms)
+        .filter(|x| slice::end(x.start_ms, slice_ms) <= now_ms - FLUSH_LAG_MS)
         .collect();
     let (used, span): (Vec<&SliceSample>, i64) = if ended.is_empty() {
         let current: Vec<&SliceSample> = samples.iter().collect();
@@ -323,7 +329,7 @@ async fn task_traffic(
     slice_ms: u64,
     now: i64,
 ) -> CrateResult<Value> {
-    let from = slice::start(now - TRAFFIC_WINDOW_MS, slice_ms);
+    let from = slice::start(now - TRAFFIC_WINDOW_MS - FLUSH_LAG_MS, slice_ms);
     let mut c2 = conn.clone();
     let mut rolled = redis::cmd("HGET");
     rolled.arg(s.keys.meta(name)).arg(meta_field::ROLLED_TO);
