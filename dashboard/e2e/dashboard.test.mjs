@@ -1,0 +1,316 @@
+// Browser end-to-end tests of the dashboard: real managers (etcd + Redis from scripts/test.sh),
+// Debian's chromium headless through playwright-core. Run with `npm run test:e2e`.
+//
+// Every wait has a deadline; every process started is killed by PID at the end of its test.
+
+import assert from 'node:assert/strict';
+import { after, before, describe, test } from 'node:test';
+import {
+  call,
+  launchBrowser,
+  leaderOf,
+  need,
+  redisCli,
+  startLoadgen,
+  startManager,
+  uniqueNs,
+  waitFor,
+} from './lib.mjs';
+
+const T = { timeout: 120000 };
+
+let browser;
+const running = [];
+
+before(async () => {
+  need('SLUICE_TEST_ETCD');
+  need('SLUICE_TEST_REDIS');
+  browser = await launchBrowser();
+});
+
+after(async () => {
+  for (const p of running) p.kill('SIGKILL');
+  await browser?.close();
+});
+
+async function manager(opts) {
+  const m = await startManager(opts);
+  running.push(m);
+  return m;
+}
+
+async function page(viewport = { width: 1280, height: 800 }) {
+  const ctx = await browser.newContext({ viewport });
+  const p = await ctx.newPage();
+  p.setDefaultTimeout(15000);
+  const errors = [];
+  p.on('pageerror', (e) => errors.push(e));
+  p.errors = errors;
+  return p;
+}
+
+/** Stops what a test started, keeping the log of a failed manager visible. */
+async function cleanup(ms, pages) {
+  for (const p of pages) await p.context().close().catch(() => {});
+  for (const m of ms) await m.stop('SIGTERM', 8000).catch(() => m.kill('SIGKILL'));
+}
+
+describe('dashboard', () => {
+  test('creates a task through the form, from the keyboard', T, async () => {
+    const ns = uniqueNs('uicreate');
+    const m = await manager({ ns, nodeId: 'c1' });
+    const p = await page();
+    try {
+      await p.goto(`${m.url}/`);
+      await p.getByRole('heading', { name: 'Tasks' }).waitFor();
+      await p.getByText('No tasks yet').waitFor();
+      await p.getByRole('link', { name: 'New task' }).first().click();
+      await p.getByRole('heading', { name: 'New task' }).waitFor();
+
+      // Keyboard only: type, Tab to the next field, Enter submits.
+      await p.getByLabel('Name').focus();
+      await p.keyboard.type('checkout');
+      await p.keyboard.press('Tab');
+      await p.keyboard.type('250');
+      await p.getByLabel('Description').fill('checkout API');
+      await p.getByLabel('Description').press('Enter');
+
+      await p.waitForURL(`${m.url}/tasks/checkout`);
+      await p.getByRole('heading', { name: 'checkout' }).waitFor();
+      const r = await call(m.url, 'GET', '/api/v1/tasks/checkout');
+      assert.equal(r.status, 200);
+      assert.equal(r.body.threshold, 250);
+      assert.equal(r.body.description, 'checkout API');
+
+      // The leader rolls the slices: the page shows the threshold now.
+      await waitFor('threshold now on the task page', async () =>
+        (await p.getByTestId('threshold-now').textContent()).includes('250'),
+      );
+
+      // The list shows it, and the search filters it.
+      await p.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Tasks' }).click();
+      const row = p.locator('tr[data-task="checkout"]');
+      await row.waitFor();
+      await p.getByLabel('Search tasks').fill('nomatch');
+      await p.getByText('No task matches').waitFor();
+      await p.getByLabel('Search tasks').fill('check');
+      await row.waitFor();
+      assert.deepEqual(p.errors, []);
+    } finally {
+      await cleanup([m], [p]);
+    }
+  });
+
+  test('a bad value shows the field error and writes nothing', T, async () => {
+    const ns = uniqueNs('uibad');
+    const m = await manager({ ns, nodeId: 'b1' });
+    const p = await page();
+    try {
+      await p.goto(`${m.url}/new`);
+      await p.getByLabel('Name').fill('bad-task');
+      await p.getByLabel('Threshold (permits per slice)').fill('100');
+      await p.getByLabel('Slice length (ms)').fill('50');
+      await p.getByLabel('Slice length (ms)').press('Enter');
+      const err = p.locator('[data-testid="field-error"][data-field="slice_ms"]');
+      await err.waitFor();
+      assert.match(await err.textContent(), /100/);
+      // The message sits with its field, which is marked invalid and focused.
+      assert.equal(await p.getByLabel('Slice length (ms)').getAttribute('aria-invalid'), 'true');
+      assert.equal(await p.evaluate(() => document.activeElement?.id), 'f-slice_ms');
+      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/bad-task')).status, 404);
+
+      // A bad cron in a schedule row: the error is on that row's cron field.
+      await p.getByLabel('Slice length (ms)').fill('1000');
+      await p.getByRole('button', { name: 'Add schedule' }).click();
+      await p.getByLabel('Schedule 1 cron').fill('every tuesday');
+      await p.getByLabel('Schedule 1 threshold').fill('10');
+      await p.getByRole('button', { name: 'Create task' }).click();
+      const cronErr = p.locator('[data-testid="field-error"][data-field="schedules[0].cron"]');
+      await cronErr.waitFor();
+      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/bad-task')).status, 404);
+
+      // Editing: a bad value leaves the stored spec (and its version) untouched.
+      const created = await call(m.url, 'PUT', '/api/v1/tasks/good', { threshold: 40 });
+      assert.equal(created.status, 201);
+      await p.goto(`${m.url}/tasks/good`);
+      const thr = p.getByLabel('Threshold (permits per slice)');
+      await waitFor('the form to load', async () => (await thr.inputValue()) === '40');
+      await thr.fill('-3');
+      await thr.press('Enter');
+      await p.locator('[data-testid="field-error"][data-field="threshold"]').waitFor();
+      const after = await call(m.url, 'GET', '/api/v1/tasks/good');
+      assert.equal(after.body.threshold, 40);
+      assert.equal(after.body.version, created.body.version);
+
+      // Fixing it saves.
+      await thr.fill('45');
+      await thr.press('Enter');
+      await p.getByTestId('form-status').getByText('Saved').waitFor();
+      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/good')).body.threshold, 45);
+      assert.deepEqual(p.errors, []);
+    } finally {
+      await cleanup([m], [p]);
+    }
+  });
+
+  test('asks for the API token on 401 and says when the API is unreachable', T, async () => {
+    const ns = uniqueNs('uitoken');
+    const m = await manager({ ns, nodeId: 'k1', extra: ['--api-token', 's3cret'] });
+    const p = await page();
+    try {
+      await p.goto(`${m.url}/new`);
+      await p.getByLabel('Name').fill('guarded');
+      await p.getByLabel('Threshold (permits per slice)').fill('10');
+      await p.getByLabel('Threshold (permits per slice)').press('Enter');
+      const dialog = p.getByRole('dialog');
+      await dialog.waitFor();
+      await p.getByLabel('API token', { exact: true }).fill('s3cret');
+      await p.getByLabel('API token', { exact: true }).press('Enter');
+      await p.waitForURL(`${m.url}/tasks/guarded`);
+      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/guarded')).body.threshold, 10);
+
+      // The manager goes away: the page says so instead of showing stale numbers silently.
+      await m.stop('SIGKILL');
+      await p.getByTestId('api-unreachable').waitFor({ timeout: 20000 });
+      assert.match(await p.getByTestId('api-unreachable').textContent(), /cannot be reached/);
+    } finally {
+      await cleanup([m], [p]);
+    }
+  });
+
+  test('narrow screens: no sideways scrolling, the task table still readable', T, async () => {
+    const ns = uniqueNs('uinarrow');
+    const m = await manager({ ns, nodeId: 'n1' });
+    const p = await page({ width: 390, height: 844 });
+    try {
+      for (const name of ['a-rather-long-task-name-for-phones', 'b']) {
+        assert.equal((await call(m.url, 'PUT', `/api/v1/tasks/${name}`, { threshold: 5, description: 'narrow' })).status, 201);
+      }
+      for (const path of ['/', '/tasks/b', '/cluster', '/alerts', '/new']) {
+        await p.goto(`${m.url}${path}`);
+        await p.locator('h1').first().waitFor();
+        await p.waitForTimeout(300);
+        const overflow = await p.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+        assert.ok(overflow <= 1, `${path} scrolls sideways by ${overflow}px at 390px`);
+      }
+    } finally {
+      await cleanup([m], [p]);
+    }
+  });
+
+  test('the cluster page shows the leader, and the new one after the leader is killed', T, async () => {
+    const ns = uniqueNs('uicluster');
+    const ms = [];
+    for (const id of ['m1', 'm2', 'm3']) ms.push(await manager({ ns, nodeId: id }));
+    const p = await page();
+    try {
+      const first = await waitFor('a leader', () => leaderOf(ms[0].url));
+      const termOf = async () => (await call(ms[0].url, 'GET', '/api/v1/cluster')).body.leader?.term;
+      const term1 = await termOf();
+      // Watch from a replica that will survive.
+      const viewer = ms.find((m) => m.nodeId !== first);
+      await p.goto(`${viewer.url}/cluster`);
+      const leader = p.getByTestId('leader');
+      await waitFor('the leader on the page', async () => (await leader.textContent()).includes(first));
+      await p.locator(`tr[data-node="${first}"]`).getByText('leader').waitFor();
+      await waitFor('three replicas listed', async () => (await p.locator('[data-testid="members"] tbody tr').count()) === 3);
+
+      ms.find((m) => m.nodeId === first).kill('SIGKILL');
+      const second = await waitFor(
+        'a new leader on the page',
+        async () => {
+          const text = await leader.textContent();
+          const id = ['m1', 'm2', 'm3'].find((n) => n !== first && text.includes(n));
+          return id ?? null;
+        },
+        { timeout: 30000, every: 200 },
+      );
+      assert.notEqual(second, first);
+      assert.equal(await leaderOf(viewer.url), second);
+      const term2 = Number((await p.getByTestId('term').textContent()).match(/\d+/)[0]);
+      assert.ok(term2 > term1, `term ${term2} after ${term1}`);
+      // The dead replica's lease runs out: it leaves the member list.
+      await waitFor('the dead replica to leave', async () => (await p.locator('[data-testid="members"] tbody tr').count()) === 2, {
+        timeout: 30000,
+      });
+    } finally {
+      await cleanup(ms, [p]);
+    }
+  });
+
+  test('the live chart shows traffic from a loadgen', T, async () => {
+    const ns = uniqueNs('uilive');
+    const m = await manager({ ns, nodeId: 'l1' });
+    const p = await page();
+    let lg;
+    try {
+      assert.equal((await call(m.url, 'PUT', '/api/v1/tasks/live', { threshold: 50, slice_ms: 1000 })).status, 201);
+      await waitFor('slices rolled', async () => (await call(m.url, 'GET', '/api/v1/tasks/live')).body.status?.effective_threshold === 50);
+      await p.goto(`${m.url}/tasks/live`);
+      const chart = p.getByTestId('live-chart');
+      await chart.waitFor();
+      assert.equal(await chart.getAttribute('data-admitted-total'), '0');
+
+      // 2 processes × 100/s against 50 per 1 s slice: admitted and rejected both show.
+      // Long enough for the SDK's second host report (every 10 s; the first may precede the
+      // task's first use).
+      lg = startLoadgen({ ns, task: 'live', hostId: 'lg-1', procs: 2, durationMs: 25000, rate: 100 });
+      await waitFor(
+        'admitted and rejected traffic in the live chart',
+        async () =>
+          Number(await chart.getAttribute('data-admitted-total')) > 0 &&
+          Number(await chart.getAttribute('data-rejected-total')) > 0,
+        { timeout: 30000, every: 250 },
+      );
+      // The host shows up with its state and clock offset.
+      await p.locator('[data-testid="hosts"]').getByText('lg-1').waitFor({ timeout: 30000 });
+      // The task list shows the rate.
+      await p.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Tasks' }).click();
+      await waitFor('admitted/s on the task list', async () => {
+        const t = await p.locator('tr[data-task="live"] td[data-col="admitted"]').textContent();
+        return Number(t.replace(/,/g, '')) > 0;
+      }, { timeout: 15000, every: 250 });
+    } finally {
+      lg?.kill('SIGKILL');
+      await cleanup([m], [p]);
+    }
+  });
+
+  test('a skew alert appears in the feed', T, async (t) => {
+    const ns = uniqueNs('uiskew');
+    const m = await manager({ ns, nodeId: 's1' });
+    const p = await page();
+    try {
+      const probe = await call(m.url, 'GET', '/api/v1/alerts');
+      if (probe.status === 404) {
+        t.skip('PENDING: GET /api/v1/alerts is not implemented by this manager yet');
+        return;
+      }
+      await waitFor('a leader', () => leaderOf(m.url));
+      assert.equal((await call(m.url, 'PUT', '/api/v1/tasks/skewed', { threshold: 10 })).status, 201);
+      await p.goto(`${m.url}/alerts`);
+      await p.getByRole('heading', { name: 'Live feed' }).waitFor();
+      // A host reports a clock 5 s ahead of Redis (what the SDK writes into NS:hosts).
+      const redis = need('SLUICE_TEST_REDIS');
+      const report = () =>
+        redisCli(
+          redis,
+          'HSET',
+          `${ns}:hosts`,
+          'skewed-host',
+          JSON.stringify({ offset_ms: 5000, rtt_ms: 0.5, seen_ms: Date.now() + 5000, sdk: 'test', tasks: { skewed: 'normal' } }),
+        );
+      await waitFor(
+        'a clock_skew alert in the feed',
+        async () => {
+          report();
+          const item = p.locator('[data-testid="alert-feed"] li[data-kind="clock_skew"]');
+          return (await item.count()) > 0 && (await item.first().textContent()).includes('skewed-host');
+        },
+        { timeout: 45000, every: 1000 },
+      );
+    } finally {
+      await cleanup([m], [p]);
+    }
+  });
+});

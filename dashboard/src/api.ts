@@ -1,0 +1,265 @@
+// The JSON API client: same origin (any replica serves the API), bounded by timeouts, with
+// the connection state the layout shows and the bearer token the manager may ask for.
+
+import { createStore } from './store';
+
+/** A task spec as the API returns it (GET /api/v1/tasks, /api/v1/tasks/{name}). */
+export interface TaskSpec {
+  name: string;
+  version: number;
+  threshold: number;
+  slice_ms: number;
+  pull: number;
+  local_limit: number;
+  on_failure: string;
+  mode: string;
+  fallback: { algorithm: string; burst: number };
+  schedules: { cron: string; threshold: number }[];
+  dynamic?: {
+    enabled: boolean;
+    min: number;
+    max: number;
+    target_error_rate: number;
+    target_latency_ms: number;
+  };
+  description: string;
+}
+
+/** Live status of a task (GET /api/v1/tasks/{name}). */
+export interface TaskStatus {
+  effective_threshold: number | null;
+  current_slice_ms: number;
+  remaining: number | null;
+  horizon_until_ms: number | null;
+  error?: string;
+}
+
+export interface TaskWithStatus extends TaskSpec {
+  status: TaskStatus;
+}
+
+export interface ClusterView {
+  leader: { node_id: string; addr: string; term: number } | null;
+  members: { node_id: string; addr: string; is_leader: boolean; started_ms?: number }[];
+  self?: { node_id: string; addr: string };
+}
+
+/** One history record (GET /api/v1/tasks/{name}/history). */
+export interface HistoryEntry {
+  start_ms: number;
+  threshold: number;
+  admitted: number;
+  rejected: number;
+  slice_count?: number;
+}
+
+export interface History {
+  resolution_ms: number;
+  slice_ms: number;
+  now_ms: number;
+  from_ms: number;
+  live_from_ms: number | null;
+  slices: HistoryEntry[];
+}
+
+export interface Host {
+  host_id: string;
+  offset_ms?: number;
+  rtt_ms?: number;
+  seen_ms?: number;
+  sdk?: string;
+  tasks?: Record<string, string>;
+  age_ms?: number;
+  stale?: boolean;
+  error?: string;
+}
+
+export interface TaskTraffic {
+  threshold: number | null;
+  admitted_per_s: number;
+  rejected_per_s: number;
+  window_ms: number;
+  horizon_until_ms?: number | null;
+  hosts: Record<string, number>;
+}
+
+export interface Traffic {
+  now_ms: number;
+  tasks: Record<string, TaskTraffic>;
+}
+
+export interface Alert {
+  id: string;
+  kind: string;
+  task?: string | null;
+  host?: string | null;
+  message: string;
+  at_ms: number;
+}
+
+export interface Settings {
+  webhooks: string[];
+  skew_threshold_ms: number;
+  [k: string]: unknown;
+}
+
+export interface Adjustment {
+  at_ms: number;
+  old: number;
+  new: number;
+  reason: string;
+}
+
+/** An API call that failed: HTTP status (0 when the API could not be reached) and message. */
+export class ApiError extends Error {
+  constructor(
+    readonly status: number,
+    message: string,
+    readonly field?: string,
+    readonly body?: unknown,
+  ) {
+    super(message);
+  }
+
+  /** The manager could not be reached at all (network error or timeout). */
+  get unreachable(): boolean {
+    return this.status === 0;
+  }
+
+  /** The endpoint does not exist on this manager (an older or newer version). */
+  get missingEndpoint(): boolean {
+    return this.status === 404 && /no such API endpoint/i.test(this.message);
+  }
+}
+
+/** What the layout shows about the API. */
+export interface Connection {
+  state: 'unknown' | 'ok' | 'unreachable' | 'degraded';
+  message?: string;
+  since?: number;
+}
+
+export const connection = createStore<Connection>({ state: 'unknown' });
+
+function setConnection(c: Connection) {
+  const prev = connection.get();
+  if (prev.state === c.state && prev.message === c.message) return;
+  connection.set({ ...c, since: prev.state === c.state ? prev.since : Date.now() });
+}
+
+const TOKEN_KEY = 'sluice.apiToken';
+
+export function getToken(): string | null {
+  try {
+    return localStorage.getItem(TOKEN_KEY);
+  } catch {
+    return null;
+  }
+}
+
+export function setToken(token: string | null) {
+  try {
+    if (token) localStorage.setItem(TOKEN_KEY, token);
+    else localStorage.removeItem(TOKEN_KEY);
+  } catch {
+    // Private mode: the token lives for this page only.
+  }
+  tokenStore.set(token);
+}
+
+export const tokenStore = createStore<string | null>(getToken());
+
+/**
+ * Asks the user for the API token (the dialog registers itself here). Resolves to the token,
+ * or null when the user cancels.
+ */
+export const tokenRequest = createStore<{ reason: string; resolve: (t: string | null) => void } | null>(
+  null,
+);
+
+function askToken(reason: string): Promise<string | null> {
+  const pending = tokenRequest.get();
+  if (pending) pending.resolve(null);
+  return new Promise((resolve) => {
+    tokenRequest.set({
+      reason,
+      resolve: (t) => {
+        tokenRequest.set(null);
+        resolve(t);
+      },
+    });
+  });
+}
+
+const GET_TIMEOUT_MS = 5000;
+const WRITE_TIMEOUT_MS = 10000;
+
+async function once(method: string, path: string, body: unknown, signal?: AbortSignal): Promise<Response> {
+  const ctl = new AbortController();
+  const timer = setTimeout(() => ctl.abort(), method === 'GET' ? GET_TIMEOUT_MS : WRITE_TIMEOUT_MS);
+  const onAbort = () => ctl.abort();
+  signal?.addEventListener('abort', onAbort);
+  const headers: Record<string, string> = { Accept: 'application/json' };
+  if (body !== undefined) headers['Content-Type'] = 'application/json';
+  const token = tokenStore.get();
+  if (token) headers.Authorization = `Bearer ${token}`;
+  try {
+    return await fetch(path, {
+      method,
+      headers,
+      body: body === undefined ? undefined : JSON.stringify(body),
+      signal: ctl.signal,
+      cache: 'no-store',
+    });
+  } catch (e) {
+    if (signal?.aborted) throw new ApiError(-1, 'cancelled');
+    const msg = ctl.signal.aborted ? 'the request timed out' : 'the network request failed';
+    setConnection({ state: 'unreachable', message: msg });
+    throw new ApiError(0, `Cannot reach the Sluice API (${msg}).`);
+  } finally {
+    clearTimeout(timer);
+    signal?.removeEventListener('abort', onAbort);
+  }
+}
+
+/** Calls the API; returns the parsed JSON body (undefined for 204). */
+export async function api<T>(method: string, path: string, body?: unknown, signal?: AbortSignal): Promise<T> {
+  let res = await once(method, path, body, signal);
+  if (res.status === 401 && method !== 'GET') {
+    const token = await askToken(
+      tokenStore.get()
+        ? 'The manager refused the token. Enter the correct API token to make changes.'
+        : 'This manager requires an API token for changes (it runs with --api-token).',
+    );
+    if (token) {
+      setToken(token);
+      res = await once(method, path, body, signal);
+    }
+  }
+  const text = await res.text();
+  let json: unknown = undefined;
+  if (text) {
+    try {
+      json = JSON.parse(text);
+    } catch {
+      json = undefined;
+    }
+  }
+  const err = (json as { error?: string; field?: string } | undefined) ?? {};
+  if (res.status === 503) {
+    setConnection({ state: 'degraded', message: err.error ?? 'the manager reports a backend outage' });
+  } else if (res.status < 500) {
+    setConnection({ state: 'ok' });
+  }
+  if (!res.ok) {
+    const message =
+      err.error ??
+      (res.status === 401 ? 'An API token is required for this change.' : `HTTP ${res.status} ${res.statusText}`);
+    throw new ApiError(res.status, message, err.field, json);
+  }
+  return json as T;
+}
+
+export const get = <T>(path: string, signal?: AbortSignal) => api<T>('GET', path, undefined, signal);
+
+export const taskPath = (name: string) => `/api/v1/tasks/${encodeURIComponent(name)}`;

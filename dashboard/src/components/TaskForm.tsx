@@ -1,0 +1,399 @@
+// Create or edit a task. Validation is the API's: the form sends what was typed and shows the
+// API's message next to the field it names (`threshold`, `schedules[1].cron`, `dynamic.min`).
+
+import type { ComponentChildren } from 'preact';
+import { useEffect, useRef, useState } from 'preact/hooks';
+import { api, ApiError, taskPath, type TaskSpec } from '../api';
+
+const MODES = ['pooled', 'local', 'exact_fixed', 'exact_sliding'];
+const ON_FAILURE = ['local', 'allow', 'deny'];
+const ALGORITHMS = ['token_bucket', 'fixed_window', 'sliding_window', 'sliding_log', 'leaky_bucket'];
+
+interface Model {
+  name: string;
+  threshold: string;
+  slice_ms: string;
+  pull: string;
+  local_limit: string;
+  on_failure: string;
+  mode: string;
+  algorithm: string;
+  burst: string;
+  description: string;
+  schedules: { cron: string; threshold: string }[];
+  dynEnabled: boolean;
+  dynMin: string;
+  dynMax: string;
+  dynErr: string;
+  dynLat: string;
+}
+
+function fromSpec(s?: TaskSpec): Model {
+  const str = (n: number | undefined) => (n === undefined || n === null ? '' : String(n));
+  return {
+    name: s?.name ?? '',
+    threshold: str(s?.threshold),
+    slice_ms: s ? str(s.slice_ms) : '1000',
+    pull: s ? str(s.pull) : '',
+    local_limit: s ? str(s.local_limit) : '',
+    on_failure: s?.on_failure ?? 'local',
+    mode: s?.mode ?? 'pooled',
+    algorithm: s?.fallback?.algorithm ?? 'token_bucket',
+    burst: s ? str(s.fallback?.burst) : '',
+    description: s?.description ?? '',
+    schedules: (s?.schedules ?? []).map((e) => ({ cron: e.cron, threshold: String(e.threshold) })),
+    dynEnabled: s?.dynamic?.enabled ?? false,
+    dynMin: str(s?.dynamic?.min),
+    dynMax: str(s?.dynamic?.max),
+    dynErr: str(s?.dynamic?.target_error_rate),
+    dynLat: str(s?.dynamic?.target_latency_ms),
+  };
+}
+
+/** A typed number, or the raw text (so the API names what is wrong with it), or nothing. */
+function numOrText(s: string): number | string | undefined {
+  const t = s.trim();
+  if (t === '') return undefined;
+  return /^-?\d+(\.\d+)?([eE][+-]?\d+)?$/.test(t) ? Number(t) : t;
+}
+
+function toBody(m: Model, version: number) {
+  const dynTouched = m.dynEnabled || [m.dynMin, m.dynMax, m.dynErr, m.dynLat].some((v) => v.trim() !== '');
+  return {
+    threshold: numOrText(m.threshold),
+    slice_ms: numOrText(m.slice_ms),
+    pull: numOrText(m.pull),
+    local_limit: numOrText(m.local_limit),
+    on_failure: m.on_failure,
+    mode: m.mode,
+    fallback: { algorithm: m.algorithm, burst: numOrText(m.burst) },
+    schedules: m.schedules.map((s) => ({ cron: s.cron, threshold: numOrText(s.threshold) })),
+    dynamic: dynTouched
+      ? {
+          enabled: m.dynEnabled,
+          min: numOrText(m.dynMin),
+          max: numOrText(m.dynMax),
+          target_error_rate: numOrText(m.dynErr),
+          target_latency_ms: numOrText(m.dynLat),
+        }
+      : undefined,
+    description: m.description,
+    version,
+  };
+}
+
+/** The element id of an API field path: `schedules[1].cron` → `f-schedules-1-cron`. */
+export const fieldId = (field: string) => `f-${field.replace(/[^A-Za-z0-9_]+/g, '-').replace(/-+$/, '')}`;
+
+const KNOWN_GROUPS = ['schedules', 'fallback', 'dynamic'];
+
+interface Props {
+  /** The task being edited; absent to create one. */
+  spec?: TaskSpec;
+  onSaved: (spec: TaskSpec, created: boolean) => void;
+  /** Asks the parent to load the latest version (after a 409). */
+  onReload?: () => void;
+}
+
+export function TaskForm({ spec, onSaved, onReload }: Props) {
+  const editing = !!spec;
+  const [m, setM] = useState<Model>(() => fromSpec(spec));
+  const [base, setBase] = useState<number>(spec?.version ?? 0);
+  const [dirty, setDirty] = useState(false);
+  const [error, setError] = useState<ApiError | null>(null);
+  const [saving, setSaving] = useState(false);
+  const [saved, setSaved] = useState<string | null>(null);
+  const formRef = useRef<HTMLFormElement>(null);
+
+  // A newer version arrived (saved here or elsewhere): follow it unless the user is editing.
+  useEffect(() => {
+    if (spec && spec.version !== base && !dirty) {
+      setM(fromSpec(spec));
+      setBase(spec.version);
+    }
+  }, [spec?.version]);
+
+  const set = <K extends keyof Model>(k: K, v: Model[K]) => {
+    setM((old) => ({ ...old, [k]: v }));
+    setDirty(true);
+    setSaved(null);
+  };
+  const setSchedule = (i: number, k: 'cron' | 'threshold', v: string) => {
+    setM((old) => ({ ...old, schedules: old.schedules.map((s, j) => (j === i ? { ...s, [k]: v } : s)) }));
+    setDirty(true);
+    setSaved(null);
+  };
+
+  const fieldErr = error && error.status === 400 && error.field !== undefined ? error.field : null;
+  const errFor = (field: string) => (fieldErr === field ? error!.message : null);
+  const placed =
+    fieldErr !== null &&
+    (formRef.current?.querySelector(`#${CSS.escape(fieldId(fieldErr))}`) !== null ||
+      KNOWN_GROUPS.includes(fieldErr));
+
+  useEffect(() => {
+    if (fieldErr === null) return;
+    const el = document.getElementById(fieldId(fieldErr)) ?? document.getElementById(`${fieldId(fieldErr)}-group`);
+    el?.focus();
+  }, [error]);
+
+  const submit = async (e: Event) => {
+    e.preventDefault();
+    if (saving) return;
+    const name = editing ? spec!.name : m.name.trim();
+    if (!name) {
+      setError(new ApiError(400, 'A task needs a name: 1–64 of A–Z a–z 0–9 _ . -', 'name'));
+      return;
+    }
+    setSaving(true);
+    setError(null);
+    setSaved(null);
+    try {
+      const out = await api<TaskSpec>('PUT', taskPath(name), toBody(m, editing ? base : 0));
+      setDirty(false);
+      setBase(out.version);
+      setM(fromSpec(out));
+      setSaved(editing ? `Saved: version ${out.version}.` : `Created “${out.name}”.`);
+      onSaved(out, !editing);
+    } catch (err) {
+      if (err instanceof ApiError && err.status === 409 && !editing) {
+        setError(new ApiError(409, `A task named “${name}” already exists.`, 'name'));
+      } else if (err instanceof ApiError) {
+        setError(err);
+      }
+    } finally {
+      setSaving(false);
+    }
+  };
+
+  const text = (
+    field: string,
+    label: string,
+    value: string,
+    onInput: (v: string) => void,
+    opts: { hint?: string; numeric?: boolean; placeholder?: string; required?: boolean } = {},
+  ) => {
+    const id = fieldId(field);
+    const msg = errFor(field);
+    const describedBy = [msg ? `${id}-error` : '', opts.hint ? `${id}-hint` : ''].filter(Boolean).join(' ') || undefined;
+    return (
+      <div class={`field${msg ? ' has-error' : ''}`}>
+        <label for={id}>
+          {label}
+          {opts.required ? <span aria-hidden="true"> *</span> : null}
+        </label>
+        <input
+          id={id}
+          name={field}
+          type="text"
+          inputMode={opts.numeric ? 'decimal' : undefined}
+          autoComplete="off"
+          placeholder={opts.placeholder}
+          value={value}
+          aria-invalid={msg ? 'true' : undefined}
+          aria-describedby={describedBy}
+          aria-required={opts.required ? 'true' : undefined}
+          onInput={(e) => onInput(e.currentTarget.value)}
+        />
+        {opts.hint ? (
+          <p class="hint" id={`${id}-hint`}>
+            {opts.hint}
+          </p>
+        ) : null}
+        {msg ? (
+          <p class="field-error" id={`${id}-error`} data-testid="field-error" data-field={field}>
+            {msg}
+          </p>
+        ) : null}
+      </div>
+    );
+  };
+
+  const select = (field: string, label: string, value: string, options: string[], onChange: (v: string) => void, hint?: string) => {
+    const id = fieldId(field);
+    const msg = errFor(field);
+    return (
+      <div class={`field${msg ? ' has-error' : ''}`}>
+        <label for={id}>{label}</label>
+        <select
+          id={id}
+          name={field}
+          value={value}
+          aria-invalid={msg ? 'true' : undefined}
+          aria-describedby={msg ? `${id}-error` : hint ? `${id}-hint` : undefined}
+          onChange={(e) => onChange(e.currentTarget.value)}
+        >
+          {options.map((o) => (
+            <option value={o}>{o}</option>
+          ))}
+        </select>
+        {hint ? (
+          <p class="hint" id={`${id}-hint`}>
+            {hint}
+          </p>
+        ) : null}
+        {msg ? (
+          <p class="field-error" id={`${id}-error`} data-testid="field-error" data-field={field}>
+            {msg}
+          </p>
+        ) : null}
+      </div>
+    );
+  };
+
+  const groupError = (field: string): ComponentChildren => {
+    const msg = errFor(field);
+    return msg ? (
+      <p class="field-error" id={`${fieldId(field)}-error`} data-testid="field-error" data-field={field}>
+        {msg}
+      </p>
+    ) : null;
+  };
+
+  return (
+    <form ref={formRef} class="task-form" onSubmit={submit} noValidate aria-label={editing ? 'Edit task' : 'New task'}>
+      {error && error.status === 409 && editing ? (
+        <div class="note error" role="alert">
+          {error.message}{' '}
+          {onReload ? (
+            <button
+              type="button"
+              class="secondary small"
+              onClick={() => {
+                setDirty(false);
+                setError(null);
+                onReload();
+              }}
+            >
+              Discard my changes and load the latest
+            </button>
+          ) : null}
+        </div>
+      ) : null}
+      {error && !(error.status === 409 && editing) && (!fieldErr || !placed) ? (
+        <p class="note error" role="alert" data-testid="form-error">
+          {error.unreachable ? 'The Sluice API cannot be reached; nothing was saved. ' : ''}
+          {error.field ? `${error.field}: ` : ''}
+          {error.message}
+        </p>
+      ) : null}
+
+      <fieldset>
+        <legend>Limit</legend>
+        <div class="grid">
+          {editing
+            ? null
+            : text('name', 'Name', m.name, (v) => set('name', v), {
+                hint: '1–64 characters: A–Z a–z 0–9 _ . -',
+                placeholder: 'checkout-api',
+                required: true,
+              })}
+          {text('threshold', 'Threshold (permits per slice)', m.threshold, (v) => set('threshold', v), {
+            numeric: true,
+            placeholder: '5000',
+            required: true,
+          })}
+          {text('slice_ms', 'Slice length (ms)', m.slice_ms, (v) => set('slice_ms', v), {
+            numeric: true,
+            hint: '100 ms to 1 day',
+          })}
+          {text('description', 'Description', m.description, (v) => set('description', v), {
+            placeholder: 'checkout API',
+          })}
+        </div>
+      </fieldset>
+
+      <fieldset>
+        <legend>Behaviour</legend>
+        <div class="grid">
+          {select('mode', 'Mode', m.mode, MODES, (v) => set('mode', v), 'pooled: hosts pull chunks of each slice')}
+          {select('on_failure', 'When Redis fails', m.on_failure, ON_FAILURE, (v) => set('on_failure', v))}
+          {text('local_limit', 'Local limit (per host per slice)', m.local_limit, (v) => set('local_limit', v), {
+            numeric: true,
+            hint: 'used while a host is FAILED; empty = threshold',
+          })}
+          {text('pull', 'Pull chunk', m.pull, (v) => set('pull', v), { numeric: true, hint: '0 or empty = automatic' })}
+          {select('fallback.algorithm', 'Local algorithm', m.algorithm, ALGORITHMS, (v) => set('algorithm', v))}
+          {text('fallback.burst', 'Local burst', m.burst, (v) => set('burst', v), { numeric: true, hint: '0 = local limit' })}
+        </div>
+        {groupError('fallback')}
+      </fieldset>
+
+      <fieldset id={`${fieldId('schedules')}-group`} tabIndex={-1}>
+        <legend>Schedules</legend>
+        <p class="hint">Cron with seconds, in UTC; slices starting at a match get that threshold (later rows win).</p>
+        {groupError('schedules')}
+        {m.schedules.length === 0 ? <p class="muted small">No schedules.</p> : null}
+        {m.schedules.map((s, i) => (
+          <div class="schedule-row" key={i}>
+            {text(`schedules[${i}].cron`, `Schedule ${i + 1} cron`, s.cron, (v) => setSchedule(i, 'cron', v), {
+              placeholder: '0 0 9-17 * * Mon-Fri',
+            })}
+            {text(`schedules[${i}].threshold`, `Schedule ${i + 1} threshold`, s.threshold, (v) => setSchedule(i, 'threshold', v), {
+              numeric: true,
+            })}
+            <button
+              type="button"
+              class="secondary small remove"
+              aria-label={`Remove schedule ${i + 1}`}
+              onClick={() => {
+                setM((old) => ({ ...old, schedules: old.schedules.filter((_, j) => j !== i) }));
+                setDirty(true);
+              }}
+            >
+              Remove
+            </button>
+          </div>
+        ))}
+        <button
+          type="button"
+          class="secondary small"
+          onClick={() => {
+            setM((old) => ({ ...old, schedules: [...old.schedules, { cron: '', threshold: '' }] }));
+            setDirty(true);
+            setTimeout(() => document.getElementById(fieldId(`schedules[${m.schedules.length}].cron`))?.focus(), 0);
+          }}
+        >
+          Add schedule
+        </button>
+      </fieldset>
+
+      <fieldset id={`${fieldId('dynamic')}-group`} tabIndex={-1}>
+        <legend>Dynamic limiting</legend>
+        {groupError('dynamic')}
+        <div class="field checkbox">
+          <input
+            id={fieldId('dynamic.enabled')}
+            type="checkbox"
+            checked={m.dynEnabled}
+            onChange={(e) => set('dynEnabled', e.currentTarget.checked)}
+          />
+          <label for={fieldId('dynamic.enabled')}>Adjust the threshold from the service's health</label>
+          {groupError('dynamic.enabled')}
+        </div>
+        <div class="grid">
+          {text('dynamic.min', 'Lowest threshold', m.dynMin, (v) => set('dynMin', v), { numeric: true })}
+          {text('dynamic.max', 'Highest threshold', m.dynMax, (v) => set('dynMax', v), { numeric: true })}
+          {text('dynamic.target_error_rate', 'Target error rate (0–1)', m.dynErr, (v) => set('dynErr', v), {
+            numeric: true,
+            placeholder: '0.05',
+          })}
+          {text('dynamic.target_latency_ms', 'Target latency (ms)', m.dynLat, (v) => set('dynLat', v), {
+            numeric: true,
+            placeholder: '200',
+          })}
+        </div>
+      </fieldset>
+
+      <div class="actions">
+        <button type="submit" disabled={saving}>
+          {saving ? 'Saving…' : editing ? 'Save changes' : 'Create task'}
+        </button>
+        {dirty && editing ? <span class="muted small">Unsaved changes</span> : null}
+        <span role="status" class="saved" data-testid="form-status">
+          {saved}
+        </span>
+      </div>
+    </form>
+  );
+}

@@ -1,0 +1,332 @@
+// One task: live numbers, live and historical traffic, the edit form, dynamic adjustments and
+// the hosts that use it.
+
+import { useMemo, useState } from 'preact/hooks';
+import {
+  api,
+  ApiError,
+  get,
+  taskPath,
+  type Adjustment,
+  type History,
+  type Host,
+  type Settings,
+  type TaskSpec,
+  type TaskWithStatus,
+} from '../api';
+import { Chart, TRAFFIC_SERIES } from '../components/Chart';
+import { TaskForm } from '../components/TaskForm';
+import { ErrorNote, NotAvailable, Section, Stat, StateBadge } from '../components/ui';
+import { ago, dateTime, duration, num, num2, sliceLen } from '../format';
+import { Link, navigate } from '../router';
+import { usePoll } from '../poll';
+import { toColumns } from '../traffic';
+
+const RANGES = [
+  { id: '5m', label: '5 min', seconds: 300, resolution: '1s', every: 5000 },
+  { id: '1h', label: '1 h', seconds: 3600, resolution: '1s', every: 15000 },
+  { id: '24h', label: '24 h', seconds: 86400, resolution: '1m', every: 60000 },
+];
+
+function TrafficChart({ name, seconds, resolution, every, testId, label }: {
+  name: string;
+  seconds: number;
+  resolution: string;
+  every: number;
+  testId: string;
+  label: string;
+}) {
+  const { data, error } = usePoll(
+    (s) => get<History>(`${taskPath(name)}/history?seconds=${seconds}&resolution=${resolution}`, s),
+    every,
+    [name, seconds, resolution],
+  );
+  const cols = useMemo(() => (data ? toColumns(data) : null), [data]);
+  if (error?.missingEndpoint) return <NotAvailable>Traffic history is not available on this manager.</NotAvailable>;
+  return (
+    <div>
+      <ErrorNote error={error} what="the traffic" />
+      {cols ? (
+        <>
+          <Chart
+            data={cols.data}
+            series={TRAFFIC_SERIES}
+            yLabel="per second"
+            label={`${label}: ${num(cols.admitted)} admitted and ${num(cols.rejected)} rejected`}
+            testId={testId}
+            attrs={{
+              'data-admitted-total': cols.admitted,
+              'data-rejected-total': cols.rejected,
+              'data-points': cols.points,
+            }}
+          />
+          <p class="muted small chart-foot">
+            {num(cols.admitted)} admitted · {num(cols.rejected)} rejected in {duration(seconds * 1000)}
+            {cols.points === 0 ? ' — no slices in this range yet.' : ''}
+            {data && data.resolution_ms !== data.slice_ms ? ` · ${sliceLen(data.resolution_ms)} buckets of ${sliceLen(data.slice_ms)} slices` : ''}
+          </p>
+        </>
+      ) : (
+        <div class="chart chart-empty" aria-hidden="true" />
+      )}
+    </div>
+  );
+}
+
+function HistorySection({ name }: { name: string }) {
+  const [range, setRange] = useState(RANGES[0]);
+  const onKey = (e: KeyboardEvent) => {
+    const i = RANGES.findIndex((r) => r.id === range.id);
+    const next = e.key === 'ArrowRight' ? (i + 1) % RANGES.length : e.key === 'ArrowLeft' ? (i + RANGES.length - 1) % RANGES.length : -1;
+    if (next >= 0) {
+      e.preventDefault();
+      setRange(RANGES[next]);
+      document.getElementById(`range-${RANGES[next].id}`)?.focus();
+    }
+  };
+  return (
+    <Section
+      title="History"
+      id="history"
+      actions={
+        <div role="tablist" aria-label="History range" class="tabs" onKeyDown={onKey}>
+          {RANGES.map((r) => (
+            <button
+              type="button"
+              role="tab"
+              id={`range-${r.id}`}
+              aria-selected={r.id === range.id}
+              aria-controls="history-panel"
+              tabIndex={r.id === range.id ? 0 : -1}
+              class={r.id === range.id ? 'tab active' : 'tab'}
+              onClick={() => setRange(r)}
+            >
+              {r.label}
+            </button>
+          ))}
+        </div>
+      }
+    >
+      <div role="tabpanel" id="history-panel" aria-labelledby={`range-${range.id}`}>
+        <TrafficChart
+          key={range.id}
+          name={name}
+          seconds={range.seconds}
+          resolution={range.resolution}
+          every={range.every}
+          testId="history-chart"
+          label={`Traffic over ${range.label}`}
+        />
+      </div>
+    </Section>
+  );
+}
+
+function Adjustments({ name }: { name: string }) {
+  const { data, error } = usePoll(
+    (s) => get<{ adjustments: Adjustment[] }>(`${taskPath(name)}/adjustments`, s),
+    5000,
+    [name],
+  );
+  if (error?.missingEndpoint) {
+    return <NotAvailable>Dynamic limiting adjustments are not available on this manager yet.</NotAvailable>;
+  }
+  const list = [...(data?.adjustments ?? [])].sort((a, b) => b.at_ms - a.at_ms);
+  return (
+    <>
+      <ErrorNote error={error} what="the adjustments" />
+      {data && list.length === 0 ? <p class="muted">No adjustments yet.</p> : null}
+      {list.length > 0 ? (
+        <div class="table-wrap">
+          <table data-testid="adjustments">
+            <thead>
+              <tr>
+                <th scope="col">When</th>
+                <th scope="col" class="num">
+                  Threshold
+                </th>
+                <th scope="col">Reason</th>
+              </tr>
+            </thead>
+            <tbody>
+              {list.map((a) => (
+                <tr>
+                  <td>{dateTime(a.at_ms)}</td>
+                  <td class="num">
+                    {num(a.old)} → <strong>{num(a.new)}</strong>
+                  </td>
+                  <td>{a.reason}</td>
+                </tr>
+              ))}
+            </tbody>
+          </table>
+        </div>
+      ) : null}
+    </>
+  );
+}
+
+function Hosts({ name }: { name: string }) {
+  const { data, error } = usePoll(
+    (s) => get<{ hosts: Host[]; now_ms: number }>(`/api/v1/hosts?task=${encodeURIComponent(name)}`, s),
+    3000,
+    [name],
+  );
+  const settings = usePoll((s) => get<Settings>('/api/v1/settings', s), 30000, []);
+  const skew = settings.data?.skew_threshold_ms ?? 100;
+  if (error?.missingEndpoint) return <NotAvailable>Host reports are not available on this manager.</NotAvailable>;
+  const hosts = data?.hosts ?? [];
+  return (
+    <>
+      <ErrorNote error={error} what="the hosts" />
+      {data && hosts.length === 0 ? <p class="muted">No host has reported using this task.</p> : null}
+      {hosts.length > 0 ? (
+        <div class="table-wrap">
+          <table data-testid="hosts">
+            <thead>
+              <tr>
+                <th scope="col">Host</th>
+                <th scope="col">State</th>
+                <th scope="col" class="num">
+                  Clock offset
+                </th>
+                <th scope="col" class="num hide-narrow">
+                  Round trip
+                </th>
+                <th scope="col">Last seen</th>
+                <th scope="col" class="hide-narrow">
+                  SDK
+                </th>
+              </tr>
+            </thead>
+            <tbody>
+              {hosts.map((h) => {
+                const off = h.offset_ms ?? 0;
+                const skewed = Math.abs(off) > skew;
+                return (
+                  <tr class={h.stale ? 'stale' : ''}>
+                    <td class="nowrap">{h.host_id}</td>
+                    <td>{h.error ? <span class="bad-text">{h.error}</span> : <StateBadge state={h.tasks?.[name] ?? 'unknown'} />}</td>
+                    <td class={`num${skewed ? ' bad-text' : ''}`} title={skewed ? `beyond the skew threshold (${skew} ms)` : undefined}>
+                      {h.offset_ms === undefined ? '—' : signedMs(off)}
+                      {h.rtt_ms !== undefined ? <span class="muted small"> ±{num2(h.rtt_ms / 2)}</span> : null}
+                    </td>
+                    <td class="num hide-narrow">{h.rtt_ms === undefined ? '—' : `${num2(h.rtt_ms)} ms`}</td>
+                    <td class="nowrap">
+                      {ago(h.age_ms)}
+                      {h.stale ? <span class="muted small"> (stale)</span> : null}
+                    </td>
+                    <td class="hide-narrow muted">{h.sdk ?? '—'}</td>
+                  </tr>
+                );
+              })}
+            </tbody>
+          </table>
+        </div>
+      ) : null}
+    </>
+  );
+}
+
+/** +3.25 ms, −120 ms, 0 ms. */
+function signedMs(ms: number): string {
+  const r = Math.round(ms * 100) / 100;
+  if (r === 0) return '0 ms';
+  return `${r > 0 ? '+' : '−'}${num2(Math.abs(r))} ms`;
+}
+
+function Summary({ t }: { t: TaskWithStatus }) {
+  const st = t.status;
+  const ahead = st.horizon_until_ms ? st.horizon_until_ms - Date.now() : null;
+  return (
+    <div class="stats">
+      <Stat
+        label="Threshold now"
+        testId="threshold-now"
+        value={num(st.effective_threshold ?? null)}
+        hint={st.effective_threshold !== null && st.effective_threshold !== t.threshold ? `base ${num(t.threshold)}` : `per ${sliceLen(t.slice_ms)} slice`}
+      />
+      <Stat label="Remaining in this slice" value={num(st.remaining ?? null)} hint="not yet pulled by hosts" />
+      <Stat label="Written ahead" value={ahead === null ? '—' : duration(ahead)} hint="slices ready in Redis" />
+      <Stat label="Mode" value={t.mode} hint={`on Redis failure: ${t.on_failure}`} />
+    </div>
+  );
+}
+
+export function TaskPage({ name }: { name: string }) {
+  const task = usePoll((s) => get<TaskWithStatus>(taskPath(name), s), 2000, [name]);
+  const [deleting, setDeleting] = useState(false);
+  const [delError, setDelError] = useState<ApiError | null>(null);
+
+  if (task.error?.status === 404 && !task.error.missingEndpoint) {
+    return (
+      <div class="page">
+        <h1>Task “{name}”</h1>
+        <p class="note error" role="alert">
+          There is no task named “{name}”. <Link href="/">Back to the tasks</Link>
+        </p>
+      </div>
+    );
+  }
+  const t = task.data;
+  const del = async () => {
+    if (!confirm(`Delete task “${name}”? Hosts using it fall back to their failure behaviour.`)) return;
+    setDeleting(true);
+    setDelError(null);
+    try {
+      await api('DELETE', taskPath(name));
+      navigate('/');
+    } catch (e) {
+      if (e instanceof ApiError) setDelError(e);
+    } finally {
+      setDeleting(false);
+    }
+  };
+  const onSaved = (_s: TaskSpec) => task.refresh();
+
+  return (
+    <div class="page">
+      <div class="page-head">
+        <div>
+          <p class="crumbs">
+            <Link href="/">Tasks</Link> /
+          </p>
+          <h1>{name}</h1>
+          {t?.description ? <p class="muted">{t.description}</p> : null}
+        </div>
+        <button type="button" class="danger" onClick={del} disabled={deleting || !t}>
+          {deleting ? 'Deleting…' : 'Delete task'}
+        </button>
+      </div>
+      {delError ? (
+        <p class="note error" role="alert">
+          Could not delete: {delError.message}
+        </p>
+      ) : null}
+      <ErrorNote error={task.error} what="the task" />
+      {t?.status.error ? <p class="note error">Live status unavailable: {t.status.error}</p> : null}
+      {t ? <Summary t={t} /> : <p class="muted">Loading…</p>}
+
+      <Section title="Live traffic (last 60 s)" id="live">
+        <TrafficChart name={name} seconds={60} resolution="1s" every={1000} testId="live-chart" label="Live traffic" />
+      </Section>
+
+      <HistorySection name={name} />
+
+      <div class="two-col">
+        <Section title="Settings" id="settings">
+          {t ? <TaskForm key={name} spec={t} onSaved={onSaved} onReload={task.refresh} /> : <p class="muted">Loading…</p>}
+        </Section>
+        <div class="stack">
+          <Section title="Dynamic adjustments" id="adjustments">
+            {t?.dynamic?.enabled ? null : <p class="muted small">Dynamic limiting is off for this task.</p>}
+            <Adjustments name={name} />
+          </Section>
+          <Section title="Hosts using this task" id="hosts">
+            <Hosts name={name} />
+          </Section>
+        </div>
+      </div>
+    </div>
+  );
+}
