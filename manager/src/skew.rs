@@ -289,6 +289,12 @@ pub async fn run(
             if moved.len() <= MAX_MOVING {
                 continue;
             }
+            if episodes.get(&format!("task:{task}")).is_none()
+                && let Some(h) = read_hosts(&redis, &keys).await
+            {
+                // A new episode: name suspects from the freshest host reports.
+                hosts = h;
+            }
             let current = slice::start(now, slice_ms);
             let distances: Vec<i64> = moved
                 .iter()

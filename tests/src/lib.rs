@@ -827,10 +827,23 @@ impl Loadgen {
     /// Starts `loadgen` with `args` (everything after the binary name); stdout goes to a file
     /// read by [`Loadgen::wait_json`], stderr to the process log.
     pub fn spawn(args: &[String]) -> Self {
+        Self::spawn_under(&[], args)
+    }
+
+    /// Like [`Loadgen::spawn`], run under a wrapper command, e.g. `["faketime", "-f", "+1.5s"]`
+    /// (the re-executed children inherit the wrapper's environment, so they share its clock).
+    pub fn spawn_under(wrapper: &[&str], args: &[String]) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let out = dir.path().join("stdout.json");
         let log = dir.path().join("loadgen.log");
-        let mut cmd = Command::new(workspace_bin("examples/loadgen"));
+        let mut cmd = match wrapper.split_first() {
+            None => Command::new(workspace_bin("examples/loadgen")),
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(workspace_bin("examples/loadgen"));
+                c
+            }
+        };
         cmd.args(args).env(
             "RUST_LOG",
             std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "sluice=info".into()),
