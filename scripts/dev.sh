@@ -52,7 +52,7 @@ if [ -x target/release/examples/loadgen ] && [ "${SLUICE_DEV_TRAFFIC:-1}" != 0 ]
   for h in host-a host-b; do
     (while true; do
       target/release/examples/loadgen --redis "$REDIS_URL" --namespace sluice --task checkout \
-        --host-id "$h" --procs 2 --duration-ms 60000 --rate 1750 >/dev/null 2>>"$dir/loadgen-$h.log" || sleep 1
+        --host-id "$h" --procs 2 --duration-ms 600000 --rate 1750 >/dev/null 2>>"$dir/loadgen-$h.log" || sleep 1
     done) &
     SLUICE_PIDS+=($!)
   done
