@@ -276,6 +276,41 @@ describe('dashboard', () => {
     }
   });
 
+  test('alert settings: a bad webhook shows its error, a good one is saved', T, async (t) => {
+    const ns = uniqueNs('uisettings');
+    const m = await manager({ ns, nodeId: 'w1' });
+    const p = await page();
+    try {
+      if ((await call(m.url, 'GET', '/api/v1/settings')).status === 404) {
+        t.skip('PENDING: GET /api/v1/settings is not implemented by this manager yet');
+        return;
+      }
+      await p.goto(`${m.url}/alerts`);
+      await p.getByRole('button', { name: 'Add webhook' }).click();
+      const hook = p.getByRole('textbox', { name: 'Webhook 1' });
+      await hook.fill('ftp://example.com/x');
+      await hook.press('Enter');
+      const err = p.locator('#f-webhooks-0-error');
+      await err.waitFor();
+      assert.match(await err.textContent(), /http/);
+      assert.deepEqual((await call(m.url, 'GET', '/api/v1/settings')).body.webhooks, []);
+      await hook.fill('http://127.0.0.1:9/sluice');
+      await p.getByLabel('Clock skew threshold (ms)').fill('250');
+      await p.getByRole('button', { name: 'Save settings' }).click();
+      await p.getByText('Settings saved.').waitFor();
+      const saved = (await call(m.url, 'GET', '/api/v1/settings')).body;
+      assert.deepEqual(saved.webhooks, ['http://127.0.0.1:9/sluice']);
+      assert.equal(saved.skew_threshold_ms, 250);
+      // A second save carries the new version (no spurious conflict).
+      await p.getByLabel('Clock skew threshold (ms)').fill('300');
+      await p.getByLabel('Clock skew threshold (ms)').press('Enter');
+      await waitFor('the second save', async () => (await call(m.url, 'GET', '/api/v1/settings')).body.skew_threshold_ms === 300);
+      assert.deepEqual(p.errors, []);
+    } finally {
+      await cleanup([m], [p]);
+    }
+  });
+
   test('a skew alert appears in the feed', T, async (t) => {
     const ns = uniqueNs('uiskew');
     const m = await manager({ ns, nodeId: 's1' });

@@ -95,11 +95,18 @@ export interface Alert {
   host?: string | null;
   message: string;
   at_ms: number;
+  /** `firing` or `resolved`. */
+  state?: string;
+  /** The same for the firing and the resolved alert of one incident. */
+  episode?: string;
+  details?: unknown;
 }
 
 export interface Settings {
   webhooks: string[];
   skew_threshold_ms: number;
+  alert_quiet_ms?: number;
+  version?: number;
   [k: string]: unknown;
 }
 

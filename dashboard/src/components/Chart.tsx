@@ -23,6 +23,8 @@ interface Props {
   testId?: string;
   /** Extra attributes for tests and tooling (e.g. totals). */
   attrs?: Record<string, string | number>;
+  /** Fixed x range in Unix seconds (default: the data's). */
+  xRange?: [number, number];
 }
 
 const fmtY = (v: number) =>
@@ -40,9 +42,11 @@ function showLatest(u: uPlot) {
   if (n > 0 && (u.cursor.left === undefined || u.cursor.left < 0)) u.setLegend({ idx: n - 1 }, false);
 }
 
-export function Chart({ data, series, height = 240, yLabel, label, testId, attrs }: Props) {
+export function Chart({ data, series, height = 240, yLabel, label, testId, attrs, xRange }: Props) {
   const box = useRef<HTMLDivElement>(null);
   const plot = useRef<uPlot | null>(null);
+  const range = useRef(xRange);
+  range.current = xRange;
   const key = series.map((s) => s.label).join('|');
 
   useEffect(() => {
@@ -55,7 +59,10 @@ export function Chart({ data, series, height = 240, yLabel, label, testId, attrs
       height,
       cursor: { drag: { x: false, y: false } },
       legend: { live: true },
-      scales: { x: { time: true }, y: { range: (_u, _min, max) => [0, max > 0 ? max * 1.1 : 1] } },
+      scales: {
+        x: { time: true, range: (_u, min, max) => range.current ?? [min, max] },
+        y: { range: (_u, _min, max) => [0, max > 0 ? max * 1.1 : 1] },
+      },
       axes: [
         { stroke: muted, grid: { stroke: grid }, ticks: { stroke: grid } },
         {

@@ -36,9 +36,14 @@ function Feed() {
       {alerts.length > 0 ? (
         <ol class="feed" data-testid="alert-feed">
           {alerts.map((a) => (
-            <li key={a.id} class={fresh.has(a.id) ? 'fresh' : ''} data-kind={a.kind}>
+            <li key={a.id} class={fresh.has(a.id) ? 'fresh' : ''} data-kind={a.kind} data-state={a.state}>
               <div class="feed-head">
-                <Badge kind={a.kind === 'clock_skew' ? 'warn' : 'muted'}>{a.kind.replace(/_/g, ' ')}</Badge>
+                <span>
+                  <Badge kind={a.state === 'resolved' ? 'ok' : a.kind === 'clock_skew' ? 'warn' : 'muted'}>
+                    {a.kind.replace(/_/g, ' ')}
+                  </Badge>{' '}
+                  {a.state ? <span class={a.state === 'resolved' ? 'ok-text' : 'bad-text'}>{a.state}</span> : null}
+                </span>
                 <time dateTime={new Date(a.at_ms).toISOString()}>{dateTime(a.at_ms)}</time>
               </div>
               <div class="feed-msg">{a.message}</div>
@@ -63,6 +68,8 @@ function SettingsForm() {
   const loaded = usePoll((s) => get<Settings>('/api/v1/settings', s), 0, []);
   const [hooks, setHooks] = useState<string[] | null>(null);
   const [skew, setSkew] = useState('');
+  const [quiet, setQuiet] = useState('');
+  const [version, setVersion] = useState<number | undefined>(undefined);
   const [error, setError] = useState<ApiError | null>(null);
   const [saving, setSaving] = useState(false);
   const [saved, setSaved] = useState<string | null>(null);
@@ -71,6 +78,8 @@ function SettingsForm() {
     if (loaded.data && hooks === null) {
       setHooks([...(loaded.data.webhooks ?? [])]);
       setSkew(String(loaded.data.skew_threshold_ms ?? ''));
+      setQuiet(loaded.data.alert_quiet_ms === undefined ? '' : String(loaded.data.alert_quiet_ms));
+      setVersion(loaded.data.version);
     }
   }, [loaded.data]);
 
@@ -90,17 +99,24 @@ function SettingsForm() {
     setSaving(true);
     setError(null);
     setSaved(null);
-    const t = skew.trim();
+    const numOrText = (v: string) => {
+      const t = v.trim();
+      return t === '' ? undefined : /^\d+(\.\d+)?$/.test(t) ? Number(t) : t;
+    };
     const body = {
       ...loaded.data,
       webhooks: hooks.map((h) => h.trim()).filter((h) => h !== ''),
-      skew_threshold_ms: t === '' ? undefined : /^\d+(\.\d+)?$/.test(t) ? Number(t) : t,
+      skew_threshold_ms: numOrText(skew),
+      alert_quiet_ms: loaded.data && 'alert_quiet_ms' in loaded.data ? numOrText(quiet) : undefined,
+      version,
     };
     try {
       const out = await api<Settings>('PUT', '/api/v1/settings', body);
       if (out && Array.isArray(out.webhooks)) {
         setHooks([...out.webhooks]);
         setSkew(String(out.skew_threshold_ms ?? skew));
+        if (out.alert_quiet_ms !== undefined) setQuiet(String(out.alert_quiet_ms));
+        setVersion(out.version);
       }
       setSaved('Settings saved.');
     } catch (err) {
@@ -110,7 +126,10 @@ function SettingsForm() {
     }
   };
   const skewErr = errFor('skew_threshold_ms');
-  const placed = error?.field && (error.field === 'skew_threshold_ms' || /^webhooks(\[\d+\])?$/.test(error.field));
+  const quietErr = errFor('alert_quiet_ms');
+  const placed =
+    error?.field &&
+    (error.field === 'skew_threshold_ms' || error.field === 'alert_quiet_ms' || /^webhooks(\[\d+\])?$/.test(error.field));
   return (
     <form onSubmit={submit} noValidate aria-label="Alert settings" class="settings-form">
       {error && !placed ? (
@@ -139,6 +158,28 @@ function SettingsForm() {
           </p>
         ) : null}
       </div>
+      {loaded.data && 'alert_quiet_ms' in loaded.data ? (
+        <div class={`field${quietErr ? ' has-error' : ''}`}>
+          <label for={fieldId('alert_quiet_ms')}>Resolve after quiet (ms)</label>
+          <input
+            id={fieldId('alert_quiet_ms')}
+            type="text"
+            inputMode="numeric"
+            value={quiet}
+            aria-invalid={quietErr ? 'true' : undefined}
+            aria-describedby={quietErr ? `${fieldId('alert_quiet_ms')}-error` : `${fieldId('alert_quiet_ms')}-hint`}
+            onInput={(e) => setQuiet(e.currentTarget.value)}
+          />
+          <p class="hint" id={`${fieldId('alert_quiet_ms')}-hint`}>
+            An alert is resolved after this long without a new trigger.
+          </p>
+          {quietErr ? (
+            <p class="field-error" id={`${fieldId('alert_quiet_ms')}-error`} data-testid="field-error">
+              {quietErr}
+            </p>
+          ) : null}
+        </div>
+      ) : null}
       <fieldset id={`${fieldId('webhooks')}`} tabIndex={-1}>
         <legend>Webhooks</legend>
         <p class="hint">Every alert is POSTed as JSON to each URL.</p>

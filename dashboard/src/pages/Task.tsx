@@ -20,7 +20,7 @@ import { ErrorNote, NotAvailable, Section, Stat, StateBadge } from '../component
 import { ago, dateTime, duration, num, num2, sliceLen } from '../format';
 import { Link, navigate } from '../router';
 import { usePoll } from '../poll';
-import { toColumns } from '../traffic';
+import { FLUSH_LAG_MS, toColumns } from '../traffic';
 
 const RANGES = [
   { id: '5m', label: '5 min', seconds: 300, resolution: '1s', every: 5000 },
@@ -54,6 +54,7 @@ function TrafficChart({ name, seconds, resolution, every, testId, label }: {
             yLabel="per second"
             label={`${label}: ${num(cols.admitted)} admitted and ${num(cols.rejected)} rejected`}
             testId={testId}
+            xRange={data ? [data.from_ms / 1000, (data.now_ms - FLUSH_LAG_MS) / 1000] : undefined}
             attrs={{
               'data-admitted-total': cols.admitted,
               'data-rejected-total': cols.rejected,
@@ -137,7 +138,7 @@ function Adjustments({ name }: { name: string }) {
       <ErrorNote error={error} what="the adjustments" />
       {data && list.length === 0 ? <p class="muted">No adjustments yet.</p> : null}
       {list.length > 0 ? (
-        <div class="table-wrap">
+        <div class="table-wrap scroll-y">
           <table data-testid="adjustments">
             <thead>
               <tr>
@@ -190,9 +191,6 @@ function Hosts({ name }: { name: string }) {
                 <th scope="col" class="num">
                   Clock offset
                 </th>
-                <th scope="col" class="num hide-narrow">
-                  Round trip
-                </th>
                 <th scope="col">Last seen</th>
                 <th scope="col" class="hide-narrow">
                   SDK
@@ -207,11 +205,13 @@ function Hosts({ name }: { name: string }) {
                   <tr class={h.stale ? 'stale' : ''}>
                     <td class="nowrap">{h.host_id}</td>
                     <td>{h.error ? <span class="bad-text">{h.error}</span> : <StateBadge state={h.tasks?.[name] ?? 'unknown'} />}</td>
-                    <td class={`num${skewed ? ' bad-text' : ''}`} title={skewed ? `beyond the skew threshold (${skew} ms)` : undefined}>
+                    <td
+                      class={`num${skewed ? ' bad-text' : ''}`}
+                      title={`host clock − Redis time; measured with a ${h.rtt_ms === undefined ? '?' : num2(h.rtt_ms)} ms round trip${skewed ? `; beyond the skew threshold (${skew} ms)` : ''}`}
+                    >
                       {h.offset_ms === undefined ? '—' : signedMs(off)}
                       {h.rtt_ms !== undefined ? <span class="muted small"> ±{num2(h.rtt_ms / 2)}</span> : null}
                     </td>
-                    <td class="num hide-narrow">{h.rtt_ms === undefined ? '—' : `${num2(h.rtt_ms)} ms`}</td>
                     <td class="nowrap">
                       {ago(h.age_ms)}
                       {h.stale ? <span class="muted small"> (stale)</span> : null}
