@@ -1,1 +1,146 @@
-fn main() {}
+//! Decision-path benchmarks (no Redis: the quota is put into the host segment directly).
+//!
+//! * `decide/allowed`: `try_acquire(1)` admitted from the local quota: the fast path.
+//! * `decide/limited`: the slice is exhausted (LIMITED): reject without Redis.
+//! * `decide/local_token_bucket`: mode `local`, the shared token bucket (the FAILED path).
+//! * `host/N`: N threads, each with its own client (its own mapping of the same segment, like
+//!   N processes of one host), deciding against one shared quota: decisions/s of the host.
+//!
+//! `scripts/bench.sh` runs this and the whole-system load test, and `docs/benchmarks.md`
+//! has the numbers.
+
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group, criterion_main};
+use sluice::protocol::{Fallback, FallbackAlgorithm, Mode, OnFailure, TaskMeta};
+use sluice::shm::{MAX_COUNT, Segment};
+use sluice::{Client, Config, Task};
+
+const DAY_MS: u64 = 86_400_000;
+
+struct Host {
+    _dir: tempfile::TempDir,
+    seg: Segment,
+    slot: usize,
+    clients: Vec<(Client, Task)>,
+}
+
+fn host(mode: Mode, clients: usize) -> Host {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mk = || {
+        // Nothing listens on port 1: the background thread fails quietly, decisions go on.
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.namespace = "bench".into();
+        cfg.host_id = "h".into();
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.probe_interval = Duration::from_secs(3_600);
+        cfg.meta_refresh = Duration::from_secs(3_600);
+        let c = Client::new(cfg).expect("client");
+        let t = c.task("bench").expect("task");
+        (c, t)
+    };
+    let clients: Vec<_> = (0..clients).map(|_| mk()).collect();
+    let (seg, _) = Segment::open(clients[0].0.segment_path(), 1).expect("segment");
+    let slot = seg.find("bench").expect("slot");
+    seg.slot(slot).unwrap().store_meta(&TaskMeta {
+        slice_ms: DAY_MS,
+        threshold: u64::MAX / 2,
+        pull: 0,
+        local_limit: u64::MAX / 4,
+        on_failure: OnFailure::Deny,
+        mode,
+        fallback: Fallback {
+            algorithm: FallbackAlgorithm::TokenBucket,
+            burst: 0,
+        },
+        version: 1,
+    });
+    // Let the background threads fail their first meta read, then clear the FAILED state it
+    // leaves (the meta is refreshed only hourly from here on).
+    std::thread::sleep(Duration::from_millis(400));
+    let sl = seg.slot(slot).unwrap();
+    sl.ctl.state.store(0, std::sync::atomic::Ordering::Relaxed);
+    sl.ctl
+        .next_probe_ms
+        .store(i64::MAX / 2, std::sync::atomic::Ordering::Relaxed);
+    let h = Host {
+        _dir: dir,
+        seg,
+        slot,
+        clients,
+    };
+    h.refill(false);
+    h
+}
+
+impl Host {
+    fn refill(&self, exhausted: bool) {
+        let now_us = self.clients[0].1.now_us();
+        let index = now_us as u64 / (DAY_MS * 1_000);
+        let s = self.seg.slot(self.slot).unwrap();
+        let e = s.entry(index as u32);
+        e.word.store(0, std::sync::atomic::Ordering::Relaxed);
+        let n = if exhausted { 0 } else { MAX_COUNT as u64 };
+        s.deposit(index as u32, index, n, exhausted, now_us);
+    }
+}
+
+fn decide(c: &mut Criterion) {
+    let mut g = c.benchmark_group("decide");
+    g.throughput(Throughput::Elements(1));
+    let h = host(Mode::Pooled, 1);
+    let task = h.clients[0].1.clone();
+    g.bench_function("allowed", |b| {
+        b.iter_custom(|iters| {
+            h.refill(false);
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                std::hint::black_box(task.try_acquire(std::hint::black_box(1)));
+            }
+            t0.elapsed()
+        })
+    });
+    h.refill(true);
+    g.bench_function("limited", |b| {
+        b.iter(|| std::hint::black_box(task.try_acquire(std::hint::black_box(1))))
+    });
+    let l = host(Mode::Local, 1);
+    let ltask = l.clients[0].1.clone();
+    g.bench_function("local_token_bucket", |b| {
+        b.iter(|| std::hint::black_box(ltask.try_acquire(std::hint::black_box(1))))
+    });
+    g.finish();
+}
+
+fn host_throughput(c: &mut Criterion) {
+    let mut g = c.benchmark_group("host");
+    for n in [1usize, 4] {
+        let h = host(Mode::Pooled, n);
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_function(format!("{n}"), |b| {
+            b.iter_custom(|iters| {
+                h.refill(false);
+                let tasks: Vec<Task> = h.clients.iter().map(|(_, t)| t.clone()).collect();
+                let t0 = Instant::now();
+                std::thread::scope(|s| {
+                    for t in &tasks {
+                        s.spawn(move || {
+                            for _ in 0..iters {
+                                std::hint::black_box(t.try_acquire(1));
+                            }
+                        });
+                    }
+                });
+                t0.elapsed()
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().measurement_time(Duration::from_secs(3)).warm_up_time(Duration::from_secs(1));
+    targets = decide, host_throughput
+}
+criterion_main!(benches);

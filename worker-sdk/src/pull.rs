@@ -11,11 +11,13 @@
 //!  chunk   ≥ rate × 4 round trips                   (a chunk outlives the pull that refills it)
 //!  chunk   ≤ rate × time left in the slice × 1.25   (little is stranded at the slice's end)
 //!  chunk   ≥ the largest n asked for; a task's fixed `pull` replaces all of this
-//!  low water = min(chunk / 2, rate × (2 round trips + 2 ms))
+//!  low water = max(chunk / 2, rate × (2 round trips + 2 ms)), below the chunk
 //! ```
 //!
 //! When the local quota falls below the low-water mark a decision pokes the background puller,
-//! so under steady load the refill lands before the quota runs out. Near a slice's end the
+//! so under steady load the refill lands before the quota runs out: with half a chunk left
+//! the refill has half a chunk's worth of time (≈ 1/50 of the slice) to arrive, which covers
+//! a busy machine's scheduling delays, and it costs no extra pulls (each still brings a chunk). Near a slice's end the
 //! next slice's first chunk is prefetched ([`prefetch_lead_ms`]), so the first decisions of a
 //! slice do not wait either.
 //!
@@ -99,9 +101,13 @@ pub fn plan(i: &PullInput) -> PullPlan {
         base.max(by_rate).min(by_end).max(max_n)
     };
     let want = want.min(crate::shm::MAX_COUNT as u64);
-    let low_water = ((rate_per_ms * (2.0 * rtt + 2.0)).ceil() as u64)
-        .min(want / 2)
-        .max(max_n.min(want));
+    let by_rate = (rate_per_ms * (2.0 * rtt + 2.0)).ceil() as u64;
+    let low_water = want
+        .div_ceil(2)
+        .max(by_rate)
+        .min(want.saturating_sub(1))
+        .max(max_n.min(want))
+        .max(1);
     PullPlan { want, low_water }
 }
 
@@ -177,7 +183,7 @@ mod tests {
             ..input()
         });
         assert_eq!(p.want, 800);
-        assert!(p.low_water <= p.want / 2 && p.low_water >= 100);
+        assert!(p.low_water < p.want && p.low_water >= 600, "{p:?}");
     }
 
     #[test]
