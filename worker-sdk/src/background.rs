@@ -21,7 +21,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::client::{Shared, TaskInner};
-use crate::protocol::scripts::{self, PullReply, SliceCounters};
+use crate::protocol::scripts::{self, ExactReply, PullReply, SliceCounters};
 use crate::protocol::{HostReport, Mode, TaskMeta, meta_field};
 use crate::pull::{self, PullInput};
 use crate::shm::{FastMeta, LockAttempt, Slot, unpack_quota};
@@ -72,10 +72,10 @@ where
     .map_err(|_| ())
 }
 
-pub(crate) fn spawn(shared: Arc<Shared>) -> std::io::Result<std::thread::JoinHandle<()>> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+pub(crate) fn spawn(
+    shared: Arc<Shared>,
+    rt: tokio::runtime::Runtime,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
     std::thread::Builder::new()
         .name("sluice-bg".into())
         .spawn(move || rt.block_on(run(shared)))
@@ -446,6 +446,44 @@ async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i6
     .await;
     if !matches!(res, Ok(Ok(_))) {
         slot.restore_counters(&drained);
+    }
+}
+
+/// One exact-mode decision (`exact_fixed`: TAKE, `exact_sliding`: SLIDE) for slice `index`;
+/// `None` when Redis failed or timed out.
+pub(crate) async fn exact(
+    sh: Arc<Shared>,
+    name: String,
+    m: FastMeta,
+    index: u64,
+    n: u64,
+) -> Option<ExactReply> {
+    let start_ms = (index * m.slice_ms) as i64;
+    let member = format!(
+        "{}:{}:{}",
+        sh.cfg.host_id,
+        sh.pid,
+        sh.seq.fetch_add(1, Ordering::Relaxed)
+    );
+    let res = call(&sh, |mut c| {
+        let (sh, name, member) = (&sh, &name, &member);
+        async move {
+            match m.mode {
+                Mode::ExactSliding => {
+                    scripts::slide(&mut c, &sh.keys, name, start_ms, m.slice_ms, n, member).await
+                }
+                _ => scripts::take(&mut c, &sh.keys, name, start_ms, n).await,
+            }
+        }
+    })
+    .await;
+    match res {
+        Ok(Ok(r)) => Some(r),
+        Ok(Err(e)) => {
+            tracing::debug!(task = %name, error = %e, "exact decision failed");
+            None
+        }
+        Err(()) => None,
     }
 }
 

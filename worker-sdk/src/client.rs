@@ -25,6 +25,7 @@ use tokio::sync::Notify;
 use crate::health::{self, Outcome};
 use crate::limiter::{self, Params, Verdict};
 use crate::protocol::conn::{ConnOptions, Redis, RedisTarget};
+use crate::protocol::scripts::ExactReply;
 use crate::protocol::{Keys, Mode, NameError, OnFailure, TaskMeta, validate_task_name};
 use crate::shm::{FastMeta, Opened, Segment, SegmentError, Slot, field, unpack_quota};
 use crate::state::{Health, HostState, Machine, view};
@@ -191,6 +192,10 @@ pub(crate) struct Shared {
     pub(crate) pid: u32,
     pub(crate) machine: Machine,
     pub(crate) stop: AtomicBool,
+    /// The background runtime (exact-mode calls run on it).
+    pub(crate) rt: tokio::runtime::Handle,
+    /// Sequence for unique sliding-log members.
+    pub(crate) seq: AtomicU64,
 }
 
 impl Shared {
@@ -270,7 +275,13 @@ impl Client {
                 response_timeout: cfg.pull_timeout,
             },
         );
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(Error::Spawn)?;
         let shared = Arc::new(Shared {
+            rt: rt.handle().clone(),
+            seq: AtomicU64::new(0),
             machine: Machine {
                 probe_interval_ms: cfg.probe_interval.as_millis().max(1) as i64,
             },
@@ -284,7 +295,7 @@ impl Client {
             pid: std::process::id(),
             stop: AtomicBool::new(false),
         });
-        let thread = crate::background::spawn(shared.clone()).map_err(Error::Spawn)?;
+        let thread = crate::background::spawn(shared.clone(), rt).map_err(Error::Spawn)?;
         Ok(Self {
             guard: Arc::new(Guard {
                 shared: shared.clone(),
@@ -425,7 +436,17 @@ impl Task {
     /// Like [`Task::try_acquire`], but when the local quota is being refilled, waits for the
     /// refill (at most [`Config::acquire_timeout`]). Works on any executor (it is woken by the
     /// client's background thread, not by a timer of the caller's runtime).
+    ///
+    /// For tasks in mode `exact_fixed` / `exact_sliding` this is the exact decision: one
+    /// atomic Redis call (bounded by the pull timeout; on failure the task's `on_failure`
+    /// decides).
     pub async fn acquire(&self, n: u64) -> Decision {
+        if let Some((m, index, now_us)) = self.exact_target(n) {
+            let sh = self.shared.clone();
+            let fut = crate::background::exact(sh, self.inner.name.clone(), m, index, n);
+            let reply = self.shared.rt.spawn(fut).await.ok().flatten();
+            return self.exact_decision(reply, &m, index, n, now_us);
+        }
         let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
         loop {
             let notified = self.inner.deposited.notified();
@@ -448,6 +469,17 @@ impl Task {
 
     /// [`Task::acquire`] for programs without an async runtime: sleeps in short steps.
     pub fn acquire_blocking(&self, n: u64) -> Decision {
+        if let Some((m, index, now_us)) = self.exact_target(n) {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let fut =
+                crate::background::exact(self.shared.clone(), self.inner.name.clone(), m, index, n);
+            self.shared.rt.spawn(async move {
+                let _ = tx.send(fut.await);
+            });
+            let wait = self.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
+            let reply = rx.recv_timeout(wait).ok().flatten();
+            return self.exact_decision(reply, &m, index, n, now_us);
+        }
         let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
         loop {
             match self.decide(n, self.shared.now_us()) {
@@ -506,6 +538,43 @@ impl Task {
         }
     }
 
+    /// When the task is in an exact mode: its meta, slice index and now.
+    fn exact_target(&self, n: u64) -> Option<(FastMeta, u64, i64)> {
+        let slot = self.slot()?;
+        let m = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire))?;
+        if n == 0 || !matches!(m.mode, Mode::ExactFixed | Mode::ExactSliding) {
+            return None;
+        }
+        let now_us = self.shared.now_us();
+        Some((m, self.index(now_us, m.slice_ms * 1_000), now_us))
+    }
+
+    fn exact_decision(
+        &self,
+        reply: Option<ExactReply>,
+        m: &FastMeta,
+        index: u64,
+        n: u64,
+        now_us: i64,
+    ) -> Decision {
+        match reply {
+            Some(ExactReply::Admitted { .. }) => Decision::Allowed,
+            Some(ExactReply::Refused { retry_after_us, .. }) => {
+                let retry_us = match m.mode {
+                    Mode::ExactSliding => retry_after_us as i64,
+                    _ => (index + 1) as i64 * (m.slice_ms * 1_000) as i64 - now_us,
+                };
+                Decision::Limited {
+                    retry_after: Duration::from_micros(retry_us.max(1) as u64),
+                }
+            }
+            Some(ExactReply::Missing { .. }) | None => match self.slot() {
+                Some(slot) => self.fallback(slot, m, index, n, now_us),
+                None => self.unknown(),
+            },
+        }
+    }
+
     #[inline]
     fn slot(&self) -> Option<&Slot> {
         self.shared.seg.slot(self.inner.slot)
@@ -551,7 +620,7 @@ impl Task {
                 Step::Decided(d)
             }
             // Exact modes need a Redis round trip per decision, which the synchronous path
-            // cannot wait for: it answers as FAILED would.
+            // cannot wait for: it answers as FAILED would (use `acquire`).
             Mode::ExactFixed | Mode::ExactSliding => {
                 Step::Decided(self.fallback(slot, &m, index, n, now_us))
             }

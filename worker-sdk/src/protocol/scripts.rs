@@ -2,7 +2,7 @@
 //!
 //! Every script touches the keys of one task only (one hash tag, one Cluster slot) and is
 //! atomic in Redis. The manager uses [`roll`] and [`retire`]; workers use [`pull`] and
-//! [`flush`].
+//! [`flush`], and for the exact modes [`take`] (`exact_fixed`) and [`slide`] (`exact_sliding`).
 //!
 //! # Fencing
 //!
@@ -162,11 +162,64 @@ end
 return {1, 0}
 "#;
 
+/// `exact_fixed`: takes exactly `n` permits from one slice, or none.
+///
+/// `KEYS[1]` slice. `ARGV`: n. Counts the decision in the slice (`adm` or `rej`), so exact
+/// decisions need no flush. Returns `{status, remaining, cap, time_s, time_us, 0}` with status
+/// 1 = taken, 0 = refused (fewer than `n` left), -1 = the slice does not exist (never created).
+pub const TAKE_LUA: &str = r#"
+local t = redis.call('TIME')
+local h = redis.call('HMGET', KEYS[1], 'rem', 'cap')
+if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
+local rem = tonumber(h[1])
+local n = tonumber(ARGV[1])
+if rem >= n then
+  rem = redis.call('HINCRBY', KEYS[1], 'rem', -n)
+  redis.call('HINCRBY', KEYS[1], 'adm', n)
+  return {1, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
+end
+redis.call('HINCRBY', KEYS[1], 'rej', n)
+return {0, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
+"#;
+
+/// `exact_sliding`: admits `n` when fewer than the current slice's `cap` minus `n` admissions
+/// lie in the window (one slice long) ending at Redis `TIME`; a sorted set of admissions
+/// (`NS:{T}:log`, scores in µs) is the log.
+///
+/// `KEYS[1]` the log, `KEYS[2]` the current slice (its `cap` is the limit, effective
+/// threshold included; the decision is counted there). `ARGV`: n (≤ 1,000), window (ms), a
+/// member prefix unique to the call. Returns `{status, remaining, cap, time_s, time_us,
+/// retry_after_us}` with status 1 = admitted, 0 = refused, -1 = the slice does not exist.
+pub const SLIDE_LUA: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local cap = redis.call('HGET', KEYS[2], 'cap')
+if not cap then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
+cap = tonumber(cap)
+local n = tonumber(ARGV[1])
+local window = tonumber(ARGV[2]) * 1000
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
+local count = redis.call('ZCARD', KEYS[1])
+if count + n <= cap and n <= 1000 then
+  for i = 1, n do redis.call('ZADD', KEYS[1], now, ARGV[3] .. ':' .. i) end
+  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 2)
+  redis.call('HINCRBY', KEYS[2], 'adm', n)
+  return {1, cap - count - n, cap, tonumber(t[1]), tonumber(t[2]), 0}
+end
+redis.call('HINCRBY', KEYS[2], 'rej', n)
+local retry = window
+local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+if oldest[2] then retry = tonumber(oldest[2]) + window - now end
+return {0, cap - count, cap, tonumber(t[1]), tonumber(t[2]), retry}
+"#;
+
 static ROLL: LazyLock<Script> = LazyLock::new(|| Script::new(ROLL_LUA));
 static ADJUST: LazyLock<Script> = LazyLock::new(|| Script::new(ADJUST_LUA));
 static RETIRE: LazyLock<Script> = LazyLock::new(|| Script::new(RETIRE_LUA));
 static PULL: LazyLock<Script> = LazyLock::new(|| Script::new(PULL_LUA));
 static FLUSH: LazyLock<Script> = LazyLock::new(|| Script::new(FLUSH_LUA));
+static TAKE: LazyLock<Script> = LazyLock::new(|| Script::new(TAKE_LUA));
+static SLIDE: LazyLock<Script> = LazyLock::new(|| Script::new(SLIDE_LUA));
 
 /// One slice to write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -449,4 +502,100 @@ where
     }
     let (status, value) = pair(inv.invoke_async(conn).await?)?;
     Ok(if status == 1 { Ok(()) } else { Err(value) })
+}
+
+/// Reply of [`take`] and [`slide`] (the exact modes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExactReply {
+    /// The slice key does not exist.
+    Missing {
+        /// Redis `TIME` in Unix µs.
+        redis_time_us: i64,
+    },
+    /// Admitted.
+    Admitted {
+        /// What is left (fixed: in the slice; sliding: in the window).
+        remaining: i64,
+        /// The slice's threshold.
+        cap: u64,
+        /// Redis `TIME` in Unix µs.
+        redis_time_us: i64,
+    },
+    /// Refused.
+    Refused {
+        /// What is left.
+        remaining: i64,
+        /// The slice's threshold.
+        cap: u64,
+        /// Redis `TIME` in Unix µs.
+        redis_time_us: i64,
+        /// Sliding: µs until the oldest admission leaves the window (0 for fixed).
+        retry_after_us: u64,
+    },
+}
+
+fn exact_reply(v: Value) -> RedisResult<ExactReply> {
+    let (status, remaining, cap, secs, micros, retry): (i64, i64, i64, i64, i64, i64) =
+        redis::from_redis_value(v)?;
+    let redis_time_us = secs * 1_000_000 + micros;
+    let cap = cap.max(0) as u64;
+    Ok(match status {
+        1 => ExactReply::Admitted {
+            remaining,
+            cap,
+            redis_time_us,
+        },
+        0 => ExactReply::Refused {
+            remaining,
+            cap,
+            redis_time_us,
+            retry_after_us: retry.max(0) as u64,
+        },
+        _ => ExactReply::Missing { redis_time_us },
+    })
+}
+
+/// Runs [`TAKE_LUA`] (`exact_fixed`) on the slice of `task` starting at `slice_start_ms`.
+pub async fn take<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    slice_start_ms: i64,
+    n: u64,
+) -> RedisResult<ExactReply>
+where
+    C: redis::aio::ConnectionLike,
+{
+    exact_reply(
+        TAKE.key(keys.slice(task, slice_start_ms))
+            .arg(n)
+            .invoke_async(conn)
+            .await?,
+    )
+}
+
+/// Runs [`SLIDE_LUA`] (`exact_sliding`) with the log of `task` and its slice starting at
+/// `slice_start_ms`; `member` must be unique to this call.
+pub async fn slide<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    slice_start_ms: i64,
+    window_ms: u64,
+    n: u64,
+    member: &str,
+) -> RedisResult<ExactReply>
+where
+    C: redis::aio::ConnectionLike,
+{
+    exact_reply(
+        SLIDE
+            .key(keys.sliding_log(task))
+            .key(keys.slice(task, slice_start_ms))
+            .arg(n)
+            .arg(window_ms)
+            .arg(member)
+            .invoke_async(conn)
+            .await?,
+    )
 }
