@@ -51,9 +51,25 @@ where
         loop {
             attempt += 1;
             sh.redis_calls.fetch_add(1, Ordering::Relaxed);
-            let r = match sh.redis.conn().await {
-                Ok(c) => f(c).await,
-                Err(e) => Err(e),
+            let once = async {
+                match sh.redis.conn().await {
+                    Ok(c) => f(c).await,
+                    Err(e) => Err(e),
+                }
+            };
+            let r = if attempt == 1 {
+                once.await
+            } else {
+                // The retry only helps when the reconnect is quick (Redis is up); a server
+                // that is down must not delay FAILED by a reconnect backoff.
+                tokio::time::timeout(sh.cfg.pull_timeout / 4, once)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(redis::RedisError::from(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "Redis reconnect did not complete",
+                        )))
+                    })
             };
             match r {
                 Err(e)
@@ -415,7 +431,18 @@ async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i6
         return;
     }
     let index = (now_us.max(0) as u64) / (m.slice_ms * 1_000);
-    if let Some(token) = lock(sh, slot, now_ms) {
+    // The last flush of a client waits for the lock: what it does not account now may never
+    // be (the other processes of the host may be exiting too).
+    let patience = if force { 200 } else { 0 };
+    let mut token = lock(sh, slot, now_ms);
+    for _ in 0..patience {
+        if token.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        token = lock(sh, slot, crate::clock::host_ms());
+    }
+    if let Some(token) = token {
         slot.account(index);
         slot.pull_lock().unlock(token);
     }
@@ -491,6 +518,11 @@ async fn report_host(sh: &Shared) {
     let h = sh.seg.header();
     let now_us = sh.now_us();
     let now_ms = crate::clock::host_ms();
+    // The first report waits for a clock measurement (a pull), or two seconds.
+    if h.clock_rtt_us.load(Ordering::Relaxed) <= 0 && sh.started.elapsed() < Duration::from_secs(2)
+    {
+        return;
+    }
     let last = h.host_report_ms.load(Ordering::Acquire);
     let period = sh.cfg.host_report_interval.as_millis() as i64;
     if now_ms - last < period && now_ms >= last {

@@ -196,6 +196,8 @@ pub(crate) struct Shared {
     pub(crate) rt: tokio::runtime::Handle,
     /// Sequence for unique sliding-log members.
     pub(crate) seq: AtomicU64,
+    /// When the client was created.
+    pub(crate) started: Instant,
 }
 
 impl Shared {
@@ -282,6 +284,7 @@ impl Client {
         let shared = Arc::new(Shared {
             rt: rt.handle().clone(),
             seq: AtomicU64::new(0),
+            started: Instant::now(),
             machine: Machine {
                 probe_interval_ms: cfg.probe_interval.as_millis().max(1) as i64,
             },

@@ -108,3 +108,83 @@ where
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::convert::Infallible;
+    use std::time::Duration;
+
+    use tower::{ServiceBuilder, ServiceExt};
+
+    use super::*;
+    use crate::protocol::{Fallback, FallbackAlgorithm, Mode, OnFailure, TaskMeta};
+    use crate::{Client, Config};
+
+    /// A client whose Redis does not exist: the task's meta is put into the segment directly.
+    fn task(dir: &std::path::Path, local_limit: u64) -> (Client, Task) {
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.to_path_buf();
+        cfg.host_id = "layer".into();
+        let c = Client::new(cfg).unwrap();
+        let t = c.task("api").unwrap();
+        let (seg, _) = crate::shm::Segment::open(c.segment_path(), 1).unwrap();
+        seg.slot(seg.find("api").unwrap())
+            .unwrap()
+            .store_meta(&TaskMeta {
+                slice_ms: 60_000,
+                threshold: 1,
+                pull: 0,
+                local_limit,
+                on_failure: OnFailure::Deny,
+                mode: Mode::Local,
+                fallback: Fallback {
+                    algorithm: FallbackAlgorithm::FixedWindow,
+                    burst: 0,
+                },
+                version: 1,
+            });
+        (c, t)
+    }
+
+    #[tokio::test]
+    async fn rejects_with_429_and_retry_after() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_c, t) = task(dir.path(), 2);
+        let svc = ServiceBuilder::new()
+            .layer(SluiceLayer::new(t.clone()))
+            .service(tower::service_fn(|_req: Request<String>| async {
+                Ok::<_, Infallible>(Response::new("ok".to_string()))
+            }));
+        let mut statuses = Vec::new();
+        for _ in 0..3 {
+            let r = svc
+                .clone()
+                .oneshot(Request::new(String::new()))
+                .await
+                .unwrap();
+            statuses.push(r.status());
+            if r.status() == StatusCode::TOO_MANY_REQUESTS {
+                let secs: u64 = r.headers()[header::RETRY_AFTER]
+                    .to_str()
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                assert!((1..=60).contains(&secs), "{secs}");
+                assert_eq!(r.body(), "");
+            }
+        }
+        assert_eq!(
+            statuses,
+            [
+                StatusCode::OK,
+                StatusCode::OK,
+                StatusCode::TOO_MANY_REQUESTS
+            ]
+        );
+        assert_eq!(
+            too_many_requests::<String>(Some(Duration::from_millis(1_001))).headers()
+                [header::RETRY_AFTER],
+            "2"
+        );
+    }
+}

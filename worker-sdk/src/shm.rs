@@ -82,6 +82,7 @@ pub const MAX_COUNT: u32 = (1 << 31) - 1;
 const EXHAUSTED: u64 = 1 << 31;
 const READY: u64 = 1;
 const EMPTY_TAG: u64 = u64::MAX;
+const RING_BUSY: u64 = u64::MAX - 1;
 
 /// The segment header.
 #[repr(C, align(64))]
@@ -501,35 +502,49 @@ impl Slot {
 
     /// Adds `v` to counter `field` (index into [`slice_field::COUNTERS`]) of slice `index`.
     ///
-    /// An entry still holding another slice is taken over and reset; its unflushed counts are
-    /// dropped (the flusher runs far more often than the ring wraps, so this only happens
-    /// while Redis is unreachable for longer than [`RING`] slices).
+    /// An entry still holding another (older) slice is taken over: its tag is set to a busy
+    /// marker, its values are zeroed, then the new tag is published, so no concurrent add for
+    /// the new slice can be wiped. The old slice's unflushed counts are dropped: the flusher
+    /// runs far more often than the ring wraps, so this only happens while Redis is
+    /// unreachable for longer than [`RING`] slices.
     #[inline]
     pub fn count(&self, index: u64, field: usize, v: u64) {
         if v == 0 {
             return;
         }
         let e = &self.ring[(index % RING as u64) as usize];
-        let mut t = e.tag.load(Ordering::Acquire);
-        if t != index {
-            loop {
-                // Never take an entry back to an older slice.
-                if t != EMPTY_TAG && t != 0 && t > index {
-                    return;
-                }
-                match e
-                    .tag
-                    .compare_exchange(t, index, Ordering::AcqRel, Ordering::Acquire)
+        let mut spins = 0u32;
+        loop {
+            let t = e.tag.load(Ordering::Acquire);
+            if t == index {
+                break;
+            }
+            if t == RING_BUSY {
+                spins += 1;
+                // A process died between marking and publishing: take the entry over.
+                if spins > 100_000
+                    && e.tag
+                        .compare_exchange(RING_BUSY, index, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
                 {
-                    Ok(_) => {
-                        for x in &e.values {
-                            x.store(0, Ordering::Relaxed);
-                        }
-                        break;
-                    }
-                    Err(x) if x == index => break,
-                    Err(x) => t = x,
+                    break;
                 }
+                std::hint::spin_loop();
+                continue;
+            }
+            // Never take an entry back to an older slice.
+            if t != EMPTY_TAG && t != 0 && t > index {
+                return;
+            }
+            if e.tag
+                .compare_exchange(t, RING_BUSY, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                for x in &e.values {
+                    x.store(0, Ordering::Relaxed);
+                }
+                e.tag.store(index, Ordering::Release);
+                break;
             }
         }
         if let Some(x) = e.values.get(field) {
@@ -550,7 +565,7 @@ impl Slot {
         let mut out = Vec::new();
         for e in &self.ring {
             let index = e.tag.load(Ordering::Acquire);
-            if index == EMPTY_TAG || index == 0 {
+            if index == EMPTY_TAG || index == 0 || index == RING_BUSY {
                 continue;
             }
             let mut vals = [0u64; 6];
