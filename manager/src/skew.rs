@@ -10,7 +10,9 @@
 //! so its own threshold changes don't count) changed since the previous poll. More than two at
 //! once means hosts are spread over more slices than clock agreement allows: a `clock_skew`
 //! alert for the task, with the slices that moved and their distance from the leader's current
-//! slice.
+//! slice. "At once" is measured honestly: when the time actually covered by two polls spans
+//! more than two slices (100 ms slices, or a poll delayed on a loaded leader), the allowance
+//! grows to the slices that time overlaps ([`allowed_moving`]).
 //!
 //! ```text
 //!   slices:        c−2   c−1    c    c+1   c+2   c+3
@@ -47,7 +49,8 @@ use crate::tasks::TaskStore;
 pub const BEHIND: i64 = 2;
 /// See [`BEHIND`].
 pub const AHEAD: i64 = 3;
-/// More than this many slices moving at once is skew.
+/// More than this many slices moving at once is skew (the seed's rule) — when polls are a small
+/// fraction of a slice apart. See [`allowed_moving`] for short slices and late polls.
 pub const MAX_MOVING: usize = 2;
 /// Host reports older than this are ignored.
 pub const HOST_FRESH_MS: i64 = 60_000;
@@ -55,23 +58,78 @@ pub const HOST_FRESH_MS: i64 = 60_000;
 /// One poll's reading of a slice: `(start, cap, rem)`, `None` when it does not exist.
 pub type Reading = (i64, Option<(i64, i64)>);
 
+/// How many slices hosts with agreeing clocks can move between two polls: every slice that
+/// overlaps the time from the start of the previous poll to the end of this one, and at least
+/// [`MAX_MOVING`]. With 1 s slices and polls 250 ms apart that is the seed's two; with 100 ms
+/// slices, or a poll delayed on a loaded leader, it grows with the time actually covered.
+///
+/// ```
+/// use sluice_manager::skew::allowed_moving;
+/// assert_eq!(allowed_moving(10_100, 10_350, 1_000), 2);
+/// assert_eq!(allowed_moving(10_050, 10_210, 100), 3); // slices 10000, 10100, 10200
+/// ```
+pub fn allowed_moving(prev_started_ms: i64, finished_ms: i64, slice_ms: u64) -> usize {
+    let first = slice::start(prev_started_ms, slice_ms);
+    let last = slice::start(finished_ms.max(prev_started_ms), slice_ms);
+    (((last - first) / slice_ms.max(1) as i64) as usize + 1).max(MAX_MOVING)
+}
+
+/// What one poll found.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Movement {
+    /// Starts of the slices whose consumption changed since the previous poll.
+    pub moved: Vec<i64>,
+    /// How many may move with agreeing clocks ([`allowed_moving`]).
+    pub allowed: usize,
+}
+
+impl Movement {
+    /// More slices moved than agreeing clocks explain.
+    pub fn is_skew(&self) -> bool {
+        self.moved.len() > self.allowed
+    }
+}
+
 /// What the detector remembers of one task between polls.
 #[derive(Debug, Clone, Default)]
 pub struct TaskWatch {
     consumed: BTreeMap<i64, i64>,
+    prev_started_ms: Option<i64>,
 }
 
 impl TaskWatch {
-    /// Feeds one poll; returns the starts of slices whose consumption changed since the last.
+    /// Feeds one poll, which started reading at `started_ms` and finished at `finished_ms`.
     ///
     /// ```
     /// use sluice_manager::skew::TaskWatch;
     /// let mut w = TaskWatch::default();
-    /// assert!(w.observe(&[(0, Some((100, 100))), (1000, Some((100, 100)))]).is_empty());
+    /// let m = w.observe(&[(0, Some((100, 100))), (1000, Some((100, 100)))], 100, 105, 1000);
+    /// assert!(m.moved.is_empty());
     /// // Consumption in slice 0; slice 1000's threshold raised by the leader: not movement.
-    /// assert_eq!(w.observe(&[(0, Some((100, 90))), (1000, Some((150, 150)))]), [0]);
+    /// let m = w.observe(&[(0, Some((100, 90))), (1000, Some((150, 150)))], 350, 352, 1000);
+    /// assert_eq!(m.moved, [0]);
+    /// assert!(!m.is_skew());
     /// ```
-    pub fn observe(&mut self, readings: &[Reading]) -> Vec<i64> {
+    pub fn observe(
+        &mut self,
+        readings: &[Reading],
+        started_ms: i64,
+        finished_ms: i64,
+        slice_ms: u64,
+    ) -> Movement {
+        let allowed = allowed_moving(
+            self.prev_started_ms.unwrap_or(started_ms),
+            finished_ms,
+            slice_ms,
+        );
+        self.prev_started_ms = Some(started_ms);
+        Movement {
+            moved: self.changed(readings),
+            allowed,
+        }
+    }
+
+    fn changed(&mut self, readings: &[Reading]) -> Vec<i64> {
         let mut moved = Vec::new();
         let mut next = BTreeMap::new();
         for (start, r) in readings {
@@ -271,24 +329,28 @@ pub async fn run(
             let period = (*slice_ms as i64 / 4).clamp(50, 250);
             next_poll.insert(name.clone(), now + period);
         }
-        let readings: Vec<(String, u64, Option<Vec<Reading>>)> = futures::stream::iter(due)
+        let readings: Vec<(String, u64, Option<Vec<Reading>>, i64)> = futures::stream::iter(due)
             .map(|(name, slice_ms)| {
                 let redis = &redis;
                 let keys = &keys;
                 async move {
                     let r = read_slices(redis, keys, &name, slice_ms, now).await;
-                    (name, slice_ms, r)
+                    (name, slice_ms, r, unix_ms())
                 }
             })
             .buffer_unordered(64)
             .collect()
             .await;
-        for (task, slice_ms, r) in readings {
+        for (task, slice_ms, r, finished) in readings {
             let Some(r) = r else { continue };
-            let moved = watches.entry(task.clone()).or_default().observe(&r);
-            if moved.len() <= MAX_MOVING {
+            let movement = watches
+                .entry(task.clone())
+                .or_default()
+                .observe(&r, now, finished, slice_ms);
+            if !movement.is_skew() {
                 continue;
             }
+            let moved = movement.moved;
             if episodes.get(&format!("task:{task}")).is_none()
                 && let Some(h) = read_hosts(&redis, &keys).await
             {
@@ -384,38 +446,88 @@ mod tests {
     #[test]
     fn agreeing_hosts_move_at_most_two_slices() {
         let mut w = TaskWatch::default();
-        w.observe(&rd(&[(0, 100, 100), (1000, 100, 100), (2000, 100, 100)]));
-        let m = w.observe(&rd(&[(0, 100, 60), (1000, 100, 95), (2000, 100, 100)]));
-        assert_eq!(m, [0, 1000]);
-        assert!(m.len() <= MAX_MOVING);
+        w.observe(
+            &rd(&[(0, 100, 100), (1000, 100, 100), (2000, 100, 100)]),
+            900,
+            901,
+            1000,
+        );
+        let m = w.observe(
+            &rd(&[(0, 100, 60), (1000, 100, 95), (2000, 100, 100)]),
+            1150,
+            1152,
+            1000,
+        );
+        assert_eq!(m.moved, [0, 1000]);
+        assert!(!m.is_skew());
     }
 
     #[test]
     fn a_host_ahead_makes_three_move() {
         let mut w = TaskWatch::default();
-        w.observe(&rd(&[
+        let base = rd(&[
             (0, 100, 100),
             (1000, 100, 100),
             (2000, 100, 100),
             (3000, 100, 100),
-        ]));
-        let m = w.observe(&rd(&[
-            (0, 100, 90),
-            (1000, 100, 90),
-            (2000, 100, 100),
-            (3000, 100, 80),
-        ]));
-        assert_eq!(m.len(), 3);
+        ]);
+        w.observe(&base, 900, 901, 1000);
+        let m = w.observe(
+            &rd(&[
+                (0, 100, 90),
+                (1000, 100, 90),
+                (2000, 100, 100),
+                (3000, 100, 80),
+            ]),
+            1150,
+            1151,
+            1000,
+        );
+        assert_eq!(m.moved.len(), 3);
+        assert!(m.is_skew());
+    }
+
+    #[test]
+    fn short_slices_and_late_polls_allow_what_the_elapsed_time_covers() {
+        // 100 ms slices; the poll came 160 ms after the previous one started: slices 0, 100
+        // and 200 may all have moved with agreeing clocks.
+        let mut w = TaskWatch::default();
+        w.observe(
+            &rd(&[(0, 10, 10), (100, 10, 10), (200, 10, 10), (300, 10, 10)]),
+            50,
+            52,
+            100,
+        );
+        let m = w.observe(
+            &rd(&[(0, 10, 9), (100, 10, 5), (200, 10, 8), (300, 10, 10)]),
+            205,
+            210,
+            100,
+        );
+        assert_eq!(m.moved.len(), 3);
+        assert_eq!(m.allowed, 3);
+        assert!(!m.is_skew());
+        // The slice after that as well: a host ahead.
+        let m = w.observe(
+            &rd(&[(0, 10, 9), (100, 10, 4), (200, 10, 7), (300, 10, 9)]),
+            260,
+            262,
+            100,
+        );
+        assert!(m.is_skew(), "{m:?}");
     }
 
     #[test]
     fn new_and_missing_slices_are_not_movement() {
         let mut w = TaskWatch::default();
-        w.observe(&[(0, None), (1000, Some((10, 10)))]);
-        assert!(
-            w.observe(&[(0, Some((10, 5))), (1000, None), (2000, Some((10, 1)))])
-                .is_empty()
+        w.observe(&[(0, None), (1000, Some((10, 10)))], 0, 1, 1000);
+        let m = w.observe(
+            &[(0, Some((10, 5))), (1000, None), (2000, Some((10, 1)))],
+            250,
+            251,
+            1000,
         );
+        assert!(m.moved.is_empty());
     }
 
     #[test]
