@@ -37,55 +37,64 @@ const UNKNOWN_META_RETRY_MS: i64 = 200;
 /// The result of one logical Redis call: `Err(())` when it timed out.
 type CallResult<T> = Result<redis::RedisResult<T>, ()>;
 
-/// Runs one Redis call bounded by the pull timeout. A connection-level error is retried once
-/// after a short pause: after Redis restarts, a process's first request fails on the dead
-/// connection and triggers the reconnect that the retry then uses, so one stale connection
-/// does not flip a healthy host back to FAILED.
+/// Runs one Redis call within the pull timeout, in at most two attempts:
+///
+/// * a connection-level error is retried once after 5 ms: after Redis restarts, a process's
+///   first request fails on the dead connection and triggers the reconnect the retry uses;
+/// * a first attempt unanswered after half the timeout drops the connection and retries on a
+///   fresh one with the other half: a stuck connection is this process's problem, not a
+///   reason to declare Redis FAILED for the whole host.
+///
+/// A Redis that is down fails both attempts at once; one that hangs costs exactly the pull
+/// timeout.
 async fn call<T, F, Fut>(sh: &Shared, mut f: F) -> CallResult<T>
 where
     F: FnMut(crate::protocol::conn::RedisConn) -> Fut,
     Fut: std::future::Future<Output = redis::RedisResult<T>>,
 {
-    tokio::time::timeout(sh.cfg.pull_timeout, async {
-        let mut attempt = 0;
-        loop {
-            attempt += 1;
-            sh.redis_calls.fetch_add(1, Ordering::Relaxed);
-            let once = async {
-                match sh.redis.conn().await {
-                    Ok(c) => f(c).await,
-                    Err(e) => Err(e),
-                }
-            };
-            let r = if attempt == 1 {
-                once.await
-            } else {
-                // The retry only helps when the reconnect is quick (Redis is up); a server
-                // that is down must not delay FAILED by a reconnect backoff.
-                tokio::time::timeout(sh.cfg.pull_timeout / 4, once)
-                    .await
-                    .unwrap_or_else(|_| {
-                        Err(redis::RedisError::from(std::io::Error::new(
-                            std::io::ErrorKind::TimedOut,
-                            "Redis reconnect did not complete",
-                        )))
-                    })
-            };
-            match r {
-                Err(e)
-                    if attempt == 1
-                        && (e.is_io_error()
-                            || e.is_connection_dropped()
-                            || e.is_connection_refusal()) =>
-                {
-                    tokio::time::sleep(Duration::from_millis(5)).await;
-                }
-                r => return r,
+    let started = Instant::now();
+    let half = sh.cfg.pull_timeout / 2;
+    for attempt in 1..=2 {
+        let budget = if attempt == 1 {
+            half
+        } else {
+            sh.cfg.pull_timeout.saturating_sub(started.elapsed())
+        };
+        sh.redis_calls.fetch_add(1, Ordering::Relaxed);
+        let once = async {
+            match sh.redis.conn().await {
+                Ok(c) => f(c).await,
+                Err(e) => Err(e),
+            }
+        };
+        match tokio::time::timeout(budget, once).await {
+            Ok(Err(e))
+                if attempt == 1
+                    && (e.is_io_error()
+                        || e.is_connection_dropped()
+                        || e.is_connection_refusal()) =>
+            {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            Ok(r) => return Ok(r),
+            Err(_) if attempt == 1 => {
+                tracing::debug!(
+                    after_ms = half.as_millis() as u64,
+                    "Redis call unanswered; retrying on a fresh connection"
+                );
+                sh.redis.reset().await;
+            }
+            Err(_) => {
+                tracing::debug!(
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "Redis call timed out"
+                );
+                sh.redis.reset().await;
+                return Err(());
             }
         }
-    })
-    .await
-    .map_err(|_| ())
+    }
+    Err(())
 }
 
 pub(crate) fn spawn(
@@ -109,9 +118,17 @@ async fn run(sh: Arc<Shared>) {
         let busy = busy.into_iter().any(|b| b)
             || tasks.iter().any(|t| t.waiters.load(Ordering::Acquire) > 0);
         let tick = if busy { BUSY_TICK } else { IDLE_TICK };
+        let slept = Instant::now();
         tokio::select! {
             _ = sh.wake.notified() => {}
             _ = tokio::time::sleep(tick) => {}
+        }
+        let late = slept.elapsed().saturating_sub(tick);
+        if late > Duration::from_millis(100) {
+            tracing::debug!(
+                late_ms = late.as_millis() as u64,
+                "background thread ran late"
+            );
         }
     }
 }

@@ -180,6 +180,13 @@ impl Redis {
         Ok(c)
     }
 
+    /// Drops the cached connection: the next [`Redis::conn`] connects afresh. For a caller
+    /// whose request went unanswered within its deadline (the connection may be stuck; a new
+    /// one costs one round trip on a healthy server).
+    pub async fn reset(&self) {
+        *self.conn.lock().await = None;
+    }
+
     async fn connect(&self) -> RedisResult<RedisConn> {
         let o = self.options;
         let connect = async {
