@@ -39,7 +39,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sluice::protocol::conn::Redis;
-use sluice::protocol::scripts;
+use sluice::protocol::scripts::{self, SliceCounters};
 use sluice::protocol::{Keys, slice, slice_field, unix_ms};
 use tracing::{debug, info, warn};
 
@@ -66,18 +66,8 @@ pub const GOODPUT_MARGIN: f64 = 0.95;
 pub struct Observation {
     /// Complete slices in the window.
     pub slices: u32,
-    /// Admitted decisions.
-    pub admitted: u64,
-    /// Rejected decisions.
-    pub rejected: u64,
-    /// Successful outcomes.
-    pub ok: u64,
-    /// Failed outcomes.
-    pub err: u64,
-    /// Sum of latencies (µs).
-    pub lat_sum_us: u64,
-    /// Number of latencies.
-    pub lat_n: u64,
+    /// The slices' counters, summed over the window and over hosts.
+    pub counters: SliceCounters,
     /// Worst fresh external error rate.
     pub external_error_rate: Option<f64>,
     /// Worst fresh external latency (ms).
@@ -87,15 +77,16 @@ pub struct Observation {
 impl Observation {
     /// Error rate: the SDK's (with enough samples) and external reports, whichever is worse.
     pub fn error_rate(&self) -> Option<f64> {
-        let n = self.ok + self.err;
-        let sdk = (n >= MIN_SAMPLES).then(|| self.err as f64 / n as f64);
+        let c = &self.counters;
+        let n = c.ok + c.err;
+        let sdk = (n >= MIN_SAMPLES).then(|| c.err as f64 / n as f64);
         worst(sdk, self.external_error_rate)
     }
 
     /// Mean latency (ms), SDK or external, whichever is worse.
     pub fn latency_ms(&self) -> Option<f64> {
-        let sdk = (self.lat_n >= MIN_SAMPLES)
-            .then(|| self.lat_sum_us as f64 / self.lat_n as f64 / 1000.0);
+        let c = &self.counters;
+        let sdk = (c.lat_n >= MIN_SAMPLES).then(|| c.lat_sum_us as f64 / c.lat_n as f64 / 1000.0);
         worst(sdk, self.external_latency_ms)
     }
 }
@@ -168,24 +159,25 @@ pub struct Decision {
 ///
 /// ```
 /// use sluice_manager::dynamic::*;
+/// use sluice::protocol::scripts::SliceCounters;
 /// let p = Params { min: 100, max: 10_000, target_error_rate: 0.05, target_latency_ms: 200.0,
 ///                  step: 99, decrease_factor: 0.8, cooldown_ms: 10_000, recover_to: 5_000 };
 /// let s = ControllerState { current: 5_000, last_change_ms: 0, last_decrease_ms: 0 };
 /// // A backend that serves 1,500/s fails the rest: one step lands near its capacity…
-/// let o = Observation { slices: 4, admitted: 20_000, rejected: 9_000, ok: 6_000, err: 14_000,
-///                       ..Default::default() };
+/// let c = SliceCounters { admitted: 20_000, rejected: 9_000, ok: 6_000, err: 14_000, ..Default::default() };
+/// let o = Observation { slices: 4, counters: c, ..Default::default() };
 /// let d = decide(&p, &s, &o, 60_000).unwrap();
 /// assert_eq!(d.new, 2_500); // …but never more than halving at once: 5000 → 2500
 /// let s = ControllerState { current: 2_500, last_change_ms: 60_000, last_decrease_ms: 60_000 };
-/// let o = Observation { slices: 4, admitted: 10_000, rejected: 9_000, ok: 6_000, err: 4_000,
-///                       ..Default::default() };
+/// let c = SliceCounters { admitted: 10_000, rejected: 9_000, ok: 6_000, err: 4_000, ..Default::default() };
+/// let o = Observation { slices: 4, counters: c, ..Default::default() };
 /// assert_eq!(decide(&p, &s, &o, 65_000).unwrap().new, 1_425); // goodput 1500 × 0.95
 /// ```
 pub fn decide(p: &Params, s: &ControllerState, o: &Observation, now_ms: i64) -> Option<Decision> {
     let cur = s.current;
     let err = o.error_rate();
     let lat = o.latency_ms();
-    if err.is_none() && lat.is_none() && o.admitted + o.rejected == 0 {
+    if err.is_none() && lat.is_none() && o.counters.admitted + o.counters.rejected == 0 {
         return None; // nothing to judge by
     }
     let bad_err = err.is_some_and(|e| e > p.target_error_rate);
@@ -202,7 +194,8 @@ pub fn decide(p: &Params, s: &ControllerState, o: &Observation, now_ms: i64) -> 
         // Errors under overload: the successful requests per slice are what the backend can
         // serve; land just below that (but never cut more than half at once). Latency alone,
         // or no goodput known: the plain multiplicative decrease.
-        let goodput = (o.slices > 0 && o.ok > 0).then(|| o.ok as f64 / o.slices as f64);
+        let goodput =
+            (o.slices > 0 && o.counters.ok > 0).then(|| o.counters.ok as f64 / o.slices as f64);
         let anchored = goodput
             .filter(|_| bad_err)
             .map(|g| g * GOODPUT_MARGIN)
@@ -226,14 +219,14 @@ pub fn decide(p: &Params, s: &ControllerState, o: &Observation, now_ms: i64) -> 
         return None;
     }
     let used = if o.slices > 0 && cur > 0 {
-        o.admitted as f64 / (cur as f64 * o.slices as f64)
+        o.counters.admitted as f64 / (cur as f64 * o.slices as f64)
     } else {
         0.0
     };
-    let pressing = o.rejected > 0 || used >= 0.9;
+    let pressing = o.counters.rejected > 0 || used >= 0.9;
     let ceiling = if pressing {
         p.max
-    } else if o.admitted + o.rejected == 0 {
+    } else if o.counters.admitted + o.counters.rejected == 0 {
         p.recover_to.clamp(p.min, p.max)
     } else {
         return None; // healthy but demand is below the limit: nothing to learn
@@ -248,7 +241,7 @@ pub fn decide(p: &Params, s: &ControllerState, o: &Observation, now_ms: i64) -> 
             format!(
                 "healthy and pressing: {}; {} rejected, {:.0}% of the threshold used over {} slices → increase by {}",
                 fmt_health(),
-                o.rejected,
+                o.counters.rejected,
                 used * 100.0,
                 o.slices,
                 new - cur
@@ -343,12 +336,12 @@ async fn observe(
             .map_err(redis_err("window counters"))?;
         for r in rows {
             let v = |i: usize| r.get(i).copied().flatten().unwrap_or(0);
-            o.admitted += v(0);
-            o.rejected += v(1);
-            o.ok += v(2);
-            o.err += v(3);
-            o.lat_sum_us += v(4);
-            o.lat_n += v(5);
+            o.counters.admitted += v(0);
+            o.counters.rejected += v(1);
+            o.counters.ok += v(2);
+            o.counters.err += v(3);
+            o.counters.lat_sum_us += v(4);
+            o.counters.lat_n += v(5);
         }
     }
     let reports: HashMap<String, String> = redis::cmd("HGETALL")
@@ -632,10 +625,13 @@ mod tests {
         let ok = adm.min(capacity * slices as u64);
         Observation {
             slices,
-            admitted: adm,
-            rejected: 10_000,
-            ok,
-            err: adm - ok,
+            counters: SliceCounters {
+                admitted: adm,
+                rejected: 10_000,
+                ok,
+                err: adm - ok,
+                ..Default::default()
+            },
             ..Default::default()
         }
     }
@@ -732,10 +728,13 @@ mod tests {
     fn latency_alone_makes_it_unhealthy() {
         let o = Observation {
             slices: 4,
-            admitted: 4_000,
-            ok: 4_000,
-            lat_sum_us: 4_000 * 500_000,
-            lat_n: 4_000,
+            counters: SliceCounters {
+                admitted: 4_000,
+                ok: 4_000,
+                lat_sum_us: 4_000 * 500_000,
+                lat_n: 4_000,
+                ..Default::default()
+            },
             ..Default::default()
         };
         let s = ControllerState {
@@ -752,8 +751,11 @@ mod tests {
     fn healthy_below_the_limit_holds() {
         let o = Observation {
             slices: 4,
-            admitted: 1_000,
-            ok: 1_000,
+            counters: SliceCounters {
+                admitted: 1_000,
+                ok: 1_000,
+                ..Default::default()
+            },
             ..Default::default()
         };
         let s = ControllerState {

@@ -3,7 +3,7 @@
 //! Validated here, once; read and written through `GET/PUT /api/v1/settings`. The leader
 //! re-reads them every couple of seconds, so a change takes effect without a restart.
 
-use etcd_client::{Client, Compare, CompareOp, Txn, TxnOp};
+use etcd_client::Client;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use sluice::protocol::Keys;
@@ -11,6 +11,7 @@ use sluice::protocol::Keys;
 use crate::election::ETCD_TIMEOUT;
 use crate::error::{Error, Result, etcd};
 use crate::spec::FieldError;
+use crate::tasks::put_if_version;
 
 /// Most webhooks.
 pub const MAX_WEBHOOKS: usize = 16;
@@ -149,29 +150,14 @@ pub async fn store(
         what: "settings".into(),
         why: e.to_string(),
     })?;
-    let mut txn = Txn::new();
-    if let Some(v) = expected {
-        txn = txn.when([Compare::mod_revision(key.as_str(), CompareOp::Equal, v)]);
+    match expected {
+        Some(v) => put_if_version(client, "put settings", &key, value, v).await,
+        None => {
+            let mut c = client.clone();
+            let resp = etcd("put settings", ETCD_TIMEOUT, c.put(key, value, None)).await?;
+            Ok(Ok(resp.header().map_or(0, |h| h.revision())))
+        }
     }
-    let txn = txn
-        .and_then([TxnOp::put(key.as_str(), value, None)])
-        .or_else([TxnOp::get(key.as_str(), None)]);
-    let mut c = client.clone();
-    let resp = etcd("put settings", ETCD_TIMEOUT, c.txn(txn)).await?;
-    if resp.succeeded() {
-        return Ok(Ok(resp.header().map_or(0, |h| h.revision())));
-    }
-    let current = resp
-        .op_responses()
-        .into_iter()
-        .find_map(|op| match op {
-            etcd_client::TxnOpResponse::Get(g) => {
-                Some(g.kvs().first().map_or(0, |kv| kv.mod_revision()))
-            }
-            _ => None,
-        })
-        .unwrap_or(0);
-    Ok(Err(current))
 }
 
 #[cfg(test)]

@@ -77,6 +77,38 @@ pub enum PutOutcome {
     },
 }
 
+/// Writes `value` at `key` only if the key's mod revision is still `expected` (0 = the key must
+/// not exist), in one transaction: `Ok(new revision)`, or `Err(current revision)` (0 = absent)
+/// when someone else wrote first. Used for every optimistic-concurrency write (tasks, settings).
+pub async fn put_if_version(
+    client: &Client,
+    op: &'static str,
+    key: &str,
+    value: Vec<u8>,
+    expected: i64,
+) -> Result<std::result::Result<i64, i64>> {
+    let txn = Txn::new()
+        .when([Compare::mod_revision(key, CompareOp::Equal, expected)])
+        .and_then([TxnOp::put(key, value, None)])
+        .or_else([TxnOp::get(key, None)]);
+    let mut c = client.clone();
+    let resp = etcd(op, ETCD_TIMEOUT, c.txn(txn)).await?;
+    if resp.succeeded() {
+        return Ok(Ok(resp.header().map_or(0, |h| h.revision())));
+    }
+    let current = resp
+        .op_responses()
+        .into_iter()
+        .find_map(|op| match op {
+            etcd_client::TxnOpResponse::Get(g) => {
+                Some(g.kvs().first().map_or(0, |kv| kv.mod_revision()))
+            }
+            _ => None,
+        })
+        .unwrap_or(0);
+    Ok(Err(current))
+}
+
 /// Access to task specs in etcd.
 #[derive(Clone)]
 pub struct TaskStore {
@@ -178,32 +210,14 @@ impl TaskStore {
                     PutOutcome::Created(rev)
                 })
             }
-            Some(v) => {
-                let txn = Txn::new()
-                    .when([Compare::mod_revision(key.as_str(), CompareOp::Equal, v)])
-                    .and_then([TxnOp::put(key.as_str(), value, None)])
-                    .or_else([TxnOp::get(key.as_str(), None)]);
-                let resp = etcd("put task (conditional)", ETCD_TIMEOUT, c.txn(txn)).await?;
-                let rev = resp.header().map_or(0, |h| h.revision());
-                if resp.succeeded() {
-                    return Ok(if v == 0 {
-                        PutOutcome::Created(rev)
-                    } else {
-                        PutOutcome::Replaced(rev)
-                    });
-                }
-                let current = resp
-                    .op_responses()
-                    .into_iter()
-                    .find_map(|op| match op {
-                        etcd_client::TxnOpResponse::Get(g) => {
-                            Some(g.kvs().first().map_or(0, |kv| kv.mod_revision()))
-                        }
-                        _ => None,
-                    })
-                    .unwrap_or(0);
-                Ok(PutOutcome::Conflict { current })
-            }
+            Some(v) => Ok(
+                match put_if_version(&self.client, "put task (conditional)", &key, value, v).await?
+                {
+                    Ok(rev) if v == 0 => PutOutcome::Created(rev),
+                    Ok(rev) => PutOutcome::Replaced(rev),
+                    Err(current) => PutOutcome::Conflict { current },
+                },
+            ),
         }
     }
 
