@@ -814,6 +814,37 @@ impl Drop for WebhookReceiver {
     }
 }
 
+/// The pinned arguments of a `loadgen` run, then `extra` flags (`["--rate", "500"]`, …).
+pub fn loadgen_args(
+    redis: &str,
+    namespace: &str,
+    task: &str,
+    host_id: &str,
+    procs: u32,
+    duration_ms: u64,
+    extra: &[&str],
+) -> Vec<String> {
+    let mut v: Vec<String> = [
+        "--redis",
+        redis,
+        "--namespace",
+        namespace,
+        "--task",
+        task,
+        "--host-id",
+        host_id,
+        "--procs",
+        &procs.to_string(),
+        "--duration-ms",
+        &duration_ms.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    v.extend(extra.iter().map(|s| s.to_string()));
+    v
+}
+
 /// A running `loadgen` example (one simulated host), see `worker-sdk/examples/loadgen.rs`.
 #[derive(Debug)]
 pub struct Loadgen {

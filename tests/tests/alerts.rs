@@ -57,15 +57,22 @@ async fn settings_are_validated_and_versioned() {
     assert_eq!(r.status(), 400);
 }
 
-fn report(offset_ms: f64) -> String {
-    serde_json::to_string(&HostReport {
+/// Writes a host's report into `NS:hosts` as the SDK does (a fresh `seen_ms`, a 1 ms round trip).
+fn set_host(conn: &mut redis::Connection, keys: &Keys, host: &str, offset_ms: f64) {
+    let report = serde_json::to_string(&HostReport {
         offset_ms,
         rtt_ms: 1.0,
         seen_ms: now_ms(),
         sdk: "test".into(),
         tasks: Default::default(),
     })
-    .unwrap()
+    .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(keys.hosts())
+        .arg(host)
+        .arg(report)
+        .query(conn)
+        .unwrap();
 }
 
 fn firing_for(rx: &WebhookReceiver, host: &str, state: &str) -> Vec<Value> {
@@ -90,18 +97,8 @@ async fn a_host_alert_reaches_the_webhook_once_across_a_failover_and_resolves() 
     assert_eq!(s, 200, "{v}");
 
     let mut conn = redis_conn(&redis_url);
-    let _: () = redis::cmd("HSET")
-        .arg(keys.hosts())
-        .arg("skewed-host")
-        .arg(report(1500.0))
-        .query(&mut conn)
-        .unwrap();
-    let _: () = redis::cmd("HSET")
-        .arg(keys.hosts())
-        .arg("good-host")
-        .arg(report(3.0))
-        .query(&mut conn)
-        .unwrap();
+    set_host(&mut conn, &keys, "skewed-host", 1500.0);
+    set_host(&mut conn, &keys, "good-host", 3.0);
 
     let fired = wait_until(
         "a firing host alert at the webhook",
@@ -148,12 +145,7 @@ async fn a_host_alert_reaches_the_webhook_once_across_a_failover_and_resolves() 
     let other = &ms[1 - leader];
     other.wait_leader().await;
     for _ in 0..20 {
-        let _: () = redis::cmd("HSET")
-            .arg(keys.hosts())
-            .arg("skewed-host")
-            .arg(report(1500.0))
-            .query(&mut conn)
-            .unwrap();
+        set_host(&mut conn, &keys, "skewed-host", 1500.0);
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
     assert_eq!(
@@ -163,12 +155,7 @@ async fn a_host_alert_reaches_the_webhook_once_across_a_failover_and_resolves() 
     );
 
     // The clock is fixed: one resolved alert for the same episode after the quiet period.
-    let _: () = redis::cmd("HSET")
-        .arg(keys.hosts())
-        .arg("skewed-host")
-        .arg(report(2.0))
-        .query(&mut conn)
-        .unwrap();
+    set_host(&mut conn, &keys, "skewed-host", 2.0);
     let resolved = wait_until(
         "a resolved alert",
         Duration::from_secs(15),

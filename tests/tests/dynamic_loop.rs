@@ -14,28 +14,20 @@ const PHASE: Duration = Duration::from_secs(80);
 const SETTLE: Duration = Duration::from_secs(60);
 
 fn loadgen(ns: &str, capacity: u64) -> Loadgen {
-    let args: Vec<String> = [
-        "--redis",
+    Loadgen::spawn(&loadgen_args(
         &shared_redis(),
-        "--namespace",
         ns,
-        "--task",
         "api",
-        "--host-id",
         &format!("{ns}-h"),
-        "--procs",
-        "2",
-        "--rate",
-        "4000",
-        "--duration-ms",
-        &PHASE.as_millis().to_string(),
-        "--backend-capacity",
-        &capacity.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
-    Loadgen::spawn(&args)
+        2,
+        PHASE.as_millis() as u64,
+        &[
+            "--rate",
+            "4000",
+            "--backend-capacity",
+            &capacity.to_string(),
+        ],
+    ))
 }
 
 /// Backend error rate over the slices ending in the last `secs` seconds (minus flush lag).

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use sluice::protocol::conn::{ConnOptions, Redis, RedisTarget};
 use sluice::protocol::scripts::{self, PullReply};
-use sluice::protocol::{Keys, meta_field, slice};
+use sluice::protocol::{Keys, meta_field, slice, slice_field};
 use sluice_tests::*;
 
 const TICK: Duration = Duration::from_millis(500);
@@ -141,23 +141,26 @@ async fn a_threshold_change_applies_by_difference_and_keeps_consumption() {
         )
         .await;
     assert_eq!(s, 200, "{v}");
+    let cap_rem = || {
+        let mut c = c.clone();
+        let key = keys.slice("d", current);
+        async move {
+            redis::cmd("HMGET")
+                .arg(&key)
+                .arg(slice_field::CAP)
+                .arg(slice_field::REM)
+                .query_async::<(i64, i64)>(&mut c)
+                .await
+                .ok()
+        }
+    };
     let rem = wait_until(
         "cap raised",
         Duration::from_secs(5),
         Duration::from_millis(20),
-        || {
-            let mut c = c.clone();
-            let key = keys.slice("d", current);
-            async move {
-                let (cap, rem): (i64, i64) = redis::cmd("HMGET")
-                    .arg(&key)
-                    .arg("cap")
-                    .arg("rem")
-                    .query_async(&mut c)
-                    .await
-                    .ok()?;
-                (cap == 1500).then_some(rem)
-            }
+        || async {
+            let (cap, rem) = cap_rem().await?;
+            (cap == 1500).then_some(rem)
         },
     )
     .await;
@@ -175,19 +178,9 @@ async fn a_threshold_change_applies_by_difference_and_keeps_consumption() {
         "cap lowered",
         Duration::from_secs(5),
         Duration::from_millis(20),
-        || {
-            let mut c = c.clone();
-            let key = keys.slice("d", current);
-            async move {
-                let (cap, rem): (i64, i64) = redis::cmd("HMGET")
-                    .arg(&key)
-                    .arg("cap")
-                    .arg("rem")
-                    .query_async(&mut c)
-                    .await
-                    .ok()?;
-                (cap == 200 && rem == -100).then_some(())
-            }
+        || async {
+            let (cap, rem) = cap_rem().await?;
+            (cap == 200 && rem == -100).then_some(())
         },
     )
     .await;

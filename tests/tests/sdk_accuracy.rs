@@ -61,24 +61,15 @@ async fn two_hosts_share_one_threshold_without_over_admission() {
     let mut runs: Vec<Loadgen> = hosts
         .iter()
         .map(|h| {
-            Loadgen::spawn(&[
-                "--redis".into(),
-                redis.clone(),
-                "--namespace".into(),
-                ns.clone(),
-                "--task".into(),
-                "acc".into(),
-                "--host-id".into(),
-                h.clone(),
-                "--procs".into(),
-                "4".into(),
-                "--duration-ms".into(),
-                "10000".into(),
-                "--rate".into(),
-                "2000".into(),
-                "--bucket-ms".into(),
-                SLICE_MS.to_string(),
-            ])
+            Loadgen::spawn(&loadgen_args(
+                &redis,
+                &ns,
+                "acc",
+                h,
+                4,
+                10_000,
+                &["--rate", "2000", "--bucket-ms", &SLICE_MS.to_string()],
+            ))
         })
         .collect();
     let mut reports = Vec::new();

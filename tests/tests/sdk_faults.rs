@@ -87,26 +87,22 @@ async fn redis_outage_falls_back_to_the_local_limit_and_recovers() {
     let mut runs: Vec<Loadgen> = hosts
         .iter()
         .map(|h| {
-            Loadgen::spawn(&[
-                "--redis".into(),
-                url.clone(),
-                "--namespace".into(),
-                ns.clone(),
-                "--task".into(),
-                "flt".into(),
-                "--host-id".into(),
-                h.clone(),
-                "--procs".into(),
-                PROCS.to_string(),
-                "--duration-ms".into(),
-                DURATION_MS.to_string(),
-                "--rate".into(),
-                RATE.to_string(),
-                "--probe-interval-ms".into(),
-                PROBE_MS.to_string(),
-                "--pull-timeout-ms".into(),
-                PULL_TIMEOUT_MS.to_string(),
-            ])
+            Loadgen::spawn(&loadgen_args(
+                &url,
+                &ns,
+                "flt",
+                h,
+                PROCS as u32,
+                DURATION_MS,
+                &[
+                    "--rate",
+                    &RATE.to_string(),
+                    "--probe-interval-ms",
+                    &PROBE_MS.to_string(),
+                    "--pull-timeout-ms",
+                    &PULL_TIMEOUT_MS.to_string(),
+                ],
+            ))
         })
         .collect();
 

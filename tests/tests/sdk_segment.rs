@@ -16,22 +16,15 @@ fn header_words(path: &Path) -> (u64, u64) {
 }
 
 async fn run_loadgen(redis: &str, ns: &str, host: &str) -> (serde_json::Value, String) {
-    let mut lg = Loadgen::spawn(&[
-        "--redis".into(),
-        redis.into(),
-        "--namespace".into(),
-        ns.into(),
-        "--task".into(),
-        "seg".into(),
-        "--host-id".into(),
-        host.into(),
-        "--procs".into(),
-        "1".into(),
-        "--duration-ms".into(),
-        "300".into(),
-        "--rate".into(),
-        "1000".into(),
-    ]);
+    let mut lg = Loadgen::spawn(&loadgen_args(
+        redis,
+        ns,
+        "seg",
+        host,
+        1,
+        300,
+        &["--rate", "1000"],
+    ));
     let json = lg.wait_json(Duration::from_secs(60)).await;
     (json, lg.proc.log())
 }

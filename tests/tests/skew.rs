@@ -42,25 +42,15 @@ async fn setup(prefix: &str) -> Setup {
 }
 
 fn host(ns: &str, host_id: &str, offset: Option<&str>, duration_ms: u64) -> Loadgen {
-    let args: Vec<String> = [
-        "--redis",
+    let args = loadgen_args(
         &shared_redis(),
-        "--namespace",
         ns,
-        "--task",
         "sk",
-        "--host-id",
         host_id,
-        "--procs",
-        "2",
-        "--rate",
-        "500",
-        "--duration-ms",
-        &duration_ms.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect();
+        2,
+        duration_ms,
+        &["--rate", "500"],
+    );
     match offset {
         Some(o) => Loadgen::spawn_under(&["faketime", "-f", o], &args),
         None => Loadgen::spawn(&args),
