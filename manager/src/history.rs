@@ -16,9 +16,11 @@
 //! ```
 //!
 //! A record sums the slices that *start* in its bucket: `slices` of them, whose caps add up to
-//! `cap_sum`. A slot whose tag is not the bucket asked for holds an older lap of the ring (or
+//! `cap_sum`. Only buckets that saw traffic (admitted or rejected) are written, so a task that
+//! never sees traffic has no history keys at all, and an idle stretch of a busy task reads as
+//! no records (the threshold of idle slices is not kept). A slot whose tag is not the bucket asked for holds an older lap of the ring (or
 //! nothing): it reads as empty. Memory per task is therefore bounded (438 KB at most, whatever
-//! the traffic), writes are `SETRANGE` in place, reads are one or two `GETRANGE`s, and the
+//! the traffic; none for a task that never had traffic), writes are `SETRANGE` in place, reads are one or two `GETRANGE`s, and the
 //! history survives a leader failover because it lives in Redis. Both keys share the task's
 //! hash tag, so they sit in the task's Redis Cluster slot; they expire when no longer written
 //! (a deleted task's history goes away after its retention).
@@ -607,7 +609,12 @@ async fn harvest_task(
         MAX_SLICES_PER_TICK + 1,
     )
     .await?;
-    let seconds: Vec<Record> = aggregate(&samples, SECONDS).into_values().collect();
+    // Only buckets that saw traffic are written: an idle task costs no history at all (a ring
+    // is a Redis string, allocated up to the highest slot ever written).
+    let seconds: Vec<Record> = aggregate(&samples, SECONDS)
+        .into_values()
+        .filter(|r| r.admitted + r.rejected > 0)
+        .collect();
     for r in &seconds {
         st.recent.insert(r.start_ms, *r);
     }
