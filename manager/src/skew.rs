@@ -36,7 +36,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use serde_json::json;
 use sluice::protocol::conn::Redis;
-use sluice::protocol::{HostReport, Keys, slice, slice_field, unix_ms};
+use sluice::protocol::{HostReport, Keys, scripts, slice, unix_ms};
 use tracing::{debug, warn};
 
 use crate::alerts::{self, AlertState, Alerts, Episodes, Transition};
@@ -52,6 +52,8 @@ pub const AHEAD: i64 = 3;
 /// More than this many slices moving at once is skew (the seed's rule) — when polls are a small
 /// fraction of a slice apart. See [`allowed_moving`] for short slices and late polls.
 pub const MAX_MOVING: usize = 2;
+/// A task whose slices have not moved for this long is polled once a slice instead.
+pub const IDLE_AFTER_MS: i64 = 2_000;
 /// Host reports older than this are ignored.
 pub const HOST_FRESH_MS: i64 = 60_000;
 
@@ -95,6 +97,7 @@ impl Movement {
 pub struct TaskWatch {
     consumed: BTreeMap<i64, i64>,
     prev_started_ms: Option<i64>,
+    last_moved_ms: Option<i64>,
 }
 
 impl TaskWatch {
@@ -123,10 +126,16 @@ impl TaskWatch {
             slice_ms,
         );
         self.prev_started_ms = Some(started_ms);
-        Movement {
-            moved: self.changed(readings),
-            allowed,
+        let moved = self.changed(readings);
+        if !moved.is_empty() || self.last_moved_ms.is_none() {
+            self.last_moved_ms = Some(finished_ms);
         }
+        Movement { moved, allowed }
+    }
+
+    /// How long no slice of the task has moved, as of `now_ms`.
+    pub fn idle_for(&self, now_ms: i64) -> i64 {
+        self.last_moved_ms.map_or(0, |t| now_ms - t)
     }
 
     fn changed(&mut self, readings: &[Reading]) -> Vec<i64> {
@@ -183,26 +192,27 @@ async fn read_slices(
     let len = slice_ms as i64;
     let current = slice::start(now_ms, slice_ms);
     let starts: Vec<i64> = (-BEHIND..=AHEAD).map(|i| current + i * len).collect();
-    let mut pipe = redis::pipe();
-    for s in &starts {
-        pipe.cmd("HMGET")
-            .arg(keys.slice(task, *s))
-            .arg(slice_field::CAP)
-            .arg(slice_field::REM);
-    }
     let mut c = redis.conn().await.ok()?;
-    let rows: Vec<(Option<i64>, Option<i64>)> =
-        tokio::time::timeout(Duration::from_secs(1), pipe.query_async(&mut c))
-            .await
-            .ok()?
-            .ok()?;
-    Some(
-        starts
-            .into_iter()
-            .zip(rows)
-            .map(|(s, (cap, rem))| (s, cap.zip(rem)))
-            .collect(),
+    let rows = tokio::time::timeout(
+        Duration::from_secs(1),
+        scripts::read_slices(&mut c, keys, task, &starts),
     )
+    .await
+    .ok()?
+    .ok()?;
+    Some(starts.into_iter().zip(rows).collect())
+}
+
+/// How long until a task is polled again: a quarter of a slice (at most 250 ms) while its
+/// slices move, one slice (at most 1 s) once nothing has moved for [`IDLE_AFTER_MS`]. The
+/// allowance of [`allowed_moving`] follows the time actually covered, so the slower polls of
+/// an idle task stay correct; they only make detection coarser until traffic resumes.
+pub fn poll_period_ms(slice_ms: u64, idle_for_ms: i64) -> i64 {
+    if idle_for_ms >= IDLE_AFTER_MS {
+        (slice_ms as i64).clamp(50, 1_000)
+    } else {
+        (slice_ms as i64 / 4).clamp(50, 250)
+    }
 }
 
 /// The detector's leader loop.
@@ -326,8 +336,8 @@ pub async fn run(
             .map(|e| (e.name.clone(), e.spec.slice_ms))
             .collect();
         for (name, slice_ms) in &due {
-            let period = (*slice_ms as i64 / 4).clamp(50, 250);
-            next_poll.insert(name.clone(), now + period);
+            let idle_for = watches.get(name).map_or(0, |w| w.idle_for(now));
+            next_poll.insert(name.clone(), now + poll_period_ms(*slice_ms, idle_for));
         }
         let readings: Vec<(String, u64, Option<Vec<Reading>>, i64)> = futures::stream::iter(due)
             .map(|(name, slice_ms)| {
@@ -515,6 +525,20 @@ mod tests {
             100,
         );
         assert!(m.is_skew(), "{m:?}");
+    }
+
+    #[test]
+    fn idle_tasks_are_polled_once_a_slice() {
+        let mut w = TaskWatch::default();
+        let r = rd(&[(0, 10, 10), (1000, 10, 10)]);
+        w.observe(&r, 0, 1, 1000);
+        assert_eq!(poll_period_ms(1000, w.idle_for(500)), 250);
+        w.observe(&r, 250, 251, 1000);
+        assert_eq!(poll_period_ms(1000, w.idle_for(2_500)), 1_000);
+        assert_eq!(poll_period_ms(100, w.idle_for(2_500)), 100);
+        // Movement brings the fast polls back.
+        w.observe(&rd(&[(0, 10, 9), (1000, 10, 10)]), 2_500, 2_501, 1000);
+        assert_eq!(poll_period_ms(1000, w.idle_for(2_600)), 250);
     }
 
     #[test]

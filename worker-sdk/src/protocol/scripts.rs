@@ -213,7 +213,25 @@ if oldest[2] then retry = tonumber(oldest[2]) + window - now end
 return {0, cap - count, cap, tonumber(t[1]), tonumber(t[2]), retry}
 "#;
 
+/// Reads `cap` and `rem` of several slices of one task in one call (the leader's clock-skew
+/// detector). `KEYS` slices. Returns `cap, rem` per key, `-1, 0` for a missing slice.
+pub const READ_SLICES_LUA: &str = r#"
+local out = {}
+for k = 1, #KEYS do
+  local h = redis.call('HMGET', KEYS[k], 'cap', 'rem')
+  if h[1] then
+    out[#out + 1] = tonumber(h[1])
+    out[#out + 1] = tonumber(h[2])
+  else
+    out[#out + 1] = -1
+    out[#out + 1] = 0
+  end
+end
+return out
+"#;
+
 static ROLL: LazyLock<Script> = LazyLock::new(|| Script::new(ROLL_LUA));
+static READ_SLICES: LazyLock<Script> = LazyLock::new(|| Script::new(READ_SLICES_LUA));
 static ADJUST: LazyLock<Script> = LazyLock::new(|| Script::new(ADJUST_LUA));
 static RETIRE: LazyLock<Script> = LazyLock::new(|| Script::new(RETIRE_LUA));
 static PULL: LazyLock<Script> = LazyLock::new(|| Script::new(PULL_LUA));
@@ -598,4 +616,32 @@ where
             .invoke_async(conn)
             .await?,
     )
+}
+
+/// Runs [`READ_SLICES_LUA`]: `(cap, rem)` of each slice of `task` starting at `starts`, `None`
+/// for a slice that does not exist.
+pub async fn read_slices<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    starts: &[i64],
+) -> RedisResult<Vec<Option<(i64, i64)>>>
+where
+    C: redis::aio::ConnectionLike,
+{
+    if starts.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut inv = READ_SLICES.prepare_invoke();
+    for s in starts {
+        inv.key(keys.slice(task, *s));
+    }
+    let flat: Vec<i64> = redis::from_redis_value(inv.invoke_async(conn).await?)?;
+    Ok(flat
+        .chunks(2)
+        .map(|p| match p {
+            [cap, rem] if *cap >= 0 => Some((*cap, *rem)),
+            _ => None,
+        })
+        .collect())
 }
