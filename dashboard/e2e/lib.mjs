@@ -172,6 +172,41 @@ process.on('exit', () => {
   for (const d of tmpDirs) rmSync(d, { recursive: true, force: true });
 });
 
+// Host segments the load generators created (/dev/shm/sluice.<ns>.<host>, as the SDK names
+// them), removed when the runner exits so runs leave nothing behind.
+const segments = new Set();
+/** Remembers the segment of `ns` + `hostId` for removal at exit. */
+export function segmentUsed(ns, hostId) {
+  segments.add(`/dev/shm/sluice.${ns}.${hostId}`);
+}
+process.on('exit', () => {
+  for (const s of segments) {
+    rmSync(s, { force: true });
+    rmSync(`${s}.lock`, { force: true });
+  }
+});
+
+/** The pinned load generator arguments. */
+function loadgenArgs({ ns, task, hostId, procs, durationMs, rate }) {
+  segmentUsed(ns, hostId);
+  return [
+    '--redis',
+    need('SLUICE_TEST_REDIS'),
+    '--namespace',
+    ns,
+    '--task',
+    task,
+    '--host-id',
+    hostId,
+    '--procs',
+    String(procs),
+    '--duration-ms',
+    String(durationMs),
+    '--rate',
+    String(rate),
+  ];
+}
+
 /** GET/PUT/DELETE the API of `base`; returns { status, body }. Bounded by a timeout. */
 export async function call(base, method, path, body, headers = {}) {
   const ctl = new AbortController();
@@ -248,22 +283,7 @@ export async function launchBrowser() {
 /** Runs the load generator to completion (bounded); returns its JSON summary line. */
 export async function runLoadgen({ ns, task, hostId, procs = 2, durationMs = 5000, rate = 0, dir }) {
   const d = dir ?? tempDir();
-  const args = [
-    '--redis',
-    need('SLUICE_TEST_REDIS'),
-    '--namespace',
-    ns,
-    '--task',
-    task,
-    '--host-id',
-    hostId,
-    '--procs',
-    String(procs),
-    '--duration-ms',
-    String(durationMs),
-    '--rate',
-    String(rate),
-  ];
+  const args = loadgenArgs({ ns, task, hostId, procs, durationMs, rate });
   const log = join(d, `loadgen-${hostId}.log`);
   const p = startProcess(`loadgen ${hostId}`, bin('SLUICE_LOADGEN_BIN', 'target/debug/examples/loadgen'), args, { log });
   await waitFor(`loadgen ${hostId} to finish`, () => p.exited, { timeout: durationMs + 30000, every: 100 });
@@ -279,22 +299,7 @@ export async function runLoadgen({ ns, task, hostId, procs = 2, durationMs = 500
 /** Starts the load generator without waiting for it. */
 export function startLoadgen({ ns, task, hostId, procs = 2, durationMs = 5000, rate = 0, dir }) {
   const d = dir ?? tempDir();
-  const args = [
-    '--redis',
-    need('SLUICE_TEST_REDIS'),
-    '--namespace',
-    ns,
-    '--task',
-    task,
-    '--host-id',
-    hostId,
-    '--procs',
-    String(procs),
-    '--duration-ms',
-    String(durationMs),
-    '--rate',
-    String(rate),
-  ];
+  const args = loadgenArgs({ ns, task, hostId, procs, durationMs, rate });
   return startProcess(`loadgen ${hostId}`, bin('SLUICE_LOADGEN_BIN', 'target/debug/examples/loadgen'), args, {
     log: join(d, `loadgen-${hostId}.log`),
   });

@@ -18,6 +18,7 @@ import {
   launchBrowser,
   leaderOf,
   repo,
+  segmentUsed,
   sleep,
   startManager,
   startProcess,
@@ -58,6 +59,7 @@ async function servers() {
 }
 
 function loadgen(redis, ns, task, hostId, procsN, rate, extra = [], wrap = null) {
+  segmentUsed(ns, hostId);
   const args = ['--redis', redis, '--namespace', ns, '--task', task, '--host-id', hostId, '--procs', String(procsN),
     '--duration-ms', '90000', '--rate', String(rate), ...extra];
   const lg = bin('SLUICE_LOADGEN_BIN', 'target/debug/examples/loadgen');

@@ -926,6 +926,19 @@ impl Loadgen {
     }
 }
 
+/// Removes the segments of the given `(namespace, host_id)` pairs when dropped (also when the
+/// test fails), so runs do not leave files in `/dev/shm`.
+#[derive(Debug, Default)]
+pub struct SegmentGuard(pub Vec<(String, String)>);
+
+impl Drop for SegmentGuard {
+    fn drop(&mut self) {
+        for (ns, host) in &self.0 {
+            remove_segment(ns, host);
+        }
+    }
+}
+
 /// Removes the shared memory segment (and its lock file) of `namespace` + `host_id` in
 /// `/dev/shm`, as the SDK names it.
 pub fn remove_segment(namespace: &str, host_id: &str) {

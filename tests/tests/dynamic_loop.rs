@@ -109,6 +109,7 @@ async fn the_threshold_follows_the_backend_capacity() {
         },
     )
     .await;
+    let _segments = SegmentGuard(vec![(ns.clone(), format!("{ns}-h"))]);
     let mut conn = redis_conn(&shared_redis());
     let mut csv = String::from("seconds,threshold,capacity\n");
 

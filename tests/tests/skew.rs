@@ -69,6 +69,10 @@ async fn a_host_one_and_a_half_seconds_ahead_raises_both_alerts_within_10s() {
     let s = setup("skew15").await;
     let ns = s.ns.clone();
     let skewed = format!("{ns}-skewed");
+    let _segments = SegmentGuard(vec![
+        (ns.clone(), skewed.clone()),
+        (ns.clone(), format!("{ns}-good")),
+    ]);
     let mut good = host(&ns, &format!("{ns}-good"), None, 15_000);
     let mut bad = host(&ns, &skewed, Some("+1.5s"), 15_000);
     let t0 = Instant::now();
@@ -140,6 +144,10 @@ async fn a_host_300ms_ahead_raises_only_the_host_alert() {
     let s = setup("skew03").await;
     let ns = s.ns.clone();
     let skewed = format!("{ns}-skewed");
+    let _segments = SegmentGuard(vec![
+        (ns.clone(), skewed.clone()),
+        (ns.clone(), format!("{ns}-good")),
+    ]);
     let mut good = host(&ns, &format!("{ns}-good"), None, 12_000);
     let mut bad = host(&ns, &skewed, Some("+0.3s"), 12_000);
     let h = wait_until(
@@ -169,6 +177,10 @@ async fn a_host_300ms_ahead_raises_only_the_host_alert() {
 async fn thirty_seconds_without_skew_raise_nothing() {
     let s = setup("noskew").await;
     let ns = s.ns.clone();
+    let _segments = SegmentGuard(vec![
+        (ns.clone(), format!("{ns}-a")),
+        (ns.clone(), format!("{ns}-b")),
+    ]);
     let mut a = host(&ns, &format!("{ns}-a"), None, 30_000);
     let mut b = host(&ns, &format!("{ns}-b"), None, 30_000);
     let ra = a.wait_json(Duration::from_secs(60)).await;
