@@ -536,6 +536,25 @@ impl Manager {
         self.metric("sluice_leader").await == Some(1.0)
     }
 
+    /// The effective threshold of `task`'s current slice (`status.effective_threshold`), or
+    /// None while its slice is not written (or the replica cannot be reached).
+    pub async fn current_threshold(&self, task: &str) -> Option<i64> {
+        self.get_json(&format!("/api/v1/tasks/{task}")).await?["status"]["effective_threshold"]
+            .as_i64()
+    }
+
+    /// Waits (up to 5 s) until `task`'s current slice is written; returns its threshold.
+    pub async fn wait_rolled(&self, task: &str) -> i64 {
+        let what = format!("slices of {task}");
+        wait_until(
+            &what,
+            Duration::from_secs(5),
+            Duration::from_millis(50),
+            || self.current_threshold(task),
+        )
+        .await
+    }
+
     /// Waits (up to 15 s) until this replica says it is the leader.
     pub async fn wait_leader(&self) {
         let what = format!("{} to lead", self.opts.node_id);

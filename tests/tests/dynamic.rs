@@ -7,10 +7,6 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use sluice_tests::*;
 
-async fn current_cap(m: &Manager, task: &str) -> Option<i64> {
-    m.get_json(&format!("/api/v1/tasks/{task}")).await?["status"]["effective_threshold"].as_i64()
-}
-
 async fn report(m: &Manager, task: &str, error_rate: f64) {
     let r = http()
         .post(m.url(&format!("/api/v1/tasks/{task}/health")))
@@ -77,7 +73,7 @@ async fn external_reports_drive_the_threshold_down_to_min_and_back_up() {
     let mut lowest = i64::MAX;
     while Instant::now() < bad_until {
         report(&ms[0], "d", 0.5).await;
-        if let Some(c) = current_cap(&ms[leader], "d").await {
+        if let Some(c) = ms[leader].current_threshold("d").await {
             assert!(c >= 200, "threshold {c} fell below min");
             lowest = lowest.min(c);
         }
@@ -107,7 +103,7 @@ async fn external_reports_drive_the_threshold_down_to_min_and_back_up() {
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_secs(3) {
         report(&ms[other], "d", 0.5).await;
-        let c = current_cap(&ms[other], "d").await.unwrap_or(200);
+        let c = ms[other].current_threshold("d").await.unwrap_or(200);
         assert_eq!(c, 200, "the new leader must not reset the threshold");
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
@@ -119,7 +115,7 @@ async fn external_reports_drive_the_threshold_down_to_min_and_back_up() {
         Duration::from_millis(250),
         || async {
             report(&ms[other], "d", 0.0).await;
-            let c = current_cap(&ms[other], "d").await?;
+            let c = ms[other].current_threshold("d").await?;
             (c >= 300).then_some(c)
         },
     )

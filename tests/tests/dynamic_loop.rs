@@ -100,15 +100,7 @@ async fn the_threshold_follows_the_backend_capacity() {
         "min": 100, "max": 10000, "target_error_rate": 0.05, "target_latency_ms": 200}}"#;
     let (s, v) = m.put("/api/v1/tasks/api", spec).await;
     assert_eq!(s, 201, "{v}");
-    wait_until(
-        "slices",
-        Duration::from_secs(5),
-        Duration::from_millis(50),
-        || async {
-            m.get_json("/api/v1/tasks/api").await?["status"]["effective_threshold"].as_i64()
-        },
-    )
-    .await;
+    m.wait_rolled("api").await;
     let _segments = SegmentGuard(vec![(ns.clone(), format!("{ns}-h"))]);
     let mut conn = redis_conn(&shared_redis());
     let mut csv = String::from("seconds,threshold,capacity\n");

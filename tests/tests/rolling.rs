@@ -17,6 +17,21 @@ fn all_present(conn: &mut redis::Connection, ns: &str, task: &str) -> bool {
         .all(|(_, c)| c.is_some())
 }
 
+/// Polls every 10 ms until every slice of the next 59 s exists.
+async fn wait_all_present(
+    conn: &mut redis::Connection,
+    ns: &str,
+    task: &str,
+    what: &str,
+    timeout: Duration,
+) {
+    wait_until(what, timeout, Duration::from_millis(10), || {
+        let ok = all_present(conn, ns, task);
+        async move { ok.then_some(()) }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flushall_and_redis_restart_are_healed_within_one_tick() {
     let ns = unique_ns("heal");
@@ -31,29 +46,11 @@ async fn flushall_and_redis_restart_are_healed_within_one_tick() {
     m.wait_leader().await;
     let _ = m.put("/api/v1/tasks/h", r#"{"threshold": 10}"#).await;
     let mut conn = redis_conn(&redis_srv.url());
-    wait_until(
-        "slices",
-        Duration::from_secs(5),
-        Duration::from_millis(20),
-        || {
-            let ok = all_present(&mut conn, &ns, "h");
-            async move { ok.then_some(()) }
-        },
-    )
-    .await;
+    wait_all_present(&mut conn, &ns, "h", "slices", Duration::from_secs(5)).await;
 
     let _: () = redis::cmd("FLUSHALL").query(&mut conn).unwrap();
     let t0 = Instant::now();
-    wait_until(
-        "healed after FLUSHALL",
-        TICK * 3,
-        Duration::from_millis(10),
-        || {
-            let ok = all_present(&mut conn, &ns, "h");
-            async move { ok.then_some(()) }
-        },
-    )
-    .await;
+    wait_all_present(&mut conn, &ns, "h", "healed after FLUSHALL", TICK * 3).await;
     let took = t0.elapsed();
     eprintln!("FLUSHALL healed in {took:?}");
     // One tick, plus the tick's own work.
@@ -67,14 +64,12 @@ async fn flushall_and_redis_restart_are_healed_within_one_tick() {
     redis_srv.restart();
     let t0 = Instant::now();
     let mut conn = redis_conn(&redis_srv.url());
-    wait_until(
+    wait_all_present(
+        &mut conn,
+        &ns,
+        "h",
         "healed after restart",
         Duration::from_secs(10),
-        Duration::from_millis(20),
-        || {
-            let ok = all_present(&mut conn, &ns, "h");
-            async move { ok.then_some(()) }
-        },
     )
     .await;
     eprintln!("Redis restart healed in {:?}", t0.elapsed());

@@ -29,15 +29,7 @@ async fn setup(prefix: &str) -> Setup {
         )
         .await;
     assert_eq!(s, 201, "{v}");
-    wait_until(
-        "slices",
-        Duration::from_secs(5),
-        Duration::from_millis(50),
-        || async {
-            m.get_json("/api/v1/tasks/sk").await?["status"]["effective_threshold"].as_i64()
-        },
-    )
-    .await;
+    m.wait_rolled("sk").await;
     Setup { m, ns, rx }
 }
 
