@@ -967,3 +967,35 @@ pub fn remove_segment(namespace: &str, host_id: &str) {
     lock.push(".lock");
     let _ = std::fs::remove_file(lock);
 }
+
+// ---------------------------------------------------------------------------------------------
+// SDK lifecycle helpers (issue 9)
+// ---------------------------------------------------------------------------------------------
+
+/// Runs one PULL of `want` from the slice of `task` starting at `start_ms` (slices of
+/// `slice_ms`), as a test host with a fresh request id.
+pub async fn pull_once<C: redis::aio::ConnectionLike>(
+    conn: &mut C,
+    keys: &sluice::protocol::Keys,
+    task: &str,
+    start_ms: i64,
+    slice_ms: u64,
+    want: u64,
+) -> redis::RedisResult<sluice::protocol::scripts::PullReply> {
+    static N: AtomicU32 = AtomicU32::new(0);
+    let id = format!(
+        "test.{}.{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    );
+    let req = sluice::protocol::scripts::PullRequest {
+        task,
+        start_ms,
+        slice_ms,
+        want,
+        host_id: "test-host",
+        request_id: &id,
+        counters: None,
+    };
+    sluice::protocol::scripts::pull(conn, keys, &req).await
+}

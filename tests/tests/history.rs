@@ -54,7 +54,10 @@ async fn flush(c: &mut RedisConn, keys: &Keys, task: &str, counts: &[(i64, u64, 
             )
         })
         .collect();
-    let n = scripts::flush(c, keys, task, &batch).await.expect("flush");
+    let seq = sluice::clock::host_us() as u64;
+    let n = scripts::flush(c, keys, task, "history-test", seq, &batch)
+        .await
+        .expect("flush");
     assert_eq!(n as usize, counts.len(), "every slice must exist");
 }
 

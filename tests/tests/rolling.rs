@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use sluice::protocol::conn::{ConnOptions, Redis, RedisTarget};
-use sluice::protocol::scripts::{self, PullReply};
+use sluice::protocol::scripts::PullReply;
 use sluice::protocol::{Keys, meta_field, slice, slice_field};
 use sluice_tests::*;
 
@@ -116,12 +116,12 @@ async fn a_threshold_change_applies_by_difference_and_keeps_consumption() {
             let mut c = c.clone();
             let keys = keys.clone();
             async move {
-                match scripts::pull(&mut c, &keys, "d", current, 300, None)
+                match pull_once(&mut c, &keys, "d", current, 60_000, 300)
                     .await
                     .ok()?
                 {
                     PullReply::Granted { granted, .. } => Some(granted),
-                    PullReply::Missing { .. } => None,
+                    _ => None,
                 }
             }
         },
@@ -179,7 +179,7 @@ async fn a_threshold_change_applies_by_difference_and_keeps_consumption() {
         },
     )
     .await;
-    match scripts::pull(&mut c, &keys, "d", current, 10, None)
+    match pull_once(&mut c, &keys, "d", current, 60_000, 10)
         .await
         .unwrap()
     {

@@ -38,8 +38,8 @@ async fn exact_modes_decide_in_redis() {
     let keys = sluice::protocol::Keys::new(&ns).unwrap();
     let mut conn = redis_conn(&redis);
 
-    // The synchronous path cannot make a Redis call: it answers by on_failure (deny).
-    assert!(matches!(fx.try_acquire(1), Decision::FallbackDenied { .. }));
+    // The synchronous path cannot make a Redis call: it says so (and never admits).
+    assert_eq!(fx.try_acquire(1), Decision::WouldBlock);
 
     // exact_fixed: start early in a slice so the eight calls share it.
     let now = fx.now_us() / 1_000;

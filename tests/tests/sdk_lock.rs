@@ -21,15 +21,12 @@ fn hold_pull_lock_helper() {
     };
     let task = std::env::var("SLUICE_TEST_HOLD_LOCK_TASK").expect("task");
     let (seg, _) = Segment::open(path.as_ref(), 64).expect("open segment");
-    let slot = seg
-        .slot(seg.find_or_claim(&task, 1_000).expect("slot"))
+    let lock = seg
+        .pull_lock(seg.find_or_claim(&task, 1_000).expect("slot"))
         .unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match slot
-            .pull_lock()
-            .try_lock(std::process::id(), sluice::clock::host_ms(), 600_000)
-        {
+        match lock.try_lock(sluice::clock::host_ms(), 600_000) {
             LockAttempt::Acquired { .. } => break,
             LockAttempt::Busy { .. } => {
                 assert!(Instant::now() < deadline, "could not take the lock");

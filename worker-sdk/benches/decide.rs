@@ -42,19 +42,23 @@ fn host(mode: Mode, clients: usize) -> Host {
     let clients: Vec<_> = (0..clients).map(|_| mk()).collect();
     let (seg, _) = Segment::open(clients[0].0.segment_path(), 1).expect("segment");
     let slot = seg.find("bench").expect("slot");
-    seg.slot(slot).unwrap().store_meta(&TaskMeta {
-        slice_ms: DAY_MS,
-        threshold: u64::MAX / 2,
-        pull: 0,
-        local_limit: u64::MAX / 4,
-        on_failure: OnFailure::Deny,
-        mode,
-        fallback: Fallback {
-            algorithm: FallbackAlgorithm::TokenBucket,
-            burst: 0,
+    let sl = seg.slot(slot).unwrap();
+    sl.store_meta(
+        &TaskMeta {
+            slice_ms: DAY_MS,
+            threshold: u64::MAX / 2,
+            pull: 0,
+            local_limit: u64::MAX / 4,
+            on_failure: OnFailure::Deny,
+            mode,
+            fallback: Fallback {
+                algorithm: FallbackAlgorithm::TokenBucket,
+                burst: 0,
+            },
+            version: 1,
         },
-        version: 1,
-    });
+        sl.generation(),
+    );
     // Let the background threads fail their first meta read, then clear the FAILED state it
     // leaves (the meta is refreshed only hourly from here on).
     std::thread::sleep(Duration::from_millis(400));
@@ -76,12 +80,12 @@ fn host(mode: Mode, clients: usize) -> Host {
 impl Host {
     fn refill(&self, exhausted: bool) {
         let now_us = self.clients[0].1.now_us();
-        let index = now_us as u64 / (DAY_MS * 1_000);
+        let start = (now_us as u64 / (DAY_MS * 1_000) * DAY_MS) as i64;
         let s = self.seg.slot(self.slot).unwrap();
-        let e = s.entry(index as u32);
+        let e = s.entry(start, DAY_MS);
         e.word.store(0, std::sync::atomic::Ordering::Relaxed);
         let n = if exhausted { 0 } else { MAX_COUNT as u64 };
-        s.deposit(index as u32, index, n, exhausted, now_us);
+        s.deposit(start, DAY_MS, n, exhausted, now_us);
     }
 }
 

@@ -15,16 +15,29 @@
 //!    accounting and send every slice's counters with one FLUSH call per task;
 //! 5. **report**: every `host_report_interval` (host-wide), write this host's clock offset
 //!    and task states to `NS:hosts`.
+//!
+//! Each round also refreshes the slot's `used_ms` (at most once a second) for every task this
+//! process holds a handle for, re-claims a slot that was reclaimed under a stale handle, and
+//! drops (after a last flush) the state of tasks no handle refers to any more.
+//!
+//! # Retries
+//!
+//! [`call`] retries a Redis call on a fresh connection when its first attempt fails at the
+//! connection level or goes unanswered for half the pull timeout. That is only safe for calls
+//! that are idempotent: meta reads, host reports, PULL (by request id) and FLUSH (by sequence
+//! number). TAKE and SLIDE (exact modes) are retried only when the first attempt surely never
+//! reached Redis (no connection could be had, or it was refused); otherwise the decision goes
+//! to the failure path (`on_failure`).
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::client::{Shared, TaskInner};
-use crate::protocol::scripts::{self, ExactReply, PullReply, SliceCounters};
+use crate::protocol::scripts::{self, ExactReply, PullReply, PullRequest, SliceCounters};
 use crate::protocol::{HostReport, Mode, TaskMeta, meta_field};
 use crate::pull::{self, PullInput};
-use crate::shm::{FastMeta, LockAttempt, Slot, unpack_quota};
+use crate::shm::{FastMeta, LockAttempt, ShmLock, Slot, SlotRef, tag_of, unpack_quota};
 use crate::state::{Health, PullOutcome, view};
 
 /// Round period when idle.
@@ -33,6 +46,22 @@ const IDLE_TICK: Duration = Duration::from_millis(10);
 const BUSY_TICK: Duration = Duration::from_millis(1);
 /// Meta re-read period while the meta is unknown.
 const UNKNOWN_META_RETRY_MS: i64 = 200;
+/// How often a process refreshes `used_ms` of the slots it holds handles for.
+const TOUCH_MS: i64 = 1_000;
+/// Shortest time between two warnings about pulls outside the slice window (per task).
+const WINDOW_WARN_MS: i64 = 10_000;
+
+/// A flush whose answer was lost: its sequence number and counters, resent as they were.
+pub(crate) type FlushBatch = (u64, Vec<(i64, SliceCounters)>);
+
+/// Whether a call may be sent twice.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Retry {
+    /// Idempotent: retry after a connection error or half the timeout.
+    Idempotent,
+    /// Not idempotent: retry only when the first attempt surely never reached Redis.
+    OnlyUnsent,
+}
 
 /// The result of one logical Redis call: `Err(())` when it timed out.
 type CallResult<T> = Result<redis::RedisResult<T>, ()>;
@@ -45,15 +74,20 @@ type CallResult<T> = Result<redis::RedisResult<T>, ()>;
 ///   fresh one with the other half: a stuck connection is this process's problem, not a
 ///   reason to declare Redis FAILED for the whole host.
 ///
+/// With [`Retry::OnlyUnsent`] the first attempt gets the whole timeout and only an error that
+/// guarantees the request never reached Redis (no connection, connection refused) is retried.
 /// A Redis that is down fails both attempts at once; one that hangs costs exactly the pull
 /// timeout.
-async fn call<T, F, Fut>(sh: &Shared, mut f: F) -> CallResult<T>
+async fn call<T, F, Fut>(sh: &Shared, retry: Retry, mut f: F) -> CallResult<T>
 where
     F: FnMut(crate::protocol::conn::RedisConn) -> Fut,
     Fut: std::future::Future<Output = redis::RedisResult<T>>,
 {
     let started = Instant::now();
-    let half = sh.cfg.pull_timeout / 2;
+    let half = match retry {
+        Retry::Idempotent => sh.cfg.pull_timeout / 2,
+        Retry::OnlyUnsent => sh.cfg.pull_timeout,
+    };
     for attempt in 1..=2 {
         let budget = if attempt == 1 {
             half
@@ -63,21 +97,22 @@ where
         sh.redis_calls.fetch_add(1, Ordering::Relaxed);
         let once = async {
             match sh.redis.conn().await {
-                Ok(c) => f(c).await,
-                Err(e) => Err(e),
+                Ok(c) => (true, f(c).await),
+                Err(e) => (false, Err(e)),
             }
         };
         match tokio::time::timeout(budget, once).await {
-            Ok(Err(e))
+            Ok((sent, Err(e)))
                 if attempt == 1
                     && (e.is_io_error()
                         || e.is_connection_dropped()
-                        || e.is_connection_refusal()) =>
+                        || e.is_connection_refusal())
+                    && (retry == Retry::Idempotent || !sent || e.is_connection_refusal()) =>
             {
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            Ok(r) => return Ok(r),
-            Err(_) if attempt == 1 => {
+            Ok((_, r)) => return Ok(r),
+            Err(_) if attempt == 1 && retry == Retry::Idempotent => {
                 tracing::debug!(
                     after_ms = half.as_millis() as u64,
                     "Redis call unanswered; retrying on a fresh connection"
@@ -109,7 +144,20 @@ pub(crate) fn spawn(
 async fn run(sh: Arc<Shared>) {
     loop {
         let stopping = sh.stop.load(Ordering::Acquire);
-        let tasks: Vec<Arc<TaskInner>> = sh.tasks.lock().map(|t| t.clone()).unwrap_or_default();
+        let (tasks, unused) = {
+            let mut list = sh.tasks.lock().unwrap_or_else(|e| e.into_inner());
+            // Only the list refers to it: no handle is left.
+            let (unused, kept): (Vec<_>, Vec<_>) =
+                list.drain(..).partition(|t| Arc::strong_count(t) == 1);
+            *list = kept;
+            (list.clone(), unused)
+        };
+        for t in &unused {
+            // The last flush of a task this process no longer uses.
+            step(&sh, t, true).await;
+            tracing::debug!(task = %t.name, "no handle left; dropped the task's state");
+        }
+        drop(unused);
         let busy = futures::future::join_all(tasks.iter().map(|t| step(&sh, t, stopping))).await;
         if stopping {
             return;
@@ -117,6 +165,7 @@ async fn run(sh: Arc<Shared>) {
         report_host(&sh).await;
         let busy = busy.into_iter().any(|b| b)
             || tasks.iter().any(|t| t.waiters.load(Ordering::Acquire) > 0);
+        drop(tasks);
         let tick = if busy { BUSY_TICK } else { IDLE_TICK };
         let slept = Instant::now();
         tokio::select! {
@@ -133,31 +182,65 @@ async fn run(sh: Arc<Shared>) {
     }
 }
 
+/// The task's slot, re-claimed if it was reclaimed for another task under this handle
+/// (its generation changed); `None` when no slot can be had now.
+fn own_slot<'a>(sh: &'a Shared, t: &TaskInner, stopping: bool) -> Option<(&'a Slot, u16)> {
+    let r = t.slot_ref();
+    let slot = sh.seg.slot(r.index)?;
+    if slot.generation() == r.generation {
+        let now = crate::clock::host_ms();
+        if now - t.touched_ms.load(Ordering::Relaxed) >= TOUCH_MS {
+            slot.touch(now);
+            t.touched_ms.store(now, Ordering::Relaxed);
+        }
+        return Some((slot, r.generation));
+    }
+    if stopping {
+        return None;
+    }
+    let Some(new) = sh.seg.claim(&t.name, sh.claim_options()) else {
+        tracing::debug!(task = %t.name, "slot was reclaimed and no slot is free");
+        return None;
+    };
+    tracing::info!(task = %t.name, old = r.index, new = new.index,
+        "the task's segment slot was reclaimed while idle; claimed another");
+    t.set_slot_ref(new);
+    let slot = sh.seg.slot(new.index)?;
+    Some((slot, new.generation))
+}
+
 /// One round for one task; true when it wants the next round soon.
 async fn step(sh: &Shared, t: &TaskInner, stopping: bool) -> bool {
     t.poked.store(false, Ordering::Release);
-    let Some(slot) = sh.seg.slot(t.slot) else {
+    let Some((slot, generation)) = own_slot(sh, t, stopping) else {
         return false;
     };
+    let r = SlotRef {
+        index: t.slot_ref().index,
+        generation,
+    };
     if !stopping {
-        refresh_meta(sh, t, slot, sh.now_us() / 1_000).await;
+        refresh_meta(sh, t, slot, generation, sh.now_us() / 1_000).await;
     }
     let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
         return false;
     };
+    if m.generation != generation {
+        return false;
+    }
     let busy = if m.mode == Mode::Pooled && !stopping {
-        pooled(sh, t, slot, &m, sh.now_us()).await
+        pooled(sh, t, slot, r, &m, sh.now_us()).await
     } else {
         false
     };
     if t.waiters.load(Ordering::Acquire) > 0 {
         t.deposited.notify_waiters();
     }
-    flush(sh, t, slot, &m, sh.now_us(), stopping).await;
+    flush(sh, t, slot, generation, sh.now_us(), stopping).await;
     busy
 }
 
-async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, now_ms: i64) {
+async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, now_ms: i64) {
     let cells = &slot.meta;
     let last = cells.refreshed_ms.load(Ordering::Acquire);
     let known = FastMeta::decode(cells.fast.load(Ordering::Acquire)).is_some();
@@ -177,7 +260,7 @@ async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, now_ms: i64) {
         return;
     }
     let key = sh.keys.meta(&t.name);
-    let res = call(sh, |mut c| {
+    let res = call(sh, Retry::Idempotent, |mut c| {
         let key = key.clone();
         async move {
             redis::cmd("HGETALL")
@@ -197,7 +280,7 @@ async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, now_ms: i64) {
             if pairs.iter().any(|(k, _)| k == meta_field::RETIRED) {
                 if known {
                     tracing::info!(task = %t.name, "task was deleted; forgetting its meta");
-                    slot.clear_meta();
+                    slot.clear_meta(generation);
                 }
             } else {
                 match TaskMeta::from_pairs(pairs.iter().map(|(k, v)| (k.as_str(), v.as_str()))) {
@@ -206,7 +289,7 @@ async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, now_ms: i64) {
                         if slot.meta().as_ref() != Some(&meta) {
                             tracing::info!(task = %t.name, version = meta.version,
                                 mode = %meta.mode, slice_ms = meta.slice_ms, "task meta loaded");
-                            slot.store_meta(&meta);
+                            slot.store_meta(&meta, generation);
                         }
                     }
                     Err(crate::protocol::MetaError::Missing) => {
@@ -250,23 +333,32 @@ fn apply_health(t: &TaskInner, slot: &Slot, old: Health, new: Health, next_probe
 }
 
 /// The pooled-mode round: probe, refill, prefetch. True when something is still pending.
-async fn pooled(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i64) -> bool {
-    let slice_us = (m.slice_ms * 1_000) as i64;
+async fn pooled(
+    sh: &Shared,
+    t: &TaskInner,
+    slot: &Slot,
+    r: SlotRef,
+    m: &FastMeta,
+    now_us: i64,
+) -> bool {
+    let slice_ms = m.slice_ms;
+    let slice_us = (slice_ms * 1_000) as i64;
     let index = (now_us.max(0) / slice_us) as u64;
-    let tag = index as u32;
+    let start = (index * slice_ms) as i64;
+    let next = start + slice_ms as i64;
     let now_ms = now_us / 1_000;
     let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
-    let demand = slot.ctl.want.load(Ordering::Acquire) == index + 1;
+    let demand = slot.ctl.want.load(Ordering::Acquire) == start as u64 + 1;
     if let Health::Failed { .. } = health {
-        let next = slot.ctl.next_probe_ms.load(Ordering::Acquire);
-        if !sh.machine.probe_due(health, next, now_ms) {
+        let due = slot.ctl.next_probe_ms.load(Ordering::Acquire);
+        if !sh.machine.probe_due(health, due, now_ms) {
             return false;
         }
         let claim = now_ms + sh.machine.probe_interval_ms;
         if slot
             .ctl
             .next_probe_ms
-            .compare_exchange(next, claim, Ordering::AcqRel, Ordering::Acquire)
+            .compare_exchange(due, claim, Ordering::AcqRel, Ordering::Acquire)
             .is_err()
         {
             return false;
@@ -274,24 +366,39 @@ async fn pooled(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i
         let Some(token) = lock(sh, slot, now_ms) else {
             return true;
         };
-        pull(sh, t, slot, m, index, now_us, demand).await;
-        slot.pull_lock().unlock(token);
+        pull(sh, t, slot, r, m, start, demand).await;
+        sh.seg.lock(&slot.ctl.pull_lock).unlock(token);
         return false;
     }
+    // A slice Redis said has not started yet, or whose grant was dropped: no pull for it.
+    let held_off = |slot: &Slot, s: i64| {
+        t.dropped_start.load(Ordering::Relaxed) == s
+            || (slot.ctl.early_start.load(Ordering::Acquire) == s
+                && crate::clock::host_ms() < slot.ctl.early_until_ms.load(Ordering::Acquire))
+    };
+    let holds = |slot: &Slot, s: i64| {
+        let w = slot.entry(s, slice_ms).word.load(Ordering::Acquire);
+        (w != 0 && unpack_quota(w).0 == tag_of(s)).then(|| unpack_quota(w))
+    };
     let need_cur = |slot: &Slot| {
-        let e = slot.entry(tag);
-        let (qt, exhausted, c) = unpack_quota(e.word.load(Ordering::Acquire));
+        let low = slot
+            .entry(start, slice_ms)
+            .low_water
+            .load(Ordering::Relaxed);
         demand
-            && !(qt == tag && exhausted)
-            && (qt != tag || (c as u64) < e.low_water.load(Ordering::Relaxed))
+            && !held_off(slot, start)
+            && match holds(slot, start) {
+                Some((_, exhausted, c)) => !exhausted && (c as u64) < low,
+                None => true,
+            }
     };
     let rtt_ms = slot.ctl.rtt_us.load(Ordering::Relaxed) as f64 / 1_000.0;
-    let left_ms = ((index + 1) as i64 * slice_us - now_us) as f64 / 1_000.0;
+    let left_ms = (next * 1_000 - now_us) as f64 / 1_000.0;
     let need_next = |slot: &Slot| {
-        let next_tag = tag.wrapping_add(1);
-        left_ms <= pull::prefetch_lead_ms(m.slice_ms, rtt_ms)
-            && (demand || slot.consumed(tag) > 0)
-            && unpack_quota(slot.entry(next_tag).word.load(Ordering::Acquire)).0 != next_tag
+        left_ms <= pull::prefetch_lead_ms(slice_ms, rtt_ms)
+            && (demand || slot.consumed(start, slice_ms) > 0)
+            && holds(slot, next).is_none()
+            && !held_off(slot, next)
     };
     if !need_cur(slot) && !need_next(slot) {
         return false;
@@ -301,26 +408,32 @@ async fn pooled(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i
     };
     // Another process may have refilled while we waited for the lock.
     if need_cur(slot) {
-        pull(sh, t, slot, m, index, now_us, true).await;
+        pull(sh, t, slot, r, m, start, true).await;
     }
     if need_next(slot) && Health::decode(slot.ctl.state.load(Ordering::Acquire)) == Health::Normal {
-        pull(sh, t, slot, m, index + 1, now_us, true).await;
+        pull(sh, t, slot, r, m, next, true).await;
     }
-    slot.pull_lock().unlock(token);
+    sh.seg.lock(&slot.ctl.pull_lock).unlock(token);
     need_cur(slot)
 }
 
 fn lock(sh: &Shared, slot: &Slot, now_ms: i64) -> Option<u64> {
+    try_lock(sh, sh.seg.lock(&slot.ctl.pull_lock), "pull", now_ms)
+}
+
+fn try_lock(sh: &Shared, lock: ShmLock<'_>, what: &str, now_ms: i64) -> Option<u64> {
     let timeout = sh.cfg.lock_timeout.as_millis() as u64;
-    match slot.pull_lock().try_lock(sh.pid, now_ms, timeout) {
+    match lock.try_lock(now_ms, timeout) {
         LockAttempt::Acquired {
             token,
             took_over_from,
         } => {
-            if let Some(pid) = took_over_from {
+            if let Some(h) = took_over_from {
                 tracing::warn!(
-                    holder = pid,
-                    "took over the pull lock from a dead or stuck process"
+                    lock = what,
+                    participant = h.participant,
+                    pid = sh.seg.participant_pid(h.participant),
+                    "took over a lock from a dead or stuck process"
                 );
             }
             Some(token)
@@ -329,27 +442,67 @@ fn lock(sh: &Shared, slot: &Slot, now_ms: i64) -> Option<u64> {
     }
 }
 
-/// One PULL for slice `index` (the current one, or the next when prefetching); call under the
-/// pull lock.
+/// Handles "outside the window" from PULL or TAKE for the slice starting at `start_ms`:
+/// a slice that is over (this host's clock lags Redis) is LIMITED for the rest of the host's
+/// slice; one that has not started (the host leads) is not pulled for until its window opens.
+/// Logs at WARN, at most every 10 s per task, with the measured clock offset. Returns how
+/// long (ms, host clock) a retry cannot succeed.
+pub(crate) fn outside_window(
+    sh: &Shared,
+    t: &TaskInner,
+    start_ms: i64,
+    slice_ms: u64,
+    redis_time_us: i64,
+) -> i64 {
+    let redis_ms = redis_time_us / 1_000;
+    let host_ms = sh.now_us() / 1_000;
+    let len = slice_ms as i64;
+    let over = redis_ms > start_ms + len;
+    let now = crate::clock::host_ms();
+    let last = t.window_warned_ms.load(Ordering::Relaxed);
+    if now - last >= WINDOW_WARN_MS
+        && t.window_warned_ms
+            .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    {
+        let offset_ms = sh.seg.header().clock_offset_us.load(Ordering::Relaxed) as f64 / 1_000.0;
+        tracing::warn!(task = %t.name, slice = start_ms, redis_ms, host_ms, offset_ms,
+            over, "Redis time is outside the slice's window: LIMITED for it (is this host's clock off?)");
+    }
+    if over {
+        // The host's own slice ends at start + len on its clock.
+        (start_ms + len - host_ms).max(1)
+    } else {
+        // Its window opens at start − len in Redis time.
+        (start_ms - len - redis_ms).max(1)
+    }
+}
+
+/// One PULL for the slice starting at `start_ms` (the current one, or the next when
+/// prefetching); call under the pull lock.
 async fn pull(
     sh: &Shared,
     t: &TaskInner,
     slot: &Slot,
+    r: SlotRef,
     m: &FastMeta,
-    index: u64,
-    now_us: i64,
+    start_ms: i64,
     demand: bool,
 ) {
-    let tag = index as u32;
     let slice_ms = m.slice_ms;
-    let start_ms = (index * slice_ms) as i64;
+    let now_us = sh.now_us();
     let now_ms = now_us / 1_000;
     let current = now_ms >= start_ms;
     let cap = match slot.ctl.cap.load(Ordering::Relaxed) {
         0 => slot.meta.threshold.load(Ordering::Relaxed),
         c => c,
     };
-    let consumed_now = slot.consumed(tag.wrapping_sub(if current { 0 } else { 1 }));
+    let this_slice = if current {
+        start_ms
+    } else {
+        start_ms - slice_ms as i64
+    };
+    let consumed_now = slot.consumed(this_slice, slice_ms);
     let elapsed_ms = (now_us as f64 / 1_000.0 - start_ms as f64).max(0.0);
     let input = PullInput {
         fixed: slot.meta.pull.load(Ordering::Relaxed),
@@ -368,10 +521,21 @@ async fn pull(
     };
     let plan = pull::plan(&input);
     let want = if demand { plan.want } else { 0 };
+    let request_id = sh.request_id();
+    let req = PullRequest {
+        task: &t.name,
+        start_ms,
+        slice_ms,
+        want,
+        host_id: &sh.cfg.host_id,
+        request_id: &request_id,
+        counters: None,
+    };
     let before = crate::clock::host_us();
     let started = Instant::now();
-    let res = call(sh, |mut c| async move {
-        scripts::pull(&mut c, &sh.keys, &t.name, start_ms, want, None).await
+    // A retry (same request id) is answered with the first attempt's grant.
+    let res = call(sh, Retry::Idempotent, |mut c| async move {
+        scripts::pull(&mut c, &sh.keys, &req).await
     })
     .await;
     let rtt = started.elapsed();
@@ -385,11 +549,28 @@ async fn pull(
             record_clock(sh, before, crate::clock::host_us(), redis_time_us);
             PullOutcome::Missing
         }
+        Ok(Ok(PullReply::OutsideWindow { redis_time_us })) => {
+            record_clock(sh, before, crate::clock::host_us(), redis_time_us);
+            let wait_ms = outside_window(sh, t, start_ms, slice_ms, redis_time_us);
+            if redis_time_us / 1_000 > start_ms + slice_ms as i64 {
+                // Over: LIMITED for this slice (nothing left to spend, no more pulls).
+                if slot.generation() == r.generation {
+                    slot.deposit(start_ms, slice_ms, 0, true, sh.now_us());
+                }
+            } else {
+                slot.ctl
+                    .early_until_ms
+                    .store(crate::clock::host_ms() + wait_ms, Ordering::Release);
+                slot.ctl.early_start.store(start_ms, Ordering::Release);
+            }
+            PullOutcome::OutsideWindow
+        }
         Ok(Ok(PullReply::Granted {
             granted,
             remaining,
             cap,
             redis_time_us,
+            replayed,
         })) => {
             record_clock(sh, before, crate::clock::host_us(), redis_time_us);
             slot.ctl.cap.store(cap, Ordering::Relaxed);
@@ -397,6 +578,9 @@ async fn pull(
             slot.ctl
                 .rtt_us
                 .store(rtt.as_micros() as u64, Ordering::Relaxed);
+            if replayed {
+                tracing::debug!(task = %t.name, granted, "pull retried: first attempt's grant");
+            }
             PullOutcome::Granted { granted, remaining }
         }
     };
@@ -405,16 +589,25 @@ async fn pull(
     if let PullOutcome::Granted { granted, .. } = outcome
         && (granted > 0 || tr.exhausted)
     {
-        slot.deposit(tag, index, granted, tr.exhausted, now_us);
-        slot.entry(tag)
-            .low_water
-            .store(plan.low_water, Ordering::Relaxed);
+        // Never into a slot reclaimed for another task meanwhile; a fresh now decides whether
+        // the slice has ended.
+        if slot.generation() != r.generation {
+            tracing::debug!(task = %t.name, "slot reclaimed during a pull; grant dropped");
+        } else if slot.deposit(start_ms, slice_ms, granted, tr.exhausted, sh.now_us()) {
+            slot.entry(start_ms, slice_ms)
+                .low_water
+                .store(plan.low_water, Ordering::Relaxed);
+        } else {
+            // The slice ended while the pull was in flight: never pull for it again.
+            t.dropped_start.store(start_ms, Ordering::Relaxed);
+            tracing::debug!(task = %t.name, slice = start_ms, granted, "grant for an ended slice dropped");
+        }
     }
     if tr.health != health || tr.next_probe_ms.is_some() {
         apply_health(t, slot, health, tr.health, tr.next_probe_ms);
     }
     t.deposited.notify_waiters();
-    tracing::trace!(task = %t.name, index, want, ?outcome, rtt_us = rtt.as_micros() as u64, "pull");
+    tracing::trace!(task = %t.name, start_ms, want, ?outcome, rtt_us = rtt.as_micros() as u64, "pull");
 }
 
 fn record_clock(sh: &Shared, before_us: i64, after_us: i64, redis_us: i64) {
@@ -432,7 +625,36 @@ fn record_clock(sh: &Shared, before_us: i64, after_us: i64, redis_us: i64) {
     }
 }
 
-async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i64, force: bool) {
+/// The next flush sequence number of this host: strictly increasing across the host's
+/// processes (and across a re-created segment, being based on the host clock in µs).
+fn next_flush_seq(sh: &Shared) -> u64 {
+    let now = crate::clock::host_us().max(0) as u64;
+    let prev = sh
+        .seg
+        .header()
+        .flush_seq
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+            Some(p.saturating_add(1).max(now))
+        })
+        .unwrap_or(0);
+    prev.saturating_add(1).max(now)
+}
+
+/// Sends one flush batch (a retry inside `call` reuses its seq). True when Redis answered.
+async fn send_flush(sh: &Shared, t: &TaskInner, batch: &FlushBatch) -> bool {
+    let (seq, counters) = batch;
+    let res = call(sh, Retry::Idempotent, |mut c| async move {
+        scripts::flush(&mut c, &sh.keys, &t.name, &sh.cfg.host_id, *seq, counters).await
+    })
+    .await;
+    matches!(res, Ok(Ok(_)))
+}
+
+/// Moves admitted counts out of the quota accounting and sends every slice's counters with
+/// one FLUSH, under the host's flush lock (a busy lock: another process is flushing; skip).
+/// A batch whose answer was lost is kept and resent with its sequence number, so it counts
+/// once whether or not the first attempt reached Redis.
+async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, now_us: i64, force: bool) {
     let now_ms = now_us / 1_000;
     let last = slot.ctl.flushed_ms.load(Ordering::Acquire);
     if !force && now_ms - last < sh.cfg.flush_interval.as_millis() as i64 && now_ms >= last {
@@ -447,10 +669,21 @@ async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i6
     {
         return;
     }
-    let index = (now_us.max(0) as u64) / (m.slice_ms * 1_000);
-    // The last flush of a client waits for the lock: what it does not account now may never
+    // The last flush of a client waits for the locks: what it does not account now may never
     // be (the other processes of the host may be exiting too).
     let patience = if force { 200 } else { 0 };
+    let flush_lock = sh.seg.lock(&slot.ctl.flush_lock);
+    let mut flush_token = try_lock(sh, flush_lock, "flush", now_ms);
+    for _ in 0..patience {
+        if flush_token.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        flush_token = try_lock(sh, flush_lock, "flush", crate::clock::host_ms());
+    }
+    let Some(flush_token) = flush_token else {
+        return;
+    };
     let mut token = lock(sh, slot, now_ms);
     for _ in 0..patience {
         if token.is_some() {
@@ -459,38 +692,52 @@ async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, m: &FastMeta, now_us: i6
         tokio::time::sleep(Duration::from_millis(1)).await;
         token = lock(sh, slot, crate::clock::host_ms());
     }
+    // Never drain another task's counters (the slot was reclaimed meanwhile).
+    let own = slot.generation() == generation;
     if let Some(token) = token {
-        slot.account(index);
-        slot.pull_lock().unlock(token);
+        if own {
+            slot.account(now_ms);
+        }
+        sh.seg.lock(&slot.ctl.pull_lock).unlock(token);
     }
-    let drained = slot.drain_counters();
-    if drained.is_empty() {
-        return;
+    let pending = t.pending_flush.lock().ok().and_then(|mut p| p.take());
+    let mut resent = true;
+    if let Some(batch) = pending
+        && !send_flush(sh, t, &batch).await
+    {
+        if let Ok(mut p) = t.pending_flush.lock() {
+            *p = Some(batch);
+        }
+        resent = false;
     }
-    let batch: Vec<(i64, SliceCounters)> = drained
-        .iter()
-        .map(|(i, v)| {
-            (
-                (*i * m.slice_ms) as i64,
-                SliceCounters {
-                    admitted: v[0],
-                    rejected: v[1],
-                    ok: v[2],
-                    err: v[3],
-                    lat_sum_us: v[4],
-                    lat_n: v[5],
-                },
-            )
-        })
-        .collect();
-    let res = call(sh, |mut c| {
-        let batch = &batch;
-        async move { scripts::flush(&mut c, &sh.keys, &t.name, batch).await }
-    })
-    .await;
-    if !matches!(res, Ok(Ok(_))) {
-        slot.restore_counters(&drained);
+    if resent && own {
+        let drained = slot.drain_counters();
+        if !drained.is_empty() {
+            let counters: Vec<(i64, SliceCounters)> = drained
+                .iter()
+                .map(|(start, v)| {
+                    (
+                        *start,
+                        SliceCounters {
+                            admitted: v[0],
+                            rejected: v[1],
+                            ok: v[2],
+                            err: v[3],
+                            lat_sum_us: v[4],
+                            lat_n: v[5],
+                        },
+                    )
+                })
+                .collect();
+            let batch = (next_flush_seq(sh), counters);
+            if !send_flush(sh, t, &batch).await
+                && let Ok(mut p) = t.pending_flush.lock()
+            {
+                *p = Some(batch);
+            }
+        }
     }
+    flush_lock.unlock(flush_token);
 }
 
 /// One exact-mode decision (`exact_fixed`: TAKE, `exact_sliding`: SLIDE) for slice `index`;
@@ -503,20 +750,16 @@ pub(crate) async fn exact(
     n: u64,
 ) -> Option<ExactReply> {
     let start_ms = (index * m.slice_ms) as i64;
-    let member = format!(
-        "{}:{}:{}",
-        sh.cfg.host_id,
-        sh.pid,
-        sh.seq.fetch_add(1, Ordering::Relaxed)
-    );
-    let res = call(&sh, |mut c| {
-        let (sh, name, member) = (&sh, &name, &member);
+    let nonce = format!("{:016x}", sh.nonce);
+    // Not idempotent: sent at most once unless it surely never reached Redis.
+    let res = call(&sh, Retry::OnlyUnsent, |mut c| {
+        let (sh, name, nonce) = (&sh, &name, &nonce);
         async move {
             match m.mode {
                 Mode::ExactSliding => {
-                    scripts::slide(&mut c, &sh.keys, name, start_ms, m.slice_ms, n, member).await
+                    scripts::slide(&mut c, &sh.keys, name, start_ms, m.slice_ms, n, nonce).await
                 }
-                _ => scripts::take(&mut c, &sh.keys, name, start_ms, n).await,
+                _ => scripts::take(&mut c, &sh.keys, name, start_ms, m.slice_ms, n).await,
             }
         }
     })
@@ -557,9 +800,10 @@ async fn report_host(sh: &Shared) {
         let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
             continue;
         };
-        let tag = (now_us.max(0) as u64 / (m.slice_ms * 1_000)) as u32;
+        let start = slice_start(now_us, m.slice_ms);
         let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
-        let state = view(health, slot.entry(tag).word.load(Ordering::Acquire), tag);
+        let w = slot.entry(start, m.slice_ms).word.load(Ordering::Acquire);
+        let state = view(health, w, tag_of(start));
         tasks.insert(name, state.as_str().to_string());
     }
     let report = HostReport {
@@ -573,7 +817,7 @@ async fn report_host(sh: &Shared) {
         return;
     };
     let key = sh.keys.hosts();
-    let _ = call(sh, |mut c| {
+    let _ = call(sh, Retry::Idempotent, |mut c| {
         let (key, json) = (&key, &json);
         async move {
             redis::cmd("HSET")
@@ -585,4 +829,9 @@ async fn report_host(sh: &Shared) {
         }
     })
     .await;
+}
+
+/// Start (Unix ms) of the slice of length `slice_ms` containing `now_us`.
+fn slice_start(now_us: i64, slice_ms: u64) -> i64 {
+    crate::protocol::slice::start(now_us.div_euclid(1_000), slice_ms)
 }

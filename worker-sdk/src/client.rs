@@ -15,7 +15,7 @@
 //! panics; everything that talks to Redis runs on the client's own thread and runtime.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -27,7 +27,10 @@ use crate::limiter::{self, Params, Verdict};
 use crate::protocol::conn::{ConnOptions, Redis, RedisTarget};
 use crate::protocol::scripts::ExactReply;
 use crate::protocol::{Keys, Mode, NameError, OnFailure, TaskMeta, validate_task_name};
-use crate::shm::{FastMeta, Opened, Segment, SegmentError, Slot, field, unpack_quota};
+use crate::shm::{
+    ClaimOptions, FastMeta, Opened, Segment, SegmentError, Slot, SlotRef, field, tag_of,
+    unpack_quota, word_generation,
+};
 use crate::state::{Health, HostState, Machine, view};
 
 /// Which clock slices follow.
@@ -53,8 +56,13 @@ pub struct Config {
     pub host_id: String,
     /// Directory of the shared segment (default `/dev/shm`).
     pub shm_dir: PathBuf,
-    /// Task slots of a newly created segment.
+    /// Task slots of the host segment (default 64, at most [`crate::shm::MAX_SLOTS`] = 4,096).
+    /// A new segment gets this many; an existing one with fewer is replaced by a larger one
+    /// (segments only grow), one with more keeps its size.
     pub max_tasks: u32,
+    /// A segment slot whose task no process of the host has held a handle for during this
+    /// long may be reclaimed for another task when no slot is free (default 60 s).
+    pub reclaim_idle: Duration,
     /// Bound on one Redis call (a pull that takes longer makes the task FAILED).
     pub pull_timeout: Duration,
     /// Bound on connecting to Redis.
@@ -87,6 +95,7 @@ impl Config {
             host_id: gethostname::gethostname().to_string_lossy().into_owned(),
             shm_dir: PathBuf::from("/dev/shm"),
             max_tasks: crate::shm::DEFAULT_SLOTS,
+            reclaim_idle: Duration::from_secs(60),
             pull_timeout: Duration::from_secs(1),
             connect_timeout: Duration::from_secs(1),
             probe_interval: Duration::from_secs(5),
@@ -127,7 +136,13 @@ pub enum Error {
 }
 
 /// The answer to "may I do `n` units of work now?".
+///
+/// Which call to use: [`Task::try_acquire`] for modes `pooled` and `local` (no network, never
+/// waits); [`Task::acquire`] / [`Task::acquire_blocking`] for every mode, and always for
+/// `exact_fixed` / `exact_sliding`, whose decisions need a Redis round trip
+/// (`try_acquire` answers [`Decision::WouldBlock`] for them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Decision {
     /// Admitted from the global quota.
     Allowed,
@@ -137,14 +152,18 @@ pub enum Decision {
         /// When a retry may succeed.
         retry_after: Duration,
     },
-    /// Admitted without the global quota: the task is FAILED (or exact, or not known yet) and
-    /// its `on_failure` policy admitted it.
+    /// Admitted without the global quota: the task is FAILED (or not known yet) and its
+    /// `on_failure` policy admitted it.
     FallbackAllowed,
     /// Rejected by the `on_failure` policy while FAILED.
     FallbackDenied {
         /// When a retry may succeed.
         retry_after: Duration,
     },
+    /// Not decided: this task is exact (`exact_fixed` / `exact_sliding`); its decision needs a
+    /// Redis round trip, which [`Task::try_acquire`] never waits for. Call [`Task::acquire`] /
+    /// [`Task::acquire_blocking`]. Never admitted, counted nowhere (it is not a decision).
+    WouldBlock,
 }
 
 impl Decision {
@@ -178,7 +197,11 @@ const PENDING_RETRY: Duration = Duration::from_millis(1);
 
 pub(crate) enum Step {
     Decided(Decision),
-    Pending,
+    /// A refill of the slice starting at `start_ms` (grid `slice_ms`) is on its way.
+    Pending {
+        start_ms: i64,
+        slice_ms: u64,
+    },
 }
 
 pub(crate) struct Shared {
@@ -189,13 +212,14 @@ pub(crate) struct Shared {
     pub(crate) tasks: Mutex<Vec<Arc<TaskInner>>>,
     pub(crate) wake: Notify,
     pub(crate) redis_calls: Arc<AtomicU64>,
-    pub(crate) pid: u32,
     pub(crate) machine: Machine,
     pub(crate) stop: AtomicBool,
     /// The background runtime (exact-mode calls run on it).
     pub(crate) rt: tokio::runtime::Handle,
-    /// Sequence for unique sliding-log members.
-    pub(crate) seq: AtomicU64,
+    /// Random per client: prefixes request ids and sliding-log members.
+    pub(crate) nonce: u64,
+    /// Sequence of request ids.
+    pub(crate) requests: AtomicU64,
     /// When the client was created.
     pub(crate) started: Instant,
 }
@@ -209,16 +233,92 @@ impl Shared {
             ClockSource::Redis => h - self.seg.header().clock_offset_us.load(Ordering::Relaxed),
         }
     }
+
+    /// A request id unique to this call (a retry of the call reuses it).
+    pub(crate) fn request_id(&self) -> String {
+        format!(
+            "{:016x}.{:x}",
+            self.nonce,
+            self.requests.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    /// How to claim a slot now.
+    pub(crate) fn claim_options(&self) -> ClaimOptions {
+        ClaimOptions {
+            now_ms: crate::clock::host_ms(),
+            lock_timeout_ms: self.cfg.lock_timeout.as_millis() as u64,
+            reclaim_idle_ms: self.cfg.reclaim_idle.as_millis().max(1) as u64,
+        }
+    }
+}
+
+/// 64 random bits (`getrandom`; the clock and pid if that fails).
+fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most `b.len()` bytes into the buffer we pass.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n == b.len() as isize {
+        return u64::from_le_bytes(b);
+    }
+    (crate::clock::host_us() as u64).rotate_left(17) ^ ((std::process::id() as u64) << 40)
 }
 
 pub(crate) struct TaskInner {
     pub(crate) name: String,
-    pub(crate) slot: usize,
+    /// The slot: `index:32 | generation:16`, re-resolved when the slot was reclaimed.
+    slot_ref: AtomicU64,
     /// Full index of the slice the last decision fell in (saves a division per decision).
     index_cache: AtomicU64,
     pub(crate) poked: AtomicBool,
     pub(crate) deposited: Notify,
     pub(crate) waiters: AtomicUsize,
+    /// `try_acquire` on an exact task was warned about (once per task per process).
+    warned_would_block: AtomicBool,
+    /// Slice start whose grant was dropped (it had ended): never pulled for again.
+    pub(crate) dropped_start: AtomicI64,
+    /// When this process last refreshed the slot's `used_ms` (host ms).
+    pub(crate) touched_ms: AtomicI64,
+    /// When this process last warned about pulls outside the slice window (host ms).
+    pub(crate) window_warned_ms: AtomicI64,
+    /// A flush whose answer was lost: `(seq, batch)`, resent with the same seq.
+    pub(crate) pending_flush: Mutex<Option<crate::background::FlushBatch>>,
+}
+
+impl TaskInner {
+    pub(crate) fn new(name: &str, r: SlotRef) -> Self {
+        let t = Self {
+            name: name.to_string(),
+            slot_ref: AtomicU64::new(0),
+            index_cache: AtomicU64::new(0),
+            poked: AtomicBool::new(false),
+            deposited: Notify::new(),
+            waiters: AtomicUsize::new(0),
+            warned_would_block: AtomicBool::new(false),
+            dropped_start: AtomicI64::new(i64::MIN),
+            touched_ms: AtomicI64::new(0),
+            window_warned_ms: AtomicI64::new(0),
+            pending_flush: Mutex::new(None),
+        };
+        t.set_slot_ref(r);
+        t
+    }
+
+    #[inline]
+    pub(crate) fn slot_ref(&self) -> SlotRef {
+        let w = self.slot_ref.load(Ordering::Acquire);
+        SlotRef {
+            index: (w >> 16) as usize,
+            generation: w as u16,
+        }
+    }
+
+    pub(crate) fn set_slot_ref(&self, r: SlotRef) {
+        self.slot_ref.store(
+            ((r.index as u64) << 16) | r.generation as u64,
+            Ordering::Release,
+        );
+    }
 }
 
 struct Guard {
@@ -283,7 +383,8 @@ impl Client {
             .map_err(Error::Spawn)?;
         let shared = Arc::new(Shared {
             rt: rt.handle().clone(),
-            seq: AtomicU64::new(0),
+            nonce: random_u64(),
+            requests: AtomicU64::new(0),
             started: Instant::now(),
             machine: Machine {
                 probe_interval_ms: cfg.probe_interval.as_millis().max(1) as i64,
@@ -295,7 +396,6 @@ impl Client {
             tasks: Mutex::new(Vec::new()),
             wake: Notify::new(),
             redis_calls: Arc::new(AtomicU64::new(0)),
-            pid: std::process::id(),
             stop: AtomicBool::new(false),
         });
         let thread = crate::background::spawn(shared.clone(), rt).map_err(Error::Spawn)?;
@@ -308,34 +408,34 @@ impl Client {
         })
     }
 
-    /// A handle to task `name` (its slot in the host segment is claimed on first use).
+    /// A handle to task `name` (its slot in the host segment is claimed on first use: a free
+    /// slot, else one idle for [`Config::reclaim_idle`]; [`Error::SegmentFull`] when there is
+    /// none). The process's state for the task is dropped (after a last flush) once no handle
+    /// refers to it any more.
     pub fn task(&self, name: &str) -> Result<Task, Error> {
         validate_task_name(name)?;
         let mut tasks = self.shared.tasks.lock().unwrap_or_else(|e| e.into_inner());
         let inner = match tasks.iter().find(|t| t.name == name) {
             Some(t) => t.clone(),
             None => {
-                let lock_ms = self.shared.cfg.lock_timeout.as_millis() as u64;
-                let slot = self
+                let r = self
                     .shared
                     .seg
-                    .find_or_claim(name, lock_ms)
+                    .claim(name, self.shared.claim_options())
                     .ok_or_else(|| Error::SegmentFull {
                         path: self.shared.seg.path().to_path_buf(),
                         task: name.to_string(),
                     })?;
-                let t = Arc::new(TaskInner {
-                    name: name.to_string(),
-                    slot,
-                    index_cache: AtomicU64::new(0),
-                    poked: AtomicBool::new(false),
-                    deposited: Notify::new(),
-                    waiters: AtomicUsize::new(0),
-                });
+                let t = Arc::new(TaskInner::new(name, r));
                 tasks.push(t.clone());
                 t
             }
         };
+        if let Some(s) = self.shared.seg.slot(inner.slot_ref().index) {
+            let now = crate::clock::host_ms();
+            s.touch(now);
+            inner.touched_ms.store(now, Ordering::Relaxed);
+        }
         drop(tasks);
         self.shared.wake.notify_one();
         Ok(Task {
@@ -427,12 +527,25 @@ impl Task {
     /// that must know which slice a decision was charged to (load generators, tests); the
     /// quota of a slice is only ever spent by decisions that fall in it.
     #[inline]
+    ///
+    /// For an exact task (`exact_fixed` / `exact_sliding`) this answers
+    /// [`Decision::WouldBlock`] (and logs a warning once per task per process): use
+    /// [`Task::acquire`] / [`Task::acquire_blocking`].
     pub fn try_acquire_at(&self, n: u64, now_us: i64) -> Decision {
         match self.decide(n, now_us) {
             Step::Decided(d) => d,
-            Step::Pending => Decision::Limited {
-                retry_after: PENDING_RETRY,
-            },
+            Step::Pending { start_ms, slice_ms } => self.pending_rejected(start_ms, slice_ms, n),
+        }
+    }
+
+    /// A decision that stays "refill pending" is final here: a rejection, counted as such.
+    #[cold]
+    fn pending_rejected(&self, start_ms: i64, slice_ms: u64, n: u64) -> Decision {
+        if let Some(slot) = self.slot() {
+            slot.count(start_ms, slice_ms, field::REJECTED, n);
+        }
+        Decision::Limited {
+            retry_after: PENDING_RETRY,
         }
     }
 
@@ -444,23 +557,23 @@ impl Task {
     /// atomic Redis call (bounded by the pull timeout; on failure the task's `on_failure`
     /// decides).
     pub async fn acquire(&self, n: u64) -> Decision {
-        if let Some((m, index, now_us)) = self.exact_target(n) {
-            let sh = self.shared.clone();
-            let fut = crate::background::exact(sh, self.inner.name.clone(), m, index, n);
-            let reply = self.shared.rt.spawn(fut).await.ok().flatten();
-            return self.exact_decision(reply, &m, index, n, now_us);
-        }
         let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
         loop {
+            if let Some((m, index, now_us)) = self.exact_target(n) {
+                let sh = self.shared.clone();
+                let fut = crate::background::exact(sh, self.inner.name.clone(), m, index, n);
+                let reply = self.shared.rt.spawn(fut).await.ok().flatten();
+                return self.exact_decision(reply, &m, index, n, now_us);
+            }
             let notified = self.inner.deposited.notified();
             match self.decide(n, self.shared.now_us()) {
+                // The mode changed to exact between the two reads: decide it exactly.
+                Step::Decided(Decision::WouldBlock) if Instant::now() < deadline => continue,
                 Step::Decided(d) => return d,
-                Step::Pending if Instant::now() >= deadline => {
-                    return Decision::Limited {
-                        retry_after: PENDING_RETRY,
-                    };
+                Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
+                    return self.pending_rejected(start_ms, slice_ms, n);
                 }
-                Step::Pending => {
+                Step::Pending { .. } => {
                     self.inner.waiters.fetch_add(1, Ordering::AcqRel);
                     self.shared.wake.notify_one();
                     notified.await;
@@ -472,58 +585,74 @@ impl Task {
 
     /// [`Task::acquire`] for programs without an async runtime: sleeps in short steps.
     pub fn acquire_blocking(&self, n: u64) -> Decision {
-        if let Some((m, index, now_us)) = self.exact_target(n) {
-            let (tx, rx) = std::sync::mpsc::channel();
-            let fut =
-                crate::background::exact(self.shared.clone(), self.inner.name.clone(), m, index, n);
-            self.shared.rt.spawn(async move {
-                let _ = tx.send(fut.await);
-            });
-            let wait = self.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
-            let reply = rx.recv_timeout(wait).ok().flatten();
-            return self.exact_decision(reply, &m, index, n, now_us);
-        }
         let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
         loop {
+            if let Some((m, index, now_us)) = self.exact_target(n) {
+                let (tx, rx) = std::sync::mpsc::channel();
+                let fut = crate::background::exact(
+                    self.shared.clone(),
+                    self.inner.name.clone(),
+                    m,
+                    index,
+                    n,
+                );
+                self.shared.rt.spawn(async move {
+                    let _ = tx.send(fut.await);
+                });
+                let wait = self.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
+                let reply = rx.recv_timeout(wait).ok().flatten();
+                return self.exact_decision(reply, &m, index, n, now_us);
+            }
             match self.decide(n, self.shared.now_us()) {
+                Step::Decided(Decision::WouldBlock) if Instant::now() < deadline => continue,
                 Step::Decided(d) => return d,
-                Step::Pending if Instant::now() >= deadline => {
-                    return Decision::Limited {
-                        retry_after: PENDING_RETRY,
-                    };
+                Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
+                    return self.pending_rejected(start_ms, slice_ms, n);
                 }
-                Step::Pending => std::thread::sleep(Duration::from_micros(200)),
+                Step::Pending { .. } => std::thread::sleep(Duration::from_micros(200)),
             }
         }
     }
 
     /// Reports how admitted work ended, for the slice's health counters.
     pub fn report(&self, outcome: Outcome, latency: Duration) {
-        let Some(slot) = self.slot() else { return };
-        let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
+        let Some((slot, m)) = self.slot_meta() else {
             return;
         };
         let index = self.index(self.shared.now_us(), m.slice_ms * 1_000);
-        health::record(slot, index, outcome, latency);
+        health::record(
+            slot,
+            (index * m.slice_ms) as i64,
+            m.slice_ms,
+            outcome,
+            latency,
+        );
     }
 
     /// The task's state on this host now.
     pub fn state(&self) -> HostState {
-        let Some(slot) = self.slot() else {
-            return HostState::Unknown;
-        };
-        let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
+        let Some((slot, m)) = self.slot_meta() else {
             return HostState::Unknown;
         };
         let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
         let index = self.index(self.shared.now_us(), m.slice_ms * 1_000);
-        let tag = index as u32;
-        view(health, slot.entry(tag).word.load(Ordering::Acquire), tag)
+        let start = (index * m.slice_ms) as i64;
+        let w = slot.entry(start, m.slice_ms).word.load(Ordering::Acquire);
+        view(health, w, tag_of(start))
     }
 
     /// The last known meta (from this host's segment), if any.
     pub fn meta(&self) -> Option<TaskMeta> {
-        self.slot()?.meta()
+        let (slot, _) = self.slot_meta()?;
+        slot.meta()
+    }
+
+    /// The slot and its known meta, when the slot is still this task's.
+    fn slot_meta(&self) -> Option<(&Slot, FastMeta)> {
+        let r = self.inner.slot_ref();
+        let slot = self.shared.seg.slot(r.index)?;
+        let m = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire))?;
+        (m.generation == r.generation).then_some((slot, m))
     }
 
     /// Waits (blocking, polling) until the task's meta is known, at most `timeout`.
@@ -543,8 +672,7 @@ impl Task {
 
     /// When the task is in an exact mode: its meta, slice index and now.
     fn exact_target(&self, n: u64) -> Option<(FastMeta, u64, i64)> {
-        let slot = self.slot()?;
-        let m = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire))?;
+        let (_, m) = self.slot_meta()?;
         if n == 0 || !matches!(m.mode, Mode::ExactFixed | Mode::ExactSliding) {
             return None;
         }
@@ -571,6 +699,19 @@ impl Task {
                     retry_after: Duration::from_micros(retry_us.max(1) as u64),
                 }
             }
+            Some(ExactReply::OutsideWindow { redis_time_us }) => {
+                let start_ms = (index * m.slice_ms) as i64;
+                let retry_ms = crate::background::outside_window(
+                    &self.shared,
+                    &self.inner,
+                    start_ms,
+                    m.slice_ms,
+                    redis_time_us,
+                );
+                Decision::Limited {
+                    retry_after: Duration::from_millis(retry_ms.max(1) as u64),
+                }
+            }
             Some(ExactReply::Missing { .. }) | None => match self.slot() {
                 Some(slot) => self.fallback(slot, m, index, n, now_us),
                 None => self.unknown(),
@@ -580,7 +721,7 @@ impl Task {
 
     #[inline]
     fn slot(&self) -> Option<&Slot> {
-        self.shared.seg.slot(self.inner.slot)
+        self.shared.seg.slot(self.inner.slot_ref().index)
     }
 
     /// Full slice index of `now_us`, from a cache when the slice has not changed.
@@ -601,10 +742,15 @@ impl Task {
         if n == 0 {
             return Step::Decided(Decision::Allowed);
         }
-        let Some(slot) = self.slot() else {
+        let r = self.inner.slot_ref();
+        let Some(slot) = self.shared.seg.slot(r.index) else {
             return Step::Decided(self.unknown());
         };
-        let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
+        let w = slot.meta.fast.load(Ordering::Acquire);
+        if word_generation(w) != r.generation {
+            return self.reresolve(n, now_us);
+        }
+        let Some(m) = FastMeta::decode(w) else {
             self.poke();
             return Step::Decided(self.unknown());
         };
@@ -619,21 +765,54 @@ impl Task {
                         retry_after: Duration::from_micros(retry_after_us),
                     },
                 };
-                self.count(slot, index, n, d.is_allowed());
+                self.count(slot, &m, index, n, d.is_allowed());
                 Step::Decided(d)
             }
             // Exact modes need a Redis round trip per decision, which the synchronous path
-            // cannot wait for: it answers as FAILED would (use `acquire`).
-            Mode::ExactFixed | Mode::ExactSliding => {
-                Step::Decided(self.fallback(slot, &m, index, n, now_us))
-            }
+            // never waits for.
+            Mode::ExactFixed | Mode::ExactSliding => Step::Decided(self.would_block(&m)),
         }
+    }
+
+    /// The slot was reclaimed for another task (its generation changed): find the task's
+    /// slot again by name, else answer as for an unknown task and let the background thread
+    /// claim a new one.
+    #[cold]
+    fn reresolve(&self, n: u64, now_us: i64) -> Step {
+        let r = self.inner.slot_ref();
+        match self.shared.seg.resolve(&self.inner.name) {
+            Some(new) if new != r => {
+                self.inner.set_slot_ref(new);
+                let w = self
+                    .shared
+                    .seg
+                    .slot(new.index)
+                    .map_or(0, |s| s.meta.fast.load(Ordering::Acquire));
+                if word_generation(w) == new.generation {
+                    return self.decide(n, now_us);
+                }
+            }
+            _ => {}
+        }
+        self.poke();
+        Step::Decided(self.unknown())
+    }
+
+    #[cold]
+    fn would_block(&self, m: &FastMeta) -> Decision {
+        if !self.inner.warned_would_block.swap(true, Ordering::Relaxed) {
+            tracing::warn!(task = %self.inner.name, mode = %m.mode,
+                "try_acquire on an exact task answers WouldBlock: its decisions need a Redis \
+                 round trip; call acquire or acquire_blocking");
+        }
+        Decision::WouldBlock
     }
 
     #[inline]
     fn pooled(&self, slot: &Slot, m: &FastMeta, index: u64, n: u64, now_us: i64) -> Step {
-        let tag = index as u32;
-        let e = slot.entry(tag);
+        let start_ms = (index * m.slice_ms) as i64;
+        let tag = tag_of(start_ms);
+        let e = &slot.quota[(index & 1) as usize];
         let mut q = e.word.load(Ordering::Acquire);
         loop {
             let (t, _, c) = unpack_quota(q);
@@ -646,7 +825,7 @@ impl Task {
             {
                 Ok(_) => {
                     if c as u64 - n < e.low_water.load(Ordering::Relaxed) {
-                        self.want(slot, index, n);
+                        self.want(slot, start_ms, n);
                     }
                     return Step::Decided(Decision::Allowed);
                 }
@@ -658,17 +837,21 @@ impl Task {
             return Step::Decided(self.fallback(slot, m, index, n, now_us));
         }
         let (t, exhausted, _) = unpack_quota(q);
-        let slice_us = m.slice_ms * 1_000;
-        if (t == tag && exhausted) || n > crate::shm::MAX_COUNT as u64 {
-            slot.count(index, field::REJECTED, n);
-            let end = (index + 1).saturating_mul(slice_us) as i64;
+        if (t == tag && exhausted && q != 0) || n > crate::shm::MAX_COUNT as u64 {
+            slot.count(start_ms, m.slice_ms, field::REJECTED, n);
+            let end = start_ms
+                .saturating_add(m.slice_ms as i64)
+                .saturating_mul(1_000);
             return Step::Decided(Decision::Limited {
                 retry_after: Duration::from_micros((end - now_us).max(1) as u64),
             });
         }
-        slot.count(index, field::REJECTED, n);
-        self.want(slot, index, n);
-        Step::Pending
+        // Not final: the caller decides whether to wait for the refill (acquire) or not.
+        self.want(slot, start_ms, n);
+        Step::Pending {
+            start_ms,
+            slice_ms: m.slice_ms,
+        }
     }
 
     fn local(&self, slot: &Slot, m: &FastMeta, n: u64, now_us: i64) -> Verdict {
@@ -677,7 +860,7 @@ impl Task {
             window_us: m.slice_ms * 1_000,
             burst: slot.meta.burst.load(Ordering::Relaxed),
         };
-        limiter::decide_shared(slot, m.algorithm, &p, now_us, n)
+        limiter::decide_shared(&self.shared.seg, slot, m.algorithm, &p, now_us, n)
     }
 
     fn fallback(&self, slot: &Slot, m: &FastMeta, index: u64, n: u64, now_us: i64) -> Decision {
@@ -696,17 +879,17 @@ impl Task {
                 },
             },
         };
-        self.count(slot, index, n, d.is_allowed());
+        self.count(slot, m, index, n, d.is_allowed());
         d
     }
 
-    fn count(&self, slot: &Slot, index: u64, n: u64, admitted: bool) {
+    fn count(&self, slot: &Slot, m: &FastMeta, index: u64, n: u64, admitted: bool) {
         let f = if admitted {
             field::ADMITTED
         } else {
             field::REJECTED
         };
-        slot.count(index, f, n);
+        slot.count((index * m.slice_ms) as i64, m.slice_ms, f, n);
     }
 
     fn unknown(&self) -> Decision {
@@ -719,10 +902,10 @@ impl Task {
         }
     }
 
-    /// Asks the background thread for quota of slice `index`.
+    /// Asks the background thread for quota of the slice starting at `start_ms`.
     #[inline]
-    fn want(&self, slot: &Slot, index: u64, n: u64) {
-        let w = index + 1;
+    fn want(&self, slot: &Slot, start_ms: i64, n: u64) {
+        let w = start_ms as u64 + 1;
         if slot.ctl.want.load(Ordering::Relaxed) != w {
             slot.ctl.want.store(w, Ordering::Relaxed);
         }

@@ -18,14 +18,21 @@ pub enum Outcome {
     Err,
 }
 
-/// Records `outcome` and `latency` in slice `index` of `slot`.
-pub(crate) fn record(slot: &Slot, index: u64, outcome: Outcome, latency: Duration) {
+/// Records `outcome` and `latency` in the slice starting at `start_ms` (grid `slice_ms`) of
+/// `slot`.
+pub(crate) fn record(
+    slot: &Slot,
+    start_ms: i64,
+    slice_ms: u64,
+    outcome: Outcome,
+    latency: Duration,
+) {
     let f = match outcome {
         Outcome::Ok => field::OK,
         Outcome::Err => field::ERR,
     };
-    slot.count(index, f, 1);
+    slot.count(start_ms, slice_ms, f, 1);
     let us = latency.as_micros().min(u64::MAX as u128) as u64;
-    slot.count(index, field::LAT_SUM_US, us);
-    slot.count(index, field::LAT_N, 1);
+    slot.count(start_ms, slice_ms, field::LAT_SUM_US, us);
+    slot.count(start_ms, slice_ms, field::LAT_N, 1);
 }

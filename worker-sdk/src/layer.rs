@@ -128,9 +128,9 @@ mod tests {
         let c = Client::new(cfg).unwrap();
         let t = c.task("api").unwrap();
         let (seg, _) = crate::shm::Segment::open(c.segment_path(), 1).unwrap();
-        seg.slot(seg.find("api").unwrap())
-            .unwrap()
-            .store_meta(&TaskMeta {
+        let slot = seg.slot(seg.find("api").unwrap()).unwrap();
+        slot.store_meta(
+            &TaskMeta {
                 slice_ms: 60_000,
                 threshold: 1,
                 pull: 0,
@@ -142,7 +142,9 @@ mod tests {
                     burst: 0,
                 },
                 version: 1,
-            });
+            },
+            slot.generation(),
+        );
         (c, t)
     }
 

@@ -156,6 +156,9 @@ pub enum PullOutcome {
     },
     /// The slice key does not exist.
     Missing,
+    /// Redis time is outside the slice's window: Redis works (and the slice exists), but the
+    /// host's clock is off; the slice is LIMITED (or not pulled for until its window opens).
+    OutsideWindow,
     /// Redis answered with an error, or could not be reached.
     Error,
     /// No answer within the pull timeout.
@@ -213,6 +216,11 @@ impl Machine {
                 health: Health::Normal,
                 next_probe_ms: None,
                 exhausted: remaining <= 0,
+            },
+            PullOutcome::OutsideWindow => Transition {
+                health: Health::Normal,
+                next_probe_ms: None,
+                exhausted: false,
             },
             PullOutcome::Missing => fail(Cause::MissingSlice),
             PullOutcome::Error => fail(Cause::Error),

@@ -24,7 +24,7 @@ pub mod token_bucket;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::protocol::FallbackAlgorithm;
-use crate::shm::{LIMITER_CELLS, LOG_CAP, LockAttempt, PidLock, Slot};
+use crate::shm::{LIMITER_CELLS, LOG_CAP, LockAttempt, Segment, ShmLock, Slot};
 
 /// The state words an algorithm reads and writes. Cell 0 is reserved (a fingerprint of the
 /// parameters: the state is reset when they change); algorithms use cells 1.. and the log.
@@ -196,15 +196,17 @@ pub fn decide(
 /// arithmetic operations) is presumed dead.
 const LIMITER_LOCK_TIMEOUT_MS: u64 = 200;
 
-/// Decides with the limiter state of `slot`, shared by every process of the host.
+/// Decides with the limiter state of `slot` (a slot of `seg`), shared by every process of
+/// the host.
 pub fn decide_shared(
+    seg: &Segment,
     slot: &Slot,
     alg: FallbackAlgorithm,
     p: &Params,
     now_us: i64,
     n: u64,
 ) -> Verdict {
-    let lock = slot.limiter_lock();
+    let lock = seg.lock(&slot.limiter.lock);
     let token = spin_lock(lock);
     let mut cells = SharedCells {
         cells: &slot.limiter.cells,
@@ -215,24 +217,18 @@ pub fn decide_shared(
     v
 }
 
-fn spin_lock(lock: PidLock<'_>) -> u64 {
-    let pid = std::process::id();
+fn spin_lock(lock: ShmLock<'_>) -> u64 {
     let mut spins: u32 = 0;
     loop {
         let now_ms = crate::clock::host_ms();
-        let token = ((pid as u64) << 32) | (now_ms as u64 & 0xFFFF_FFFF).max(1);
-        if lock
-            .0
-            .compare_exchange(0, token, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-        {
+        if let Some(token) = lock.try_fast(now_ms) {
             return token;
         }
         spins = spins.wrapping_add(1);
         if spins.is_multiple_of(256) {
             // Rarely: is the holder dead or stuck?
             if let LockAttempt::Acquired { token, .. } =
-                lock.try_lock(pid, now_ms, LIMITER_LOCK_TIMEOUT_MS)
+                lock.try_lock(now_ms, LIMITER_LOCK_TIMEOUT_MS)
             {
                 return token;
             }

@@ -215,6 +215,12 @@ impl Keys {
     pub fn etcd_settings(&self) -> String {
         format!("/{}/settings", self.ns)
     }
+
+    /// `NS:{T}:log:seq`: the sequence that makes `exact_sliding` log members unique (expires
+    /// with the log).
+    pub fn sliding_log_seq(&self, task: &str) -> String {
+        format!("{}:{{{task}}}:log:seq", self.ns)
+    }
 }
 
 /// Slice arithmetic. A slice of length `slice_ms` starts at a multiple of `slice_ms` (Unix

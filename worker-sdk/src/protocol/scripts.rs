@@ -4,6 +4,12 @@
 //! atomic in Redis. The manager uses [`roll`] and [`retire`]; workers use [`pull`] and
 //! [`flush`], and for the exact modes [`take`] (`exact_fixed`) and [`slide`] (`exact_sliding`).
 //!
+//! # Retries
+//!
+//! [`pull`] (by request id) and [`flush`] (by sequence number) are idempotent, so a caller may
+//! send them again after a lost or late answer. [`take`] and [`slide`] are not: a caller
+//! retries them only when the first attempt surely never reached Redis.
+//!
 //! # Fencing
 //!
 //! A leader writes with its election term. [`ROLL_LUA`] and [`RETIRE_LUA`] refuse a term lower
@@ -95,44 +101,80 @@ return {1, 0}
 
 /// Pulls up to `ARGV[1]` permits from one slice; optionally adds counters to it.
 ///
-/// `KEYS[1]` slice. `ARGV`: want, then optionally six counter deltas
-/// (adm, rej, ok, err, lat_sum_us, lat_n) that are added to this slice.
+/// `KEYS[1]` slice. `ARGV`: want, slice start (Unix ms), slice length (ms), host id, request id,
+/// then optionally six counter deltas (adm, rej, ok, err, lat_sum_us, lat_n) added to this slice.
 ///
-/// Returns `{granted, remaining, cap, time_s, time_us}` with Redis `TIME`; `granted = -1` when
-/// the slice does not exist (a worker never creates one). Never grants more than `rem`.
+/// Returns `{granted, remaining, cap, time_s, time_us, replayed}` with Redis `TIME`:
+///
+/// * `granted = -1`: the slice does not exist (a worker never creates one);
+/// * `granted = -2`: **outside the window**: Redis time is before `start − slice_ms` (the
+///   slice has not started, beyond the one-slice prefetch allowance) or after
+///   `end + grace` with `grace = min(slice_ms / 4, 250 ms)` (the slice is over); nothing is
+///   granted or counted;
+/// * otherwise `min(want, rem)` (0 when `rem ≤ 0`) is granted and `rem` lowered.
+///
+/// **Idempotent by request id**: the host's last pull of the slice is recorded in the slice
+/// hash as `p:<host id> = <request id>:<granted>`; a pull with the same request id (a retry)
+/// returns that grant again with `replayed = 1` and changes nothing. A host's pulls are
+/// exclusive (its pull lock), so the last one is the only one a retry can repeat.
 pub const PULL_LUA: &str = r#"
 local t = redis.call('TIME')
-local h = redis.call('HMGET', KEYS[1], 'rem', 'cap')
-if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2])} end
+local pf = 'p:' .. ARGV[4]
+local h = redis.call('HMGET', KEYS[1], 'rem', 'cap', pf)
+if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
 local rem = tonumber(h[1])
+local cap = tonumber(h[2])
+if h[3] then
+  local id, g = string.match(h[3], '^(.*):(%-?%d+)$')
+  if id == ARGV[5] then return {tonumber(g), rem, cap, tonumber(t[1]), tonumber(t[2]), 1} end
+end
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local start = tonumber(ARGV[2])
+local len = tonumber(ARGV[3])
+local grace = math.min(math.floor(len / 4), 250)
+if now < start - len or now > start + len + grace then
+  return {-2, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
+end
 local want = tonumber(ARGV[1])
 local grant = 0
 if rem > 0 and want > 0 then
   grant = math.min(want, rem)
   rem = redis.call('HINCRBY', KEYS[1], 'rem', -grant)
 end
-if #ARGV >= 7 then
+redis.call('HSET', KEYS[1], pf, ARGV[5] .. ':' .. grant)
+if #ARGV >= 11 then
   local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n'}
   for j = 1, 6 do
-    local d = tonumber(ARGV[j + 1])
+    local d = tonumber(ARGV[j + 5])
     if d and d ~= 0 then redis.call('HINCRBY', KEYS[1], f[j], d) end
   end
 end
-return {grant, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2])}
+return {grant, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
 "#;
 
 /// Adds counters to slices that still exist (a missing slice is skipped, never created).
 ///
-/// `KEYS` slices; `ARGV` six deltas per key (adm, rej, ok, err, lat_sum_us, lat_n).
-/// Returns how many slices were updated.
+/// `KEYS` slices; `ARGV`: host id, flush sequence number, then six deltas per key (adm, rej,
+/// ok, err, lat_sum_us, lat_n). Returns how many of the slices exist.
+///
+/// **Idempotent by sequence number**: each slice records the host's last applied flush as
+/// `f:<host id> = <seq>`, and a flush whose `seq` is not above it is skipped for that slice.
+/// A host's flushes are exclusive (its flush lock) and numbered in increasing order, so a
+/// retry (same `seq`) never counts twice, nor does a late duplicate of an older flush.
 pub const FLUSH_LUA: &str = r#"
 local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n'}
+local ff = 'f:' .. ARGV[1]
+local seq = tonumber(ARGV[2])
 local n = 0
 for k = 1, #KEYS do
   if redis.call('EXISTS', KEYS[k]) == 1 then
-    for j = 1, 6 do
-      local d = tonumber(ARGV[(k - 1) * 6 + j])
-      if d and d ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], d) end
+    local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
+    if seq > last then
+      for j = 1, 6 do
+        local d = tonumber(ARGV[2 + (k - 1) * 6 + j])
+        if d and d ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], d) end
+      end
+      redis.call('HSET', KEYS[k], ff, ARGV[2])
     end
     n = n + 1
   end
@@ -164,14 +206,23 @@ return {1, 0}
 
 /// `exact_fixed`: takes exactly `n` permits from one slice, or none.
 ///
-/// `KEYS[1]` slice. `ARGV`: n. Counts the decision in the slice (`adm` or `rej`), so exact
-/// decisions need no flush. Returns `{status, remaining, cap, time_s, time_us, 0}` with status
-/// 1 = taken, 0 = refused (fewer than `n` left), -1 = the slice does not exist (never created).
+/// `KEYS[1]` slice. `ARGV`: n, slice start (Unix ms), slice length (ms). Counts the decision
+/// in the slice (`adm` or `rej`), so exact decisions need no flush. Returns `{status,
+/// remaining, cap, time_s, time_us, 0}` with status 1 = taken, 0 = refused (fewer than `n`
+/// left), -1 = the slice does not exist (never created), -2 = outside the slice's window (the
+/// same window as [`PULL_LUA`]; nothing taken or counted).
 pub const TAKE_LUA: &str = r#"
 local t = redis.call('TIME')
 local h = redis.call('HMGET', KEYS[1], 'rem', 'cap')
 if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
 local rem = tonumber(h[1])
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local start = tonumber(ARGV[2])
+local len = tonumber(ARGV[3])
+local grace = math.min(math.floor(len / 4), 250)
+if now < start - len or now > start + len + grace then
+  return {-2, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
+end
 local n = tonumber(ARGV[1])
 if rem >= n then
   rem = redis.call('HINCRBY', KEYS[1], 'rem', -n)
@@ -187,9 +238,12 @@ return {0, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
 /// (`NS:{T}:log`, scores in µs) is the log.
 ///
 /// `KEYS[1]` the log, `KEYS[2]` the current slice (its `cap` is the limit, effective
-/// threshold included; the decision is counted there). `ARGV`: n (≤ 1,000), window (ms), a
-/// member prefix unique to the call. Returns `{status, remaining, cap, time_s, time_us,
-/// retry_after_us}` with status 1 = admitted, 0 = refused, -1 = the slice does not exist.
+/// threshold included; the decision is counted there), `KEYS[3]` the log's sequence
+/// (`NS:{T}:log:seq`). `ARGV`: n (≤ 1,000), window (ms), the caller's nonce (random per
+/// client). Members are `<nonce>:<seq>:<i>` with `seq` from `INCR` of `KEYS[3]`, so they are
+/// unique by construction (across clients, processes and restarts); the sequence expires with
+/// the log. Returns `{status, remaining, cap, time_s, time_us, retry_after_us}` with status 1
+/// = admitted, 0 = refused, -1 = the slice does not exist.
 pub const SLIDE_LUA: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -201,8 +255,10 @@ local window = tonumber(ARGV[2]) * 1000
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
 local count = redis.call('ZCARD', KEYS[1])
 if count + n <= cap and n <= 1000 then
-  for i = 1, n do redis.call('ZADD', KEYS[1], now, ARGV[3] .. ':' .. i) end
+  local seq = redis.call('INCR', KEYS[3])
+  for i = 1, n do redis.call('ZADD', KEYS[1], now, ARGV[3] .. ':' .. seq .. ':' .. i) end
   redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 2)
+  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[2]) * 2)
   redis.call('HINCRBY', KEYS[2], 'adm', n)
   return {1, cap - count - n, cap, tonumber(t[1]), tonumber(t[2]), 0}
 end
@@ -422,6 +478,12 @@ pub enum PullReply {
         /// Redis `TIME` in Unix µs.
         redis_time_us: i64,
     },
+    /// Redis time is outside the slice's window (not started beyond the prefetch allowance,
+    /// or over): nothing granted. Compare the slice with `redis_time_us` to tell which.
+    OutsideWindow {
+        /// Redis `TIME` in Unix µs.
+        redis_time_us: i64,
+    },
     /// The slice exists; `granted` may be 0 (exhausted).
     Granted {
         /// Permits granted (≤ want, ≤ what remained).
@@ -432,49 +494,72 @@ pub enum PullReply {
         cap: u64,
         /// Redis `TIME` in Unix µs.
         redis_time_us: i64,
+        /// True when this was a retry of the host's last pull (same request id): the grant is
+        /// that pull's, and nothing changed.
+        replayed: bool,
     },
 }
 
-/// Runs [`PULL_LUA`] on the slice of `task` starting at `slice_start_ms`.
-pub async fn pull<C>(
-    conn: &mut C,
-    keys: &Keys,
-    task: &str,
-    slice_start_ms: i64,
-    want: u64,
-    counters: Option<&SliceCounters>,
-) -> RedisResult<PullReply>
+/// One PULL ([`PULL_LUA`]).
+#[derive(Debug, Clone, Copy)]
+pub struct PullRequest<'a> {
+    /// The task.
+    pub task: &'a str,
+    /// Start of the slice (Unix ms).
+    pub start_ms: i64,
+    /// Length of the task's slices (ms): with `start_ms`, the slice's window.
+    pub slice_ms: u64,
+    /// Permits wanted (0 = only read the slice).
+    pub want: u64,
+    /// The pulling host (names the request-id field `p:<host>`).
+    pub host_id: &'a str,
+    /// Unique per logical pull; a retry of the same pull passes the same id.
+    pub request_id: &'a str,
+    /// Counters to add to the slice in the same call.
+    pub counters: Option<&'a SliceCounters>,
+}
+
+/// Runs [`PULL_LUA`].
+pub async fn pull<C>(conn: &mut C, keys: &Keys, req: &PullRequest<'_>) -> RedisResult<PullReply>
 where
     C: redis::aio::ConnectionLike,
 {
     let mut inv = PULL.prepare_invoke();
-    inv.key(keys.slice(task, slice_start_ms)).arg(want);
-    if let Some(c) = counters {
+    inv.key(keys.slice(req.task, req.start_ms))
+        .arg(req.want)
+        .arg(req.start_ms)
+        .arg(req.slice_ms)
+        .arg(req.host_id)
+        .arg(req.request_id);
+    if let Some(c) = req.counters {
         for v in c.as_array() {
             inv.arg(v);
         }
     }
-    let (granted, remaining, cap, secs, micros): (i64, i64, i64, i64, i64) =
+    let (granted, remaining, cap, secs, micros, replayed): (i64, i64, i64, i64, i64, i64) =
         redis::from_redis_value(inv.invoke_async(conn).await?)?;
     let redis_time_us = secs * 1_000_000 + micros;
-    Ok(if granted < 0 {
-        PullReply::Missing { redis_time_us }
-    } else {
-        PullReply::Granted {
-            granted: granted as u64,
+    Ok(match granted {
+        -1 => PullReply::Missing { redis_time_us },
+        g if g < 0 => PullReply::OutsideWindow { redis_time_us },
+        g => PullReply::Granted {
+            granted: g as u64,
             remaining,
             cap: cap.max(0) as u64,
             redis_time_us,
-        }
+            replayed: replayed == 1,
+        },
     })
 }
 
-/// Runs [`FLUSH_LUA`]: adds counters to the slices of `task` that still exist.
-/// Returns how many slices were updated.
+/// Runs [`FLUSH_LUA`]: adds counters to the slices of `task` that still exist, as flush `seq`
+/// of `host_id` (a retry passes the same `seq`). Returns how many of the slices exist.
 pub async fn flush<C>(
     conn: &mut C,
     keys: &Keys,
     task: &str,
+    host_id: &str,
+    seq: u64,
     batch: &[(i64, SliceCounters)],
 ) -> RedisResult<u64>
 where
@@ -484,6 +569,7 @@ where
         return Ok(0);
     }
     let mut inv = FLUSH.prepare_invoke();
+    inv.arg(host_id).arg(seq);
     for (start, c) in batch {
         inv.key(keys.slice(task, *start));
         for v in c.as_array() {
@@ -539,6 +625,11 @@ pub enum ExactReply {
         /// Redis `TIME` in Unix µs.
         redis_time_us: i64,
     },
+    /// Redis time is outside the slice's window (exact_fixed): nothing taken or counted.
+    OutsideWindow {
+        /// Redis `TIME` in Unix µs.
+        redis_time_us: i64,
+    },
     /// Refused.
     Refused {
         /// What is left.
@@ -569,16 +660,19 @@ fn exact_reply(v: Value) -> RedisResult<ExactReply> {
             redis_time_us,
             retry_after_us: retry.max(0) as u64,
         },
+        -2 => ExactReply::OutsideWindow { redis_time_us },
         _ => ExactReply::Missing { redis_time_us },
     })
 }
 
-/// Runs [`TAKE_LUA`] (`exact_fixed`) on the slice of `task` starting at `slice_start_ms`.
+/// Runs [`TAKE_LUA`] (`exact_fixed`) on the slice of `task` starting at `slice_start_ms`
+/// (slices of `slice_ms`). Not idempotent: never retry it after it may have reached Redis.
 pub async fn take<C>(
     conn: &mut C,
     keys: &Keys,
     task: &str,
     slice_start_ms: i64,
+    slice_ms: u64,
     n: u64,
 ) -> RedisResult<ExactReply>
 where
@@ -587,13 +681,16 @@ where
     exact_reply(
         TAKE.key(keys.slice(task, slice_start_ms))
             .arg(n)
+            .arg(slice_start_ms)
+            .arg(slice_ms)
             .invoke_async(conn)
             .await?,
     )
 }
 
 /// Runs [`SLIDE_LUA`] (`exact_sliding`) with the log of `task` and its slice starting at
-/// `slice_start_ms`; `member` must be unique to this call.
+/// `slice_start_ms`; `nonce` is random per client (members are made unique by a Redis-side
+/// sequence under it). Not idempotent: never retry it after it may have reached Redis.
 pub async fn slide<C>(
     conn: &mut C,
     keys: &Keys,
@@ -601,7 +698,7 @@ pub async fn slide<C>(
     slice_start_ms: i64,
     window_ms: u64,
     n: u64,
-    member: &str,
+    nonce: &str,
 ) -> RedisResult<ExactReply>
 where
     C: redis::aio::ConnectionLike,
@@ -610,9 +707,10 @@ where
         SLIDE
             .key(keys.sliding_log(task))
             .key(keys.slice(task, slice_start_ms))
+            .key(keys.sliding_log_seq(task))
             .arg(n)
             .arg(window_ms)
-            .arg(member)
+            .arg(nonce)
             .invoke_async(conn)
             .await?,
     )
