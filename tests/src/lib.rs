@@ -999,3 +999,36 @@ pub async fn pull_once<C: redis::aio::ConnectionLike>(
     };
     sluice::protocol::scripts::pull(conn, keys, &req).await
 }
+
+/// Per-bucket `(admitted, rejected)` of a loadgen report, by bucket start (ms).
+pub fn loadgen_buckets(report: &Value) -> std::collections::BTreeMap<i64, (u64, u64)> {
+    report["buckets"]
+        .as_object()
+        .expect("buckets")
+        .iter()
+        .map(|(k, v)| {
+            (
+                k.parse().expect("bucket key"),
+                (v[0].as_u64().unwrap_or(0), v[1].as_u64().unwrap_or(0)),
+            )
+        })
+        .collect()
+}
+
+/// Waits (up to `timeout`) until the log of `p` contains `needle`.
+pub async fn wait_for_log(p: &Proc, needle: &str, timeout: Duration) {
+    let what = format!("{needle:?} in the log of {}", p.name);
+    wait_until(&what, timeout, Duration::from_millis(10), || {
+        let ok = p.log().contains(needle);
+        async move { ok.then_some(()) }
+    })
+    .await
+}
+
+/// SDK settings for host `host_id` of namespace `namespace` on `redis`.
+pub fn sdk_config(redis: &str, namespace: &str, host_id: &str) -> sluice::Config {
+    let mut cfg = sluice::Config::new(redis);
+    cfg.namespace = namespace.to_string();
+    cfg.host_id = host_id.to_string();
+    cfg
+}

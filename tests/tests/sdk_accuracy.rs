@@ -10,25 +10,10 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use serde_json::Value;
 use sluice_tests::*;
 
 const THRESHOLD: u64 = 2_000;
 const SLICE_MS: i64 = 1_000;
-
-fn buckets(report: &Value) -> BTreeMap<i64, (u64, u64)> {
-    report["buckets"]
-        .as_object()
-        .expect("buckets")
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.parse().expect("bucket key"),
-                (v[0].as_u64().unwrap(), v[1].as_u64().unwrap()),
-            )
-        })
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_hosts_share_one_threshold_without_over_admission() {
@@ -84,7 +69,7 @@ async fn two_hosts_share_one_threshold_without_over_admission() {
     // slice clock they were decided at).
     let mut sum: BTreeMap<i64, (u64, u64)> = BTreeMap::new();
     for r in &reports {
-        for (k, (a, rj)) in buckets(r) {
+        for (k, (a, rj)) in loadgen_buckets(r) {
             let e = sum.entry(k).or_default();
             e.0 += a;
             e.1 += rj;

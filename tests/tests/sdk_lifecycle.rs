@@ -12,21 +12,6 @@ use serde_json::Value;
 use sluice::{Client, Config, Decision};
 use sluice_tests::*;
 
-/// Per-bucket `(admitted, rejected)` of a loadgen report.
-fn buckets(report: &Value) -> BTreeMap<i64, (u64, u64)> {
-    report["buckets"]
-        .as_object()
-        .expect("buckets")
-        .iter()
-        .map(|(k, v)| {
-            (
-                k.parse().expect("bucket key"),
-                (v[0].as_u64().unwrap(), v[1].as_u64().unwrap()),
-            )
-        })
-        .collect()
-}
-
 async fn put_task(m: &Manager, name: &str, body: &str) {
     let (status, v) = m.put(&format!("/api/v1/tasks/{name}"), body).await;
     assert!(status == 200 || status == 201, "PUT {name}: {status} {v}");
@@ -101,7 +86,7 @@ async fn run_hosts(
 fn check_run(what: &str, reports: &[Value], cap: u64, duration_ms: u64) {
     let mut sum: BTreeMap<i64, u64> = BTreeMap::new();
     for r in reports {
-        for (k, (a, _)) in buckets(r) {
+        for (k, (a, _)) in loadgen_buckets(r) {
             *sum.entry(k).or_default() += a;
         }
     }
@@ -183,13 +168,8 @@ async fn two_clients_in_one_process_share_the_sliding_limit() {
     )
     .await;
     wait_grid(&redis, &ns, "sld", 1_000).await;
-    let client = |_: u32| {
-        let mut cfg = Config::new(redis.clone());
-        cfg.namespace = ns.clone();
-        cfg.host_id = host.clone();
-        Client::new(cfg).unwrap()
-    };
-    let (a, b) = (client(0), client(1));
+    let client = || Client::new(sdk_config(&redis, &ns, &host)).unwrap();
+    let (a, b) = (client(), client());
     let (ta, tb) = (a.task("sld").unwrap(), b.task("sld").unwrap());
     assert!(ta.wait_ready(Duration::from_secs(10)) && tb.wait_ready(Duration::from_secs(10)));
     // Alternate 40 calls, well within one 1 s window.
@@ -230,10 +210,7 @@ async fn try_acquire_never_admits_on_an_exact_task() {
     let mut clients = Vec::new();
     for h in &hosts {
         for _ in 0..2 {
-            let mut cfg = Config::new(redis.clone());
-            cfg.namespace = ns.clone();
-            cfg.host_id = h.clone();
-            let c = Client::new(cfg).unwrap();
+            let c = Client::new(sdk_config(&redis, &ns, h)).unwrap();
             let t = c.task("wb").unwrap();
             assert!(t.wait_ready(Duration::from_secs(10)));
             clients.push((c, t));
@@ -285,10 +262,7 @@ async fn acquire_that_waits_then_admits_counts_no_rejection() {
     )
     .await;
     wait_grid(&redis, &ns, "rj", 10_000).await;
-    let mut cfg = Config::new(redis.clone());
-    cfg.namespace = ns.clone();
-    cfg.host_id = host.clone();
-    let client = Client::new(cfg).unwrap();
+    let client = Client::new(sdk_config(&redis, &ns, &host)).unwrap();
     let task = client.task("rj").unwrap();
     assert!(task.wait_ready(Duration::from_secs(10)));
     let from = now_ms();
@@ -348,10 +322,10 @@ async fn a_lagging_host_does_not_spend_ended_slices() {
     let rl = l.wait_json(Duration::from_secs(60)).await;
     // Per real second: the lagging host's bucket b covers real [b + 3 s, b + 4 s).
     let mut real: BTreeMap<i64, (u64, u64)> = BTreeMap::new();
-    for (k, (a, _)) in buckets(&rg) {
+    for (k, (a, _)) in loadgen_buckets(&rg) {
         real.entry(k).or_default().0 += a;
     }
-    for (k, (a, _)) in buckets(&rl) {
+    for (k, (a, _)) in loadgen_buckets(&rl) {
         real.entry(k + LAG_MS).or_default().1 += a;
     }
     eprintln!("admitted per real second (good, lagging): {real:?}");

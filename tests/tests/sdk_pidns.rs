@@ -112,33 +112,16 @@ fn children(pid: u32) -> Vec<u32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn locks_work_across_pid_namespaces() {
     let dir = tempfile::tempdir().unwrap();
-    let seg_path = Segment::path_for(std::path::Path::new("/dev/shm"), "pidns", &unique_ns("h"));
-    struct Rm(std::path::PathBuf);
-    impl Drop for Rm {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-            let mut l = self.0.clone().into_os_string();
-            l.push(".lock");
-            let _ = std::fs::remove_file(l);
-        }
-    }
-    let _rm = Rm(seg_path.clone());
+    let host = unique_ns("h");
+    let _segments = SegmentGuard(vec![("pidns".into(), host.clone())]);
+    let seg_path = Segment::path_for(std::path::Path::new("/dev/shm"), "pidns", &host);
     let holder = in_namespace(
         "pidns_holder_helper",
         true,
         &seg_path,
         dir.path().join("holder.log"),
     );
-    wait_until(
-        "the holder to lock",
-        Duration::from_secs(20),
-        Duration::from_millis(10),
-        || {
-            let ok = holder.log().contains("LOCKED");
-            async move { ok.then_some(()) }
-        },
-    )
-    .await;
+    wait_for_log(&holder, "LOCKED", Duration::from_secs(20)).await;
     eprintln!("holder: {}", holder.log().trim());
     let contender = in_namespace(
         "pidns_contender_helper",
@@ -146,16 +129,7 @@ async fn locks_work_across_pid_namespaces() {
         &seg_path,
         dir.path().join("contender.log"),
     );
-    wait_until(
-        "the contender to start",
-        Duration::from_secs(20),
-        Duration::from_millis(10),
-        || {
-            let ok = contender.log().contains("CONTENDER");
-            async move { ok.then_some(()) }
-        },
-    )
-    .await;
+    wait_for_log(&contender, "CONTENDER", Duration::from_secs(20)).await;
     // The holder lives: the contender must keep seeing the lock busy.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let log = contender.log();

@@ -9,7 +9,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use sluice::{Client, Config, Decision};
+use sluice::{Client, Decision};
 use sluice_tests::*;
 
 fn stall(url: &str, secs: f64) -> std::thread::JoinHandle<()> {
@@ -24,7 +24,19 @@ fn stall(url: &str, secs: f64) -> std::thread::JoinHandle<()> {
     })
 }
 
-async fn setup(body: &str) -> (RedisServer, Manager, String) {
+/// A private Redis that accepts `DEBUG`, a manager with task `r` (`body`), and a client of
+/// one host with the task ready, early in a 60 s slice (its start is returned).
+struct Setup {
+    redis: RedisServer,
+    ns: String,
+    _m: Manager,
+    _segments: SegmentGuard,
+    client: Client,
+    task: sluice::Task,
+    start: i64,
+}
+
+async fn setup(body: &str) -> Setup {
     let etcd = shared_etcd();
     let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
     let ns = unique_ns("retry");
@@ -32,15 +44,40 @@ async fn setup(body: &str) -> (RedisServer, Manager, String) {
     let (s, v) = m.put("/api/v1/tasks/r", body).await;
     assert!(s == 200 || s == 201, "{s} {v}");
     m.wait_rolled("r").await;
-    (redis, m, ns)
+    let host = format!("{ns}-h");
+    let segments = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let mut cfg = sdk_config(&redis.url(), &ns, &host);
+    cfg.pull_timeout = Duration::from_millis(1_000);
+    let client = Client::new(cfg).unwrap();
+    let task = client.task("r").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    let start = early_in_slice().await;
+    Setup {
+        redis,
+        ns,
+        _m: m,
+        _segments: segments,
+        client,
+        task,
+        start,
+    }
 }
 
-fn client(url: &str, ns: &str, host: &str) -> Client {
-    let mut cfg = Config::new(url);
-    cfg.namespace = ns.to_string();
-    cfg.host_id = host.to_string();
-    cfg.pull_timeout = Duration::from_millis(1_000);
-    Client::new(cfg).unwrap()
+/// Creates slice `key` (as the leader would) with `cap = rem = cap`, expiring in `ttl_ms`.
+fn make_slice(sync: &mut redis::Connection, key: &str, cap: u64, ttl_ms: u64) {
+    let _: () = redis::cmd("HSET")
+        .arg(key)
+        .arg("cap")
+        .arg(cap)
+        .arg("rem")
+        .arg(cap)
+        .query(sync)
+        .unwrap();
+    let _: () = redis::cmd("PEXPIRE")
+        .arg(key)
+        .arg(ttl_ms)
+        .query(sync)
+        .unwrap();
 }
 
 /// Waits until at least 15 s are left in the current 60 s slice; returns its start.
@@ -54,23 +91,18 @@ async fn early_in_slice() -> i64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_take_that_redis_answers_late_is_charged_once() {
-    let (redis, _m, ns) = setup(
+    let su = setup(
         r#"{"threshold":100,"slice_ms":60000,"mode":"exact_fixed","local_limit":1,"on_failure":"deny"}"#,
     )
     .await;
-    let host = format!("{ns}-h");
-    let _segments = SegmentGuard(vec![(ns.clone(), host.clone())]);
-    let c = client(&redis.url(), &ns, &host);
-    let t = c.task("r").unwrap();
-    assert!(t.wait_ready(Duration::from_secs(10)));
-    let start = early_in_slice().await;
+    let (redis, ns, t, start) = (&su.redis, &su.ns, &su.task, su.start);
     assert_eq!(t.acquire(1).await, Decision::Allowed);
     // Redis stalls for 700 ms: longer than half the pull timeout, shorter than all of it.
     let sleeper = stall(&redis.url(), 0.7);
     tokio::time::sleep(Duration::from_millis(50)).await;
     let d = t.acquire(1).await;
     sleeper.join().unwrap();
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let keys = sluice::protocol::Keys::new(ns).unwrap();
     let mut conn = redis_conn(&redis.url());
     let (rem, adm): (i64, u64) = redis::cmd("HMGET")
         .arg(keys.slice("r", start))
@@ -85,16 +117,11 @@ async fn a_take_that_redis_answers_late_is_charged_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pull_retried_after_a_stall_is_granted_once() {
-    let (redis, _m, ns) = setup(
+    let su = setup(
         r#"{"threshold":1000,"slice_ms":60000,"pull":10,"local_limit":1,"on_failure":"deny"}"#,
     )
     .await;
-    let host = format!("{ns}-h");
-    let _segments = SegmentGuard(vec![(ns.clone(), host.clone())]);
-    let c = client(&redis.url(), &ns, &host);
-    let t = c.task("r").unwrap();
-    assert!(t.wait_ready(Duration::from_secs(10)));
-    let start = early_in_slice().await;
+    let (redis, ns, t, start) = (&su.redis, &su.ns, &su.task, su.start);
     assert_eq!(t.acquire_blocking(1), Decision::Allowed);
     tokio::time::sleep(Duration::from_millis(100)).await;
     let sleeper = stall(&redis.url(), 0.7);
@@ -109,14 +136,14 @@ async fn a_pull_retried_after_a_stall_is_granted_once() {
     assert_eq!(t.acquire_blocking(1), Decision::Allowed);
     spent += 1;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let keys = sluice::protocol::Keys::new(ns).unwrap();
     let mut conn = redis_conn(&redis.url());
     let rem: i64 = redis::cmd("HGET")
         .arg(keys.slice("r", start))
         .arg("rem")
         .query(&mut conn)
         .unwrap();
-    let (seg, _) = sluice::shm::Segment::open(c.segment_path(), 1).unwrap();
+    let (seg, _) = sluice::shm::Segment::open(su.client.segment_path(), 1).unwrap();
     let slot = seg.slot(seg.find("r").unwrap()).unwrap();
     let granted = slot.entry(start, 60_000).granted.load(Ordering::Relaxed);
     eprintln!("spent {spent}, host granted {granted}, Redis rem {rem}");
@@ -125,5 +152,143 @@ async fn a_pull_retried_after_a_stall_is_granted_once() {
         granted as i64,
         "Redis gave away {} but the host received {granted}",
         1_000 - rem
+    );
+}
+
+/// The worker scripts' contracts, against a real Redis: a PULL replayed with the same request
+/// id and a FLUSH replayed with the same (or an older) sequence number change nothing; PULL
+/// and TAKE grant only within the slice's window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
+    use sluice::protocol::scripts::{self, ExactReply, PullReply, PullRequest, SliceCounters};
+    let url = shared_redis();
+    let ns = unique_ns("script");
+    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let redis = sluice::protocol::conn::Redis::new(
+        sluice::protocol::conn::RedisTarget::parse(&url).unwrap(),
+        Default::default(),
+    );
+    let mut c = redis.conn().await.unwrap();
+    let mut sync = redis_conn(&url);
+    let start = early_in_slice().await;
+    let key = keys.slice("t", start);
+    make_slice(&mut sync, &key, 100, 120_000);
+    let rem = |sync: &mut redis::Connection| -> i64 {
+        redis::cmd("HGET").arg(&key).arg("rem").query(sync).unwrap()
+    };
+    let req = |id: &'static str, want: u64| PullRequest {
+        task: "t",
+        start_ms: start,
+        slice_ms: 60_000,
+        want,
+        host_id: "h1",
+        request_id: id,
+        counters: None,
+    };
+    let granted = |r: PullReply| match r {
+        PullReply::Granted {
+            granted, replayed, ..
+        } => (granted, replayed),
+        other => panic!("{other:?}"),
+    };
+    // A pull, then its retry (same id): one grant.
+    let first = scripts::pull(&mut c, &keys, &req("a", 10)).await.unwrap();
+    assert_eq!(granted(first), (10, false));
+    let again = scripts::pull(&mut c, &keys, &req("a", 10)).await.unwrap();
+    assert_eq!(granted(again), (10, true));
+    assert_eq!(rem(&mut sync), 90, "a replayed pull must not grant again");
+    let next = scripts::pull(&mut c, &keys, &req("b", 5)).await.unwrap();
+    assert_eq!(granted(next), (5, false));
+    assert_eq!(rem(&mut sync), 85);
+    // Another host's ids are its own.
+    let other = PullRequest {
+        host_id: "h2",
+        ..req("b", 5)
+    };
+    assert_eq!(
+        granted(scripts::pull(&mut c, &keys, &other).await.unwrap()),
+        (5, false)
+    );
+    assert_eq!(rem(&mut sync), 80);
+
+    // FLUSH: a retry (same seq) or an older seq is skipped, per host.
+    let batch = |adm| {
+        vec![(
+            start,
+            SliceCounters {
+                admitted: adm,
+                ..SliceCounters::default()
+            },
+        )]
+    };
+    let adm = |sync: &mut redis::Connection| -> u64 {
+        redis::cmd("HGET").arg(&key).arg("adm").query(sync).unwrap()
+    };
+    assert_eq!(
+        scripts::flush(&mut c, &keys, "t", "h1", 100, &batch(3))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        scripts::flush(&mut c, &keys, "t", "h1", 100, &batch(3))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        scripts::flush(&mut c, &keys, "t", "h1", 99, &batch(7))
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(adm(&mut sync), 3, "a replayed flush must not count again");
+    scripts::flush(&mut c, &keys, "t", "h1", 101, &batch(2))
+        .await
+        .unwrap();
+    scripts::flush(&mut c, &keys, "t", "h2", 50, &batch(1))
+        .await
+        .unwrap();
+    assert_eq!(adm(&mut sync), 6);
+
+    // Windows: an ended slice and one starting in 2 slices grant nothing and count nothing;
+    // the next slice (prefetch) is granted.
+    for (s, len) in [(start - 120_000, 60_000), (start + 120_000, 60_000)] {
+        let k = keys.slice("t", s);
+        make_slice(&mut sync, &k, 10, 120_000);
+        let r = PullRequest {
+            start_ms: s,
+            slice_ms: len,
+            ..req("w", 5)
+        };
+        assert!(
+            matches!(
+                scripts::pull(&mut c, &keys, &r).await.unwrap(),
+                PullReply::OutsideWindow { .. }
+            ),
+            "slice {s}"
+        );
+        assert!(matches!(
+            scripts::take(&mut c, &keys, "t", s, len, 1).await.unwrap(),
+            ExactReply::OutsideWindow { .. }
+        ));
+        let (rem, adm, rej): (i64, Option<u64>, Option<u64>) = redis::cmd("HMGET")
+            .arg(&k)
+            .arg("rem")
+            .arg("adm")
+            .arg("rej")
+            .query(&mut sync)
+            .unwrap();
+        assert_eq!((rem, adm, rej), (10, None, None));
+    }
+    let k = keys.slice("t", start + 60_000);
+    make_slice(&mut sync, &k, 10, 180_000);
+    let r = PullRequest {
+        start_ms: start + 60_000,
+        ..req("n", 4)
+    };
+    assert_eq!(
+        granted(scripts::pull(&mut c, &keys, &r).await.unwrap()),
+        (4, false)
     );
 }

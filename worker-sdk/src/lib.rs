@@ -17,7 +17,8 @@
 //!
 //! * [`protocol`]: the wire contract with the manager: key names, Lua scripts, slice maths and
 //!   the Redis connection type. Nothing else builds a key.
-//! * [`shm`]: the host-shared memory segment: layout, the packed quota word, the pull lock.
+//! * [`shm`]: the host-shared memory segment: layout, the packed quota word, participants and
+//!   their locks, slot reclamation.
 //! * [`client`]: the public API ([`Client`], [`Task`], [`Decision`]).
 //! * [`state`]: the NORMAL / LIMITED / FAILED state machine (pure).
 //! * [`pull`]: pull sizing and prefetch policy (pure).
