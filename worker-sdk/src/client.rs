@@ -924,3 +924,87 @@ impl Task {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{Fallback, FallbackAlgorithm};
+    use crate::shm::ClaimOptions;
+
+    fn meta(slice_ms: u64) -> TaskMeta {
+        TaskMeta {
+            slice_ms,
+            threshold: 1_000,
+            pull: 0,
+            local_limit: 1,
+            on_failure: OnFailure::Deny,
+            mode: Mode::Pooled,
+            fallback: Fallback {
+                algorithm: FallbackAlgorithm::FixedWindow,
+                burst: 0,
+            },
+            version: 1,
+        }
+    }
+
+    /// Issue 9 item 9: a handle whose slot was reclaimed for another task (its process kept
+    /// the handle but stopped refreshing the slot) never decides from, nor counts into, the
+    /// other task's slot: the generation in the meta word tells it.
+    #[test]
+    fn a_stale_handle_never_uses_a_reclaimed_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.host_id = "stale".into();
+        cfg.max_tasks = 1;
+        cfg.allow_unknown = false;
+        let client = Client::new(cfg).unwrap();
+        let old = client.task("old").unwrap();
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let day = 86_400_000u64;
+        assert!(slot.store_meta(&meta(day), slot.generation()));
+        let now_us = old.now_us();
+        let start = (now_us as u64 / (day * 1_000) * day) as i64;
+        assert!(slot.deposit(start, day, 100, false, now_us));
+        assert_eq!(old.try_acquire(1), Decision::Allowed);
+        // Another process reclaims the slot (as if "old" had been idle for ten minutes).
+        let now_ms = crate::clock::host_ms();
+        let r = seg
+            .claim(
+                "new",
+                ClaimOptions {
+                    now_ms: now_ms + 600_000,
+                    lock_timeout_ms: 1_000,
+                    reclaim_idle_ms: 60_000,
+                },
+            )
+            .expect("reclaimed");
+        assert_eq!(r.index, 0);
+        assert!(slot.store_meta(&meta(day), r.generation));
+        assert!(slot.deposit(start, day, 50, false, now_us));
+        let word = || slot.entry(start, day).word.load(Ordering::Relaxed);
+        let before = word();
+        for _ in 0..20 {
+            let d = old.try_acquire(1);
+            assert!(
+                matches!(d, Decision::FallbackDenied { .. }),
+                "a stale handle decided {d:?}"
+            );
+        }
+        assert_eq!(
+            word(),
+            before,
+            "the stale handle spent the new task's quota"
+        );
+        assert!(
+            old.meta().is_none(),
+            "the stale handle sees the new task's meta"
+        );
+        assert_eq!(old.state(), HostState::Unknown);
+        assert!(
+            slot.drain_counters().is_empty(),
+            "counted into the new task"
+        );
+    }
+}
