@@ -147,9 +147,14 @@ async fn run(sh: Arc<Shared>) {
         let (tasks, unused) = {
             let mut list = sh.tasks.lock().unwrap_or_else(|e| e.into_inner());
             // Only the list refers to it: no handle is left.
-            let (unused, kept): (Vec<_>, Vec<_>) =
-                list.drain(..).partition(|t| Arc::strong_count(t) == 1);
-            *list = kept;
+            let unused = if list.iter().any(|t| Arc::strong_count(t) == 1) {
+                let (unused, kept): (Vec<_>, Vec<_>) =
+                    list.drain(..).partition(|t| Arc::strong_count(t) == 1);
+                *list = kept;
+                unused
+            } else {
+                Vec::new()
+            };
             (list.clone(), unused)
         };
         for t in &unused {
