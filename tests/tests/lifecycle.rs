@@ -40,6 +40,25 @@ async fn wait_slices(
     wait_caps(conn, ns, task, 1000, 10_000, cap, timeout).await
 }
 
+/// The Redis time (ms) of the last fenced write of `task`.
+fn fenced_ms(conn: &mut redis::Connection, ns: &str, task: &str) -> i64 {
+    meta_fields(conn, ns, task)[meta_field::FENCED_MS]
+        .parse()
+        .expect("fenced_ms")
+}
+
+/// Checks, by Redis time, that a takeover seen now came at least `--fence-stale-after` after
+/// the previous holder's last write (`last_write_ms`).
+fn assert_held_for_stale_after(conn: &mut redis::Connection, last_write_ms: i64) {
+    let (s, us): (i64, i64) = redis::cmd("TIME").query(conn).unwrap();
+    let now = s * 1000 + us / 1000;
+    assert!(
+        now - last_write_ms >= STALE.as_millis() as i64,
+        "taken over {} ms after the holder's last write: a fresh fence must hold for --fence-stale-after",
+        now - last_write_ms
+    );
+}
+
 /// How often `m` ended a leadership by stepping down (fenced, or its leader work ended: a
 /// panic). Leaderships that end because the lease could not be proven alive (a machine stall
 /// longer than the lease TTL, which a loaded 2-core test machine sees now and then) are not
@@ -103,6 +122,7 @@ async fn takeover_after_etcd_change(rebuild: bool) {
         m.proc.stop_with(libc::SIGTERM, Duration::from_secs(10));
     }
     let stopped = Instant::now();
+    let last_old_write = fenced_ms(&mut conn, &ns, "t");
 
     let mut etcd_b_own = None;
     let etcd_b = if rebuild {
@@ -134,10 +154,7 @@ async fn takeover_after_etcd_change(rebuild: bool) {
         put_at.elapsed(),
         stopped.elapsed()
     );
-    assert!(
-        stopped.elapsed() >= STALE,
-        "a live-looking fence must hold for --fence-stale-after"
-    );
+    assert_held_for_stale_after(&mut conn, last_old_write);
 
     // The fence is the new cluster's now.
     let meta = meta_fields(&mut conn, &ns, "t");
@@ -248,7 +265,9 @@ async fn a_second_cluster_on_the_namespace_never_overwrites_the_first() {
     // The first cluster stops: the second takes over after the stale period.
     a[0].proc.stop_with(libc::SIGTERM, Duration::from_secs(10));
     let stopped = Instant::now();
+    let last_old_write = fenced_ms(&mut conn, &ns, "t");
     wait_slices(&mut conn, &ns, "t", 200, STALE + Duration::from_secs(5)).await;
+    assert_held_for_stale_after(&mut conn, last_old_write);
     eprintln!(
         "taken over {:?} after the first cluster stopped",
         stopped.elapsed()
