@@ -1,11 +1,18 @@
-//! Alerts: one pipeline for every kind (today `clock_skew`).
+//! Alerts: one pipeline for every kind (`clock_skew`, `fence_conflict`, `invalid_spec`,
+//! `invalid_settings`).
 //!
 //! ```text
-//!  detector ──emit──▶ XADD NS:alerts (capped) ──▶ log + sluice_alerts_total{kind}
-//!                          │
-//!                          └─ try_send ──▶ webhook sender ──POST (retries, backoff)──▶ URL
-//!                                             │ delivered: ZADD NS:alerts:sent "<id> <url>"
+//!  detectors ──Signal──▶ alert loop (episodes) ──emit──▶ XADD NS:alerts (capped)
+//!  (skew, roller,          │ NS:alerts:state              ──▶ log + sluice_alerts_total{kind}
+//!   settings)              │                              └─ try_send ──▶ webhook sender
+//!                          ▼                              ──POST (retries, backoff)──▶ URL
+//!                    firing / resolved               delivered: ZADD NS:alerts:sent "<id> <url>"
 //! ```
+//!
+//! Detectors never talk to Redis or webhooks for alerts: they send [`Signal`]s — momentary
+//! observations ([`Signal::Seen`], resolved after a quiet period) or the full set of a level
+//! condition ([`Signal::State`], resolved as soon as it is no longer reported) — and the
+//! [`run`] loop owns the episodes.
 //!
 //! The detector never waits for a webhook: deliveries go through a bounded queue to their own
 //! tasks, each bounded in time. A delivery is recorded in Redis, so a new leader delivers what
@@ -18,14 +25,16 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use sluice::protocol::Keys;
 use sluice::protocol::conn::Redis;
-use tokio::sync::{Semaphore, mpsc};
+use sluice::protocol::{Keys, unix_ms};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::election::LeaderContext;
 use crate::error::{Result, redis as redis_err};
 use crate::metrics::Metrics;
+use crate::settings::Settings;
 
 /// Alerts kept in the stream (approximately).
 pub const STREAM_CAP: usize = 10_000;
@@ -56,7 +65,7 @@ pub struct Alert {
     /// Stream entry id (empty until recorded).
     #[serde(default)]
     pub id: String,
-    /// `clock_skew`.
+    /// `clock_skew`, `fence_conflict`, `invalid_spec`, `invalid_settings`.
     pub kind: String,
     /// The task, for task alerts.
     pub task: Option<String>,
@@ -309,7 +318,7 @@ pub async fn recent(redis: &Redis, keys: &Keys, limit: usize) -> Result<Vec<Aler
 /// An open episode, as kept in `NS:alerts:state`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Episode {
-    /// What the episode is about: `task:<T>` or `host:<H>`.
+    /// What the episode is about: `task:<T>`, `host:<H>`, `spec:<T>`, `fence:<epoch>`, ….
     pub key: String,
     /// Episode id.
     pub id: String,
@@ -317,6 +326,23 @@ pub struct Episode {
     pub since_ms: i64,
     /// Last time its condition was seen.
     pub last_ms: i64,
+    /// Alert kind.
+    #[serde(default = "default_kind")]
+    pub kind: String,
+    /// The task, for task alerts.
+    #[serde(default)]
+    pub task: Option<String>,
+    /// The host, for host alerts.
+    #[serde(default)]
+    pub host: Option<String>,
+    /// A level condition: resolved when its detector no longer reports it (see
+    /// [`Signal::State`]), not after a quiet period.
+    #[serde(default)]
+    pub level: bool,
+}
+
+fn default_kind() -> String {
+    "clock_skew".into()
 }
 
 /// What an [`Episodes`] update decided.
@@ -328,8 +354,10 @@ pub enum Transition {
     Resolve(Episode),
 }
 
-/// Hysteresis over conditions keyed by `task:<T>` / `host:<H>`: one firing alert when a
-/// condition starts, one resolved alert after `quiet_ms` without it (pure; the caller persists).
+/// Hysteresis over conditions keyed like [`Episode::key`]: one firing alert when a condition
+/// starts, one resolved alert when it ends — after `quiet_ms` without it for momentary
+/// conditions, as soon as its detector stops reporting it for level ones (pure; the caller
+/// persists).
 #[derive(Debug, Clone, Default)]
 pub struct Episodes {
     open: std::collections::HashMap<String, Episode>,
@@ -348,52 +376,86 @@ impl Episodes {
         self.open.get(key)
     }
 
-    /// The condition of `key` was seen at `now`.
+    /// The condition `c` was seen at `now` (`level`: see [`Episode::level`]).
     ///
     /// ```
-    /// use sluice_manager::alerts::{Episodes, Transition};
+    /// use sluice_manager::alerts::{Condition, Episodes, Transition};
     /// let mut e = Episodes::default();
-    /// assert!(matches!(e.seen("task:a", 1_000), Some(Transition::Fire(_))));
-    /// assert_eq!(e.seen("task:a", 1_500), None);          // same episode
+    /// let c = Condition::new("task:a", "clock_skew", "skew");
+    /// assert!(matches!(e.seen(&c, false, 1_000), Some(Transition::Fire(_))));
+    /// assert_eq!(e.seen(&c, false, 1_500), None);          // same episode
     /// assert_eq!(e.quiet_check(5_000, 10_000), vec![]);   // not quiet long enough
     /// assert!(matches!(e.quiet_check(11_600, 10_000)[..], [Transition::Resolve(_)]));
     /// ```
-    pub fn seen(&mut self, key: &str, now_ms: i64) -> Option<Transition> {
-        match self.open.get_mut(key) {
+    pub fn seen(&mut self, c: &Condition, level: bool, now_ms: i64) -> Option<Transition> {
+        match self.open.get_mut(&c.key) {
             Some(e) => {
                 e.last_ms = now_ms;
                 None
             }
             None => {
                 let e = Episode {
-                    key: key.to_string(),
-                    id: format!("{key}@{now_ms}"),
+                    key: c.key.clone(),
+                    id: format!("{}@{now_ms}", c.key),
                     since_ms: now_ms,
                     last_ms: now_ms,
+                    kind: c.kind.to_string(),
+                    task: c.task.clone(),
+                    host: c.host.clone(),
+                    level,
                 };
-                self.open.insert(key.to_string(), e.clone());
+                self.open.insert(c.key.clone(), e.clone());
                 Some(Transition::Fire(e))
             }
         }
     }
 
-    /// Resolves every episode not seen for `quiet_ms`.
+    /// Resolves every momentary episode not seen for `quiet_ms`.
     pub fn quiet_check(&mut self, now_ms: i64, quiet_ms: u64) -> Vec<Transition> {
         let done: Vec<String> = self
             .open
             .iter()
-            .filter(|(_, e)| now_ms - e.last_ms >= quiet_ms as i64)
+            .filter(|(_, e)| !e.level && now_ms.saturating_sub(e.last_ms) >= quiet_ms as i64)
             .map(|(k, _)| k.clone())
             .collect();
-        done.into_iter()
+        self.take(done)
+    }
+
+    /// Resolves the level episodes of `kind` whose key starts with `scope` and is not in
+    /// `present`.
+    ///
+    /// ```
+    /// use sluice_manager::alerts::{Condition, Episodes, Transition};
+    /// let mut e = Episodes::default();
+    /// let c = Condition::new("spec:a", "invalid_spec", "bad");
+    /// e.seen(&c, true, 1_000);
+    /// assert_eq!(e.quiet_check(99_000, 10_000), vec![]); // level: no quiet resolution
+    /// assert_eq!(e.resolve_absent("invalid_spec", "", &["spec:a"]), vec![]);
+    /// assert_eq!(e.resolve_absent("invalid_spec", "spec:b", &[]), vec![]); // another scope
+    /// assert!(matches!(e.resolve_absent("invalid_spec", "", &[])[..], [Transition::Resolve(_)]));
+    /// ```
+    pub fn resolve_absent(&mut self, kind: &str, scope: &str, present: &[&str]) -> Vec<Transition> {
+        let done: Vec<String> = self
+            .open
+            .iter()
+            .filter(|(k, e)| {
+                e.level && e.kind == kind && k.starts_with(scope) && !present.contains(&k.as_str())
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        self.take(done)
+    }
+
+    fn take(&mut self, keys: Vec<String>) -> Vec<Transition> {
+        keys.into_iter()
             .filter_map(|k| self.open.remove(&k))
             .map(Transition::Resolve)
             .collect()
     }
 
-    /// Keys of open episodes.
-    pub fn keys(&self) -> impl Iterator<Item = &String> {
-        self.open.keys()
+    /// Ids of open episodes.
+    pub fn ids(&self) -> Vec<String> {
+        self.open.values().map(|e| e.id.clone()).collect()
     }
 }
 
@@ -426,39 +488,232 @@ pub async fn persist_episode(
     Ok(())
 }
 
-/// Loads open episodes from `NS:alerts:state`.
-pub async fn load_episodes(redis: &Redis, keys: &Keys) -> Result<Episodes> {
+/// Loads open episodes from `NS:alerts:state`; entries that do not parse, or whose times are
+/// not plausible Unix milliseconds (`0..=now + 1 day`), are dropped.
+pub async fn load_episodes(redis: &Redis, keys: &Keys, now_ms: i64) -> Result<Episodes> {
     let mut c = redis.conn().await.map_err(redis_err("connect"))?;
     let all: Vec<(String, String)> = redis::cmd("HGETALL")
         .arg(keys.alert_state())
         .query_async(&mut c)
         .await
         .map_err(redis_err("alert state"))?;
+    let plausible = |t: i64| (0..=now_ms + 86_400_000).contains(&t);
     Ok(Episodes::restore(all.into_iter().filter_map(|(k, v)| {
-        serde_json::from_str::<Episode>(&v).ok().map(|e| (k, e))
+        let e = serde_json::from_str::<Episode>(&v).ok();
+        match e {
+            Some(e) if e.key == k && plausible(e.since_ms) && plausible(e.last_ms) => Some((k, e)),
+            _ => {
+                warn!(key = k, "ignoring an unreadable open alert episode");
+                None
+            }
+        }
     })))
 }
 
-/// A `clock_skew` alert.
-pub fn skew_alert(
-    task: Option<&str>,
-    host: Option<&str>,
-    state: AlertState,
-    episode: &Episode,
-    message: String,
-    details: Value,
-    now_ms: i64,
-) -> Alert {
-    Alert {
-        id: String::new(),
-        kind: "clock_skew".into(),
-        task: task.map(str::to_string),
-        host: host.map(str::to_string),
-        message,
-        at_ms: now_ms,
-        state,
-        episode: episode.id.clone(),
-        details,
+/// A condition a detector reports to the alert loop ([`run`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Condition {
+    /// The episode key: one episode per key at a time.
+    pub key: String,
+    /// Alert kind (`clock_skew`, `fence_conflict`, `invalid_spec`, `invalid_settings`).
+    pub kind: &'static str,
+    /// The task, for task alerts.
+    pub task: Option<String>,
+    /// The host, for host alerts.
+    pub host: Option<String>,
+    /// Human-readable summary (of the firing alert).
+    pub message: String,
+    /// Kind-specific details.
+    pub details: Value,
+}
+
+impl Condition {
+    /// A condition without task, host or details.
+    pub fn new(key: impl Into<String>, kind: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            key: key.into(),
+            kind,
+            task: None,
+            host: None,
+            message: message.into(),
+            details: json!({}),
+        }
+    }
+}
+
+/// What detectors send to the alert loop.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Signal {
+    /// A momentary observation: fires an episode if none is open for its key; the episode
+    /// resolves after `alert_quiet_ms` without another (clock skew).
+    Seen(Condition),
+    /// Every condition of `kind` present now (level-triggered, sent every round): new ones
+    /// fire, open episodes of that kind (whose key starts with `scope`) missing from the list
+    /// resolve. A new leader's first report therefore also resolves what its predecessor left
+    /// open.
+    State {
+        /// The kind reported.
+        kind: &'static str,
+        /// Only episodes whose key starts with this are this reporter's to resolve (`""`: all).
+        scope: String,
+        /// The conditions present.
+        present: Vec<Condition>,
+    },
+}
+
+/// The detectors' end of the alert loop: never blocks (a full queue drops the signal and
+/// counts it; level signals are repeated anyway).
+#[derive(Clone)]
+pub struct AlertTx {
+    tx: mpsc::Sender<Signal>,
+    metrics: Arc<Metrics>,
+}
+
+impl AlertTx {
+    /// Sends a signal.
+    pub fn send(&self, s: Signal) {
+        if self.tx.try_send(s).is_err() {
+            self.metrics.alert_signals_dropped.inc();
+        }
+    }
+}
+
+/// A channel from the detectors to [`run`].
+pub fn channel(metrics: Arc<Metrics>) -> (AlertTx, mpsc::Receiver<Signal>) {
+    let (tx, rx) = mpsc::channel(QUEUE_CAP);
+    (AlertTx { tx, metrics }, rx)
+}
+
+/// The leader's alert loop: owns the episodes (loaded from `NS:alerts:state`, so a new leader
+/// continues them), turns [`Signal`]s into firing and resolved alerts, resolves quiet
+/// episodes, and sends what a new webhook should know.
+pub async fn run(
+    ctx: LeaderContext,
+    keys: Keys,
+    redis: Arc<Redis>,
+    metrics: Arc<Metrics>,
+    mut settings: watch::Receiver<Settings>,
+    mut rx: mpsc::Receiver<Signal>,
+) {
+    let sink = Alerts::start(
+        keys.clone(),
+        redis.clone(),
+        metrics.clone(),
+        ctx.token().clone(),
+    );
+    let mut episodes = match load_episodes(&redis, &keys, unix_ms()).await {
+        Ok(e) => e,
+        Err(e) => {
+            warn!(%e, "cannot load open alert episodes; starting fresh");
+            Episodes::default()
+        }
+    };
+    let mut cfg = settings.borrow_and_update().clone();
+    match sink.redeliver_pending(&cfg.webhooks, unix_ms(), None).await {
+        Ok(n) if n > 0 => debug!(n, "re-queued undelivered webhook alerts"),
+        Ok(_) => {}
+        Err(e) => warn!(%e, "cannot check undelivered alerts"),
+    }
+    let mut interval = tokio::time::interval(Duration::from_millis(250));
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let mut fired: Vec<(Transition, String, Value)> = Vec::new();
+        tokio::select! {
+            _ = ctx.token().cancelled() => return,
+            r = settings.changed() => {
+                if r.is_err() { return }
+                let new = settings.borrow_and_update().clone();
+                let added: Vec<String> = new
+                    .webhooks
+                    .iter()
+                    .filter(|u| !cfg.webhooks.contains(u))
+                    .cloned()
+                    .collect();
+                if !added.is_empty() {
+                    // A new webhook learns what is firing now.
+                    let open = episodes.ids();
+                    if let Err(e) = sink.redeliver_pending(&added, unix_ms(), Some(&open)).await {
+                        warn!(%e, "cannot send open alerts to a new webhook");
+                    }
+                }
+                cfg = new;
+            }
+            s = rx.recv() => {
+                let Some(s) = s else { return };
+                let now = unix_ms();
+                match s {
+                    Signal::Seen(c) => {
+                        if let Some(t) = episodes.seen(&c, false, now) {
+                            fired.push((t, c.message, c.details));
+                        }
+                    }
+                    Signal::State { kind, scope, present } => {
+                        let keys_present: Vec<&str> = present.iter().map(|c| c.key.as_str()).collect();
+                        for t in episodes.resolve_absent(kind, &scope, &keys_present) {
+                            let msg = resolved_message(&t, cfg.alert_quiet_ms);
+                            fired.push((t, msg, json!({})));
+                        }
+                        for c in present {
+                            if let Some(t) = episodes.seen(&c, true, now) {
+                                fired.push((t, c.message, c.details));
+                            }
+                        }
+                    }
+                }
+            }
+            _ = interval.tick() => {
+                let quiet = cfg.alert_quiet_ms;
+                for t in episodes.quiet_check(unix_ms(), quiet) {
+                    let msg = resolved_message(&t, quiet);
+                    fired.push((t, msg, json!({})));
+                }
+            }
+        }
+        for (t, message, details) in fired {
+            if !ctx.is_valid() {
+                return;
+            }
+            let (state, episode) = match t {
+                Transition::Fire(e) => (AlertState::Firing, e),
+                Transition::Resolve(e) => (AlertState::Resolved, e),
+            };
+            let kept = (state == AlertState::Firing).then_some(&episode);
+            if let Err(e) = persist_episode(&redis, &keys, &episode.key, kept).await {
+                warn!(%e, "cannot persist alert episode");
+            }
+            let alert = Alert {
+                id: String::new(),
+                kind: episode.kind.clone(),
+                task: episode.task.clone(),
+                host: episode.host.clone(),
+                message,
+                at_ms: unix_ms(),
+                state,
+                episode: episode.id.clone(),
+                details,
+            };
+            if let Err(e) = sink.emit(alert, &cfg.webhooks).await {
+                warn!(%e, "cannot record alert");
+            }
+        }
+    }
+}
+
+/// The message of a resolved alert, by kind.
+fn resolved_message(t: &Transition, quiet_ms: u64) -> String {
+    let Transition::Resolve(e) = t else {
+        return String::new();
+    };
+    let task = e.task.as_deref().unwrap_or("?");
+    match e.kind.as_str() {
+        "clock_skew" => format!("{}: no clock skew seen for {} s", e.key, quiet_ms / 1000),
+        "invalid_spec" => format!("task {task}: the stored spec was fixed or deleted"),
+        "invalid_settings" => "the stored settings are valid again".to_string(),
+        "fence_conflict" => format!(
+            "{}: no fence conflict any more (the other writer stopped and its fence was taken over, or it left)",
+            e.key
+        ),
+        _ => format!("{}: resolved", e.key),
     }
 }
 

@@ -57,6 +57,10 @@ pub struct Cli {
     /// Period of the dynamic-limiting controller [default: 5s]
     #[arg(long, env = "SLUICE_CONTROL_PERIOD")]
     pub control_period: Option<String>,
+    /// A task's fence not refreshed for this long may be taken over by a leader of another
+    /// etcd or a lower term (at least 2 × tick + lease TTL) [default: 10s]
+    #[arg(long, env = "SLUICE_FENCE_STALE_AFTER")]
+    pub fence_stale_after: Option<String>,
     /// Bearer token required by mutating API calls (unset = no auth)
     #[arg(long, env = "SLUICE_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
@@ -80,6 +84,7 @@ struct FileConfig {
     retention: Option<String>,
     tick: Option<String>,
     control_period: Option<String>,
+    fence_stale_after: Option<String>,
     api_token: Option<String>,
     log_json: Option<bool>,
 }
@@ -126,6 +131,8 @@ pub struct Config {
     pub tick: Duration,
     /// Dynamic-limiting control period.
     pub control_period: Duration,
+    /// A fence not refreshed for this long may be taken over.
+    pub fence_stale_after: Duration,
     /// API token.
     pub api_token: Option<String>,
     /// JSON logs.
@@ -248,6 +255,17 @@ impl Config {
         if retention < Duration::from_secs(1) || retention > Duration::from_secs(7 * 86_400) {
             return Err(err("retention", "must be between 1s and 7 days"));
         }
+        let fence_stale_after = duration("fence-stale-after", &pick!(fence_stale_after, "10s"))?;
+        let min_stale = tick * 2 + lease_ttl;
+        if fence_stale_after < min_stale || fence_stale_after > Duration::from_secs(3600) {
+            return Err(err(
+                "fence-stale-after",
+                format!(
+                    "must be at least 2 × --tick + --lease-ttl ({}) and at most 1h",
+                    humantime::format_duration(min_stale)
+                ),
+            ));
+        }
         let api_token = cli.api_token.clone().or(file.api_token.clone());
         if api_token.as_deref().is_some_and(str::is_empty) {
             return Err(err("api-token", "must not be empty when set"));
@@ -266,6 +284,7 @@ impl Config {
             retention,
             tick,
             control_period,
+            fence_stale_after,
             api_token,
             log_json,
         })
@@ -290,6 +309,9 @@ mod tests {
         assert_eq!(c.listen.to_string(), "127.0.0.1:8080");
         assert_eq!(c.advertise, "127.0.0.1:8080");
         assert_eq!(c.namespace, "sluice");
+        assert_eq!(c.fence_stale_after, Duration::from_secs(10));
+        let c = parse(&["--node-id", "n1", "--fence-stale-after", "4s"]).unwrap();
+        assert_eq!(c.fence_stale_after, Duration::from_secs(4));
         assert!(matches!(c.redis, RedisTarget::Single(_)));
     }
 
@@ -303,6 +325,11 @@ mod tests {
             (&["--redis", "http://x"][..], "redis"),
             (&["--horizon", "100ms"][..], "horizon"),
             (&["--node-id", "a b"][..], "node-id"),
+            (&["--fence-stale-after", "3s"][..], "fence-stale-after"),
+            (
+                &["--fence-stale-after", "5s", "--lease-ttl", "5s"][..],
+                "fence-stale-after",
+            ),
         ] {
             let e = parse(args).unwrap_err();
             assert_eq!(e.flag, flag, "{args:?}: {e}");

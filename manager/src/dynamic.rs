@@ -32,6 +32,11 @@
 //! The controller's state and every adjustment are stored in Redis (`NS:{T}:dyn`,
 //! `NS:{T}:adj`) by a fenced script, so a new leader continues where the old one stopped.
 //! Its threshold replaces the scheduled one in rolling (order: base → schedule → dynamic).
+//!
+//! The state belongs to one **incarnation** of the task (the spec's etcd create revision): a
+//! task deleted and created again under the same name never inherits it (RETIRE deletes it
+//! with the task, and state of another incarnation is ignored anyway). Switching dynamic
+//! limiting off deletes the state, so switching it on again starts from the base threshold.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -39,15 +44,15 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sluice::protocol::conn::Redis;
-use sluice::protocol::scripts::{self, SliceCounters};
+use sluice::protocol::scripts::{self, AdjustOutcome, FenceRefusal, SliceCounters};
 use sluice::protocol::{Keys, slice, slice_field, unix_ms};
 use tracing::{debug, info, warn};
 
 use crate::election::LeaderContext;
 use crate::error::{Error, Result, redis as redis_err};
 use crate::roller::{DynamicThresholds, effective_threshold};
-use crate::spec::DynamicSpec;
-use crate::tasks::{TaskEntry, TaskStore};
+use crate::spec::{DynamicSpec, MAX_COUNT};
+use crate::tasks::{TaskEntry, TaskSnapshot, TaskStore};
 
 /// Adjustments kept per task.
 pub const KEEP_ADJUSTMENTS: usize = 1_000;
@@ -155,6 +160,19 @@ pub struct Decision {
     pub reason: String,
 }
 
+/// `v` within `[min, max]`; unlike `clamp`, never panics (a `max` below `min` reads as `min`:
+/// specs are validated, but this is the decision path of every dynamic task).
+///
+/// ```
+/// use sluice_manager::dynamic::bound;
+/// assert_eq!(bound(5, 10, 20), 10);
+/// assert_eq!(bound(25, 10, 20), 20);
+/// assert_eq!(bound(15, 10, 5), 10);
+/// ```
+pub fn bound(v: u64, min: u64, max: u64) -> u64 {
+    v.min(max).max(min)
+}
+
 /// The control law (pure).
 ///
 /// ```
@@ -201,7 +219,7 @@ pub fn decide(p: &Params, s: &ControllerState, o: &Observation, now_ms: i64) -> 
             .map(|g| g * GOODPUT_MARGIN)
             .filter(|a| *a < cur as f64);
         let new = anchored.map_or(cur as f64 * p.decrease_factor, |a| a.max(cur as f64 * 0.5));
-        let new = (new.round() as u64).clamp(p.min, p.max);
+        let new = bound(new.round() as u64, p.min, p.max);
         if new >= cur {
             return None;
         }
@@ -227,14 +245,14 @@ pub fn decide(p: &Params, s: &ControllerState, o: &Observation, now_ms: i64) -> 
     let ceiling = if pressing {
         p.max
     } else if o.counters.admitted + o.counters.rejected == 0 {
-        p.recover_to.clamp(p.min, p.max)
+        bound(p.recover_to, p.min, p.max)
     } else {
         return None; // healthy but demand is below the limit: nothing to learn
     };
     if cur >= ceiling {
         return None;
     }
-    let new = (cur + p.step).min(ceiling);
+    let new = cur.saturating_add(p.step).min(ceiling);
     Some(Decision {
         new,
         reason: if pressing {
@@ -280,26 +298,81 @@ pub struct HealthReport {
     pub at_ms: i64,
 }
 
-fn state_pairs(s: &ControllerState) -> Vec<(&'static str, String)> {
+/// The state field naming the task incarnation (spec create revision) the state belongs to.
+const INCARNATION: &str = "incarnation";
+
+fn state_pairs(s: &ControllerState, incarnation: i64) -> Vec<(&'static str, String)> {
     vec![
         ("current", s.current.to_string()),
         ("last_change_ms", s.last_change_ms.to_string()),
         ("last_decrease_ms", s.last_decrease_ms.to_string()),
+        (INCARNATION, incarnation.to_string()),
     ]
 }
 
-async fn load_state(redis: &Redis, keys: &Keys, task: &str) -> Result<Option<ControllerState>> {
+/// Parses `NS:{T}:dyn` as read back from Redis (pure): `None` when it is absent, belongs to
+/// another incarnation of the task (or to none: written before incarnations were recorded),
+/// or does not hold plausible values; the threshold is then the spec's again.
+///
+/// ```
+/// use std::collections::HashMap;
+/// use sluice_manager::dynamic::parse_state;
+/// let m = |inc: &str| HashMap::from([
+///     ("current".to_string(), "1425".to_string()),
+///     ("last_change_ms".to_string(), "1700000000000".to_string()),
+///     ("last_decrease_ms".to_string(), "1700000000000".to_string()),
+///     ("incarnation".to_string(), inc.to_string()),
+/// ]);
+/// assert_eq!(parse_state(&m("42"), 42).map(|s| s.current), Some(1425));
+/// assert_eq!(parse_state(&m("41"), 42), None); // the dead task's state
+/// assert_eq!(parse_state(&HashMap::new(), 42), None);
+/// ```
+pub fn parse_state(m: &HashMap<String, String>, incarnation: i64) -> Option<ControllerState> {
+    let int = |k: &str| m.get(k).and_then(|v| v.parse::<i64>().ok());
+    if int(INCARNATION)? != incarnation {
+        return None;
+    }
+    let plausible_ms = |t: i64| (0..=100_000_000_000_000).contains(&t).then_some(t);
+    let current = int("current").filter(|c| (0..=MAX_COUNT as i64).contains(c))?;
+    Some(ControllerState {
+        current: current as u64,
+        last_change_ms: int("last_change_ms").and_then(plausible_ms).unwrap_or(0),
+        last_decrease_ms: int("last_decrease_ms").and_then(plausible_ms).unwrap_or(0),
+    })
+}
+
+async fn load_state(
+    redis: &Redis,
+    keys: &Keys,
+    entry: &TaskEntry,
+) -> Result<Option<ControllerState>> {
     let mut c = redis.conn().await.map_err(redis_err("connect"))?;
-    let m: HashMap<String, i64> = redis::cmd("HGETALL")
-        .arg(keys.dynamic_state(task))
+    let m: HashMap<String, String> = redis::cmd("HGETALL")
+        .arg(keys.dynamic_state(&entry.name))
         .query_async(&mut c)
         .await
         .map_err(redis_err("dynamic state"))?;
-    Ok(m.get("current").map(|cur| ControllerState {
-        current: (*cur).max(0) as u64,
-        last_change_ms: m.get("last_change_ms").copied().unwrap_or(0),
-        last_decrease_ms: m.get("last_decrease_ms").copied().unwrap_or(0),
-    }))
+    let s = parse_state(&m, entry.created);
+    if s.is_none() && !m.is_empty() {
+        debug!(
+            task = entry.name,
+            incarnation = entry.created,
+            "ignoring dynamic state of another incarnation (or unreadable)"
+        );
+    }
+    Ok(s)
+}
+
+/// A counter as read back from Redis: absent or unreadable counts as 0.
+fn counter(v: &Option<String>) -> u64 {
+    v.as_deref().and_then(|s| s.parse().ok()).unwrap_or(0)
+}
+
+/// Whether an external health report read back from Redis is usable.
+fn plausible_report(r: &HealthReport) -> bool {
+    r.error_rate.is_none_or(|e| (0.0..=1.0).contains(&e))
+        && r.latency_ms
+            .is_none_or(|l| l.is_finite() && (0.0..=3_600_000.0).contains(&l))
 }
 
 /// Reads the counters of the window and the fresh external reports.
@@ -330,18 +403,19 @@ async fn observe(
                 .arg(keys.slice(&entry.name, *s))
                 .arg(&slice_field::COUNTERS[..]);
         }
-        let rows: Vec<Vec<Option<u64>>> = pipe
+        let rows: Vec<Vec<Option<String>>> = pipe
             .query_async(&mut c)
             .await
             .map_err(redis_err("window counters"))?;
         for r in rows {
-            let v = |i: usize| r.get(i).copied().flatten().unwrap_or(0);
-            o.counters.admitted += v(0);
-            o.counters.rejected += v(1);
-            o.counters.ok += v(2);
-            o.counters.err += v(3);
-            o.counters.lat_sum_us += v(4);
-            o.counters.lat_n += v(5);
+            let v = |i: usize| r.get(i).map_or(0, counter);
+            let t = &mut o.counters;
+            t.admitted = t.admitted.saturating_add(v(0));
+            t.rejected = t.rejected.saturating_add(v(1));
+            t.ok = t.ok.saturating_add(v(2));
+            t.err = t.err.saturating_add(v(3));
+            t.lat_sum_us = t.lat_sum_us.saturating_add(v(4));
+            t.lat_n = t.lat_n.saturating_add(v(5));
         }
     }
     let reports: HashMap<String, String> = redis::cmd("HGETALL")
@@ -352,6 +426,7 @@ async fn observe(
     for r in reports
         .values()
         .filter_map(|v| serde_json::from_str::<HealthReport>(v).ok())
+        .filter(plausible_report)
     {
         if r.at_ms < fresh_ms {
             continue;
@@ -363,20 +438,24 @@ async fn observe(
 }
 
 /// Restores every dynamic task's threshold into `overrides` before rolling starts, so a new
-/// leader never writes the base threshold over a controlled one.
+/// leader never writes the base threshold over a controlled one. State of another incarnation
+/// of the task is ignored.
 pub async fn restore(redis: &Redis, keys: &Keys, store: &TaskStore, overrides: &DynamicThresholds) {
     overrides.clear();
     for entry in store.snapshot().tasks.values() {
         if !entry.spec.dynamic.as_ref().is_some_and(|d| d.enabled) {
             continue;
         }
-        match load_state(redis, keys, &entry.name).await {
-            Ok(Some(s)) => overrides.set(&entry.name, Some(s.current)),
+        match load_state(redis, keys, entry).await {
+            Ok(Some(s)) => overrides.set(&entry.name, entry.created, Some(s.current)),
             Ok(None) => {}
             Err(e) => warn!(task = entry.name, %e, "cannot restore the dynamic threshold"),
         }
     }
 }
+
+/// What the loop remembers of one dynamic task: its incarnation and the controller state.
+type Held = (i64, ControllerState);
 
 /// The controller's leader loop.
 pub async fn run(
@@ -387,8 +466,10 @@ pub async fn run(
     overrides: DynamicThresholds,
     period: Duration,
 ) {
-    let mut states: HashMap<String, ControllerState> = HashMap::new();
+    let mut states: HashMap<String, Held> = HashMap::new();
     let mut last_eval: HashMap<String, i64> = HashMap::new();
+    // Tasks without dynamic limiting known to have no controller state (name → incarnation).
+    let mut clean: HashMap<String, i64> = HashMap::new();
     let mut interval = tokio::time::interval(Duration::from_millis(500));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let period_ms = period.as_millis() as i64;
@@ -398,18 +479,37 @@ pub async fn run(
             _ = interval.tick() => {}
         }
         let snap = store.snapshot();
+        if !snap.loaded {
+            continue;
+        }
         let now = unix_ms();
-        // Tasks that are gone or no longer dynamic lose their override.
-        for name in overrides.current().keys() {
-            let dynamic = snap
-                .tasks
+        let enabled = |name: &str| {
+            snap.tasks
                 .get(name)
                 .and_then(|e| e.spec.dynamic.as_ref())
-                .is_some_and(|d| d.enabled);
-            if !dynamic {
-                overrides.set(name, None);
-                states.remove(name);
+                .is_some_and(|d| d.enabled)
+        };
+        // Tasks that are gone, re-created or no longer dynamic lose their override and state.
+        for (name, (inc, _)) in overrides.current() {
+            let same = snap.tasks.get(&name).is_some_and(|e| e.created == inc);
+            if !same || !enabled(&name) {
+                overrides.set(&name, inc, None);
             }
+        }
+        states.retain(|name, (inc, _)| {
+            snap.tasks.get(name).is_some_and(|e| e.created == *inc) && enabled(name)
+        });
+        last_eval.retain(|name, _| states.contains_key(name) || enabled(name));
+        clean.retain(|name, inc| {
+            snap.tasks.get(name).is_some_and(|e| e.created == *inc) && !enabled(name)
+        });
+        match clear_disabled(&ctx, &keys, &redis, &snap, &mut clean).await {
+            Ok(()) => {}
+            Err(Error::Fenced { task, current, .. }) => {
+                ctx.step_down(format!("fenced on {task} by term {current}"));
+                return;
+            }
+            Err(e) => debug!(%e, "clearing dynamic state of non-dynamic tasks failed"),
         }
         for entry in snap.tasks.values() {
             let Some(d) = entry.spec.dynamic.as_ref().filter(|d| d.enabled) else {
@@ -456,6 +556,76 @@ pub async fn run(
     }
 }
 
+/// Maps a refusal of the fence: `Err(Fenced)` when a newer leader of this etcd history holds
+/// the task (step down), `Ok(false)` when another epoch or history does (skip the task; the
+/// roller reports the conflict).
+fn refused(ctx: &LeaderContext, task: &str, r: &FenceRefusal) -> Result<bool> {
+    match r {
+        FenceRefusal::Newer { term, .. } if ctx.from_this_history(*term) => Err(Error::Fenced {
+            task: task.to_string(),
+            term: ctx.term(),
+            current: *term,
+        }),
+        _ => Ok(false),
+    }
+}
+
+/// Deletes the controller state of tasks without dynamic limiting (fenced), so enabling it
+/// again starts from the base threshold. Tasks not in `clean` are checked with one pipelined
+/// `EXISTS`; at the start of a leadership that is every such task, later only those whose
+/// dynamic limiting was just switched off.
+async fn clear_disabled(
+    ctx: &LeaderContext,
+    keys: &Keys,
+    redis: &Redis,
+    snap: &TaskSnapshot,
+    clean: &mut HashMap<String, i64>,
+) -> Result<()> {
+    let todo: Vec<&Arc<TaskEntry>> = snap
+        .tasks
+        .values()
+        .filter(|e| !e.spec.dynamic.as_ref().is_some_and(|d| d.enabled))
+        .filter(|e| !clean.contains_key(&e.name))
+        .collect();
+    if todo.is_empty() {
+        return Ok(());
+    }
+    let mut c = redis.conn().await.map_err(redis_err("connect"))?;
+    let mut pipe = redis::pipe();
+    for e in &todo {
+        pipe.cmd("EXISTS").arg(keys.dynamic_state(&e.name));
+    }
+    let exists: Vec<bool> = pipe
+        .query_async(&mut c)
+        .await
+        .map_err(redis_err("dynamic state exists"))?;
+    for (e, has) in todo.into_iter().zip(exists) {
+        if has {
+            if !ctx.is_valid() {
+                return Err(Error::NotLeader);
+            }
+            let out = scripts::adjust(&mut c, keys, &e.name, &ctx.fence(), true, &[], None, 1)
+                .await
+                .map_err(redis_err("clear dynamic state"))?;
+            match out {
+                AdjustOutcome::Done => {
+                    info!(
+                        task = e.name,
+                        "dynamic limiting is off: controller state deleted"
+                    );
+                }
+                AdjustOutcome::NoTask => {}
+                AdjustOutcome::Refused(r) => {
+                    refused(ctx, &e.name, &r)?;
+                    continue; // not ours to clear now; try again next round
+                }
+            }
+        }
+        clean.insert(e.name.clone(), e.created);
+    }
+    Ok(())
+}
+
 /// One evaluation of one task; false when there was not enough data yet.
 #[allow(clippy::too_many_arguments)]
 async fn step(
@@ -466,28 +636,29 @@ async fn step(
     d: &DynamicSpec,
     period: Duration,
     now: i64,
-    states: &mut HashMap<String, ControllerState>,
+    states: &mut HashMap<String, Held>,
     overrides: &DynamicThresholds,
 ) -> Result<bool> {
     let base = effective_threshold(entry, None, now);
+    let inc = entry.created;
     let state = match states.get(&entry.name) {
-        Some(s) => *s,
+        Some((_, s)) => *s,
         None => {
-            let s = match load_state(redis, keys, &entry.name).await? {
+            let s = match load_state(redis, keys, entry).await? {
                 Some(s) => s,
                 None => ControllerState {
-                    current: base.clamp(d.min, d.max),
+                    current: bound(base, d.min, d.max),
                     last_change_ms: now,
                     last_decrease_ms: 0,
                 },
             };
-            states.insert(entry.name.clone(), s);
+            states.insert(entry.name.clone(), (inc, s));
             s
         }
     };
     // Bounds may have changed in the spec.
     let mut state = state;
-    let clamped = state.current.clamp(d.min, d.max);
+    let clamped = bound(state.current, d.min, d.max);
     let period_ms = period.as_millis() as i64;
     let until = now - FLUSH_LAG_MS;
     // At least three slices long, so it holds complete slices whatever the alignment.
@@ -501,12 +672,12 @@ async fn step(
             reason: format!("bounds changed to [{}, {}]", d.min, d.max),
         })
     } else if o.slices == 0 && o.external_error_rate.is_none() && o.external_latency_ms.is_none() {
-        overrides.set(&entry.name, Some(state.current));
+        overrides.set(&entry.name, inc, Some(state.current));
         return Ok(false);
     } else {
         decide(&Params::new(d, period, base), &state, &o, now)
     };
-    overrides.set(&entry.name, Some(state.current));
+    overrides.set(&entry.name, inc, Some(state.current));
     let Some(dec) = decision else {
         return Ok(true);
     };
@@ -523,25 +694,30 @@ async fn step(
     state.last_change_ms = now;
     let mut c = redis.conn().await.map_err(redis_err("connect"))?;
     let json = serde_json::to_string(&adj).unwrap_or_default();
-    match scripts::adjust(
+    let out = scripts::adjust(
         &mut c,
         keys,
         &entry.name,
-        ctx.term(),
-        &state_pairs(&state),
+        &ctx.fence(),
+        false,
+        &state_pairs(&state, inc),
         Some(&json),
         KEEP_ADJUSTMENTS,
     )
     .await
-    .map_err(redis_err("record adjustment"))?
-    {
-        Ok(()) => {}
-        Err(current) => {
-            return Err(Error::Fenced {
-                task: entry.name.clone(),
-                term: ctx.term(),
-                current,
-            });
+    .map_err(redis_err("record adjustment"))?;
+    match out {
+        AdjustOutcome::Done => {}
+        AdjustOutcome::NoTask => {
+            debug!(
+                task = entry.name,
+                "task meta missing or retired: adjustment not recorded"
+            );
+            return Ok(false);
+        }
+        AdjustOutcome::Refused(r) => {
+            refused(ctx, &entry.name, &r)?;
+            return Ok(false);
         }
     }
     info!(
@@ -551,8 +727,8 @@ async fn step(
         reason = adj.reason,
         "dynamic threshold adjusted"
     );
-    states.insert(entry.name.clone(), state);
-    overrides.set(&entry.name, Some(state.current));
+    states.insert(entry.name.clone(), (inc, state));
+    overrides.set(&entry.name, inc, Some(state.current));
     Ok(true)
 }
 

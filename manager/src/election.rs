@@ -23,10 +23,20 @@
 //! down. A paused process (SIGSTOP) wakes with `valid_until` long past, so it stops at once; a
 //! write already in flight is refused by the Redis fence (see `sluice::protocol::scripts`).
 //!
-//! # Term
+//! # Term and epoch
 //!
-//! The term is the leader key's creation revision: it grows with every election and is the
-//! fence value the leader writes with.
+//! The term is the leader key's creation revision: it grows with every election. Revisions
+//! only order elections of one etcd history, so the leader also carries its **epoch**, the
+//! cluster id etcd puts in every response header: the fence it writes with
+//! ([`sluice::protocol::scripts::Fence`]) is `(term, epoch, stale_after)`. A fence of another
+//! epoch (another etcd, another manager cluster on the same namespace) is never compared by
+//! term: it is refused while its holder keeps it fresh and taken over once it went stale.
+//!
+//! A rebuilt etcd with the same configuration has the same cluster id (etcd derives it from
+//! the member names and peer URLs) but starts its revisions again. A stored term above every
+//! revision this etcd has reached ([`LeaderContext::from_this_history`]) cannot come from a
+//! leader of this history, so it is not a reason to step down either: such a refusal is
+//! treated like a foreign one.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +47,7 @@ use etcd_client::{
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
 use sluice::protocol::Keys;
+use sluice::protocol::scripts::Fence;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;
@@ -79,12 +90,16 @@ struct LeaseState {
     valid_until: Instant,
     /// Send time of the newest confirmed keep-alive.
     confirmed_at: Option<Instant>,
+    /// The highest etcd revision seen in a response header (keep-alives, the election).
+    revision: i64,
 }
 
 /// Handed to leader-only work: the term to write with, and the means to know when to stop.
 #[derive(Debug, Clone)]
 pub struct LeaderContext {
     term: i64,
+    epoch: u64,
+    stale_after: Duration,
     token: CancellationToken,
     lease: watch::Receiver<LeaseState>,
     margin: Duration,
@@ -95,6 +110,37 @@ impl LeaderContext {
     /// The election term.
     pub fn term(&self) -> i64 {
         self.term
+    }
+
+    /// The epoch: the cluster id of the etcd that elected this leader.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The fence every leader write carries.
+    pub fn fence(&self) -> Fence {
+        Fence {
+            term: self.term,
+            epoch: self.epoch,
+            stale_after_ms: self.stale_after.as_millis() as u64,
+        }
+    }
+
+    /// How long a fence may go unrefreshed before another leader may take it over.
+    pub fn stale_after(&self) -> Duration {
+        self.stale_after
+    }
+
+    /// The highest etcd revision this replica has seen (refreshed by every keep-alive).
+    pub fn known_revision(&self) -> i64 {
+        self.lease.borrow().revision.max(self.term)
+    }
+
+    /// Whether a stored `term` of our epoch can have been written by a leader of this etcd's
+    /// history: false when it is above every revision this etcd has reached (etcd was rebuilt
+    /// or restored from a snapshot, and its revisions started again below it).
+    pub fn from_this_history(&self, term: i64) -> bool {
+        term <= self.known_revision()
     }
 
     /// Cancelled when leadership ends.
@@ -113,16 +159,24 @@ impl LeaderContext {
         let _ = self.step_down.send(reason.into());
     }
 
-    /// A context for tests of leader-only work: valid for `valid_for`, never renewed.
-    pub fn for_test(term: i64, valid_for: Duration) -> (Self, mpsc::UnboundedReceiver<String>) {
+    /// A context for tests of leader-only work: valid for `valid_for`, never renewed, epoch
+    /// `epoch`, fences stale after 10 s.
+    pub fn for_test(
+        term: i64,
+        epoch: u64,
+        valid_for: Duration,
+    ) -> (Self, mpsc::UnboundedReceiver<String>) {
         let (tx, rx) = mpsc::unbounded_channel();
         let (_, lease) = watch::channel(LeaseState {
             valid_until: Instant::now() + valid_for,
             confirmed_at: Some(Instant::now()),
+            revision: term,
         });
         (
             Self {
                 term,
+                epoch,
+                stale_after: Duration::from_secs(10),
                 token: CancellationToken::new(),
                 lease,
                 margin: Duration::ZERO,
@@ -145,6 +199,8 @@ pub struct ElectionConfig {
     pub node: NodeInfo,
     /// Lease TTL (whole seconds).
     pub ttl: Duration,
+    /// How long a stored fence may go unrefreshed before it may be taken over.
+    pub fence_stale_after: Duration,
 }
 
 impl ElectionConfig {
@@ -177,6 +233,7 @@ impl Session {
         let (tx, state) = watch::channel(LeaseState {
             valid_until: sent + granted,
             confirmed_at: None,
+            revision: grant.header().map_or(0, |h| h.revision()),
         });
         let s = Self {
             lease: grant.id(),
@@ -280,9 +337,11 @@ async fn keep_alive_loop(
         match timeout(period.max(Duration::from_millis(200)), attempt).await {
             Ok(Ok(Some(resp))) if resp.ttl() > 0 => {
                 let proven = sent + Duration::from_secs(resp.ttl() as u64);
+                let revision = resp.header().map_or(0, |h| h.revision());
                 tx.send_modify(|s| {
                     s.valid_until = s.valid_until.max(proven);
                     s.confirmed_at = Some(sent);
+                    s.revision = s.revision.max(revision);
                 });
                 next = sent + period;
             }
@@ -359,10 +418,10 @@ pub async fn run(
         info!(lease = format_args!("{:x}", session.lease), "campaigning");
 
         let campaign = c.campaign(election.as_str(), value.clone(), session.lease);
-        let leader_key = tokio::select! {
+        let (leader_key, epoch) = tokio::select! {
             r = campaign => match r {
                 Ok(resp) => match resp.leader() {
-                    Some(k) => k.clone(),
+                    Some(k) => (k.clone(), resp.header().map_or(0, |h| h.cluster_id())),
                     None => {
                         warn!("campaign returned no leader key");
                         session.abandon(&client, cfg.ttl);
@@ -395,7 +454,13 @@ pub async fn run(
             continue;
         }
         match etcd("leader", ETCD_TIMEOUT, c.leader(election.as_str())).await {
-            Ok(r) if r.kv().is_some_and(|kv| kv.key() == leader_key.key()) => {}
+            Ok(r)
+                if r.kv().is_some_and(|kv| kv.key() == leader_key.key())
+                    && r.header().is_some_and(|h| h.cluster_id() == epoch) =>
+            {
+                // The keep-alive confirmed above was answered after our key was created, so
+                // the known revision already covers our term.
+            }
             other => {
                 warn!(
                     ?other,
@@ -408,13 +473,15 @@ pub async fn run(
 
         let term = leader_key.rev();
         let span = info_span!("leader", term);
-        info!(parent: &span, "became leader");
+        info!(parent: &span, epoch, "became leader");
         metrics.set_leader(Some(term));
         role.send_replace(Role::Leader { term });
         let token = CancellationToken::new();
         let (down_tx, mut down_rx) = mpsc::unbounded_channel();
         let ctx = LeaderContext {
             term,
+            epoch,
+            stale_after: cfg.fence_stale_after,
             token: token.clone(),
             lease: session.state.clone(),
             margin,

@@ -52,6 +52,17 @@ pub enum Error {
         /// Why it is unusable.
         why: String,
     },
+    /// A stored document (written into etcd by hand, or by another version) does not pass the
+    /// API's validation.
+    #[error("stored {what} (version {version}) is invalid: {error}")]
+    Invalid {
+        /// What was read.
+        what: &'static str,
+        /// Its version (etcd mod revision).
+        version: i64,
+        /// What is wrong, and where.
+        error: crate::spec::FieldError,
+    },
     /// Start-up failed (bind, configuration).
     #[error("{0}")]
     Startup(String),

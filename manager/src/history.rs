@@ -22,8 +22,11 @@
 //! nothing): it reads as empty. Memory per task is therefore bounded (438 KB at most, whatever
 //! the traffic; none for a task that never had traffic), writes are `SETRANGE` in place, reads are one or two `GETRANGE`s, and the
 //! history survives a leader failover because it lives in Redis. Both keys share the task's
-//! hash tag, so they sit in the task's Redis Cluster slot; they expire when no longer written
-//! (a deleted task's history goes away after its retention).
+//! hash tag, so they sit in the task's Redis Cluster slot; they expire when no longer written,
+//! and deleting the task deletes them (RETIRE), so a task re-created under the same name
+//! starts with an empty history. Records are written by a fenced script
+//! ([`scripts::record_history`]) that refuses a deleted task, so a harvest racing the
+//! deletion cannot bring the rings back.
 //!
 //! # Harvesting
 //!
@@ -48,6 +51,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use sluice::protocol::conn::{Redis, RedisConn};
+use sluice::protocol::scripts::{self, RecordOutcome, RingWrites};
 use sluice::protocol::{Keys, slice, slice_field, unix_ms};
 use tracing::{debug, warn};
 
@@ -400,9 +404,10 @@ pub async fn read_series(
     Ok(out)
 }
 
-/// Adds the commands writing `records` (each into its slot) to `pipe`; consecutive slots are
-/// written with one `SETRANGE`.
-fn write_records(pipe: &mut redis::Pipeline, key: &str, series: Series, records: &[Record]) {
+/// The `SETRANGE` writes of `records` (each into its slot): `(byte offset, bytes)`;
+/// consecutive slots are written with one write.
+fn ring_writes(series: Series, records: &[Record]) -> Vec<(i64, Vec<u8>)> {
+    let mut out = Vec::new();
     let mut i = 0;
     while i < records.len() {
         let mut blob = records[i].encode().to_vec();
@@ -415,13 +420,10 @@ fn write_records(pipe: &mut redis::Pipeline, key: &str, series: Series, records:
             blob.extend_from_slice(&records[j].encode());
             j += 1;
         }
-        pipe.cmd("SETRANGE")
-            .arg(key)
-            .arg(series.slot(first) * RECORD_BYTES as i64)
-            .arg(blob)
-            .ignore();
+        out.push((series.slot(first) * RECORD_BYTES as i64, blob));
         i = j;
     }
+    out
 }
 
 async fn bounded<T>(
@@ -641,19 +643,36 @@ async fn harvest_task(
         }
         let k1 = keys.history(task, SECONDS.name);
         let k2 = keys.history(task, MINUTES.name);
-        let mut pipe = redis::pipe();
-        write_records(&mut pipe, &k1, SECONDS, &seconds);
-        write_records(&mut pipe, &k2, MINUTES, &minutes);
-        // A ring that is no longer written (deleted task) expires once it is all stale.
-        pipe.cmd("PEXPIRE")
-            .arg(&k1)
-            .arg(SECONDS.span_ms() + 60_000)
-            .ignore();
-        pipe.cmd("PEXPIRE")
-            .arg(&k2)
-            .arg(MINUTES.span_ms() + 3_600_000)
-            .ignore();
-        bounded("write history", pipe.query_async::<()>(conn)).await?;
+        let (w1, w2) = (
+            ring_writes(SECONDS, &seconds),
+            ring_writes(MINUTES, &minutes),
+        );
+        // Fenced, and refused once the task is retired (RETIRE deletes the rings); a ring that
+        // is no longer written expires once it is all stale.
+        let out = bounded(
+            "write history",
+            scripts::record_history(
+                conn,
+                keys,
+                task,
+                &ctx.fence(),
+                RingWrites {
+                    key: &k1,
+                    ttl_ms: (SECONDS.span_ms() + 60_000) as u64,
+                    writes: &w1,
+                },
+                RingWrites {
+                    key: &k2,
+                    ttl_ms: (MINUTES.span_ms() + 3_600_000) as u64,
+                    writes: &w2,
+                },
+            ),
+        )
+        .await?;
+        if out != RecordOutcome::Done {
+            // Another writer holds the task (it harvests it), or the task is gone.
+            debug!(task, ?out, "history not written");
+        }
     }
     st.done_to = until;
     let keep_from = MINUTES.bucket(st.done_to) - MINUTES.res_ms;
@@ -802,9 +821,13 @@ mod tests {
                 ..Record::default()
             })
             .collect();
-        let mut pipe = redis::pipe();
-        write_records(&mut pipe, "k", SECONDS, &recs);
+        let w = ring_writes(SECONDS, &recs);
         // 3598+3599 together; 3600 wraps to slot 0; 3602 is not adjacent.
-        assert_eq!(pipe.cmd_iter().count(), 3);
+        assert_eq!(w.len(), 3);
+        assert_eq!(
+            w[0],
+            (3_598 * 32, [recs[0].encode(), recs[1].encode()].concat())
+        );
+        assert_eq!(w[1].0, 0);
     }
 }

@@ -1,11 +1,33 @@
 //! Leader-only work, started when this replica wins the election and cancelled when it stops
-//! leading: rolling slices (with cron schedules and dynamic overrides folded in), and
-//! harvesting ended slices into the traffic history, and clock-skew detection with alerts.
+//! leading: rolling slices (with cron schedules and dynamic overrides folded in), harvesting
+//! ended slices into the traffic history, clock-skew detection, and the alert loop every
+//! detector reports to.
+//!
+//! ```text
+//!   settings::poll ──watch──▶ skew::run ─┐
+//!        │                               ├─Signal─▶ alerts::run ──▶ NS:alerts, webhooks
+//!        └──────────────────▶ Roller ────┘
+//!                             (fence_conflict, invalid_spec)
+//! ```
+//!
+//! # Which writes are fenced
+//!
+//! Every write a deposed leader could make late is either fenced by the task's fence or
+//! harmless:
+//!
+//! * slices and meta (ROLL), tombstones and task state (RETIRE), dynamic state (ADJUST) and
+//!   history records (RECORD_HISTORY): fenced, and refused for a deleted task;
+//! * `NS:hosts` pruning: the script deletes only entries still stale by Redis time when it
+//!   runs, whoever runs it;
+//! * alerts (`NS:alerts`, `NS:alerts:state`, `NS:alerts:sent`): not fenced; a deposed leader's
+//!   late write can add one duplicate alert or reopen/close one episode early — an
+//!   observation it really made, never a threshold.
 
 use std::sync::Arc;
 
 use sluice::protocol::Keys;
 use sluice::protocol::conn::Redis;
+use tokio::sync::watch;
 
 use crate::election::LeaderContext;
 use crate::history::Harvester;
@@ -37,6 +59,12 @@ pub struct LeaderDeps {
 pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
     // Controlled thresholds first: rolling must never write a base threshold over them.
     crate::dynamic::restore(&deps.redis, &deps.keys, &deps.store, &deps.dynamic).await;
+    let initial = crate::settings::load(&deps.etcd, &deps.keys)
+        .await
+        .map(|(s, _)| s)
+        .unwrap_or_default();
+    let (settings_tx, settings) = watch::channel(initial);
+    let (alerts, signals) = crate::alerts::channel(deps.metrics.clone());
     // Each leadership starts with no memory of what was written: the first tick rewrites
     // every task's window (the script skips slices that already hold the right value).
     let roller = Roller::new(
@@ -44,6 +72,7 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
         deps.redis.clone(),
         deps.roll,
         deps.metrics.clone(),
+        alerts.clone(),
     );
     let harvester = Harvester::new(
         deps.keys.clone(),
@@ -52,6 +81,21 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
         deps.metrics.clone(),
     );
     tokio::join!(
+        crate::alerts::run(
+            ctx.clone(),
+            deps.keys.clone(),
+            deps.redis.clone(),
+            deps.metrics.clone(),
+            settings.clone(),
+            signals,
+        ),
+        crate::settings::poll(
+            ctx.clone(),
+            deps.etcd.clone(),
+            deps.keys.clone(),
+            settings_tx,
+            alerts.clone(),
+        ),
         roller.run(ctx.clone(), deps.store.clone(), deps.dynamic.clone()),
         harvester.run(ctx.clone(), deps.store.clone()),
         crate::dynamic::run(
@@ -66,9 +110,10 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
             ctx,
             deps.keys.clone(),
             deps.redis.clone(),
-            deps.etcd.clone(),
             deps.store.clone(),
             deps.metrics.clone(),
+            settings,
+            alerts,
         ),
     );
 }

@@ -14,7 +14,7 @@
 //! * [`roller`]: planning and writing slices, fenced by term.
 //! * [`dynamic`]: dynamic limiting: thresholds that follow the service's health.
 //! * [`skew`]: clock-skew detection (key movement, host offsets).
-//! * [`alerts`]: the alert pipeline: stream, metrics, webhooks, episodes.
+//! * [`alerts`]: the alert pipeline: detectors' signals, episodes, stream, metrics, webhooks.
 //! * [`settings`]: global settings (webhooks, skew threshold) in etcd.
 //! * [`history`]: the leader's harvest of ended slices into compact per-task history rings.
 //! * [`http`]: the JSON API, `/metrics`, `/healthz` and the embedded dashboard.
@@ -110,6 +110,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
             horizon: cfg.horizon,
             retention: cfg.retention,
             tick: cfg.tick,
+            fence_stale_after: cfg.fence_stale_after,
         },
         dynamic: DynamicThresholds::default(),
         etcd: etcd.clone(),
@@ -124,6 +125,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
             started_ms: sluice::protocol::unix_ms(),
         },
         ttl: cfg.lease_ttl,
+        fence_stale_after: cfg.fence_stale_after,
     };
     let election = tracker.spawn(election::run(
         etcd.clone(),

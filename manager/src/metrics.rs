@@ -17,8 +17,11 @@ pub struct Metrics {
     registry: Registry,
     /// Alerts emitted, by kind (firing and resolved).
     pub alerts: Family<KindLabel, Counter>,
-    /// Largest |clock offset to Redis| over hosts reporting in the last minute (ms; leader only).
-    pub max_clock_offset_ms: Gauge<f64, AtomicU64>,
+    /// Largest |clock offset to Redis| over hosts reporting in the last minute (seconds;
+    /// leader only).
+    pub max_clock_offset_seconds: Gauge<f64, AtomicU64>,
+    /// Alert signals dropped because the alert loop's queue was full.
+    pub alert_signals_dropped: Counter,
     /// Webhook deliveries that succeeded.
     pub webhook_deliveries: Counter,
     /// Webhook attempts that failed (each retry counts).
@@ -39,6 +42,15 @@ pub struct Metrics {
     pub roll_errors: Counter,
     /// Roll calls refused by the fence (a newer leader exists).
     pub fenced: Counter,
+    /// Tasks whose fence is held by another epoch (another etcd or manager cluster) or by a
+    /// term of another etcd history, in the last rolling tick (leader only).
+    pub fence_foreign_tasks: Gauge,
+    /// Roll calls refused because the stored spec version was newer (lagging snapshot).
+    pub stale_specs: Counter,
+    /// Stored task specs that fail validation (neither rolled nor retired).
+    pub invalid_tasks: Gauge,
+    /// Host entries removed from `NS:hosts` after the host retention (leader only).
+    pub hosts_pruned: Counter,
     /// How far ahead slices are written, minimum over tasks (seconds; leader only).
     pub horizon_ahead: Gauge<f64, AtomicU64>,
     /// Tasks known to this replica.
@@ -74,7 +86,8 @@ impl Metrics {
         let mut registry = Registry::with_prefix("sluice");
         let m = Self {
             alerts: Family::default(),
-            max_clock_offset_ms: Gauge::default(),
+            max_clock_offset_seconds: Gauge::default(),
+            alert_signals_dropped: Counter::default(),
             webhook_deliveries: Counter::default(),
             webhook_failures: Counter::default(),
             webhook_dropped: Counter::default(),
@@ -85,6 +98,10 @@ impl Metrics {
             roll_calls: Counter::default(),
             roll_errors: Counter::default(),
             fenced: Counter::default(),
+            fence_foreign_tasks: Gauge::default(),
+            stale_specs: Counter::default(),
+            invalid_tasks: Gauge::default(),
+            hosts_pruned: Counter::default(),
             horizon_ahead: Gauge::default(),
             tasks: Gauge::default(),
             roll_tick_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
@@ -130,6 +147,26 @@ impl Metrics {
             m.fenced.clone(),
         );
         registry.register(
+            "fence_foreign_tasks",
+            "Tasks whose fence another epoch (etcd or manager cluster) holds, last tick (leader only)",
+            m.fence_foreign_tasks.clone(),
+        );
+        registry.register(
+            "stale_specs",
+            "Roll calls refused because the stored spec version was newer",
+            m.stale_specs.clone(),
+        );
+        registry.register(
+            "invalid_tasks",
+            "Stored task specs that fail validation (neither rolled nor retired)",
+            m.invalid_tasks.clone(),
+        );
+        registry.register(
+            "hosts_pruned",
+            "Host entries removed from NS:hosts after the host retention (leader only)",
+            m.hosts_pruned.clone(),
+        );
+        registry.register(
             "horizon_ahead_seconds",
             "How far ahead slices are written, minimum over tasks (leader only)",
             m.horizon_ahead.clone(),
@@ -166,9 +203,14 @@ impl Metrics {
             m.alerts.clone(),
         );
         registry.register(
-            "max_clock_offset_ms",
+            "max_clock_offset_seconds",
             "Largest |clock offset to Redis| over hosts reporting in the last minute (leader only)",
-            m.max_clock_offset_ms.clone(),
+            m.max_clock_offset_seconds.clone(),
+        );
+        registry.register(
+            "alert_signals_dropped",
+            "Alert signals dropped because the alert loop's queue was full",
+            m.alert_signals_dropped.clone(),
         );
         registry.register(
             "webhook_deliveries",
@@ -200,6 +242,7 @@ impl Metrics {
                 self.leader.set(0);
                 self.term.set(0);
                 self.horizon_ahead.set(0.0);
+                self.fence_foreign_tasks.set(0);
             }
         }
     }
@@ -213,12 +256,52 @@ impl Metrics {
             .inc();
     }
 
-    /// Prometheus text exposition.
+    /// OpenMetrics text exposition (what Prometheus asks for).
     pub fn render(&self) -> String {
         let mut out = String::new();
         let _ = encode(&mut out, &self.registry);
         out
     }
+
+    /// The classic Prometheus text format (version 0.0.4), for clients that do not ask for
+    /// OpenMetrics (`curl`, `promtool check metrics`): the same samples, with the `_total`
+    /// suffix in the `HELP`/`TYPE` lines of counters, and no `# UNIT` or `# EOF` lines.
+    pub fn render_classic(&self) -> String {
+        to_classic(&self.render())
+    }
+}
+
+/// Rewrites OpenMetrics text as classic Prometheus text (see [`Metrics::render_classic`]).
+///
+/// ```
+/// let om = "# HELP x_calls Calls.\n# TYPE x_calls counter\nx_calls_total 3\n# EOF\n";
+/// assert_eq!(
+///     sluice_manager::metrics::to_classic(om),
+///     "# HELP x_calls_total Calls.\n# TYPE x_calls_total counter\nx_calls_total 3\n"
+/// );
+/// ```
+pub fn to_classic(openmetrics: &str) -> String {
+    let counters: std::collections::HashSet<&str> = openmetrics
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.strip_suffix(" counter"))
+        .collect();
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let rewritten = ["# HELP ", "# TYPE "].iter().find_map(|p| {
+            let rest = line.strip_prefix(p)?;
+            let (name, tail) = rest.split_once(' ')?;
+            counters
+                .contains(name)
+                .then(|| format!("{p}{name}_total {tail}"))
+        });
+        out.push_str(rewritten.as_deref().unwrap_or(line));
+        out.push('\n');
+    }
+    out
 }
 
 #[cfg(test)]
@@ -235,5 +318,15 @@ mod tests {
         assert!(text.contains("sluice_term 42"), "{text}");
         assert!(text.contains("sluice_slices_written_total 3"), "{text}");
         assert!(text.contains("# EOF"));
+        let classic = m.render_classic();
+        assert!(
+            classic.contains("# HELP sluice_fenced_total Roll calls"),
+            "{classic}"
+        );
+        assert!(
+            classic.contains("# TYPE sluice_history_errors_total counter"),
+            "{classic}"
+        );
+        assert!(!classic.contains("# EOF"));
     }
 }

@@ -1,33 +1,53 @@
 //! Rolling: the leader keeps every task's slices written from the current one to
-//! `now + horizon`, fenced by its term.
+//! `now + horizon`, fenced by its term and epoch.
 //!
 //! ```text
 //!   tick ──▶ plan (pure) ──▶ one ROLL script call per task, all in flight at once ──▶ apply
 //!              │                       │
 //!              │                       ├─ Written(n)  remember what was written
-//!              │                       ├─ NeedFull    Redis lost the task (restart, FLUSHALL):
-//!              │                       │              resend meta + whole window, same tick
+//!              │                       ├─ NeedFull    Redis lost the task (restart, FLUSHALL), or
+//!              │                       │              a fence is taken over: resend meta + whole
+//!              │                       │              window, same tick
 //!              │                       ├─ Retired     deleted after the spec we hold: skip
-//!              │                       └─ Fenced      a newer leader exists: step down now
+//!              │                       ├─ StaleSpec   Redis holds a newer spec version: skip
+//!              │                       ├─ Refused     Newer (this etcd history): step down now;
+//!              │                       │              Foreign, or a term of another history:
+//!              │                       │              skip the task, report fence_conflict
 //!              └─ only what changed: new slices entering the window, and every not-ended
-//!                 slice whose threshold changed (spec version, schedule, dynamic override)
+//!                 slice whose threshold changed (spec version, schedule, dynamic override);
+//!                 everything when slice_ms changed (the new grid) or the task was re-created
 //! ```
 //!
 //! Every tick sends one call per task even when nothing is new: the call is the probe that
 //! notices a Redis that lost its data, which is healed within the same tick. A new leader has no
 //! memory of what was written, so its first tick sends every task's whole window (the script
 //! skips slices that already hold the right threshold).
+//!
+//! A refusal by another epoch's fence (another etcd, a second manager cluster on the same
+//! namespace) does not make this leader step down — stepping down and winning again would
+//! only flap. The task is skipped, `sluice_fence_foreign_tasks` counts it, a `fence_conflict`
+//! alert is raised while it lasts, and the fence is taken over once its holder has stopped
+//! refreshing it for `--fence-stale-after`. Stored spec versions and deletion revisions above
+//! this etcd's current revision come from another etcd history (a rebuild, a restore) and are
+//! overwritten (`force`).
+//!
+//! Invalid stored specs ([`TaskSnapshot::invalid`]) are neither rolled nor retired; they are
+//! reported as `invalid_spec` until fixed or deleted.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
+use serde_json::json;
 use sluice::protocol::conn::Redis;
-use sluice::protocol::scripts::{self, RetireOutcome, RollOutcome, RollRequest, SliceWrite};
+use sluice::protocol::scripts::{
+    self, FenceRefusal, RetireOutcome, RollOutcome, RollRequest, SliceWrite,
+};
 use sluice::protocol::{Keys, slice, unix_ms};
 use tracing::{debug, info, warn};
 
+use crate::alerts::{AlertTx, Condition, Signal};
 use crate::election::LeaderContext;
 use crate::error::{Error, Result, redis as redis_err};
 use crate::metrics::Metrics;
@@ -46,6 +66,12 @@ const CONCURRENCY: usize = 256;
 /// Bound on one script call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// A fence conflict is logged at most this often.
+const CONFLICT_LOG_EVERY: Duration = Duration::from_secs(30);
+
+/// Tasks named in one `fence_conflict` alert.
+const CONFLICT_TASKS_SHOWN: usize = 20;
+
 /// Settings of rolling.
 #[derive(Debug, Clone, Copy)]
 pub struct RollConfig {
@@ -55,6 +81,9 @@ pub struct RollConfig {
     pub retention: Duration,
     /// Loop period.
     pub tick: Duration,
+    /// A fence not refreshed for this long may be taken over; a live leader refreshes its
+    /// fence at least every quarter of it.
+    pub fence_stale_after: Duration,
 }
 
 /// The effective threshold of the slice starting at `start_ms`: base → schedule → dynamic.
@@ -68,10 +97,16 @@ pub fn effective_threshold(entry: &TaskEntry, dynamic: Option<u64>, start_ms: i6
 pub struct TaskRollState {
     /// Spec version whose meta fields were written.
     pub version: i64,
+    /// Incarnation (spec create revision) written.
+    pub created: i64,
+    /// Slice length of the grid written.
+    pub slice_ms: u64,
     /// The dynamic override the caps were computed with.
     pub dynamic: Option<u64>,
     /// End of the last written slice.
     pub rolled_to: i64,
+    /// When the fence (`fenced_ms`) was last rewritten (leader clock, ms).
+    pub refreshed_ms: i64,
     /// Caps written for slices that have not ended.
     pub caps: BTreeMap<i64, u64>,
 }
@@ -83,6 +118,8 @@ pub struct Plan {
     pub full: bool,
     /// Write the meta fields.
     pub write_meta: bool,
+    /// Rewrite the fence's `fenced_ms` even if `rolled_to` does not advance.
+    pub refresh: bool,
     /// Slices to create or change, oldest first.
     pub slices: Vec<SliceWrite>,
     /// `rolled_to` the leader believes is stored.
@@ -95,15 +132,21 @@ pub struct Plan {
 
 /// Plans the writes for one task at `now_ms` (pure).
 ///
+/// A task whose `slice_ms` changed (or that was deleted and created again) is planned in full:
+/// every slice of the new grid in the window is sent; the script leaves those that already
+/// hold the right cap alone and extends the expiry of keys the old grid shares with the new
+/// one (same start). Keys of the old grid that are not on the new one are never read by a
+/// worker of the new grid and just expire.
+///
 /// ```
 /// # use sluice_manager::roller::*;
 /// # use sluice_manager::tasks::TaskEntry;
 /// # use sluice_manager::spec::parse_request;
 /// # use std::sync::Arc; use std::time::Duration;
 /// let spec = parse_request("t", br#"{"threshold": 100, "slice_ms": 1000}"#).unwrap().spec;
-/// let entry = TaskEntry { name: "t".into(), schedule: Arc::default(), spec, version: 5 };
+/// let entry = TaskEntry { name: "t".into(), schedule: Arc::default(), spec, version: 5, created: 5 };
 /// let cfg = RollConfig { horizon: Duration::from_secs(10), retention: Duration::from_secs(60),
-///                        tick: Duration::from_millis(500) };
+///                        tick: Duration::from_millis(500), fence_stale_after: Duration::from_secs(10) };
 /// // A new leader writes the whole window: slices 1000..=11000, meta included.
 /// let p = plan(&TaskRollState::default(), &entry, None, 1_500, &cfg, true);
 /// assert_eq!(p.slices.len(), 11);
@@ -111,7 +154,7 @@ pub struct Plan {
 /// assert_eq!(p.new_rolled_to, 12_000);
 /// // Half a second later nothing is new: the call only probes.
 /// let q = plan(&p.next, &entry, None, 2_000 - 1, &cfg, false);
-/// assert!(q.slices.is_empty() && !q.write_meta);
+/// assert!(q.slices.is_empty() && !q.write_meta && !q.refresh);
 /// // One slice later, exactly one new slice enters the window.
 /// let r = plan(&p.next, &entry, None, 2_500, &cfg, false);
 /// assert_eq!(r.slices.iter().map(|s| s.start_ms).collect::<Vec<_>>(), [12_000]);
@@ -124,8 +167,9 @@ pub fn plan(
     cfg: &RollConfig,
     full: bool,
 ) -> Plan {
-    let slice_ms = entry.spec.slice_ms;
+    let slice_ms = entry.spec.slice_ms.max(1);
     let len = slice_ms as i64;
+    let full = full || state.slice_ms != slice_ms || state.created != entry.created;
     let current = slice::start(now_ms, slice_ms);
     let ahead = (cfg.horizon.as_millis() as i64).min(len * MAX_SLICES_AHEAD);
     let until = now_ms + ahead;
@@ -149,20 +193,34 @@ pub fn plan(
         }
         caps.insert(start, cap);
     }
-    let new_rolled_to = caps
-        .keys()
-        .next_back()
-        .map_or(state.rolled_to, |s| (s + len).max(state.rolled_to));
+    let window_end = caps.keys().next_back().map(|s| s + len);
+    let new_rolled_to = match window_end {
+        // A full write sets rolled_to to the new window's end (another grid's may be later).
+        Some(end) if full => end,
+        Some(end) => end.max(state.rolled_to),
+        None => state.rolled_to,
+    };
+    let refresh_every = (cfg.fence_stale_after.as_millis() as i64 / 4).max(1);
+    let refresh = full || now_ms - state.refreshed_ms >= refresh_every;
+    let fenced_now = refresh || new_rolled_to > state.rolled_to;
     Plan {
         full,
         write_meta: full || state.version != entry.version,
+        refresh,
         slices,
         expect_rolled_to: state.rolled_to,
         new_rolled_to,
         next: TaskRollState {
             version: entry.version,
+            created: entry.created,
+            slice_ms,
             dynamic,
             rolled_to: new_rolled_to,
+            refreshed_ms: if fenced_now {
+                now_ms
+            } else {
+                state.refreshed_ms
+            },
             caps,
         },
     }
@@ -179,6 +237,17 @@ pub struct TickStats {
     pub errors: u64,
     /// Tasks rewritten whole because Redis had lost them.
     pub healed: u64,
+    /// Tasks skipped because another epoch (or etcd history) holds their fence.
+    pub conflicts: u64,
+}
+
+/// A task whose fence another writer holds.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Conflict {
+    /// The task.
+    pub task: String,
+    /// Why.
+    pub refusal: FenceRefusal,
 }
 
 /// The leader's rolling state and loop.
@@ -187,18 +256,45 @@ pub struct Roller {
     redis: Arc<Redis>,
     cfg: RollConfig,
     metrics: Arc<Metrics>,
+    alerts: AlertTx,
     state: HashMap<String, TaskRollState>,
+    conflicts: Vec<Conflict>,
+    last_conflict_log: Option<Instant>,
+}
+
+/// What to do with a task this round.
+#[derive(Debug, Clone, Copy, Default)]
+struct Attempt {
+    full: bool,
+    force: bool,
+}
+
+impl Attempt {
+    /// A full write over numbers of another etcd history.
+    const FORCED: Self = Self {
+        full: true,
+        force: true,
+    };
 }
 
 impl Roller {
     /// A roller with no memory (a new leadership).
-    pub fn new(keys: Keys, redis: Arc<Redis>, cfg: RollConfig, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        keys: Keys,
+        redis: Arc<Redis>,
+        cfg: RollConfig,
+        metrics: Arc<Metrics>,
+        alerts: AlertTx,
+    ) -> Self {
         Self {
             keys,
             redis,
             cfg,
             metrics,
+            alerts,
             state: HashMap::new(),
+            conflicts: Vec::new(),
+            last_conflict_log: None,
         }
     }
 
@@ -221,7 +317,7 @@ impl Roller {
             }
             let overrides = dynamic.current();
             let started = Instant::now();
-            match self.tick(&ctx, &snap, &overrides).await {
+            match self.tick(&ctx, &store, &snap, &overrides).await {
                 Ok(stats) => {
                     self.metrics
                         .roll_tick_seconds
@@ -251,118 +347,229 @@ impl Roller {
         }
     }
 
-    /// One pass over all tasks. Returns `Err(Fenced)` if any write was refused.
+    /// Maps a refusal: `Err(Fenced)` when a newer leader of this etcd history holds the task
+    /// (`this_history`: step down), else the task is recorded as a conflict and skipped; with
+    /// `forget`, what was written is forgotten (once the fence is ours again, the task is
+    /// written in full).
+    fn refused(
+        &mut self,
+        ctx: &LeaderContext,
+        task: &str,
+        refusal: FenceRefusal,
+        this_history: bool,
+        forget: bool,
+    ) -> Result<()> {
+        if let FenceRefusal::Newer { term, .. } = refusal
+            && this_history
+        {
+            self.metrics.fenced.inc();
+            return Err(Error::Fenced {
+                task: task.to_string(),
+                term: ctx.term(),
+                current: term,
+            });
+        }
+        if forget {
+            self.state.remove(task);
+        }
+        self.conflicts.push(Conflict {
+            task: task.to_string(),
+            refusal,
+        });
+        Ok(())
+    }
+
+    /// One pass over all tasks. Returns `Err(Fenced)` if a newer leader of this etcd history
+    /// refused a write.
     pub async fn tick(
         &mut self,
         ctx: &LeaderContext,
+        store: &TaskStore,
         snap: &TaskSnapshot,
-        dynamic: &HashMap<String, u64>,
+        dynamic: &HashMap<String, (i64, u64)>,
     ) -> Result<TickStats> {
         let mut stats = TickStats::default();
+        self.conflicts.clear();
         let conn = self.redis.conn().await.map_err(redis_err("connect"))?;
         let now = unix_ms();
+        let fence = ctx.fence();
+        // etcd's revision now, read at most once per tick and only when a stored number may
+        // come from another etcd history (above it). Unknown (etcd unreachable): no.
+        let mut etcd_revision: Option<i64> = None;
+        let mut other_history = async |n: i64| -> bool {
+            if n <= ctx.known_revision() {
+                return false;
+            }
+            if etcd_revision.is_none() {
+                etcd_revision = store.current_revision().await.ok();
+            }
+            etcd_revision.is_some_and(|r| n > r)
+        };
 
-        // Tasks gone from etcd: retire their meta (keeps the fence), forget them.
+        // Tasks gone from etcd: retire their meta (keeps the fence) and state, forget them.
+        // A stored spec that fails validation is not gone: it is neither rolled nor retired.
         let gone: Vec<String> = self
             .state
             .keys()
-            .filter(|n| !snap.tasks.contains_key(*n))
+            .filter(|n| !snap.contains(n))
             .cloned()
             .collect();
+        let ttl = (self.cfg.horizon + self.cfg.retention).as_millis() as u64;
         for name in gone {
-            if !ctx.is_valid() {
-                return Err(Error::NotLeader);
-            }
-            let ttl = (self.cfg.horizon + self.cfg.retention).as_millis() as u64;
-            let mut c = conn.clone();
-            match scripts::retire(&mut c, &self.keys, &name, ctx.term(), ttl, snap.revision).await {
-                Ok(RetireOutcome::Retired) => {
-                    info!(task = name, "task deleted: meta retired");
-                    self.state.remove(&name);
+            let mut force = false;
+            for _attempt in 0..2 {
+                if !ctx.is_valid() {
+                    return Err(Error::NotLeader);
                 }
-                Ok(RetireOutcome::Fenced { current_term }) => {
-                    return Err(Error::Fenced {
-                        task: name,
-                        term: ctx.term(),
-                        current: current_term,
-                    });
+                let mut c = conn.clone();
+                let r =
+                    scripts::retire(&mut c, &self.keys, &name, &fence, ttl, snap.revision, force)
+                        .await;
+                match r {
+                    Ok(RetireOutcome::Retired) => {
+                        info!(task = name, "task deleted: meta retired, state deleted");
+                        self.state.remove(&name);
+                    }
+                    // Kept in the state: retried next tick, taken over once stale.
+                    Ok(RetireOutcome::Refused(refusal)) => {
+                        let ours = match &refusal {
+                            FenceRefusal::Newer { term, .. } => !other_history(*term).await,
+                            FenceRefusal::Foreign { .. } => false,
+                        };
+                        self.refused(ctx, &name, refusal, ours, false)?
+                    }
+                    Ok(RetireOutcome::Superseded { stored_version }) => {
+                        if !force && other_history(stored_version).await {
+                            force = true;
+                            continue;
+                        }
+                        // Re-created (and written by someone) after the snapshot we hold.
+                        debug!(task = name, stored_version, "task re-created; not retiring");
+                        self.state.remove(&name);
+                    }
+                    Err(e) => {
+                        warn!(task = name, %e, "retire failed; will retry");
+                        stats.errors += 1;
+                    }
                 }
-                Err(e) => {
-                    warn!(task = name, %e, "retire failed; will retry");
-                    stats.errors += 1;
-                }
+                break;
             }
         }
 
-        let mut pending: Vec<(Arc<TaskEntry>, bool)> =
-            snap.tasks.values().map(|e| (e.clone(), false)).collect();
-        // Two rounds at most: the second resends in full what Redis had lost.
-        for _round in 0..2 {
+        let mut pending: Vec<(Arc<TaskEntry>, Attempt)> = snap
+            .tasks
+            .values()
+            .map(|e| (e.clone(), Attempt::default()))
+            .collect();
+        // Three rounds at most: the second resends in full what Redis had lost (or a fence
+        // being taken over), the third forces numbers of another etcd history.
+        for _round in 0..3 {
             if pending.is_empty() {
                 break;
             }
-            let jobs: Vec<(Arc<TaskEntry>, Plan)> = pending
+            let jobs: Vec<(Arc<TaskEntry>, Attempt, Plan)> = pending
                 .drain(..)
-                .map(|(entry, full)| {
+                .map(|(entry, attempt)| {
                     let st = self.state.get(&entry.name).cloned().unwrap_or_default();
-                    let full = full || !self.state.contains_key(&entry.name);
-                    let p = plan(
-                        &st,
-                        &entry,
-                        dynamic.get(&entry.name).copied(),
-                        now,
-                        &self.cfg,
-                        full,
-                    );
-                    (entry, p)
+                    let full = attempt.full || !self.state.contains_key(&entry.name);
+                    let over = dynamic
+                        .get(&entry.name)
+                        .filter(|(inc, _)| *inc == entry.created)
+                        .map(|(_, v)| *v);
+                    let p = plan(&st, &entry, over, now, &self.cfg, full);
+                    (entry, attempt, p)
                 })
                 .collect();
             let keys = &self.keys;
-            let results: Vec<(Arc<TaskEntry>, Plan, Result<RollOutcome>)> =
+            let fence = &fence;
+            let results: Vec<(Arc<TaskEntry>, Attempt, Plan, Result<RollOutcome>)> =
                 futures::stream::iter(jobs)
-                    .map(|(entry, plan)| {
+                    .map(|(entry, attempt, plan)| {
                         let mut c = conn.clone();
                         async move {
-                            let r = execute(&mut c, keys, ctx, &entry, &plan).await;
-                            (entry, plan, r)
+                            let r = execute(&mut c, keys, ctx, fence, &entry, &plan, attempt.force)
+                                .await;
+                            (entry, attempt, plan, r)
                         }
                     })
                     .buffer_unordered(CONCURRENCY)
                     .collect()
                     .await;
-            for (entry, plan, r) in results {
+            for (entry, attempt, plan, r) in results {
                 stats.calls += plan.slices.len().div_ceil(MAX_SLICES_PER_CALL).max(1) as u64;
+                let name = &entry.name;
                 match r {
                     Ok(RollOutcome::Written(n)) => {
                         stats.written += n;
-                        self.state.insert(entry.name.clone(), plan.next);
+                        self.state.insert(name.clone(), plan.next);
+                    }
+                    Ok(RollOutcome::NeedFull) if !attempt.full => {
+                        stats.healed += 1;
+                        self.state.remove(name);
+                        pending.push((
+                            entry,
+                            Attempt {
+                                full: true,
+                                ..attempt
+                            },
+                        ));
                     }
                     Ok(RollOutcome::NeedFull) => {
-                        stats.healed += 1;
-                        pending.push((entry, true));
+                        debug!(task = name, "a full write was answered NeedFull; next tick");
                     }
                     Ok(RollOutcome::Retired { revision }) => {
+                        if !attempt.force && other_history(revision).await {
+                            info!(
+                                task = name,
+                                revision, "tombstone from another etcd history; writing over it"
+                            );
+                            pending.push((entry, Attempt::FORCED));
+                            continue;
+                        }
                         // Deleted (through another replica) after the spec we hold; our watch
                         // has not delivered the deletion yet. Never resurrect it.
-                        debug!(task = entry.name, revision, "task was deleted; skipping");
-                        self.state.remove(&entry.name);
+                        debug!(task = name, revision, "task was deleted; skipping");
+                        self.state.remove(name);
                     }
-                    Ok(RollOutcome::Fenced { current_term }) => {
-                        self.metrics.fenced.inc();
-                        return Err(Error::Fenced {
-                            task: entry.name.clone(),
-                            term: ctx.term(),
-                            current: current_term,
-                        });
+                    Ok(RollOutcome::StaleSpec { stored_version }) => {
+                        self.metrics.stale_specs.inc();
+                        if !attempt.force && other_history(stored_version).await {
+                            info!(
+                                task = name,
+                                stored_version,
+                                "spec version from another etcd history; writing over it"
+                            );
+                            pending.push((entry, Attempt::FORCED));
+                            continue;
+                        }
+                        // Our snapshot lags behind a spec some leader already wrote.
+                        debug!(
+                            task = name,
+                            version = entry.version,
+                            stored_version,
+                            "stale spec: a newer version is in Redis; skipping this tick"
+                        );
+                        self.state.remove(name);
+                    }
+                    Ok(RollOutcome::Refused(refusal)) => {
+                        // A term above this etcd's revision belongs to another etcd history
+                        // (rebuilt or restored): a conflict, not a reason to step down.
+                        let ours = match &refusal {
+                            FenceRefusal::Newer { term, .. } => !other_history(*term).await,
+                            FenceRefusal::Foreign { .. } => false,
+                        };
+                        self.refused(ctx, name, refusal, ours, true)?;
                     }
                     Err(Error::NotLeader) => return Err(Error::NotLeader),
                     Err(e) => {
                         stats.errors += 1;
-                        warn!(task = entry.name, %e, "roll failed; will retry next tick");
+                        warn!(task = name, %e, "roll failed; will retry next tick");
                     }
                 }
             }
         }
+        stats.conflicts = self.conflicts.len() as u64;
+        self.report(ctx, snap);
 
         self.metrics.roll_calls.inc_by(stats.calls);
         self.metrics.slices_written.inc_by(stats.written);
@@ -379,6 +586,105 @@ impl Roller {
             .set(ahead.map_or(0.0, |ms| ms as f64 / 1000.0));
         Ok(stats)
     }
+
+    /// Metrics, logs and alerts of the conflicts and invalid specs of this tick.
+    fn report(&mut self, ctx: &LeaderContext, snap: &TaskSnapshot) {
+        self.metrics
+            .fence_foreign_tasks
+            .set(self.conflicts.len() as i64);
+        self.metrics.invalid_tasks.set(snap.invalid.len() as i64);
+        let stale_s = self.cfg.fence_stale_after.as_secs_f64();
+        // One alert per writer holding our tasks: an epoch, or a term of another history.
+        let mut by_holder: BTreeMap<String, Vec<&Conflict>> = BTreeMap::new();
+        for c in &self.conflicts {
+            let holder = match &c.refusal {
+                FenceRefusal::Foreign { epoch, .. } => format!("epoch {epoch}"),
+                FenceRefusal::Newer { .. } => "another etcd history".to_string(),
+            };
+            by_holder.entry(holder).or_default().push(c);
+        }
+        let ns = self.keys.namespace();
+        // Keyed by our epoch: the alert state is shared with the other cluster of a conflict,
+        // whose own conflict episodes are not ours to resolve.
+        let scope = format!("fence:{}:", ctx.epoch());
+        let present: Vec<Condition> = by_holder
+            .iter()
+            .map(|(holder, cs)| {
+                let youngest = cs.iter().map(|c| c.refusal.age_ms()).min().unwrap_or(0);
+                let takeover_s = (stale_s - youngest as f64 / 1000.0).max(0.0);
+                let what = match &cs[0].refusal {
+                    FenceRefusal::Foreign { epoch, term, .. } => format!(
+                        "namespace {ns} is written by another manager cluster (etcd cluster id {epoch}, term {term}); this one (etcd cluster id {}) refuses to write",
+                        ctx.epoch()
+                    ),
+                    FenceRefusal::Newer { term, .. } => format!(
+                        "namespace {ns} holds fences of term {term}, above every revision of this etcd ({}): written by another etcd history (etcd rebuilt or restored?) or an identically configured etcd; refusing to write",
+                        ctx.known_revision()
+                    ),
+                };
+                let tasks: Vec<&str> = cs
+                    .iter()
+                    .take(CONFLICT_TASKS_SHOWN)
+                    .map(|c| c.task.as_str())
+                    .collect();
+                let mut cond = Condition::new(
+                    format!("{scope}{holder}"),
+                    "fence_conflict",
+                    format!(
+                        "{what}: {} task(s) ({}); takeover in {takeover_s:.0} s if it stops",
+                        cs.len(),
+                        tasks.join(", ")
+                    ),
+                );
+                cond.details = json!({
+                    "tasks": tasks,
+                    "count": cs.len(),
+                    "takeover_in_s": takeover_s.round(),
+                    "stale_after_s": stale_s,
+                });
+                cond
+            })
+            .collect();
+        if let Some(c) = present.first() {
+            let due = self
+                .last_conflict_log
+                .is_none_or(|t| t.elapsed() >= CONFLICT_LOG_EVERY);
+            if due {
+                self.last_conflict_log = Some(Instant::now());
+                warn!("{}", c.message);
+            }
+        } else {
+            self.last_conflict_log = None;
+        }
+        self.alerts.send(Signal::State {
+            kind: "fence_conflict",
+            scope,
+            present,
+        });
+
+        let invalid: Vec<Condition> = snap
+            .invalid
+            .values()
+            .map(|t| {
+                let mut c = Condition::new(
+                    format!("spec:{}", t.name),
+                    "invalid_spec",
+                    format!(
+                        "task {}: the stored spec (version {}) is invalid: {}: {}; it is neither rolled nor retired (its slices already written serve until the horizon): fix it with PUT or delete it",
+                        t.name, t.version, t.field, t.error
+                    ),
+                );
+                c.task = Some(t.name.clone());
+                c.details = json!({"version": t.version, "field": t.field, "error": t.error});
+                c
+            })
+            .collect();
+        self.alerts.send(Signal::State {
+            kind: "invalid_spec",
+            scope: String::new(),
+            present: invalid,
+        });
+    }
 }
 
 /// Sends one plan (in chunks of at most [`MAX_SLICES_PER_CALL`] slices).
@@ -386,8 +692,10 @@ async fn execute(
     conn: &mut sluice::protocol::conn::RedisConn,
     keys: &Keys,
     ctx: &LeaderContext,
+    fence: &scripts::Fence,
     entry: &TaskEntry,
     plan: &Plan,
+    force: bool,
 ) -> Result<RollOutcome> {
     let meta = entry.spec.meta(entry.version);
     let chunks: Vec<&[SliceWrite]> = if plan.slices.is_empty() {
@@ -412,11 +720,13 @@ async fn execute(
         };
         let req = RollRequest {
             task: &entry.name,
-            term: ctx.term(),
+            fence,
             full: plan.full && first,
             expect_rolled_to: expect,
             new_rolled_to: rolled_to,
             spec_version: entry.version,
+            force: force && first,
+            refresh: plan.refresh && first,
             meta: (plan.write_meta && first).then_some(&meta),
             slices: chunk,
         };
@@ -434,20 +744,26 @@ async fn execute(
             RollOutcome::Written(k) => written += k,
             other => return Ok(other),
         }
-        expect = expect.max(rolled_to);
+        expect = if plan.full && first {
+            rolled_to
+        } else {
+            expect.max(rolled_to)
+        };
     }
     Ok(RollOutcome::Written(written))
 }
 
 /// Dynamic threshold overrides by task, set by the dynamic controller, read by the roller.
+/// Each override names the task incarnation (spec create revision) it was computed for; the
+/// roller ignores one of another incarnation.
 #[derive(Debug, Clone, Default)]
 pub struct DynamicThresholds {
-    inner: Arc<std::sync::RwLock<HashMap<String, u64>>>,
+    inner: Arc<std::sync::RwLock<HashMap<String, (i64, u64)>>>,
 }
 
 impl DynamicThresholds {
-    /// The current overrides.
-    pub fn current(&self) -> HashMap<String, u64> {
+    /// The current overrides: task → (incarnation, threshold).
+    pub fn current(&self) -> HashMap<String, (i64, u64)> {
         self.inner.read().map(|m| m.clone()).unwrap_or_default()
     }
 
@@ -458,11 +774,11 @@ impl DynamicThresholds {
         }
     }
 
-    /// Sets (Some) or clears (None) a task's override.
-    pub fn set(&self, task: &str, value: Option<u64>) {
+    /// Sets (Some) or clears (None) the override of incarnation `incarnation` of `task`.
+    pub fn set(&self, task: &str, incarnation: i64, value: Option<u64>) {
         if let Ok(mut m) = self.inner.write() {
             match value {
-                Some(v) => m.insert(task.to_string(), v),
+                Some(v) => m.insert(task.to_string(), (incarnation, v)),
                 None => m.remove(task),
             };
         }
@@ -482,6 +798,7 @@ mod tests {
             schedule: Arc::new(CompiledSchedule::new(&spec.schedules)),
             spec,
             version,
+            created: 1,
         }
     }
 
@@ -490,6 +807,7 @@ mod tests {
             horizon: Duration::from_secs(5),
             retention: Duration::from_secs(60),
             tick: Duration::from_millis(500),
+            fence_stale_after: Duration::from_secs(10),
         }
     }
 
@@ -533,6 +851,87 @@ mod tests {
         let p = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true);
         assert_eq!(p.slices[0].expire_at_ms, 1_250 + 60_000);
         assert_eq!(p.slices.len(), 20);
+    }
+
+    /// A slice_ms change: every slice of the new grid in the window is written with the new
+    /// threshold and an expiry after the new slice's end; no write targets a start that is off
+    /// the new grid, so the only old keys a new-grid worker reads are those whose start
+    /// coincides, and they are rewritten (cap, expiry) too.
+    #[test]
+    fn a_slice_length_change_writes_the_whole_new_grid() {
+        let changes = [
+            (1_000, 2_000),
+            (2_000, 1_000),
+            (1_000, 1_500),
+            (100, 10_000),
+        ];
+        for ((old_ms, new_ms), threshold) in changes.into_iter().flat_map(|c| [(c, 100), (c, 70)]) {
+            let e1 = entry(&format!(r#"{{"threshold": 100, "slice_ms": {old_ms}}}"#), 1);
+            let p = plan(&TaskRollState::default(), &e1, None, 100_250, &cfg(), true);
+            let old_starts: Vec<i64> = p.next.caps.keys().copied().collect();
+            let e2 = entry(
+                &format!(r#"{{"threshold": {threshold}, "slice_ms": {new_ms}}}"#),
+                2,
+            );
+            let now = 100_700;
+            let q = plan(&p.next, &e2, None, now, &cfg(), false);
+            assert!(q.full && q.write_meta, "{old_ms} → {new_ms}");
+            let expected: Vec<i64> =
+                slice::starts(now, now + cfg().horizon.as_millis() as i64, new_ms).collect();
+            let written: Vec<i64> = q.slices.iter().map(|s| s.start_ms).collect();
+            assert_eq!(written, expected, "{old_ms} → {new_ms}");
+            for s in &q.slices {
+                assert_eq!(s.start_ms.rem_euclid(new_ms as i64), 0);
+                assert_eq!(s.cap, threshold);
+                assert_eq!(s.expire_at_ms, s.start_ms + new_ms as i64 + 60_000);
+            }
+            // Coinciding keys of the old grid are among the writes (cap and expiry fixed).
+            let coinciding: Vec<&i64> = old_starts
+                .iter()
+                .filter(|s| s.rem_euclid(new_ms as i64) == 0 && **s >= written[0])
+                .collect();
+            assert!(
+                coinciding.iter().all(|s| written.contains(s)),
+                "{old_ms} → {new_ms}"
+            );
+            assert_eq!(q.new_rolled_to, expected.last().unwrap() + new_ms as i64);
+            assert_eq!(q.next.slice_ms, new_ms);
+            // The next tick is incremental again.
+            let r = plan(&q.next, &e2, None, now + 1, &cfg(), false);
+            assert!(!r.full && r.slices.is_empty());
+        }
+    }
+
+    #[test]
+    fn a_recreated_task_is_written_in_full() {
+        let e1 = entry(r#"{"threshold": 100}"#, 1);
+        let p = plan(&TaskRollState::default(), &e1, None, 10_200, &cfg(), true);
+        let mut e2 = entry(r#"{"threshold": 100}"#, 9);
+        e2.created = 9;
+        let q = plan(&p.next, &e2, None, 10_300, &cfg(), false);
+        assert!(q.full);
+        assert_eq!(q.slices.len(), 6);
+    }
+
+    #[test]
+    fn the_fence_is_refreshed_at_least_every_quarter_of_stale_after() {
+        // A one-day slice: rolled_to does not move for a day, the fence must still be fresh.
+        let e = entry(r#"{"threshold": 1, "slice_ms": 86400000}"#, 1);
+        let p = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true);
+        assert!(p.refresh);
+        assert_eq!(p.next.refreshed_ms, 1_000);
+        let q = plan(&p.next, &e, None, 3_000, &cfg(), false);
+        assert!(!q.refresh && q.slices.is_empty());
+        assert_eq!(q.next.refreshed_ms, 1_000);
+        let r = plan(&q.next, &e, None, 3_500, &cfg(), false); // 2.5 s = 10 s / 4
+        assert!(r.refresh);
+        assert_eq!(r.next.refreshed_ms, 3_500);
+        // With 1 s slices rolled_to advances every second, which rewrites the fence anyway.
+        let e = entry(r#"{"threshold": 1}"#, 1);
+        let p = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true);
+        let q = plan(&p.next, &e, None, 2_000, &cfg(), false);
+        assert!(!q.refresh && q.new_rolled_to > p.new_rolled_to);
+        assert_eq!(q.next.refreshed_ms, 2_000);
     }
 
     #[test]

@@ -1,14 +1,22 @@
 //! Global settings (`/NS/settings` in etcd): alert webhooks and clock-skew thresholds.
 //!
-//! Validated here, once; read and written through `GET/PUT /api/v1/settings`. The leader
-//! re-reads them every couple of seconds, so a change takes effect without a restart.
+//! Validated here, once; read and written through `GET/PUT /api/v1/settings`. What is read back
+//! from etcd goes through the same validation: a document written by hand that would not pass
+//! `PUT` is refused with the field at fault. The leader re-reads them every couple of seconds
+//! ([`poll`]), so a change takes effect without a restart; while the stored settings are
+//! invalid it keeps the last valid ones and raises `invalid_settings`.
+
+use std::time::Duration;
 
 use etcd_client::Client;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Value, json};
 use sluice::protocol::Keys;
+use tokio::sync::watch;
+use tracing::warn;
 
-use crate::election::ETCD_TIMEOUT;
+use crate::alerts::{AlertTx, Condition, Signal};
+use crate::election::{ETCD_TIMEOUT, LeaderContext};
 use crate::error::{Error, Result, etcd};
 use crate::spec::FieldError;
 use crate::tasks::put_if_version;
@@ -116,7 +124,8 @@ pub fn parse_request(body: &[u8]) -> std::result::Result<SettingsRequest, FieldE
     })
 }
 
-/// Reads the settings and their version (0 = never written: defaults).
+/// Reads the settings and their version (0 = never written: defaults); [`Error::Invalid`] when
+/// the stored document does not validate.
 pub async fn load(client: &Client, keys: &Keys) -> Result<(Settings, i64)> {
     let mut c = client.clone();
     let resp = etcd(
@@ -128,11 +137,17 @@ pub async fn load(client: &Client, keys: &Keys) -> Result<(Settings, i64)> {
     match resp.kvs().first() {
         None => Ok((Settings::default(), 0)),
         Some(kv) => {
-            let s = serde_json::from_slice(kv.value()).map_err(|e| Error::Corrupt {
-                what: "settings".into(),
-                why: e.to_string(),
-            })?;
-            Ok((s, kv.mod_revision()))
+            let version = kv.mod_revision();
+            let invalid = |error| Error::Invalid {
+                what: "settings",
+                version,
+                error,
+            };
+            let req = parse_request(kv.value()).map_err(invalid)?;
+            if req.version.is_some() {
+                return Err(invalid(fe("version", "is not part of the stored settings")));
+            }
+            Ok((req.settings, version))
         }
     }
 }
@@ -157,6 +172,67 @@ pub async fn store(
             let resp = etcd("put settings", ETCD_TIMEOUT, c.put(key, value, None)).await?;
             Ok(Ok(resp.header().map_or(0, |h| h.revision())))
         }
+    }
+}
+
+/// How often the leader re-reads the settings.
+pub const POLL: Duration = Duration::from_secs(2);
+
+/// The leader's settings loop: re-reads `/NS/settings` every [`POLL`] and publishes valid
+/// settings on `tx`; invalid ones are logged (once per version), reported as `invalid_settings`
+/// and ignored (the last valid settings stay in force).
+pub async fn poll(
+    ctx: LeaderContext,
+    etcd: Client,
+    keys: Keys,
+    tx: watch::Sender<Settings>,
+    alerts: AlertTx,
+) {
+    let mut interval = tokio::time::interval(POLL);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut warned = 0;
+    loop {
+        tokio::select! {
+            _ = ctx.token().cancelled() => return,
+            _ = interval.tick() => {}
+        }
+        let present = match load(&etcd, &keys).await {
+            Ok((s, _)) => {
+                tx.send_if_modified(|cur| {
+                    let changed = *cur != s;
+                    *cur = s;
+                    changed
+                });
+                Vec::new()
+            }
+            Err(Error::Invalid { version, error, .. }) => {
+                if warned != version {
+                    warned = version;
+                    warn!(
+                        version,
+                        field = error.field,
+                        error = error.error,
+                        "stored settings are invalid; keeping the last valid ones"
+                    );
+                }
+                let mut c = Condition::new(
+                    "settings",
+                    "invalid_settings",
+                    format!(
+                        "the stored settings (version {version}) are invalid: {}: {}; the last valid settings stay in force (fix them with PUT /api/v1/settings)",
+                        error.field, error.error
+                    ),
+                );
+                c.details = json!({"version": version, "field": error.field, "error": error.error});
+                vec![c]
+            }
+            Err(_) => continue, // etcd unreachable: nothing to say about the settings
+        };
+        alerts.send(Signal::State {
+            kind: "invalid_settings",
+            scope: String::new(),
+            present,
+        });
     }
 }
 

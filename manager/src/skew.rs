@@ -25,9 +25,15 @@
 //! rtt/2) exceeds `skew_threshold_ms` gets its own `clock_skew` alert, and a key-movement alert
 //! names the hosts whose offsets explain it.
 //!
-//! Both kinds go through [`crate::alerts::Episodes`]: one firing alert per episode and one
-//! resolved alert after a quiet period; open episodes live in Redis, so a new leader continues
-//! them instead of alerting twice.
+//! Both kinds go to the alert loop ([`crate::alerts::run`]) as momentary observations: one
+//! firing alert per episode and one resolved alert after a quiet period; open episodes live in
+//! Redis, so a new leader continues them instead of alerting twice.
+//!
+//! **Hosts.** `NS:hosts` is read every [`HOSTS_READ_MS`] (the SDK reports every 10 s), every
+//! second while a host alert is open, and at once for a new key-movement episode. Entries not seen for [`HOST_RETENTION_MS`] (by
+//! Redis time, corrected by the host's offset), and unreadable ones, are pruned by a script
+//! that re-checks each entry when it runs, so the hash does not grow with every host that
+//! ever ran. The API and the dashboard show the hosts of this hash.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -37,12 +43,13 @@ use futures::StreamExt;
 use serde_json::json;
 use sluice::protocol::conn::Redis;
 use sluice::protocol::{HostReport, Keys, scripts, slice, unix_ms};
-use tracing::{debug, warn};
+use tokio::sync::watch;
+use tracing::{debug, info};
 
-use crate::alerts::{self, AlertState, Alerts, Episodes, Transition};
+use crate::alerts::{AlertTx, Condition, Signal};
 use crate::election::LeaderContext;
 use crate::metrics::Metrics;
-use crate::settings::{self, Settings};
+use crate::settings::Settings;
 use crate::tasks::TaskStore;
 
 /// Slices read around the leader's current one: `c − BEHIND ..= c + AHEAD`.
@@ -56,6 +63,10 @@ pub const MAX_MOVING: usize = 2;
 pub const IDLE_AFTER_MS: i64 = 2_000;
 /// Host reports older than this are ignored.
 pub const HOST_FRESH_MS: i64 = 60_000;
+/// Host entries not seen for this long are pruned from `NS:hosts` (10 minutes).
+pub const HOST_RETENTION_MS: i64 = 600_000;
+/// How often the leader reads `NS:hosts` (every second while a host alert is open).
+pub const HOSTS_READ_MS: i64 = 5_000;
 
 /// One poll's reading of a slice: `(start, cap, rem)`, `None` when it does not exist.
 pub type Reading = (i64, Option<(i64, i64)>);
@@ -162,24 +173,92 @@ pub fn skewed_hosts(
 ) -> Vec<(String, f64, f64)> {
     hosts
         .iter()
-        .filter(|(_, r)| (now_ms - r.seen_ms).abs() <= HOST_FRESH_MS)
+        .filter(|(_, r)| now_ms.saturating_sub(r.seen_ms).saturating_abs() <= HOST_FRESH_MS)
         .filter(|(_, r)| r.offset_ms.abs() - r.rtt_ms / 2.0 > threshold_ms as f64)
         .map(|(h, r)| (h.clone(), r.offset_ms, r.rtt_ms))
         .collect()
 }
 
-async fn read_hosts(redis: &Redis, keys: &Keys) -> Option<Vec<(String, HostReport)>> {
+/// Whether a host report read back from Redis is plausible: finite numbers, a round trip
+/// within a minute, an offset within a day, and a `seen_ms` that is a Unix time in ms.
+pub fn plausible(r: &HostReport) -> bool {
+    r.offset_ms.is_finite()
+        && r.offset_ms.abs() <= 86_400_000.0
+        && r.rtt_ms.is_finite()
+        && (0.0..=60_000.0).contains(&r.rtt_ms)
+        && (0..=100_000_000_000_000).contains(&r.seen_ms)
+}
+
+/// `NS:hosts` as read: the plausible reports, and the ids of entries to prune — not seen for
+/// [`HOST_RETENTION_MS`] (by the leader's clock, corrected by the host's reported offset), or
+/// unreadable.
+#[derive(Debug, Default)]
+pub struct HostsRead {
+    /// Plausible reports.
+    pub reports: Vec<(String, HostReport)>,
+    /// Entries to prune.
+    pub stale: Vec<String>,
+}
+
+/// Splits the raw entries of `NS:hosts` (pure).
+///
+/// ```
+/// use sluice_manager::skew::{split_hosts, HOST_RETENTION_MS};
+/// let now = 10_000_000;
+/// let entry = |seen: i64| format!(r#"{{"offset_ms": 0, "rtt_ms": 1, "seen_ms": {seen}, "sdk": "x"}}"#);
+/// let r = split_hosts(vec![
+///     ("fresh".into(), entry(now - 5_000)),
+///     ("gone".into(), entry(now - HOST_RETENTION_MS - 1)),
+///     ("garbage".into(), "{".into()),
+/// ], now);
+/// assert_eq!(r.reports.len(), 2); // a stale report is still shown until it is pruned
+/// assert_eq!(r.stale, ["gone", "garbage"]);
+/// ```
+pub fn split_hosts(raw: Vec<(String, String)>, now_ms: i64) -> HostsRead {
+    let mut out = HostsRead::default();
+    for (h, v) in raw {
+        match serde_json::from_str::<HostReport>(&v) {
+            Ok(r) if plausible(&r) => {
+                let seen_leader_clock = r.seen_ms - r.offset_ms as i64;
+                if now_ms.saturating_sub(seen_leader_clock) > HOST_RETENTION_MS {
+                    out.stale.push(h.clone());
+                }
+                out.reports.push((h, r));
+            }
+            _ => out.stale.push(h),
+        }
+    }
+    out
+}
+
+async fn read_hosts(redis: &Redis, keys: &Keys) -> Option<HostsRead> {
     let mut c = redis.conn().await.ok()?;
-    let all: Vec<(String, String)> = redis::cmd("HGETALL")
-        .arg(keys.hosts())
-        .query_async(&mut c)
-        .await
-        .ok()?;
-    Some(
-        all.into_iter()
-            .filter_map(|(h, v)| serde_json::from_str::<HostReport>(&v).ok().map(|r| (h, r)))
-            .collect(),
+    let all: Vec<(String, String)> = tokio::time::timeout(
+        Duration::from_secs(2),
+        redis::cmd("HGETALL").arg(keys.hosts()).query_async(&mut c),
     )
+    .await
+    .ok()?
+    .ok()?;
+    Some(split_hosts(all, unix_ms()))
+}
+
+/// Prunes `stale` entries of `NS:hosts` (the script re-checks each by Redis time, so a host
+/// that reported since it was read survives). Harmless when done by a deposed leader.
+async fn prune_hosts(redis: &Redis, keys: &Keys, stale: &[String], metrics: &Metrics) {
+    let Ok(mut c) = redis.conn().await else {
+        return;
+    };
+    let call = scripts::prune_hosts(&mut c, keys, HOST_RETENTION_MS as u64, stale);
+    match tokio::time::timeout(Duration::from_secs(2), call).await {
+        Ok(Ok(n)) if n > 0 => {
+            metrics.hosts_pruned.inc_by(n);
+            info!(n, "pruned host entries not seen for 10 minutes");
+        }
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => debug!(%e, "pruning hosts failed; retrying later"),
+        Err(_) => debug!("pruning hosts timed out; retrying later"),
+    }
 }
 
 async fn read_slices(
@@ -215,44 +294,22 @@ pub fn poll_period_ms(slice_ms: u64, idle_for_ms: i64) -> i64 {
     }
 }
 
-/// The detector's leader loop.
+/// The detector's leader loop: sends what it finds to the alert loop as [`Signal::Seen`].
 pub async fn run(
     ctx: LeaderContext,
     keys: Keys,
     redis: Arc<Redis>,
-    etcd: etcd_client::Client,
     store: TaskStore,
     metrics: Arc<Metrics>,
+    settings: watch::Receiver<Settings>,
+    alerts: AlertTx,
 ) {
-    let alerts = Alerts::start(
-        keys.clone(),
-        redis.clone(),
-        metrics.clone(),
-        ctx.token().clone(),
-    );
-    let mut episodes = match alerts::load_episodes(&redis, &keys).await {
-        Ok(e) => e,
-        Err(e) => {
-            warn!(%e, "cannot load open alert episodes; starting fresh");
-            Episodes::default()
-        }
-    };
-    let mut cfg: Settings = settings::load(&etcd, &keys)
-        .await
-        .map(|(s, _)| s)
-        .unwrap_or_default();
-    match alerts
-        .redeliver_pending(&cfg.webhooks, unix_ms(), None)
-        .await
-    {
-        Ok(n) if n > 0 => debug!(n, "re-queued undelivered webhook alerts"),
-        Ok(_) => {}
-        Err(e) => warn!(%e, "cannot check undelivered alerts"),
-    }
     let mut watches: HashMap<String, TaskWatch> = HashMap::new();
     let mut next_poll: HashMap<String, i64> = HashMap::new();
+    // When each condition was last reported: a condition not reported within the quiet
+    // period starts a new episode, for which suspects are named from fresh host reports.
+    let mut reported: HashMap<String, i64> = HashMap::new();
     let mut last_hosts_ms = 0;
-    let mut last_settings_ms = unix_ms();
     let mut hosts: Vec<(String, HostReport)> = Vec::new();
     let mut interval = tokio::time::interval(Duration::from_millis(50));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -263,65 +320,42 @@ pub async fn run(
             _ = interval.tick() => {}
         }
         let now = unix_ms();
-        if now - last_settings_ms >= 2_000 {
-            last_settings_ms = now;
-            if let Ok((s, _)) = settings::load(&etcd, &keys).await {
-                let added: Vec<String> = s
-                    .webhooks
-                    .iter()
-                    .filter(|u| !cfg.webhooks.contains(u))
-                    .cloned()
-                    .collect();
-                if !added.is_empty() {
-                    // A new webhook learns what is firing now.
-                    let open: Vec<String> = episodes
-                        .keys()
-                        .filter_map(|k| episodes.get(k))
-                        .map(|e| e.id.clone())
-                        .collect();
-                    if let Err(e) = alerts.redeliver_pending(&added, now, Some(&open)).await {
-                        warn!(%e, "cannot send open alerts to a new webhook");
-                    }
-                }
-                cfg = s;
-            }
-        }
-        let mut events: Vec<(
-            String,
-            Transition,
-            Option<String>,
-            serde_json::Value,
-            String,
-        )> = Vec::new();
+        let cfg = settings.borrow().clone();
+        let quiet = cfg.alert_quiet_ms as i64;
+        reported.retain(|_, t| now.saturating_sub(*t) < quiet);
+        let mut found: Vec<Condition> = Vec::new();
 
-        // Hosts, once a second.
-        if now - last_hosts_ms >= 1_000 {
+        // Hosts, every few seconds (the SDK reports every 10 s); every second while a host
+        // alert is open, so its episode does not go quiet between two reads.
+        let host_open = reported.keys().any(|k| k.starts_with("host:"));
+        let period = if host_open { 1_000 } else { HOSTS_READ_MS };
+        if now - last_hosts_ms >= period {
             last_hosts_ms = now;
             if let Some(h) = read_hosts(&redis, &keys).await {
-                hosts = h;
+                hosts = h.reports;
+                if !h.stale.is_empty() && ctx.is_valid() {
+                    prune_hosts(&redis, &keys, &h.stale, &metrics).await;
+                }
             }
             let max = hosts
                 .iter()
-                .filter(|(_, r)| (now - r.seen_ms).abs() <= HOST_FRESH_MS)
+                .filter(|(_, r)| now.saturating_sub(r.seen_ms).saturating_abs() <= HOST_FRESH_MS)
                 .map(|(_, r)| r.offset_ms.abs())
                 .fold(0.0, f64::max);
-            metrics.max_clock_offset_ms.set(max);
+            metrics.max_clock_offset_seconds.set(max / 1000.0);
             for (host, offset, rtt) in skewed_hosts(&hosts, cfg.skew_threshold_ms, now) {
-                let key = format!("host:{host}");
-                if let Some(t) = episodes.seen(&key, now) {
-                    let msg = format!(
+                let mut c = Condition::new(
+                    format!("host:{host}"),
+                    "clock_skew",
+                    format!(
                         "host {host} clock is {offset:+.0} ms off Redis time (±{:.0} ms), above the {} ms threshold",
                         rtt / 2.0,
                         cfg.skew_threshold_ms
-                    );
-                    events.push((
-                        key,
-                        t,
-                        Some(host.clone()),
-                        json!({"offset_ms": offset, "rtt_ms": rtt}),
-                        msg,
-                    ));
-                }
+                    ),
+                );
+                c.host = Some(host);
+                c.details = json!({"offset_ms": offset, "rtt_ms": rtt});
+                found.push(c);
             }
         }
 
@@ -361,17 +395,16 @@ pub async fn run(
                 continue;
             }
             let moved = movement.moved;
-            if episodes.get(&format!("task:{task}")).is_none()
+            let key = format!("task:{task}");
+            if !reported.contains_key(&key)
                 && let Some(h) = read_hosts(&redis, &keys).await
             {
                 // A new episode: name suspects from the freshest host reports.
-                hosts = h;
+                hosts = h.reports;
             }
+            let len = slice_ms.max(1) as i64;
             let current = slice::start(now, slice_ms);
-            let distances: Vec<i64> = moved
-                .iter()
-                .map(|s| (s - current) / slice_ms as i64)
-                .collect();
+            let distances: Vec<i64> = moved.iter().map(|s| (s - current) / len).collect();
             let suspects: Vec<String> = skewed_hosts(&hosts, cfg.skew_threshold_ms, now)
                 .into_iter()
                 .filter(|(h, _, _)| {
@@ -381,9 +414,10 @@ pub async fn run(
                 })
                 .map(|(h, o, _)| format!("{h} ({o:+.0} ms)"))
                 .collect();
-            let key = format!("task:{task}");
-            if let Some(t) = episodes.seen(&key, now) {
-                let msg = format!(
+            let mut c = Condition::new(
+                key,
+                "clock_skew",
+                format!(
                     "task {task}: {} slices moved at once (distance from the leader's slice: {distances:?}); {}",
                     moved.len(),
                     if suspects.is_empty() {
@@ -391,56 +425,17 @@ pub async fn run(
                     } else {
                         format!("suspected hosts: {}", suspects.join(", "))
                     }
-                );
-                let details =
-                    json!({"moved_slices": moved, "distances": distances, "suspects": suspects});
-                events.push((key, t, None, details, msg));
-            }
-        }
-
-        // Quiet episodes resolve.
-        for t in episodes.quiet_check(now, cfg.alert_quiet_ms) {
-            if let Transition::Resolve(e) = &t {
-                let key = e.key.clone();
-                let host = key.strip_prefix("host:").map(str::to_string);
-                let msg = format!(
-                    "{key}: no clock skew seen for {} s",
-                    cfg.alert_quiet_ms / 1000
-                );
-                events.push((key, t, host, json!({}), msg));
-            }
-        }
-
-        for (key, t, host, details, msg) in events {
-            if !ctx.is_valid() {
-                return;
-            }
-            let task = key.strip_prefix("task:").map(str::to_string);
-            let (state, episode) = match &t {
-                Transition::Fire(e) => (AlertState::Firing, e.clone()),
-                Transition::Resolve(e) => (AlertState::Resolved, e.clone()),
-            };
-            let persisted = match state {
-                AlertState::Firing => {
-                    alerts::persist_episode(&redis, &keys, &key, Some(&episode)).await
-                }
-                AlertState::Resolved => alerts::persist_episode(&redis, &keys, &key, None).await,
-            };
-            if let Err(e) = persisted {
-                warn!(%e, "cannot persist alert episode");
-            }
-            let alert = alerts::skew_alert(
-                task.as_deref(),
-                host.as_deref(),
-                state,
-                &episode,
-                msg,
-                details,
-                now,
+                ),
             );
-            if let Err(e) = alerts.emit(alert, &cfg.webhooks).await {
-                warn!(%e, "cannot record alert");
-            }
+            c.task = Some(task);
+            c.details =
+                json!({"moved_slices": moved, "distances": distances, "suspects": suspects});
+            found.push(c);
+        }
+
+        for c in found {
+            reported.insert(c.key.clone(), now);
+            alerts.send(Signal::Seen(c));
         }
     }
 }

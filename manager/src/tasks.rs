@@ -5,6 +5,11 @@
 //! every other at once. The watcher keeps an immutable [`TaskSnapshot`] (swapped whole on every
 //! change) for the rolling loop; a broken watch resumes from the last revision it saw, and a
 //! compacted one reloads everything.
+//!
+//! Everything read from etcd goes through the API's validation ([`crate::spec::parse_request`]):
+//! a spec written into etcd by hand that would not pass `PUT` is kept as an [`InvalidTask`]
+//! (neither rolled nor retired: its slices already written keep serving until the horizon),
+//! logged once per version and alerted by the leader (`invalid_spec`).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -22,7 +27,7 @@ use tracing::{debug, info, warn};
 use crate::election::ETCD_TIMEOUT;
 use crate::error::{Error, Result, etcd};
 use crate::schedule::CompiledSchedule;
-use crate::spec::TaskSpec;
+use crate::spec::{TaskSpec, parse_stored};
 
 /// One task as stored.
 #[derive(Debug, Clone)]
@@ -33,34 +38,114 @@ pub struct TaskEntry {
     pub spec: TaskSpec,
     /// Version: the etcd mod revision of the spec.
     pub version: i64,
+    /// Incarnation: the etcd create revision of the spec. A task deleted and created again
+    /// under the same name is another incarnation; state kept for one (the dynamic
+    /// controller's) is never applied to another.
+    pub created: i64,
     /// The spec's schedules, compiled.
     pub schedule: Arc<CompiledSchedule>,
 }
 
+/// A stored spec that does not pass validation (written into etcd by hand, or by another
+/// version): kept, reported, never rolled nor retired.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InvalidTask {
+    /// Name.
+    pub name: String,
+    /// Version (etcd mod revision).
+    pub version: i64,
+    /// What is wrong.
+    pub error: String,
+    /// The field at fault (`""` for the whole document).
+    pub field: String,
+}
+
+/// One stored task: valid, or kept as invalid.
+#[derive(Debug, Clone)]
+pub enum Stored {
+    /// A valid spec.
+    Valid(TaskEntry),
+    /// A spec that fails validation.
+    Invalid(InvalidTask),
+}
+
 impl TaskEntry {
-    fn decode(name: &str, value: &[u8], version: i64) -> Result<Self> {
-        let spec: TaskSpec = serde_json::from_slice(value).map_err(|e| Error::Corrupt {
-            what: format!("task spec {name:?}"),
-            why: e.to_string(),
+    /// Decodes a stored spec through the API's validation.
+    pub fn decode(
+        name: &str,
+        value: &[u8],
+        version: i64,
+        created: i64,
+    ) -> std::result::Result<Self, InvalidTask> {
+        let spec = parse_stored(name, value).map_err(|e| InvalidTask {
+            name: name.to_string(),
+            version,
+            error: e.error,
+            field: e.field,
         })?;
         Ok(Self {
             name: name.to_string(),
             schedule: Arc::new(CompiledSchedule::new(&spec.schedules)),
             spec,
             version,
+            created,
         })
+    }
+}
+
+impl Stored {
+    fn decode(name: &str, kv: &etcd_client::KeyValue) -> Self {
+        match TaskEntry::decode(name, kv.value(), kv.mod_revision(), kv.create_revision()) {
+            Ok(t) => Self::Valid(t),
+            Err(e) => Self::Invalid(e),
+        }
     }
 }
 
 /// All tasks at one etcd revision.
 #[derive(Debug, Clone, Default)]
 pub struct TaskSnapshot {
-    /// Tasks by name.
+    /// Valid tasks by name.
     pub tasks: BTreeMap<String, Arc<TaskEntry>>,
+    /// Stored specs that fail validation, by name (disjoint from `tasks`).
+    pub invalid: BTreeMap<String, Arc<InvalidTask>>,
     /// The etcd revision this snapshot reflects.
     pub revision: i64,
     /// False until the first full load succeeded.
     pub loaded: bool,
+}
+
+impl TaskSnapshot {
+    /// Whether a spec of this name is stored (valid or not).
+    pub fn contains(&self, name: &str) -> bool {
+        self.tasks.contains_key(name) || self.invalid.contains_key(name)
+    }
+
+    fn insert(&mut self, name: &str, stored: Stored) {
+        match stored {
+            Stored::Valid(t) => {
+                self.invalid.remove(name);
+                self.tasks.insert(name.to_string(), Arc::new(t));
+            }
+            Stored::Invalid(e) => {
+                warn!(
+                    task = name,
+                    version = e.version,
+                    field = e.field,
+                    error = e.error,
+                    "stored task spec is invalid: not rolled, not retired (fix or delete it)"
+                );
+                self.tasks.remove(name);
+                self.invalid.insert(name.to_string(), Arc::new(e));
+            }
+        }
+    }
+
+    fn remove(&mut self, name: &str) -> bool {
+        let a = self.tasks.remove(name).is_some();
+        let b = self.invalid.remove(name).is_some();
+        a || b
+    }
 }
 
 /// Result of a conditional write.
@@ -143,8 +228,8 @@ impl TaskStore {
         key.strip_prefix(self.keys.etcd_tasks_prefix().as_str())
     }
 
-    /// Every task, read from etcd now.
-    pub async fn list(&self) -> Result<Vec<TaskEntry>> {
+    /// Every task, read from etcd now: the valid ones, and those that fail validation.
+    pub async fn list(&self) -> Result<(Vec<TaskEntry>, Vec<InvalidTask>)> {
         let mut c = self.client.clone();
         let prefix = self.keys.etcd_tasks_prefix();
         let resp = etcd(
@@ -153,21 +238,37 @@ impl TaskStore {
             c.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
         )
         .await?;
-        let mut out = Vec::new();
+        let (mut valid, mut invalid) = (Vec::new(), Vec::new());
         for kv in resp.kvs() {
             let Some(name) = self.name_of(kv.key()) else {
                 continue;
             };
-            match TaskEntry::decode(name, kv.value(), kv.mod_revision()) {
-                Ok(t) => out.push(t),
-                Err(e) => warn!(%e, "skipping unreadable task"),
+            match Stored::decode(name, kv) {
+                Stored::Valid(t) => valid.push(t),
+                Stored::Invalid(e) => invalid.push(e),
             }
         }
-        Ok(out)
+        Ok((valid, invalid))
+    }
+
+    /// The etcd revision now (one cheap request; used to tell numbers of another etcd history
+    /// from numbers of this one).
+    pub async fn current_revision(&self) -> Result<i64> {
+        let mut c = self.client.clone();
+        let resp = etcd(
+            "current revision",
+            ETCD_TIMEOUT,
+            c.get(
+                self.keys.etcd_tasks_prefix(),
+                Some(GetOptions::new().with_count_only()),
+            ),
+        )
+        .await?;
+        Ok(resp.header().map_or(0, |h| h.revision()))
     }
 
     /// One task, read from etcd now.
-    pub async fn get(&self, name: &str) -> Result<Option<TaskEntry>> {
+    pub async fn get(&self, name: &str) -> Result<Option<Stored>> {
         let mut c = self.client.clone();
         let resp = etcd(
             "get task",
@@ -175,10 +276,7 @@ impl TaskStore {
             c.get(self.keys.etcd_task(name), None),
         )
         .await?;
-        match resp.kvs().first() {
-            Some(kv) => TaskEntry::decode(name, kv.value(), kv.mod_revision()).map(Some),
-            None => Ok(None),
-        }
+        Ok(resp.kvs().first().map(|kv| Stored::decode(name, kv)))
     }
 
     /// Stores `spec`. With `expected = Some(v)` the write happens only if the stored version is
@@ -221,8 +319,9 @@ impl TaskStore {
         }
     }
 
-    /// Deletes a task; returns the etcd revision of the deletion, or None if it did not exist.
-    pub async fn delete(&self, name: &str) -> Result<Option<i64>> {
+    /// Deletes a task; returns the etcd revision of the deletion and etcd's cluster id (the
+    /// epoch), or None if it did not exist.
+    pub async fn delete(&self, name: &str) -> Result<Option<(i64, u64)>> {
         let mut c = self.client.clone();
         let resp = etcd(
             "delete task",
@@ -230,7 +329,10 @@ impl TaskStore {
             c.delete(self.keys.etcd_task(name), None),
         )
         .await?;
-        Ok((resp.deleted() > 0).then(|| resp.header().map_or(0, |h| h.revision())))
+        Ok((resp.deleted() > 0).then(|| {
+            resp.header()
+                .map_or((0, 0), |h| (h.revision(), h.cluster_id()))
+        }))
     }
 
     async fn load(&self) -> Result<TaskSnapshot> {
@@ -251,12 +353,7 @@ impl TaskStore {
             let Some(name) = self.name_of(kv.key()) else {
                 continue;
             };
-            match TaskEntry::decode(name, kv.value(), kv.mod_revision()) {
-                Ok(t) => {
-                    snap.tasks.insert(name.to_string(), Arc::new(t));
-                }
-                Err(e) => warn!(%e, "skipping unreadable task"),
-            }
+            snap.insert(name, Stored::decode(name, kv));
         }
         Ok(snap)
     }
@@ -272,7 +369,12 @@ impl TaskStore {
                 Some(s) => s,
                 None => match self.load().await {
                     Ok(s) => {
-                        info!(tasks = s.tasks.len(), revision = s.revision, "tasks loaded");
+                        info!(
+                            tasks = s.tasks.len(),
+                            invalid = s.invalid.len(),
+                            revision = s.revision,
+                            "tasks loaded"
+                        );
                         self.snapshot.send_replace(Arc::new(s.clone()));
                         s
                     }
@@ -347,18 +449,13 @@ impl TaskStore {
                     current.revision = current.revision.max(kv.mod_revision());
                     match ev.event_type() {
                         EventType::Put => {
-                            match TaskEntry::decode(name, kv.value(), kv.mod_revision()) {
-                                Ok(t) => {
-                                    debug!(task = name, version = t.version, "task changed");
-                                    current.tasks.insert(name.to_string(), Arc::new(t));
-                                    changed = true;
-                                }
-                                Err(e) => warn!(%e, "ignoring unreadable task update"),
-                            }
+                            debug!(task = name, version = kv.mod_revision(), "task changed");
+                            current.insert(name, Stored::decode(name, kv));
+                            changed = true;
                         }
                         EventType::Delete => {
                             debug!(task = name, "task deleted");
-                            changed |= current.tasks.remove(name).is_some();
+                            changed |= current.remove(name);
                         }
                     }
                 }

@@ -397,6 +397,8 @@ pub struct ManagerOpts {
     pub lease_ttl: String,
     /// Extra arguments.
     pub extra: Vec<String>,
+    /// Extra environment variables (`SLUICE_<FLAG>` settings).
+    pub env: Vec<(String, String)>,
 }
 
 impl ManagerOpts {
@@ -409,6 +411,7 @@ impl ManagerOpts {
             node_id: node_id.to_string(),
             lease_ttl: "2s".to_string(),
             extra: Vec::new(),
+            env: Vec::new(),
         }
     }
 }
@@ -437,6 +440,7 @@ impl Manager {
             .args(["--namespace", &opts.namespace])
             .args(["--node-id", &opts.node_id])
             .args(&opts.extra)
+            .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .env(
                 "RUST_LOG",
                 std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "info".into()),
@@ -1031,4 +1035,143 @@ pub fn sdk_config(redis: &str, namespace: &str, host_id: &str) -> sluice::Config
     cfg.namespace = namespace.to_string();
     cfg.host_id = host_id.to_string();
     cfg
+}
+
+// ───────────────────────── lifecycle helpers (manager lifecycle tests) ─────────────────────────
+
+/// Standard base64 (RFC 4648, padded), for the etcd HTTP gateway.
+pub fn base64(data: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+    for c in data.chunks(3) {
+        let n = (u32::from(c[0]) << 16)
+            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
+            | u32::from(*c.get(2).unwrap_or(&0));
+        for (i, shift) in [18, 12, 6, 0].into_iter().enumerate() {
+            if i <= c.len() {
+                out.push(A[(n >> shift & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// `PUT key = value` through etcd's HTTP gateway (`POST /v3/kv/put`), as an operator writing
+/// into etcd by hand would; returns the response header (`cluster_id`, `revision`).
+pub async fn etcd_put(endpoint: &str, key: &str, value: &str) -> Value {
+    let body =
+        serde_json::json!({"key": base64(key.as_bytes()), "value": base64(value.as_bytes())});
+    let r = http()
+        .post(format!("{endpoint}/v3/kv/put"))
+        .body(body.to_string())
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("etcd put {key} at {endpoint}: {e}"));
+    assert!(r.status().is_success(), "etcd put {key}: {}", r.status());
+    let v: Value = r.json().await.expect("etcd put reply");
+    v["header"].clone()
+}
+
+/// etcd's cluster id (decimal, as the gateway prints it) and current revision.
+pub async fn etcd_identity(endpoint: &str) -> (String, i64) {
+    let r = http()
+        .post(format!("{endpoint}/v3/kv/range"))
+        .body(serde_json::json!({"key": base64(b"/"), "count_only": true}).to_string())
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("etcd range at {endpoint}: {e}"));
+    let v: Value = r.json().await.expect("etcd range reply");
+    let h = &v["header"];
+    (
+        h["cluster_id"].as_str().expect("cluster_id").to_string(),
+        h["revision"]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .expect("revision"),
+    )
+}
+
+/// Makes `n` revisions in etcd (puts of scratch keys, 8 in flight), so terms of managers
+/// elected afterwards are large.
+pub async fn etcd_burn_revisions(endpoint: &str, n: usize) {
+    let mut set = tokio::task::JoinSet::new();
+    for w in 0..8 {
+        let endpoint = endpoint.to_string();
+        let count = n / 8 + usize::from(w < n % 8);
+        set.spawn(async move {
+            for i in 0..count {
+                etcd_put(&endpoint, &format!("/scratch/{w}"), &i.to_string()).await;
+            }
+        });
+    }
+    while let Some(r) = set.join_next().await {
+        r.expect("etcd put task");
+    }
+}
+
+impl EtcdServer {
+    /// Rebuilds etcd as an operator restoring a lost member would: kill it, wipe its data
+    /// directory, start it again with the same configuration. etcd derives the cluster id from
+    /// the configuration, so it is the same cluster id with revisions starting again at 1.
+    pub fn rebuild(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(self.dir.path().join("data"));
+        self.restart();
+    }
+}
+
+impl Manager {
+    /// The alerts this replica serves (`GET /api/v1/alerts`), newest first; empty when it
+    /// cannot be reached.
+    pub async fn alerts(&self) -> Vec<Value> {
+        self.get_json("/api/v1/alerts?limit=1000")
+            .await
+            .and_then(|v| v["alerts"].as_array().cloned())
+            .unwrap_or_default()
+    }
+
+    /// How many lines of this replica's log contain `needle`.
+    pub fn log_count(&self, needle: &str) -> usize {
+        self.proc
+            .log()
+            .lines()
+            .filter(|l| l.contains(needle))
+            .count()
+    }
+}
+
+/// The fields of `NS:{T}:meta`.
+pub fn meta_fields(
+    conn: &mut redis::Connection,
+    ns: &str,
+    task: &str,
+) -> std::collections::HashMap<String, String> {
+    let keys = sluice::protocol::Keys::new(ns).expect("namespace");
+    redis::cmd("HGETALL")
+        .arg(keys.meta(task))
+        .query(conn)
+        .expect("read meta")
+}
+
+/// Waits until every slice of `task` from now to `ahead_ms` later holds `cap`.
+pub async fn wait_caps(
+    conn: &mut redis::Connection,
+    ns: &str,
+    task: &str,
+    slice_ms: u64,
+    ahead_ms: i64,
+    cap: u64,
+    timeout: Duration,
+) {
+    let what = format!("every slice of {task} at {cap}");
+    wait_until(&what, timeout, Duration::from_millis(50), || {
+        let now = now_ms();
+        let ok = slice_caps(conn, ns, task, slice_ms, now, now + ahead_ms)
+            .iter()
+            .all(|(_, c)| *c == Some(cap));
+        async move { ok.then_some(()) }
+    })
+    .await
 }

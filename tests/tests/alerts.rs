@@ -136,7 +136,7 @@ async fn a_host_alert_reaches_the_webhook_once_across_a_failover_and_resolves() 
         "{metrics}"
     );
     assert!(
-        metrics.contains("sluice_max_clock_offset_ms 1500"),
+        metrics.contains("sluice_max_clock_offset_seconds 1.5"),
         "{metrics}"
     );
 

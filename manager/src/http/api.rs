@@ -1,8 +1,9 @@
 //! `/api/v1`: the JSON API (contract in `docs/api.md`).
 //!
 //! Errors are `{"error": "...", "field": "..."}` (field only when one is at fault): 400 for bad
-//! input (nothing is written), 404 unknown task, 409 stale `version`, 503 when etcd or Redis
-//! cannot be reached.
+//! input (nothing is written), 404 unknown task, 409 stale `version`, 422 a stored document
+//! (task spec, settings) that fails validation (written into etcd by hand), 503 when etcd or
+//! Redis cannot be reached.
 
 use axum::Router;
 use axum::body::Bytes;
@@ -13,14 +14,16 @@ use axum::routing::get;
 use redis::AsyncCommands;
 use serde_json::{Value, json};
 use sluice::protocol::scripts;
+use sluice::protocol::scripts::{Fence, RetireOutcome};
 use sluice::protocol::{meta_field, slice, slice_field, unix_ms, validate_task_name};
 use tracing::{info, warn};
 
 use super::AppState;
+use crate::election::ETCD_TIMEOUT;
 use crate::election::cluster_view;
 use crate::error::Error;
 use crate::spec::{FieldError, parse_request};
-use crate::tasks::{PutOutcome, TaskEntry};
+use crate::tasks::{InvalidTask, PutOutcome, Stored, TaskEntry};
 
 /// An API error response.
 #[derive(Debug)]
@@ -54,6 +57,20 @@ impl ApiError {
     }
 }
 
+/// The body answered for a stored spec that fails validation (status 422).
+pub fn invalid_task_body(t: &InvalidTask) -> Value {
+    json!({
+        "error": format!(
+            "the stored spec of task {:?} (version {}) is invalid: {}; it is neither rolled nor retired: PUT a valid spec (with \"version\": {}) or DELETE it",
+            t.name, t.version, t.error, t.version
+        ),
+        "field": t.field,
+        "name": t.name,
+        "version": t.version,
+        "invalid": true,
+    })
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, axum::Json(self.body)).into_response()
@@ -72,6 +89,17 @@ impl From<Error> for ApiError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 format!("redis unavailable: {e}"),
             ),
+            Error::Invalid {
+                version, ref error, ..
+            } => Self {
+                status: StatusCode::UNPROCESSABLE_ENTITY,
+                body: json!({
+                    "error": e.to_string(),
+                    "field": error.field,
+                    "version": version,
+                    "invalid": true,
+                }),
+            },
             other => Self::new(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
         }
     }
@@ -116,14 +144,16 @@ async fn cluster(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
 }
 
 async fn list_tasks(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
-    let tasks: Vec<Value> = s
-        .store
-        .list()
-        .await?
+    let (valid, invalid) = s.store.list().await?;
+    let tasks: Vec<Value> = valid
         .iter()
         .map(|t| t.spec.to_api_json(&t.name, t.version))
         .collect();
-    Ok(axum::Json(json!({ "tasks": tasks })))
+    let invalid: Vec<Value> = invalid
+        .iter()
+        .map(|t| json!({"name": t.name, "version": t.version, "error": t.error, "field": t.field}))
+        .collect();
+    Ok(axum::Json(json!({ "tasks": tasks, "invalid": invalid })))
 }
 
 /// Live status of a task, read from Redis. Fields are null when Redis cannot be read.
@@ -166,11 +196,21 @@ async fn get_task(
     Path(name): Path<String>,
 ) -> ApiResult<axum::Json<Value>> {
     check_name(&name)?;
-    let t = s
-        .store
-        .get(&name)
-        .await?
-        .ok_or_else(|| ApiError::new(StatusCode::NOT_FOUND, format!("no task {name:?}")))?;
+    let t = match s.store.get(&name).await? {
+        Some(Stored::Valid(t)) => t,
+        Some(Stored::Invalid(t)) => {
+            return Err(ApiError {
+                status: StatusCode::UNPROCESSABLE_ENTITY,
+                body: invalid_task_body(&t),
+            });
+        }
+        None => {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                format!("no task {name:?}"),
+            ));
+        }
+    };
     let mut v = t.spec.to_api_json(&t.name, t.version);
     v["status"] = status(&s, &t).await;
     Ok(axum::Json(v))
@@ -218,23 +258,38 @@ async fn put_task(
 
 async fn delete_task(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<StatusCode> {
     check_name(&name)?;
-    let Some(revision) = s.store.delete(&name).await? else {
+    let Some((revision, epoch)) = s.store.delete(&name).await? else {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
             format!("no task {name:?}"),
         ));
     };
     info!(task = name, "task deleted");
-    // The leader retires the meta hash when it sees the delete; do it here too, with the
-    // stored term (so the fence is kept), in case there is no leader right now.
+    // The leader retires the meta hash when it sees the delete; do it here too, in case there
+    // is no leader right now. The API is no leader: it writes with the stored term when the
+    // stored fence is of its own epoch (so the fence is kept), and with term 0 otherwise, so
+    // a live fence of another epoch refuses it (a DELETE through this cluster must not take
+    // down a task another cluster writes) and a stale one is taken over by any leader of ours.
     let retire = async {
         let mut c = s.redis.conn().await?;
-        let term: Option<i64> = c.hget(s.keys.meta(&name), meta_field::TERM).await?;
+        let (term, stored_epoch): (Option<i64>, Option<String>) = redis::cmd("HMGET")
+            .arg(s.keys.meta(&name))
+            .arg(meta_field::TERM)
+            .arg(meta_field::EPOCH)
+            .query_async(&mut c)
+            .await?;
+        let ours = stored_epoch.is_none_or(|e| e == epoch.to_string());
+        let fence = Fence {
+            term: if ours { term.unwrap_or(0) } else { 0 },
+            epoch,
+            stale_after_ms: s.cfg.fence_stale_after.as_millis() as u64,
+        };
         let ttl = (s.cfg.horizon + s.cfg.retention).as_millis() as u64;
-        scripts::retire(&mut c, &s.keys, &name, term.unwrap_or(0), ttl, revision).await
+        scripts::retire(&mut c, &s.keys, &name, &fence, ttl, revision, false).await
     };
-    match tokio::time::timeout(std::time::Duration::from_secs(1), retire).await {
-        Ok(Ok(_)) => {}
+    match tokio::time::timeout(ETCD_TIMEOUT / 2, retire).await {
+        Ok(Ok(RetireOutcome::Retired)) => {}
+        Ok(Ok(other)) => info!(task = name, ?other, "meta not retired by the API"),
         Ok(Err(e)) => warn!(task = name, %e, "could not retire meta; the leader will"),
         Err(_) => warn!(task = name, "retiring meta timed out; the leader will"),
     }

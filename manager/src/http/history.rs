@@ -25,9 +25,10 @@ use sluice::protocol::conn::RedisConn;
 use sluice::protocol::{HostReport, meta_field, slice, unix_ms, validate_task_name};
 
 use super::AppState;
-use super::api::ApiError;
+use super::api::{ApiError, invalid_task_body};
 use crate::error::{Error, Result as CrateResult, redis as redis_err};
 use crate::history::{self, MINUTES, Record, SECONDS, Series, SliceSample};
+use crate::tasks::Stored;
 
 /// Longest history that can be asked for: the one-minute ring's span (7 days).
 pub const MAX_SECONDS: u64 = 7 * 86_400;
@@ -177,12 +178,21 @@ async fn task_history(
     check_task_name("name", &name)?;
     check_params(&q, &["seconds", "resolution"])?;
     let hq = parse_history_query(&q).map_err(|(f, e)| bad(f, e))?;
-    let task = s.store.get(&name).await.map_err(backend)?.ok_or_else(|| {
-        Failure::Reply(
-            StatusCode::NOT_FOUND,
-            json!({ "error": format!("no task {name:?}") }),
-        )
-    })?;
+    let task = match s.store.get(&name).await.map_err(backend)? {
+        Some(Stored::Valid(t)) => t,
+        Some(Stored::Invalid(t)) => {
+            return Err(Failure::Reply(
+                StatusCode::UNPROCESSABLE_ENTITY,
+                invalid_task_body(&t),
+            ));
+        }
+        None => {
+            return Err(Failure::Reply(
+                StatusCode::NOT_FOUND,
+                json!({ "error": format!("no task {name:?}") }),
+            ));
+        }
+    };
     let slice_ms = task.spec.slice_ms;
     let mut conn = s
         .redis
@@ -363,7 +373,7 @@ async fn task_traffic(
 }
 
 async fn traffic(State(s): State<AppState>) -> Reply {
-    let tasks = s.store.list().await.map_err(backend)?;
+    let (tasks, _invalid) = s.store.list().await.map_err(backend)?;
     let conn = s
         .redis
         .conn()

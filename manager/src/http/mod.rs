@@ -65,14 +65,31 @@ async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
     }))
 }
 
-async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        s.metrics.render(),
-    )
+/// OpenMetrics for clients that ask for it (Prometheus does), the classic text format
+/// otherwise (`curl`, `promtool check metrics`).
+async fn metrics(State(s): State<AppState>, req: Request) -> impl IntoResponse {
+    let openmetrics = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains("application/openmetrics-text"));
+    if openmetrics {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            s.metrics.render(),
+        )
+    } else {
+        (
+            [(
+                header::CONTENT_TYPE,
+                "text/plain; version=0.0.4; charset=utf-8",
+            )],
+            s.metrics.render_classic(),
+        )
+    }
 }
 
 /// With `--api-token`, mutating calls need `Authorization: Bearer <token>`.

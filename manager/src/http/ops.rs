@@ -99,6 +99,7 @@ async fn put_settings(State(s): State<AppState>, body: Bytes) -> ApiResult<axum:
 
 async fn task_exists(s: &AppState, name: &str) -> ApiResult<()> {
     sluice::protocol::validate_task_name(name).map_err(|e| bad("name", e.to_string()))?;
+    // A task whose stored spec is invalid exists too (its reports and adjustments are kept).
     match s.store.get(name).await? {
         Some(_) => Ok(()),
         None => Err(ApiError::new(

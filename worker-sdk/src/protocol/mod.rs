@@ -7,7 +7,8 @@
 //! # Redis layout (namespace `NS`, task `T`)
 //!
 //! ```text
-//!  NS:{T}:meta              hash   spec fields the SDK needs + version, term (fence), rolled_to
+//!  NS:{T}:meta              hash   spec fields the SDK needs + version, rolled_to, and the
+//!                                  fence: term, epoch, fenced_ms
 //!  NS:{T}:s:<start_ms>      hash   cap, rem, term, adm, rej, ok, err, lat_sum_us, lat_n
 //!  NS:hosts                 hash   host id -> JSON {offset_ms, rtt_ms, seen_ms, sdk}
 //!  NS:alerts                stream alert feed (capped)
@@ -40,7 +41,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 /// Version of this protocol, written into every task's meta hash as `proto`.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The default namespace.
 pub const DEFAULT_NAMESPACE: &str = "sluice";
@@ -217,7 +218,7 @@ impl Keys {
     }
 
     /// `NS:{T}:log:seq`: the sequence that makes `exact_sliding` log members unique (expires
-    /// with the log).
+    /// with the log, deleted with the task).
     pub fn sliding_log_seq(&self, task: &str) -> String {
         format!("{}:{{{task}}}:log:seq", self.ns)
     }
@@ -415,12 +416,18 @@ pub mod meta_field {
     pub const FALLBACK_BURST: &str = "fallback_burst";
     /// Spec version.
     pub const VERSION: &str = "version";
-    /// Highest leader term that wrote this task: the fence.
+    /// Term of the leader that last wrote this task: the fence (with [`EPOCH`]).
     pub const TERM: &str = "term";
+    /// The etcd cluster id of that leader's election (decimal string): terms of different
+    /// epochs are not comparable.
+    pub const EPOCH: &str = "epoch";
+    /// Redis time (Unix ms) of the last fenced write; a fence not refreshed for the manager's
+    /// `--fence-stale-after` may be taken over.
+    pub const FENCED_MS: &str = "fenced_ms";
     /// End (exclusive, ms) of the last slice the leader has written.
     pub const ROLLED_TO: &str = "rolled_to";
     /// Present when the task was deleted: the etcd revision of the deletion (the hash then
-    /// keeps only this and the fence).
+    /// keeps only this and the fence: `term`, `epoch`, `fenced_ms`).
     pub const RETIRED: &str = "retired";
 }
 

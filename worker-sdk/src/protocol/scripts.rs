@@ -1,8 +1,9 @@
 //! The Lua scripts of the protocol and typed calls to them.
 //!
 //! Every script touches the keys of one task only (one hash tag, one Cluster slot) and is
-//! atomic in Redis. The manager uses [`roll`] and [`retire`]; workers use [`pull`] and
-//! [`flush`], and for the exact modes [`take`] (`exact_fixed`) and [`slide`] (`exact_sliding`).
+//! atomic in Redis. The manager uses [`roll`], [`retire`], [`adjust`], [`record_history`],
+//! [`read_slices`] and [`prune_hosts`]; workers use [`pull`] and [`flush`], and for the exact
+//! modes [`take`] (`exact_fixed`) and [`slide`] (`exact_sliding`).
 //!
 //! # Retries
 //!
@@ -12,10 +13,28 @@
 //!
 //! # Fencing
 //!
-//! A leader writes with its election term. [`ROLL_LUA`] and [`RETIRE_LUA`] refuse a term lower
-//! than the `term` stored in the task's meta hash and raise the stored term to theirs, so once
-//! a new leader has touched a task, a deposed leader (paused, partitioned) can no longer change
-//! it. The refused leader learns it from [`RollOutcome::Fenced`] and steps down.
+//! A leader writes with a [`Fence`]: its election term and its **epoch**, the cluster id of the
+//! etcd that elected it. Every leader script starts with the same preamble ([`FENCE_LUA`]),
+//! which compares the writer's fence with the one stored in the task's meta hash (`term`,
+//! `epoch`, and `fenced_ms`, the Redis time of the last fenced write):
+//!
+//! ```text
+//!   stored epoch equal (or absent: legacy)
+//!       stored term ≤ term ............................ write (versions are comparable)
+//!       stored term > term, fenced_ms fresh ........... refused: Newer (a newer leader)
+//!       stored term > term, fenced_ms ≥ stale_after ... take over (etcd restored: terms went back)
+//!   stored epoch different (another etcd, another manager cluster)
+//!       fenced_ms fresh ............................... refused: Foreign
+//!       fenced_ms ≥ stale_after ....................... take over
+//! ```
+//!
+//! A live leader refreshes `fenced_ms` whenever it advances `rolled_to` and at least every
+//! quarter of `stale_after`, so its fence never goes stale while it runs. Once a new leader has
+//! touched a task, a deposed leader (paused, partitioned) can no longer change it; the only
+//! write that can still land is one delayed in flight for longer than `stale_after` while no
+//! leader wrote the task at all, and the next leadership's full first tick repairs it.
+//! A takeover is always a full write (meta and the whole window), and spec versions and
+//! deletion revisions of another epoch are never compared with the writer's.
 
 use std::sync::LazyLock;
 
@@ -23,34 +42,88 @@ use redis::{RedisResult, Script, Value};
 
 use super::{Keys, TaskMeta};
 
-/// Writes meta and slices of one task, fenced by term.
+/// The fence preamble as a literal, so every leader script can be composed with `concat!`.
+macro_rules! fence_preamble {
+    () => {
+        r#"
+local term = tonumber(ARGV[1])
+local epoch = ARGV[2]
+local stale = tonumber(ARGV[3])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+-- nil, comparable: the writer may write (comparable = same epoch and no takeover), or the
+-- refusal {0, term, age} (a newer term of this epoch) / {4, term, age, epoch} (foreign).
+local function fence(meta)
+  local f = redis.call('HMGET', meta, 'term', 'epoch', 'fenced_ms')
+  local cur = tonumber(f[1])
+  if not cur then return nil, true end
+  local age = now - (tonumber(f[3]) or 0)
+  if f[2] and f[2] ~= epoch then
+    if age < stale then return {4, cur, age, f[2]}, false end
+    return nil, false
+  end
+  if cur > term then
+    if age < stale then return {0, cur, age}, false end
+    return nil, false
+  end
+  return nil, true
+end
+local function claim(meta)
+  redis.call('HSET', meta, 'term', term, 'epoch', epoch, 'fenced_ms', now)
+end
+"#
+    };
+}
+
+/// The fence shared by every leader script (see the module docs). `ARGV[1..3]`: term, epoch
+/// (the etcd cluster id, a decimal string: it does not fit a Lua number), stale_after (ms).
+/// Defines `now` (Redis `TIME`, ms), `fence(meta)` and `claim(meta)`.
+pub const FENCE_LUA: &str = fence_preamble!();
+
+/// Writes meta and slices of one task, fenced (see [`FENCE_LUA`]).
 ///
-/// `KEYS[1]` meta, `KEYS[2..]` slices. `ARGV`: term, full (0/1), expected `rolled_to`, new
-/// `rolled_to`, spec version, number of meta pairs `n`, `2n` meta field/values, then per slice:
-/// cap, expire-at (Unix ms).
+/// `KEYS[1]` meta, `KEYS[2..]` slices. `ARGV`: the fence (3), full (0/1), expected `rolled_to`,
+/// new `rolled_to`, spec version, force (0/1), refresh (0/1), number of meta pairs `n`, `2n`
+/// meta field/values, then per slice: cap, expire-at (Unix ms).
 ///
-/// Returns `{1, written}`, `{0, current_term}` (fenced), `{2, 0}`: the meta hash is missing,
-/// retired or behind the leader's expectation (Redis restarted or flushed), so the caller must
-/// resend the whole window with `full = 1`; or `{3, retired_rev}`: the task was deleted at etcd
-/// revision `retired_rev`, which is not older than the spec version being written — the writer
-/// has not seen the deletion yet and must not resurrect the task.
+/// Returns
+/// * `{1, written}`;
+/// * `{0, term, age_ms}` / `{4, term, age_ms, epoch}`: refused by the fence (nothing written);
+/// * `{2, 0}`: the meta hash is missing, retired or behind the leader's expectation (Redis
+///   restarted or flushed), or a fence is being taken over: resend the whole window with
+///   `full = 1`;
+/// * `{3, retired_rev}`: the task was deleted at etcd revision `retired_rev`, not older than the
+///   spec version being written — the writer has not seen the deletion and must not resurrect
+///   the task;
+/// * `{5, stored_version}`: the stored spec version is newer than the writer's (a lagging
+///   snapshot): nothing written.
+///
+/// The version and deletion checks apply only within one epoch and without a takeover, and
+/// `force = 1` skips them (the writer found the stored numbers to come from another etcd
+/// history). `refresh = 1` rewrites `fenced_ms` even when `rolled_to` does not move.
 ///
 /// A slice that exists with another cap gets `rem += new_cap - old_cap` (consumption is kept);
-/// one with the same cap is left alone, so replays are harmless.
-pub const ROLL_LUA: &str = r#"
-local term = tonumber(ARGV[1])
-local m = redis.call('HMGET', KEYS[1], 'term', 'rolled_to', 'retired')
-local cur = tonumber(m[1])
-if cur and cur > term then return {0, cur} end
-local full = ARGV[2] == '1'
+/// one with the same cap is left alone, so replays are harmless. An existing slice whose key
+/// expires before the requested expiry is extended (a longer `slice_ms` reuses keys of the old
+/// grid whose start coincides), never shortened.
+pub const ROLL_LUA: &str = concat!(
+    fence_preamble!(),
+    r#"
+local refused, comparable = fence(KEYS[1])
+if refused then return refused end
+local m = redis.call('HMGET', KEYS[1], 'term', 'rolled_to', 'retired', 'version', 'epoch')
+local full = ARGV[4] == '1'
+local version = tonumber(ARGV[7])
+local check = comparable and ARGV[8] ~= '1'
 if not full then
-  if (not cur) or m[3] then return {2, 0} end
-  if tonumber(m[2] or '0') < tonumber(ARGV[3]) then return {2, 0} end
-elseif m[3] and tonumber(m[3]) >= tonumber(ARGV[5]) then
+  if (not m[1]) or m[3] or not comparable then return {2, 0} end
+  if tonumber(m[2] or '0') < tonumber(ARGV[5]) then return {2, 0} end
+elseif m[3] and check and tonumber(m[3]) >= version then
   return {3, tonumber(m[3])}
 end
-local n = tonumber(ARGV[6])
-local i = 7
+if check and m[4] and tonumber(m[4]) > version then return {5, tonumber(m[4])} end
+local n = tonumber(ARGV[10])
+local i = 11
 if n > 0 then
   local kv = {}
   for j = 0, 2 * n - 1 do kv[#kv + 1] = ARGV[i + j] end
@@ -58,46 +131,62 @@ if n > 0 then
   i = i + 2 * n
 end
 if full then redis.call('HDEL', KEYS[1], 'retired') end
-local new_rolled = tonumber(ARGV[4])
-if full or new_rolled > tonumber(m[2] or '0') then
-  redis.call('HSET', KEYS[1], 'term', term, 'rolled_to', new_rolled)
-elseif cur ~= term then
-  redis.call('HSET', KEYS[1], 'term', term)
-end
+local new_rolled = tonumber(ARGV[6])
+local advanced = full or new_rolled > tonumber(m[2] or '0')
+if advanced then redis.call('HSET', KEYS[1], 'rolled_to', new_rolled) end
+if advanced or ARGV[9] == '1' or tonumber(m[1]) ~= term or m[5] ~= epoch then claim(KEYS[1]) end
 local written = 0
 for k = 2, #KEYS do
   local cap = tonumber(ARGV[i])
-  local exp = ARGV[i + 1]
+  local exp = tonumber(ARGV[i + 1])
   i = i + 2
   local old = redis.call('HGET', KEYS[k], 'cap')
   if not old then
     redis.call('HSET', KEYS[k], 'cap', cap, 'rem', cap, 'term', term)
     redis.call('PEXPIREAT', KEYS[k], exp)
     written = written + 1
-  elseif tonumber(old) ~= cap then
-    redis.call('HINCRBY', KEYS[k], 'rem', cap - tonumber(old))
-    redis.call('HSET', KEYS[k], 'cap', cap, 'term', term)
-    written = written + 1
+  else
+    if tonumber(old) ~= cap then
+      redis.call('HINCRBY', KEYS[k], 'rem', cap - tonumber(old))
+      redis.call('HSET', KEYS[k], 'cap', cap, 'term', term)
+      written = written + 1
+    end
+    local ttl = redis.call('PTTL', KEYS[k])
+    if ttl == -1 or (ttl >= 0 and now + ttl < exp) then
+      redis.call('PEXPIREAT', KEYS[k], exp)
+    end
   end
 end
 return {1, written}
-"#;
+"#
+);
 
-/// Marks a deleted task: the meta hash is replaced by a tombstone that keeps only the fence
-/// (`term`) and the etcd revision of the deletion (`retired`), and expires after `ARGV[2]` ms.
-/// Slices are left to expire.
+/// Marks a deleted task, fenced (see [`FENCE_LUA`]): the meta hash is replaced by a tombstone
+/// that keeps only the fence (`term`, `epoch`, `fenced_ms`) and the etcd revision of the
+/// deletion (`retired`), expiring after the tombstone ttl; every other key of the task's state
+/// given in `KEYS[2..]` (dynamic state, adjustments, health reports, sliding log, history
+/// rings) is deleted, so a task re-created under the same name starts clean. Slices are left
+/// to expire (workers holding quota keep serving until the slice ends).
 ///
-/// `KEYS[1]` meta. `ARGV`: term, tombstone ttl (ms), deletion revision.
-/// Returns `{1, 0}` or `{0, current_term}`.
-pub const RETIRE_LUA: &str = r#"
-local term = tonumber(ARGV[1])
-local cur = tonumber(redis.call('HGET', KEYS[1], 'term'))
-if cur and cur > term then return {0, cur} end
+/// `KEYS[1]` meta, `KEYS[2..]` keys to delete. `ARGV`: the fence (3), tombstone ttl (ms),
+/// deletion revision, force (0/1). Returns `{1, 0}`, a fence refusal (`{0, term, age}` /
+/// `{4, term, age, epoch}`), or `{5, stored_version}`: the stored spec is newer than the
+/// deletion (the task was re-created since; same epoch only, skipped with `force = 1`).
+pub const RETIRE_LUA: &str = concat!(
+    fence_preamble!(),
+    r#"
+local refused, comparable = fence(KEYS[1])
+if refused then return refused end
+local v = tonumber(redis.call('HGET', KEYS[1], 'version'))
+if comparable and ARGV[6] ~= '1' and v and v > tonumber(ARGV[5]) then return {5, v} end
 redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'term', math.max(term, cur or 0), 'retired', ARGV[3])
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('HSET', KEYS[1], 'retired', ARGV[5])
+claim(KEYS[1])
+redis.call('PEXPIRE', KEYS[1], ARGV[4])
+for k = 2, #KEYS do redis.call('DEL', KEYS[k]) end
 return {1, 0}
-"#;
+"#
+);
 
 /// Pulls up to `ARGV[1]` permits from one slice; optionally adds counters to it.
 ///
@@ -182,27 +271,34 @@ end
 return n
 "#;
 
-/// Records a dynamic-limiting decision, fenced like [`ROLL_LUA`]: the controller state and the
-/// adjustment log of a task can only be written by the current leader.
+/// Records a dynamic-limiting decision, fenced (see [`FENCE_LUA`]): the controller state and
+/// the adjustment log of a task can only be written by the current leader, and only while the
+/// task exists (a delayed write after a deletion never brings its state back).
 ///
 /// `KEYS[1]` meta, `KEYS[2]` `NS:{T}:dyn` (hash), `KEYS[3]` `NS:{T}:adj` (list, newest first).
-/// `ARGV`: term, keep (log length), adjustment JSON ('' = none), then state field/value pairs.
-/// Returns `{1, 0}` or `{0, current_term}`.
-pub const ADJUST_LUA: &str = r#"
-local term = tonumber(ARGV[1])
-local cur = tonumber(redis.call('HGET', KEYS[1], 'term'))
-if cur and cur > term then return {0, cur} end
-if #ARGV > 3 then
+/// `ARGV`: the fence (3), keep (log length), adjustment JSON ('' = none), clear (0/1: delete
+/// the state first), then state field/value pairs.
+/// Returns `{1, 0}`, a fence refusal, or `{2, 0}`: the task's meta is missing or retired.
+pub const ADJUST_LUA: &str = concat!(
+    fence_preamble!(),
+    r#"
+local refused = fence(KEYS[1])
+if refused then return refused end
+local m = redis.call('HMGET', KEYS[1], 'slice_ms', 'retired')
+if (not m[1]) or m[2] then return {2, 0} end
+if ARGV[6] == '1' then redis.call('DEL', KEYS[2]) end
+if #ARGV > 6 then
   local kv = {}
-  for j = 4, #ARGV do kv[#kv + 1] = ARGV[j] end
+  for j = 7, #ARGV do kv[#kv + 1] = ARGV[j] end
   redis.call('HSET', KEYS[2], unpack(kv))
 end
-if ARGV[3] ~= '' then
-  redis.call('LPUSH', KEYS[3], ARGV[3])
-  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[2]) - 1)
+if ARGV[5] ~= '' then
+  redis.call('LPUSH', KEYS[3], ARGV[5])
+  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
 end
 return {1, 0}
-"#;
+"#
+);
 
 /// `exact_fixed`: takes exactly `n` permits from one slice, or none.
 ///
@@ -306,13 +402,109 @@ pub struct SliceWrite {
     pub expire_at_ms: i64,
 }
 
+/// The fence a leader writes with (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fence {
+    /// Election term (the leader key's creation revision).
+    pub term: i64,
+    /// The etcd cluster id of the election: terms of different epochs are not comparable.
+    pub epoch: u64,
+    /// A stored fence not refreshed for this long may be taken over (ms).
+    pub stale_after_ms: u64,
+}
+
+impl Fence {
+    fn push(&self, inv: &mut redis::ScriptInvocation<'_>) {
+        inv.arg(self.term)
+            .arg(self.epoch.to_string())
+            .arg(self.stale_after_ms.max(1));
+    }
+}
+
+/// Why the fence refused a write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FenceRefusal {
+    /// A newer term of the same epoch holds the task.
+    Newer {
+        /// The stored term.
+        term: i64,
+        /// Time since the stored fence was last written (Redis time, ms).
+        age_ms: i64,
+    },
+    /// Another epoch (another etcd, another manager cluster) holds the task and wrote it less
+    /// than `stale_after` ago.
+    Foreign {
+        /// The stored epoch (etcd cluster id, decimal).
+        epoch: String,
+        /// The stored term (of that epoch).
+        term: i64,
+        /// Time since the stored fence was last written (Redis time, ms).
+        age_ms: i64,
+    },
+}
+
+impl FenceRefusal {
+    /// The stored term.
+    pub fn term(&self) -> i64 {
+        match self {
+            Self::Newer { term, .. } | Self::Foreign { term, .. } => *term,
+        }
+    }
+
+    /// Time since the stored fence was last written (ms).
+    pub fn age_ms(&self) -> i64 {
+        match self {
+            Self::Newer { age_ms, .. } | Self::Foreign { age_ms, .. } => *age_ms,
+        }
+    }
+}
+
+/// A leader script's reply: a status and the integers (or strings) after it.
+struct Reply(Vec<Value>);
+
+impl Reply {
+    fn parse(v: Value) -> RedisResult<Self> {
+        Ok(Self(redis::from_redis_value(v)?))
+    }
+
+    fn int(&self, i: usize) -> RedisResult<i64> {
+        match self.0.get(i) {
+            Some(v) => Ok(redis::from_redis_value_ref(v)?),
+            None => Ok(0),
+        }
+    }
+
+    fn status(&self) -> RedisResult<i64> {
+        self.int(0)
+    }
+
+    /// The refusal of statuses 0 and 4.
+    fn refusal(&self) -> RedisResult<Option<FenceRefusal>> {
+        Ok(match self.status()? {
+            0 => Some(FenceRefusal::Newer {
+                term: self.int(1)?,
+                age_ms: self.int(2)?,
+            }),
+            4 => Some(FenceRefusal::Foreign {
+                term: self.int(1)?,
+                age_ms: self.int(2)?,
+                epoch: match self.0.get(3) {
+                    Some(v) => redis::from_redis_value_ref(v)?,
+                    None => String::new(),
+                },
+            }),
+            _ => None,
+        })
+    }
+}
+
 /// A fenced write of one task's meta and slices.
 #[derive(Debug, Clone)]
 pub struct RollRequest<'a> {
     /// The task.
     pub task: &'a str,
-    /// The writer's election term.
-    pub term: i64,
+    /// The writer's fence.
+    pub fence: &'a Fence,
     /// Rewrite everything: meta fields and the whole window, regardless of the meta state.
     pub full: bool,
     /// The `rolled_to` the writer believes is stored (ignored when `full`).
@@ -321,6 +513,11 @@ pub struct RollRequest<'a> {
     pub spec_version: i64,
     /// The new `rolled_to` (end of the last slice written).
     pub new_rolled_to: i64,
+    /// Skip the spec-version and deletion checks: the stored numbers come from another etcd
+    /// history (see [`RollOutcome::StaleSpec`]).
+    pub force: bool,
+    /// Rewrite `fenced_ms` even if `rolled_to` does not advance.
+    pub refresh: bool,
     /// Meta fields to (re)write, if any.
     pub meta: Option<&'a TaskMeta>,
     /// Slices to create or change.
@@ -328,39 +525,39 @@ pub struct RollRequest<'a> {
 }
 
 /// What [`roll`] did.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RollOutcome {
     /// Done; this many slices were created or changed.
     Written(u64),
-    /// Refused: a newer leader (this term) has written the task.
-    Fenced {
-        /// The term stored in the meta hash.
-        current_term: i64,
-    },
-    /// The meta hash is missing, retired or behind: resend with `full = true`.
+    /// Refused by the fence; nothing written.
+    Refused(FenceRefusal),
+    /// The meta hash is missing, retired or behind, or a fence is being taken over: resend
+    /// with `full = true`.
     NeedFull,
     /// The task was deleted (at this etcd revision) after the spec being written: skip it.
     Retired {
         /// Revision of the deletion.
         revision: i64,
     },
-}
-
-/// Outcome of [`retire`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RetireOutcome {
-    /// The meta hash is now a tombstone.
-    Retired,
-    /// Refused: a newer leader has written the task.
-    Fenced {
-        /// The term stored in the meta hash.
-        current_term: i64,
+    /// The stored spec version is newer than the one being written: skip the task.
+    StaleSpec {
+        /// The stored version.
+        stored_version: i64,
     },
 }
 
-fn pair(v: Value) -> RedisResult<(i64, i64)> {
-    let (a, b): (i64, i64) = redis::from_redis_value(v)?;
-    Ok((a, b))
+/// Outcome of [`retire`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RetireOutcome {
+    /// The meta hash is now a tombstone; the task's other state is deleted.
+    Retired,
+    /// Refused by the fence; nothing written.
+    Refused(FenceRefusal),
+    /// The stored spec is newer than the deletion (the task was re-created): nothing written.
+    Superseded {
+        /// The stored version.
+        stored_version: i64,
+    },
 }
 
 /// Runs [`ROLL_LUA`].
@@ -373,11 +570,13 @@ where
     for s in req.slices {
         inv.key(keys.slice(req.task, s.start_ms));
     }
-    inv.arg(req.term)
-        .arg(if req.full { 1 } else { 0 })
+    req.fence.push(&mut inv);
+    inv.arg(if req.full { 1 } else { 0 })
         .arg(req.expect_rolled_to)
         .arg(req.new_rolled_to)
-        .arg(req.spec_version);
+        .arg(req.spec_version)
+        .arg(if req.force { 1 } else { 0 })
+        .arg(if req.refresh { 1 } else { 0 });
     match req.meta {
         Some(meta) => {
             let pairs = meta.to_pairs();
@@ -393,44 +592,68 @@ where
     for s in req.slices {
         inv.arg(s.cap).arg(s.expire_at_ms);
     }
-    let (status, value) = pair(inv.invoke_async(conn).await?)?;
-    Ok(match status {
-        1 => RollOutcome::Written(value.max(0) as u64),
-        0 => RollOutcome::Fenced {
-            current_term: value,
+    let r = Reply::parse(inv.invoke_async(conn).await?)?;
+    if let Some(refusal) = r.refusal()? {
+        return Ok(RollOutcome::Refused(refusal));
+    }
+    Ok(match r.status()? {
+        1 => RollOutcome::Written(r.int(1)?.max(0) as u64),
+        3 => RollOutcome::Retired {
+            revision: r.int(1)?,
         },
-        3 => RollOutcome::Retired { revision: value },
+        5 => RollOutcome::StaleSpec {
+            stored_version: r.int(1)?,
+        },
         _ => RollOutcome::NeedFull,
     })
 }
 
-/// Runs [`RETIRE_LUA`].
+/// The keys [`retire`] deletes besides the meta hash: everything a task accumulates that must
+/// not outlive it (all in the task's slot).
+pub fn task_state_keys(keys: &Keys, task: &str) -> Vec<String> {
+    vec![
+        keys.dynamic_state(task),
+        keys.adjustments(task),
+        keys.health_reports(task),
+        keys.sliding_log(task),
+        keys.sliding_log_seq(task),
+        keys.history(task, "1s"),
+        keys.history(task, "1m"),
+    ]
+}
+
+/// Runs [`RETIRE_LUA`]: tombstones the meta of `task` (deleted at etcd revision
+/// `deleted_at_revision`) and deletes its [`task_state_keys`].
 pub async fn retire<C>(
     conn: &mut C,
     keys: &Keys,
     task: &str,
-    term: i64,
+    fence: &Fence,
     tombstone_ttl_ms: u64,
     deleted_at_revision: i64,
+    force: bool,
 ) -> RedisResult<RetireOutcome>
 where
     C: redis::aio::ConnectionLike,
 {
-    let (status, value) = pair(
-        RETIRE
-            .key(keys.meta(task))
-            .arg(term)
-            .arg(tombstone_ttl_ms.max(1))
-            .arg(deleted_at_revision)
-            .invoke_async(conn)
-            .await?,
-    )?;
-    Ok(if status == 1 {
-        RetireOutcome::Retired
-    } else {
-        RetireOutcome::Fenced {
-            current_term: value,
-        }
+    let mut inv = RETIRE.prepare_invoke();
+    inv.key(keys.meta(task));
+    for k in task_state_keys(keys, task) {
+        inv.key(k);
+    }
+    fence.push(&mut inv);
+    inv.arg(tombstone_ttl_ms.max(1))
+        .arg(deleted_at_revision)
+        .arg(if force { 1 } else { 0 });
+    let r = Reply::parse(inv.invoke_async(conn).await?)?;
+    if let Some(refusal) = r.refusal()? {
+        return Ok(RetireOutcome::Refused(refusal));
+    }
+    Ok(match r.status()? {
+        5 => RetireOutcome::Superseded {
+            stored_version: r.int(1)?,
+        },
+        _ => RetireOutcome::Retired,
     })
 }
 
@@ -579,33 +802,53 @@ where
     inv.invoke_async(conn).await
 }
 
-/// Runs [`ADJUST_LUA`]: stores controller `state` (field/value pairs) and, if given, appends one
-/// adjustment (JSON) to the task's log, keeping the newest `keep`. Returns `Err(current_term)`
-/// when fenced.
+/// Outcome of [`adjust`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AdjustOutcome {
+    /// Recorded.
+    Done,
+    /// Refused by the fence; nothing written.
+    Refused(FenceRefusal),
+    /// The task's meta is missing or retired (deleted, or not rolled yet): nothing written.
+    NoTask,
+}
+
+/// Runs [`ADJUST_LUA`]: stores controller `state` (field/value pairs; with `clear`, after
+/// deleting the stored state) and, if given, appends one adjustment (JSON) to the task's log,
+/// keeping the newest `keep`.
+#[allow(clippy::too_many_arguments)]
 pub async fn adjust<C>(
     conn: &mut C,
     keys: &Keys,
     task: &str,
-    term: i64,
+    fence: &Fence,
+    clear: bool,
     state: &[(&str, String)],
     adjustment: Option<&str>,
     keep: usize,
-) -> RedisResult<Result<(), i64>>
+) -> RedisResult<AdjustOutcome>
 where
     C: redis::aio::ConnectionLike,
 {
     let mut inv = ADJUST.prepare_invoke();
     inv.key(keys.meta(task))
         .key(keys.dynamic_state(task))
-        .key(keys.adjustments(task))
-        .arg(term)
-        .arg(keep.max(1))
-        .arg(adjustment.unwrap_or(""));
+        .key(keys.adjustments(task));
+    fence.push(&mut inv);
+    inv.arg(keep.max(1))
+        .arg(adjustment.unwrap_or(""))
+        .arg(if clear { 1 } else { 0 });
     for (k, v) in state {
         inv.arg(*k).arg(v);
     }
-    let (status, value) = pair(inv.invoke_async(conn).await?)?;
-    Ok(if status == 1 { Ok(()) } else { Err(value) })
+    let r = Reply::parse(inv.invoke_async(conn).await?)?;
+    if let Some(refusal) = r.refusal()? {
+        return Ok(AdjustOutcome::Refused(refusal));
+    }
+    Ok(match r.status()? {
+        1 => AdjustOutcome::Done,
+        _ => AdjustOutcome::NoTask,
+    })
 }
 
 /// Reply of [`take`] and [`slide`] (the exact modes).
@@ -742,4 +985,141 @@ where
             _ => None,
         })
         .collect())
+}
+
+/// Writes records into a task's history rings, fenced (see [`FENCE_LUA`]) and only while the
+/// task exists, so neither a deposed leader nor a harvest racing a deletion can write (or bring
+/// back) the rings of a task.
+///
+/// `KEYS[1]` meta, `KEYS[2]` `NS:{T}:hist:1s`, `KEYS[3]` `NS:{T}:hist:1m`. `ARGV`: the fence
+/// (3), ttl of ring 1 (ms), ttl of ring 2 (ms), `n1`, then `(byte offset, bytes)` pairs: the
+/// first `n1` for ring 1, the rest for ring 2 (`SETRANGE`). Returns `{1, pairs written}`, a
+/// fence refusal, or `{2, 0}`: the task's meta is missing or retired.
+pub const RECORD_HISTORY_LUA: &str = concat!(
+    fence_preamble!(),
+    r#"
+local refused = fence(KEYS[1])
+if refused then return refused end
+local m = redis.call('HMGET', KEYS[1], 'slice_ms', 'retired')
+if (not m[1]) or m[2] then return {2, 0} end
+local n1 = tonumber(ARGV[6])
+local k = 0
+for i = 7, #ARGV - 1, 2 do
+  local key = KEYS[2]
+  if k >= n1 then key = KEYS[3] end
+  redis.call('SETRANGE', key, tonumber(ARGV[i]), ARGV[i + 1])
+  k = k + 1
+end
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[3], ARGV[5])
+return {1, k}
+"#
+);
+
+/// Deletes the given entries of `NS:hosts` that are still stale when the script runs: not seen
+/// for longer than `ARGV[1]` ms by Redis `TIME` (the entry's `seen_ms` is the host's clock, so
+/// it is corrected by the host's reported `offset_ms`), or unreadable. An entry the host
+/// rewrote since the caller read it survives.
+///
+/// `KEYS[1]` `NS:hosts`. `ARGV`: retention (ms), then host ids. Returns how many were deleted.
+pub const PRUNE_HOSTS_LUA: &str = r#"
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local keep = tonumber(ARGV[1])
+local n = 0
+for i = 2, #ARGV do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if v then
+    local ok, r = pcall(cjson.decode, v)
+    local seen = nil
+    if ok and type(r) == 'table' and type(r.seen_ms) == 'number' then
+      local off = 0
+      if type(r.offset_ms) == 'number' then off = r.offset_ms end
+      seen = r.seen_ms - off
+    end
+    if (not seen) or now - seen > keep then
+      redis.call('HDEL', KEYS[1], ARGV[i])
+      n = n + 1
+    end
+  end
+end
+return n
+"#;
+
+static RECORD_HISTORY: LazyLock<Script> = LazyLock::new(|| Script::new(RECORD_HISTORY_LUA));
+static PRUNE_HOSTS: LazyLock<Script> = LazyLock::new(|| Script::new(PRUNE_HOSTS_LUA));
+
+/// Writes into one history ring: `(byte offset, bytes)` pairs for `SETRANGE`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RingWrites<'a> {
+    /// The ring's key.
+    pub key: &'a str,
+    /// Expiry set on the ring after the write (ms).
+    pub ttl_ms: u64,
+    /// The writes.
+    pub writes: &'a [(i64, Vec<u8>)],
+}
+
+/// Outcome of [`record_history`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordOutcome {
+    /// Written.
+    Done,
+    /// Refused by the fence; nothing written.
+    Refused(FenceRefusal),
+    /// The task's meta is missing or retired: nothing written.
+    NoTask,
+}
+
+/// Runs [`RECORD_HISTORY_LUA`] for `task`: `seconds` and `minutes` are its two rings.
+pub async fn record_history<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    fence: &Fence,
+    seconds: RingWrites<'_>,
+    minutes: RingWrites<'_>,
+) -> RedisResult<RecordOutcome>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let mut inv = RECORD_HISTORY.prepare_invoke();
+    inv.key(keys.meta(task)).key(seconds.key).key(minutes.key);
+    fence.push(&mut inv);
+    inv.arg(seconds.ttl_ms.max(1))
+        .arg(minutes.ttl_ms.max(1))
+        .arg(seconds.writes.len());
+    for (off, bytes) in seconds.writes.iter().chain(minutes.writes) {
+        inv.arg(*off).arg(bytes.as_slice());
+    }
+    let r = Reply::parse(inv.invoke_async(conn).await?)?;
+    if let Some(refusal) = r.refusal()? {
+        return Ok(RecordOutcome::Refused(refusal));
+    }
+    Ok(match r.status()? {
+        1 => RecordOutcome::Done,
+        _ => RecordOutcome::NoTask,
+    })
+}
+
+/// Runs [`PRUNE_HOSTS_LUA`]: deletes those of `hosts` not seen for `retention_ms` (by Redis
+/// time) when the script runs. Returns how many were deleted.
+pub async fn prune_hosts<C>(
+    conn: &mut C,
+    keys: &Keys,
+    retention_ms: u64,
+    hosts: &[String],
+) -> RedisResult<u64>
+where
+    C: redis::aio::ConnectionLike,
+{
+    if hosts.is_empty() {
+        return Ok(0);
+    }
+    let mut inv = PRUNE_HOSTS.prepare_invoke();
+    inv.key(keys.hosts()).arg(retention_ms);
+    for h in hosts {
+        inv.arg(h);
+    }
+    inv.invoke_async(conn).await
 }
