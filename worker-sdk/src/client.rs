@@ -838,7 +838,7 @@ impl Task {
         }
         let (t, exhausted, _) = unpack_quota(q);
         if (t == tag && exhausted && q != 0) || n > crate::shm::MAX_COUNT as u64 {
-            slot.count(start_ms, m.slice_ms, field::REJECTED, n);
+            slot.count_at(index, start_ms, field::REJECTED, n);
             let end = start_ms
                 .saturating_add(m.slice_ms as i64)
                 .saturating_mul(1_000);
@@ -889,7 +889,7 @@ impl Task {
         } else {
             field::REJECTED
         };
-        slot.count((index * m.slice_ms) as i64, m.slice_ms, f, n);
+        slot.count_at(index, (index * m.slice_ms) as i64, f, n);
     }
 
     fn unknown(&self) -> Decision {

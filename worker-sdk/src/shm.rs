@@ -702,12 +702,19 @@ impl Slot {
     /// A count for a slice older than the entry's unflushed one is dropped.
     #[inline]
     pub fn count(&self, start_ms: i64, slice_ms: u64, field: usize, v: u64) {
+        let index = start_ms.max(1) as u64 / slice_ms.max(1);
+        self.count_at(index, start_ms, field, v);
+    }
+
+    /// [`Slot::count`] for a caller that knows the slice's index (`start_ms / slice_ms` on the
+    /// slice's grid): the decision path, which saves the division.
+    #[inline]
+    pub fn count_at(&self, index: u64, start_ms: i64, field: usize, v: u64) {
         if v == 0 {
             return;
         }
         let start = start_ms.max(1) as u64;
-        let pos = (start / slice_ms.max(1)) % RING as u64;
-        let e = &self.ring[pos as usize];
+        let e = &self.ring[(index % RING as u64) as usize];
         let mut spins = 0u32;
         loop {
             let t = e.tag.load(Ordering::Acquire);
