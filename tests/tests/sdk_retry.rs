@@ -292,3 +292,60 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
         (4, false)
     );
 }
+
+/// Switching a task between `exact_fixed` (or `pooled`) and `exact_sliding` inside a slice
+/// keeps one cap for the slice: SLIDE takes from the slice's `rem` too, so what one mode
+/// admitted counts for the other (before, the sliding log started empty: 2 × cap).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mode_switch_inside_a_slice_keeps_one_cap() {
+    use sluice::protocol::scripts::{self, ExactReply};
+    let url = shared_redis();
+    let ns = unique_ns("modesw");
+    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let redis = sluice::protocol::conn::Redis::new(
+        sluice::protocol::conn::RedisTarget::parse(&url).unwrap(),
+        Default::default(),
+    );
+    let mut c = redis.conn().await.unwrap();
+    let mut sync = redis_conn(&url);
+    let start = sluice::protocol::slice::start(now_ms(), 60_000);
+    make_slice(&mut sync, &keys.slice("t", start), 10, 120_000);
+    let admitted = |r: ExactReply| matches!(r, ExactReply::Admitted { .. });
+    // exact_fixed admits 6 of 10 …
+    let mut fixed = 0;
+    for _ in 0..6 {
+        fixed += admitted(
+            scripts::take(&mut c, &keys, "t", start, 60_000, 1)
+                .await
+                .unwrap(),
+        ) as u32;
+    }
+    assert_eq!(fixed, 6);
+    // … then the task becomes exact_sliding: 4 more, not 10.
+    let mut sliding = 0;
+    let mut last = None;
+    for _ in 0..10 {
+        let r = scripts::slide(&mut c, &keys, "t", start, 60_000, 1, "n1")
+            .await
+            .unwrap();
+        sliding += admitted(r) as u32;
+        last = Some(r);
+    }
+    assert_eq!(sliding, 4, "the slice's cap is shared across the switch");
+    match last.unwrap() {
+        ExactReply::Refused { retry_after_us, .. } => {
+            let to_end = (start + 60_000 - now_ms()) * 1_000;
+            assert!(
+                retry_after_us as i64 <= to_end && retry_after_us as i64 >= to_end - 5_000_000,
+                "a refusal by rem retries at the slice's end: {retry_after_us} µs vs {to_end}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // And back to exact_fixed: nothing left.
+    assert!(!admitted(
+        scripts::take(&mut c, &keys, "t", start, 60_000, 1)
+            .await
+            .unwrap()
+    ));
+}

@@ -330,39 +330,50 @@ return {0, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
 "#;
 
 /// `exact_sliding`: admits `n` when fewer than the current slice's `cap` minus `n` admissions
-/// lie in the window (one slice long) ending at Redis `TIME`; a sorted set of admissions
-/// (`NS:{T}:log`, scores in µs) is the log.
+/// lie in the window (one slice long) ending at Redis `TIME`, and the current slice still has
+/// `n` left (`rem`, which the admission lowers); a sorted set of admissions (`NS:{T}:log`,
+/// scores in µs) is the log. Within one slice the window rule is the tighter one; the slice's
+/// `rem` binds after a mode change: what the slice admitted as `pooled` or `exact_fixed` counts
+/// here too, and what is admitted here counts for them (no 2× across a switch).
 ///
 /// `KEYS[1]` the log, `KEYS[2]` the current slice (its `cap` is the limit, effective
 /// threshold included; the decision is counted there), `KEYS[3]` the log's sequence
 /// (`NS:{T}:log:seq`). `ARGV`: n (≤ 1,000), window (ms), the caller's nonce (random per
-/// client). Members are `<nonce>:<seq>:<i>` with `seq` from `INCR` of `KEYS[3]`, so they are
+/// client), the slice's start (Unix ms; a refusal by `rem` retries at the slice's end). Members are `<nonce>:<seq>:<i>` with `seq` from `INCR` of `KEYS[3]`, so they are
 /// unique by construction (across clients, processes and restarts); the sequence expires with
 /// the log. Returns `{status, remaining, cap, time_s, time_us, retry_after_us}` with status 1
 /// = admitted, 0 = refused, -1 = the slice does not exist.
 pub const SLIDE_LUA: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local cap = redis.call('HGET', KEYS[2], 'cap')
-if not cap then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
-cap = tonumber(cap)
+local h = redis.call('HMGET', KEYS[2], 'cap', 'rem')
+if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
+local cap = tonumber(h[1])
+local rem = tonumber(h[2]) or 0
 local n = tonumber(ARGV[1])
 local window = tonumber(ARGV[2]) * 1000
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
 local count = redis.call('ZCARD', KEYS[1])
-if count + n <= cap and n <= 1000 then
+if count + n <= cap and rem >= n and n <= 1000 then
   local seq = redis.call('INCR', KEYS[3])
   for i = 1, n do redis.call('ZADD', KEYS[1], now, ARGV[3] .. ':' .. seq .. ':' .. i) end
   redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 2)
   redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[2]) * 2)
+  rem = redis.call('HINCRBY', KEYS[2], 'rem', -n)
   redis.call('HINCRBY', KEYS[2], 'adm', n)
-  return {1, cap - count - n, cap, tonumber(t[1]), tonumber(t[2]), 0}
+  return {1, math.min(cap - count - n, rem), cap, tonumber(t[1]), tonumber(t[2]), 0}
 end
 redis.call('HINCRBY', KEYS[2], 'rej', n)
-local retry = window
-local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-if oldest[2] then retry = tonumber(oldest[2]) + window - now end
-return {0, cap - count, cap, tonumber(t[1]), tonumber(t[2]), retry}
+local retry = 0
+if count + n > cap then
+  retry = window
+  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
+  if oldest[2] then retry = tonumber(oldest[2]) + window - now end
+end
+if rem < n then
+  retry = math.max(retry, (tonumber(ARGV[4]) + tonumber(ARGV[2])) * 1000 - now)
+end
+return {0, math.min(cap - count, rem), cap, tonumber(t[1]), tonumber(t[2]), retry}
 "#;
 
 /// Reads `cap` and `rem` of several slices of one task in one call (the leader's clock-skew
@@ -954,6 +965,7 @@ where
             .arg(n)
             .arg(window_ms)
             .arg(nonce)
+            .arg(slice_start_ms)
             .invoke_async(conn)
             .await?,
     )
