@@ -967,3 +967,78 @@ pub fn remove_segment(namespace: &str, host_id: &str) {
     lock.push(".lock");
     let _ = std::fs::remove_file(lock);
 }
+
+// ─── Processes, loadgen signals and the soak (branch `soak`; keep this section self-contained) ───
+
+/// The pids of the children of `pid` that have not exited (zombies excluded), from `/proc`.
+pub fn child_pids(pid: u32) -> Vec<u32> {
+    proc_stats()
+        .filter(|s| s.ppid == pid && s.state != 'Z')
+        .map(|s| s.pid)
+        .collect()
+}
+
+/// True when `pid` does not run any more: no such process, or a zombie not reaped yet.
+pub fn process_gone(pid: u32) -> bool {
+    proc_stat(pid).is_none_or(|s| s.state == 'Z' || s.state == 'X')
+}
+
+/// The pids of live processes (zombies excluded) whose command line contains `needle`,
+/// other than this process.
+pub fn pids_with_cmdline(needle: &str) -> Vec<u32> {
+    let me = std::process::id();
+    proc_stats()
+        .filter(|s| s.pid != me && s.state != 'Z')
+        .filter(|s| {
+            std::fs::read(format!("/proc/{}/cmdline", s.pid)).is_ok_and(|c| {
+                String::from_utf8_lossy(&c)
+                    .replace('\0', " ")
+                    .contains(needle)
+            })
+        })
+        .map(|s| s.pid)
+        .collect()
+}
+
+/// One line of `/proc/<pid>/stat`, the fields the helpers above need.
+#[derive(Debug, Clone, Copy)]
+struct ProcStat {
+    pid: u32,
+    state: char,
+    ppid: u32,
+}
+
+fn proc_stat(pid: u32) -> Option<ProcStat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid …`; comm may contain spaces and parentheses: split at the last ')'.
+    let (_, rest) = text.rsplit_once(')')?;
+    let mut f = rest.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    let ppid = f.next()?.parse().ok()?;
+    Some(ProcStat { pid, state, ppid })
+}
+
+fn proc_stats() -> impl Iterator<Item = ProcStat> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(proc_stat)
+}
+
+/// Waits (polling every 10 ms, at most `timeout`) until every pid in `pids` is gone
+/// ([`process_gone`]); returns how long it took, or the pids still running.
+pub fn wait_gone(pids: &[u32], timeout: Duration) -> Result<Duration, Vec<u32>> {
+    let t0 = Instant::now();
+    loop {
+        let alive: Vec<u32> = pids.iter().copied().filter(|p| !process_gone(*p)).collect();
+        if alive.is_empty() {
+            return Ok(t0.elapsed());
+        }
+        if t0.elapsed() >= timeout {
+            return Err(alive);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
