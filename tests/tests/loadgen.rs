@@ -162,7 +162,7 @@ async fn backend_capacity_is_one_budget_for_the_host() {
     let until = now_ms();
     // The counter file is removed by the last run to finish.
     let counter = format!(
-        "{}.backend",
+        "{}.t.backend",
         sluice::shm::Segment::path_for(std::path::Path::new("/dev/shm"), &ns, &host).display()
     );
     assert!(

@@ -42,8 +42,8 @@
 //! host and fails the rest; outcomes and latencies are reported to the SDK's health API. The
 //! count is shared by every loadgen process of the host id (also of other loadgen runs with the
 //! same `--host-id` at the same time) through one atomic word `second:32 | count:32` in the file
-//! `<segment>.backend` next to the host segment: created by the first parent, mapped by every
-//! child, removed by the last parent to finish (each parent holds a shared `flock` on it while it
+//! `<segment>.<task>.backend` next to the host segment (one backend per task): created by the
+//! first parent, mapped by every child, removed by the last parent to finish (each parent holds a shared `flock` on it while it
 //! runs; the one that can upgrade to exclusive at the end is the last).
 //!
 //! # Signals
@@ -265,7 +265,8 @@ struct Backend {
 }
 
 impl Backend {
-    /// `<segment>.backend`, next to the host segment in the SDK's default directory.
+    /// `<segment>.<task>.backend`, next to the host segment in the SDK's default directory
+    /// (one backend per task: each task protects its own service).
     fn path(args: &Args) -> PathBuf {
         let seg = sluice::shm::Segment::path_for(
             &Config::new(args.redis.clone()).shm_dir,
@@ -273,7 +274,7 @@ impl Backend {
             &args.host_id,
         );
         let mut p = seg.into_os_string();
-        p.push(".backend");
+        p.push(format!(".{}.backend", args.task));
         PathBuf::from(p)
     }
 
