@@ -71,11 +71,14 @@ pub fn shared_redis() -> String {
 /// The target directory holding this test binary (`target/debug` or `target/release`).
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    // target/<profile>/deps/<test binary>
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("test binary is not inside a target directory")
-        .to_path_buf()
+    // target/<profile>/deps/<test binary>, or target/<profile>/<bin> (the soak program).
+    let dir = exe
+        .parent()
+        .expect("test binary is not inside a target directory");
+    match dir.file_name() {
+        Some(n) if n == "deps" => dir.parent().unwrap_or(dir).to_path_buf(),
+        _ => dir.to_path_buf(),
+    }
 }
 
 /// A binary of the workspace: `sluice-manager`, or `examples/loadgen`.
@@ -1042,3 +1045,54 @@ pub fn wait_gone(pids: &[u32], timeout: Duration) -> Result<Duration, Vec<u32>> 
         std::thread::sleep(Duration::from_millis(10));
     }
 }
+
+impl Proc {
+    /// Sends `sig` and waits up to `timeout` for the exit: its status, or None when it still
+    /// runs then (it is left running; [`Proc::kill`] it). Never panics.
+    pub fn signal_and_wait(
+        &mut self,
+        sig: i32,
+        timeout: Duration,
+    ) -> Option<std::process::ExitStatus> {
+        let c = self.child.as_mut()?;
+        // SAFETY: kill(2) on our own child, not reaped yet (its pid cannot be reused).
+        unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                self.child = None;
+                return Some(st);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl RedisServer {
+    /// True while the server process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        self.proc.as_mut().is_some_and(Proc::is_running)
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
+    }
+}
+
+impl EtcdServer {
+    /// True while the etcd process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        self.proc.as_mut().is_some_and(Proc::is_running)
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default()
+    }
+}
+
+pub mod soak;
