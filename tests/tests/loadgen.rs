@@ -20,52 +20,68 @@ async fn manager_with_task(ns: &str, task: &str, spec: &str) -> Manager {
     m
 }
 
-/// Waits until the run has `procs` children and they have closed at least one bucket (they
-/// are past start-up and deciding).
-async fn wait_deciding(lg: &mut Loadgen, procs: usize, progress: &std::path::Path) -> Vec<u32> {
-    let pid = lg.proc.pid();
-    wait_until(
-        "loadgen children deciding",
-        Duration::from_secs(15),
-        Duration::from_millis(20),
-        || {
-            let kids = child_pids(pid);
-            let lines = std::fs::read_to_string(progress)
-                .map(|t| t.lines().count())
-                .unwrap_or(0);
-            async move { (kids.len() == procs && lines >= procs).then_some(kids) }
-        },
-    )
-    .await
+/// A run deciding on a fresh task: its manager, segment guard, progress dir, the run, and
+/// its children's pids once they have closed at least one bucket (past start-up).
+struct Deciding {
+    _m: Manager,
+    _seg: SegmentGuard,
+    _dir: tempfile::TempDir,
+    lg: Loadgen,
+    kids: Vec<u32>,
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigterm_stops_the_children_and_still_reports() {
-    let ns = unique_ns("lgterm");
-    let _m = manager_with_task(&ns, "t", r#"{"threshold":500,"slice_ms":1000}"#).await;
-    let _seg = SegmentGuard(vec![(ns.clone(), format!("{ns}-h"))]);
+async fn deciding_run(prefix: &str, procs: u32, rate: &str) -> Deciding {
+    let ns = unique_ns(prefix);
+    let m = manager_with_task(&ns, "t", r#"{"threshold":500,"slice_ms":1000}"#).await;
+    let seg = SegmentGuard(vec![(ns.clone(), format!("{ns}-h"))]);
     let dir = tempfile::tempdir().unwrap();
     let progress = dir.path().join("progress.jsonl");
-    let mut lg = Loadgen::spawn(&loadgen_args(
+    let lg = Loadgen::spawn(&loadgen_args(
         &shared_redis(),
         &ns,
         "t",
         &format!("{ns}-h"),
-        2,
+        procs,
         60_000,
         &[
             "--rate",
-            "300",
+            rate,
             "--bucket-ms",
             "100",
             "--progress",
             progress.to_str().unwrap(),
         ],
     ));
-    let kids = wait_deciding(&mut lg, 2, &progress).await;
+    let pid = lg.proc.pid();
+    let kids = wait_until(
+        "loadgen children deciding",
+        Duration::from_secs(15),
+        Duration::from_millis(20),
+        || {
+            let kids = child_pids(pid);
+            let lines = std::fs::read_to_string(&progress)
+                .map(|t| t.lines().count())
+                .unwrap_or(0);
+            let n = procs as usize;
+            async move { (kids.len() == n && lines >= n).then_some(kids) }
+        },
+    )
+    .await;
+    Deciding {
+        _m: m,
+        _seg: seg,
+        _dir: dir,
+        lg,
+        kids,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_the_children_and_still_reports() {
+    let mut d = deciding_run("lgterm", 2, "300").await;
     let t0 = Instant::now();
-    signal(lg.proc.pid(), libc::SIGTERM);
-    let json = lg.wait_json(Duration::from_secs(2)).await;
+    signal(d.lg.proc.pid(), libc::SIGTERM);
+    let json = d.lg.wait_json(Duration::from_secs(2)).await;
     let took = t0.elapsed();
     eprintln!("SIGTERM → exit with a report in {took:?}: {json}");
     assert!(
@@ -73,36 +89,15 @@ async fn sigterm_stops_the_children_and_still_reports() {
         "the children's counts must be in the report: {json}"
     );
     assert_eq!(json["procs"], 2);
-    let gone = wait_gone(&kids, Duration::from_millis(100));
+    let gone = wait_gone(&d.kids, Duration::from_millis(100));
     assert!(gone.is_ok(), "children left running: {gone:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkilled_parent_leaves_no_child() {
-    let ns = unique_ns("lgkill");
-    let _m = manager_with_task(&ns, "t", r#"{"threshold":500,"slice_ms":1000}"#).await;
-    let _seg = SegmentGuard(vec![(ns.clone(), format!("{ns}-h"))]);
-    let dir = tempfile::tempdir().unwrap();
-    let progress = dir.path().join("progress.jsonl");
-    let mut lg = Loadgen::spawn(&loadgen_args(
-        &shared_redis(),
-        &ns,
-        "t",
-        &format!("{ns}-h"),
-        3,
-        60_000,
-        &[
-            "--rate",
-            "200",
-            "--bucket-ms",
-            "100",
-            "--progress",
-            progress.to_str().unwrap(),
-        ],
-    ));
-    let kids = wait_deciding(&mut lg, 3, &progress).await;
-    lg.proc.kill();
-    let gone = wait_gone(&kids, Duration::from_secs(1));
+    let mut d = deciding_run("lgkill", 3, "200").await;
+    d.lg.proc.kill();
+    let gone = wait_gone(&d.kids, Duration::from_secs(1));
     eprintln!("children after the parent's SIGKILL: {gone:?}");
     assert!(
         gone.is_ok(),

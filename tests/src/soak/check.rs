@@ -37,7 +37,11 @@
 //! At the end of a quiet period, in every complete slice of the observation window of a task
 //! in a global mode: when the demand of the eligible hosts is ≥ 1.1 × the slice's cap (read
 //! from Redis; a missing slice is a violation), the globally admitted total is ≥ 90 % of the
-//! cap; and every eligible host that asked admitted something. A host is eligible unless its
+//! cap; and every eligible host that asked admitted something. For `exact_sliding` the 90 %
+//! applies to the sum over those slices of the window: its admissions are ranked by Redis
+//! time while the buckets are stamped before the round trip, so a short slice's own sum is off
+//! by the few decisions near its edges (measured: 100 ms slices of cap 25 at 88–104 %, 96 % on
+//! average); the window's sum is not. A host is eligible unless its
 //! clock lags by more than a tenth of a slice or leads by more than half a slice (a lagging
 //! host arrives at each slice after the others drained it; that is the skew the alert is for).
 //! While a host leads by more than half a slice no host is checked for zero admissions: the
@@ -112,6 +116,11 @@ pub struct SliceRead {
 pub trait Slices {
     /// The slices of `task` starting at `starts`.
     fn read(&mut self, task: usize, starts: &[i64]) -> Option<Vec<Option<SliceRead>>>;
+
+    /// What the store holds for one slice, as evidence (all fields, time to live).
+    fn describe(&mut self, _task: usize, _start: i64) -> String {
+        String::new()
+    }
 }
 
 /// A spec version's time span of legitimacy and the largest cap it allows.
@@ -642,6 +651,8 @@ pub fn check_liveness(
         });
         return out;
     };
+    // exact_sliding: the whole window's total (see the module doc).
+    let mut window = (0u64, 0u64);
     for (s, read) in starts.iter().zip(reads) {
         cov.live_slices += 1;
         let Some(read) = read else {
@@ -649,7 +660,10 @@ pub fn check_liveness(
                 invariant: "liveness.slice_missing",
                 task: name.clone(),
                 slice: Some(*s),
-                evidence: format!("slice {s} ({l} ms) of a live task is not in Redis"),
+                evidence: format!(
+                    "slice {s} ({l} ms) of a live task has no cap in Redis: {}",
+                    slices.describe(task, *s)
+                ),
             });
             continue;
         };
@@ -664,7 +678,15 @@ pub fn check_liveness(
             .map(|(c, _)| c.demand())
             .sum();
         let admitted: u64 = cells.iter().map(Cell::global).sum();
-        if demand as f64 >= 1.1 * read.cap as f64 && (admitted as f64) < 0.9 * read.cap as f64 {
+        let pressed = demand as f64 >= 1.1 * read.cap as f64;
+        if spec.class() == Class::Window {
+            if pressed {
+                window.0 += admitted;
+                window.1 += read.cap;
+            }
+            continue;
+        }
+        if pressed && (admitted as f64) < 0.9 * read.cap as f64 {
             out.push(Violation {
                 invariant: "liveness.total",
                 task: name.clone(),
@@ -676,6 +698,20 @@ pub fn check_liveness(
                 ),
             });
         }
+    }
+    if window.1 > 0 && (window.0 as f64) < 0.9 * window.1 as f64 {
+        out.push(Violation {
+            invariant: "liveness.total",
+            task: name.clone(),
+            slice: Some(starts[0]),
+            evidence: format!(
+                "{} admitted by the sliding log in the slices of [{}, {}) with demand above their caps < 90 % of their caps' sum {}",
+                window.0,
+                starts[0],
+                starts[starts.len() - 1] + l,
+                window.1
+            ),
+        });
     }
     // Every eligible host that asked admitted something over the window.
     if !per_host {
@@ -988,54 +1024,34 @@ mod tests {
         for s in (0..10_000).step_by(1_000) {
             m.insert((0, s), SliceRead { cap: 100, adm: 90 });
         }
-        let mut cov = Coverage::default();
-        let v = check_liveness(
-            &l,
-            0,
-            0,
-            10_000,
-            &[true, true],
-            true,
-            &mut Map(m.clone()),
-            &mut cov,
-        );
+        let live = |l: &Ledger, eligible: &[bool], per_host: bool| {
+            let mut cov = Coverage::default();
+            check_liveness(
+                l,
+                0,
+                0,
+                10_000,
+                eligible,
+                per_host,
+                &mut Map(m.clone()),
+                &mut cov,
+            )
+        };
+        let v = live(&l, &[true, true], true);
         assert_eq!(v.len(), 1, "{v:?}");
         assert_eq!(v[0].invariant, "liveness.host");
-        let v = check_liveness(
-            &l,
-            0,
-            0,
-            10_000,
-            &[true, false],
-            true,
-            &mut Map(m.clone()),
-            &mut cov,
+        assert!(
+            live(&l, &[true, false], true).is_empty(),
+            "host 1 not eligible"
         );
-        assert!(v.is_empty(), "host 1 not eligible: {v:?}");
-        let v = check_liveness(
-            &l,
-            0,
-            0,
-            10_000,
-            &[true, true],
-            false,
-            &mut Map(m.clone()),
-            &mut cov,
+        assert!(
+            live(&l, &[true, true], false).is_empty(),
+            "no per-host check"
         );
-        assert!(v.is_empty(), "no per-host check: {v:?}");
         // 80 % of the cap with enough demand: too little.
         let mut l2 = ledger(spec(100, 1_000, "pooled"));
         fill(&mut l2, 0, 10_000, [4, 4], 0);
-        let v = check_liveness(
-            &l2,
-            0,
-            0,
-            10_000,
-            &[true, true],
-            true,
-            &mut Map(m),
-            &mut cov,
-        );
+        let v = live(&l2, &[true, true], true);
         assert!(
             !v.is_empty() && v.iter().all(|v| v.invariant == "liveness.total"),
             "{v:?}"

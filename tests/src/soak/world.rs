@@ -130,6 +130,22 @@ fn count_field(v: Option<String>) -> Option<u64> {
 }
 
 impl Slices for RedisSlices<'_> {
+    fn describe(&mut self, task: usize, start: i64) -> String {
+        let key = self.keys.slice(&task_name(task), start);
+        let r: Option<(Vec<(String, String)>, i64)> = with_conn(self.conn, self.url, |c| {
+            redis::pipe()
+                .cmd("HGETALL")
+                .arg(&key)
+                .cmd("PTTL")
+                .arg(&key)
+                .query(c)
+        });
+        match r {
+            Some((fields, pttl)) => format!("{key} = {fields:?}, PTTL {pttl} ms"),
+            None => format!("{key}: Redis unreachable"),
+        }
+    }
+
     fn read(&mut self, task: usize, starts: &[i64]) -> Option<Vec<Option<SliceRead>>> {
         let name = task_name(task);
         let rows: Vec<(Option<String>, Option<String>)> = with_conn(self.conn, self.url, |c| {
@@ -430,14 +446,19 @@ impl World {
                 format!("no answer from {addr} ({e}): maybe written"),
             ),
         };
+        self.record(task, at, Some(spec.clone()), confirmed);
+        note
+    }
+
+    /// Records a version written at `at` (`confirmed` None: nothing was written).
+    fn record(&mut self, task: usize, at: i64, spec: Option<Spec>, confirmed: Option<bool>) {
         if let Some(confirmed) = confirmed {
             self.ledger.api[task].push(super::ledger::ApiVersion {
                 at_ms: at,
-                spec: Some(spec.clone()),
+                spec,
                 confirmed,
             });
         }
-        note
     }
 
     /// `DELETE` the task; records the deletion when made (or maybe made).
@@ -468,13 +489,7 @@ impl World {
                 format!("no answer from {addr} ({e}): maybe deleted"),
             ),
         };
-        if let Some(confirmed) = confirmed {
-            self.ledger.api[task].push(super::ledger::ApiVersion {
-                at_ms: at,
-                spec: None,
-                confirmed,
-            });
-        }
+        self.record(task, at, None, confirmed);
         note
     }
 
@@ -1174,11 +1189,13 @@ impl World {
             }
             windows.push((task, ready, w1, spec));
         }
-        let end = windows.iter().map(|w| w.2).max().unwrap_or(now);
-        let wait = end + t.data_lag_ms + self.ledger.max_offset_ms + 1_500 - now_ms();
-        self.idle(wait.max(0) as u64).await;
+        // Each task is checked as soon as its own window is complete (its slice keys expire
+        // `--retention`, 60 s, after they end: a short task must not wait for a long one).
+        windows.sort_by_key(|w| w.2);
         let mut checked = Vec::new();
         for (task, w0, w1, spec) in windows {
+            let wait = w1 + t.data_lag_ms + self.ledger.max_offset_ms + 1_500 - now_ms();
+            self.idle(wait.max(0) as u64).await;
             let l = spec.slice_ms as i64;
             // The hosts follow the spec's grid (the meta says so), else the spec never arrived.
             let grid_ok = self.ledger.meta[task]
