@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! soak [--seed S] (--minutes N | --seconds N) [--tasks N] [--hosts N] [--weights k=w,…]
-//!      [--logs DIR] [--keep-going] [--keep-logs]
+//!      [--fixed-slices] [--logs DIR] [--keep-going] [--keep-logs]
 //! ```
 //!
 //! Exit status: 0 every invariant held, 1 a violation, 2 bad usage.
@@ -15,7 +15,7 @@ use sluice_tests::soak::plan::{DEFAULT_WEIGHTS, Weights};
 use sluice_tests::soak::run::{Options, run};
 
 const USAGE: &str = "usage: soak [--seed S] (--minutes N | --seconds N) [--tasks N] [--hosts N] \
-[--weights name=w,…] [--logs DIR] [--keep-going] [--keep-logs]";
+[--weights name=w,…] [--fixed-slices] [--logs DIR] [--keep-going] [--keep-logs]";
 
 fn parse() -> Result<Options, String> {
     let mut seed = None;
@@ -26,6 +26,7 @@ fn parse() -> Result<Options, String> {
     let mut logs = None;
     let mut keep_going = false;
     let mut keep_logs = false;
+    let mut fixed_slices = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
@@ -43,6 +44,7 @@ fn parse() -> Result<Options, String> {
             "--logs" => logs = Some(PathBuf::from(value("--logs")?)),
             "--keep-going" => keep_going = true,
             "--keep-logs" => keep_logs = true,
+            "--fixed-slices" => fixed_slices = true,
             "-h" | "--help" => {
                 let kinds: Vec<String> = DEFAULT_WEIGHTS
                     .iter()
@@ -89,6 +91,7 @@ fn parse() -> Result<Options, String> {
         hosts,
         keep_going,
         keep_logs,
+        fixed_slices,
     })
 }
 

@@ -9,7 +9,9 @@
 //!   most the **bound**: the largest cap any spec version live around the slice allows (base,
 //!   every schedule entry, the dynamic maximum while the controller runs; see
 //!   [`version_spans`] for "live around"). The cap read from Redis must not exceed the bound
-//!   either (a slice holding a cap no live spec allows was written by a stale or deposed leader).
+//!   either (a slice holding a cap no live spec allows was written by a stale or deposed
+//!   leader) — where a deletion does not count ([`cap_spans`]): slices written before it keep
+//!   their caps until they expire.
 //! * **Per window** (`exact_sliding`): admissions in every window of `m·L − 200 ms` (100 ms
 //!   buckets, real time: a faketime host's buckets are moved back by its offset) are at most
 //!   `m` × the bound, with `m = ⌈300 ms / L⌉` (1 for slices of 300 ms and more). The 200 ms
@@ -50,7 +52,7 @@
 
 use std::collections::BTreeMap;
 
-use super::ledger::{BUCKET_MS, Cell, Disturb, Ledger, MetaState};
+use super::ledger::{ApiVersion, BUCKET_MS, Cell, Disturb, Ledger, MetaState};
 use super::plan::task_name;
 use super::spec::Class;
 
@@ -163,7 +165,10 @@ pub fn applied_by(ledger: &Ledger, at: i64, t: &Timing) -> i64 {
 /// confirmed version is applied ([`applied_by`]); an unconfirmed version (unknown outcome)
 /// never ends the one before it.
 pub fn version_spans(ledger: &Ledger, task: usize, t: &Timing) -> Vec<VersionSpan> {
-    let api = &ledger.api[task];
+    spans_of(ledger, &ledger.api[task], t)
+}
+
+fn spans_of(ledger: &Ledger, api: &[ApiVersion], t: &Timing) -> Vec<VersionSpan> {
     api.iter()
         .enumerate()
         .map(|(i, v)| {
@@ -178,6 +183,18 @@ pub fn version_spans(ledger: &Ledger, task: usize, t: &Timing) -> Vec<VersionSpa
             }
         })
         .collect()
+}
+
+/// The spans for the caps a slice may *hold* in Redis: like [`version_spans`], but a deletion
+/// does not end its predecessor — slices written before a deletion keep their caps until they
+/// expire (harmless: hosts see the tombstone and admit nothing from them); a later spec does.
+pub fn cap_spans(ledger: &Ledger, task: usize, t: &Timing) -> Vec<VersionSpan> {
+    let live: Vec<ApiVersion> = ledger.api[task]
+        .iter()
+        .filter(|v| v.spec.is_some())
+        .cloned()
+        .collect();
+    spans_of(ledger, &live, t)
 }
 
 /// The bound for a slice whose decisions fell in `[a, b]` (real time), prefetch `l` ms before
@@ -310,6 +327,7 @@ pub fn check_safety(
     cov: &mut Coverage,
 ) -> (Vec<Violation>, i64) {
     let spans = version_spans(ledger, task, t);
+    let caps = cap_spans(ledger, task, t);
     let (regs, _) = regimes(ledger, task, t);
     let mut out = Vec::new();
     let mut next = from;
@@ -319,7 +337,9 @@ pub fn check_safety(
             continue;
         }
         let done = match r.class {
-            Class::Slice => slice_bounds(ledger, task, &r, from, hi, &spans, slices, cov, &mut out),
+            Class::Slice => slice_bounds(
+                ledger, task, &r, from, hi, &spans, &caps, slices, cov, &mut out,
+            ),
             Class::Window => window_bounds(ledger, task, &r, from, hi, &spans, t, cov, &mut out),
             Class::Local => None,
         };
@@ -340,6 +360,7 @@ fn slice_bounds(
     from: i64,
     hi: i64,
     spans: &[VersionSpan],
+    cap_spans: &[VersionSpan],
     slices: &mut dyn Slices,
     cov: &mut Coverage,
     out: &mut Vec<Violation>,
@@ -371,7 +392,7 @@ fn slice_bounds(
                 ),
             });
         }
-        let cap_bound = bound(spans, s - off, s + l + off, l);
+        let cap_bound = bound(cap_spans, s - off, s + l + off, l);
         if let Some(Some(read)) = reads.as_ref().map(|v| v[i])
             && read.cap > cap_bound
         {
@@ -853,6 +874,29 @@ mod tests {
             "prefetch allowance"
         );
         assert_eq!(bound(&spans, 39_000, 40_000, 1_000), 100);
+    }
+
+    #[test]
+    fn after_a_deletion_nothing_is_admitted_but_written_caps_may_stay() {
+        let mut l = ledger(spec(100, 1_000, "pooled"));
+        l.api[0].push(ApiVersion {
+            at_ms: 20_000,
+            spec: None,
+            confirmed: true,
+        });
+        fill(&mut l, 0, 22_000, [5, 5], 0);
+        let mut m = HashMap::new();
+        for s in (0..60_000).step_by(1_000) {
+            m.insert((0, s), SliceRead { cap: 100, adm: 0 });
+        }
+        let t = Timing::default();
+        let mut cov = Coverage::default();
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut Map(m.clone()), &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        l.count(0, 0, 40_000, 1, 0, 0, 0); // one admission from the global quota, 20 s later
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut Map(m), &t, &mut cov);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!((v[0].invariant, v[0].slice), ("safety.slice", Some(40_000)));
     }
 
     #[test]

@@ -257,6 +257,8 @@ pub struct Planner {
     down: Vec<u64>,
     index: u64,
     next_quiet: u64,
+    /// Every spec of a task keeps the slice length of its first one.
+    fixed_slices: Option<Vec<u64>>,
 }
 
 impl Planner {
@@ -273,15 +275,26 @@ impl Planner {
             down: Vec::new(),
             index: 0,
             next_quiet: 0,
+            fixed_slices: None,
         };
         p.next_quiet = p.rng.range(4, 7);
         p
     }
 
-    /// The specs every task is created with before the first step.
-    pub fn initial_specs(&mut self) -> Vec<Spec> {
+    /// The specs every task is created with before the first step. With `fixed_slices`, every
+    /// later spec of a task keeps the slice length of its first one (no `put.slice` steps, no
+    /// grid change on re-creation): a way to run past defects of grid changes.
+    pub fn initial_specs(&mut self, fixed_slices: bool) -> Vec<Spec> {
         let specs: Vec<Spec> = (0..self.specs.len()).map(|t| self.random_spec(t)).collect();
         self.specs = specs.iter().cloned().map(Some).collect();
+        if fixed_slices {
+            self.fixed_slices = Some(specs.iter().map(|s| s.slice_ms).collect());
+            for (k, w) in &mut self.weights.0 {
+                if *k == "put.slice" {
+                    *w = 0;
+                }
+            }
+        }
         specs
     }
 
@@ -473,7 +486,8 @@ impl Planner {
     }
 
     fn random_spec(&mut self, task: usize) -> Spec {
-        let slice_ms = self.slice_ms();
+        let drawn = self.slice_ms();
+        let slice_ms = self.fixed_slices.as_ref().map_or(drawn, |f| f[task]);
         let threshold = self.threshold(task, slice_ms);
         let mode = self.mode();
         let (on_failure, local_limit, fallback) = self.failure(threshold);
@@ -597,7 +611,7 @@ mod tests {
 
     fn steps(seed: u64, n: usize) -> Vec<Planned> {
         let mut p = Planner::new(seed, Weights::default(), 3, 3);
-        p.initial_specs();
+        p.initial_specs(false);
         (0..n).map(|_| p.next_step()).collect()
     }
 
@@ -610,7 +624,7 @@ mod tests {
     #[test]
     fn replicas_are_restarted_and_never_more_than_two_down() {
         let mut p = Planner::new(5, Weights::parse("leader.*=50").unwrap(), 3, 3);
-        p.initial_specs();
+        p.initial_specs(false);
         let mut down = 0i32;
         for _ in 0..500 {
             match p.next_step().step {
@@ -625,7 +639,7 @@ mod tests {
     #[test]
     fn thresholds_keep_demand_above_them_and_specs_are_valid() {
         let mut p = Planner::new(11, Weights::default(), 3, 3);
-        p.initial_specs();
+        p.initial_specs(false);
         for _ in 0..2_000 {
             let (task, s) = match p.next_step().step {
                 Step::Put { task, spec, .. } | Step::Recreate { task, spec, .. } => (task, spec),
@@ -640,6 +654,19 @@ mod tests {
             );
             if let Some(d) = &s.dynamic {
                 assert!(d.min <= d.max, "{s:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn fixed_slices_keep_every_task_on_its_first_grid() {
+        let mut p = Planner::new(3, Weights::default(), 3, 3);
+        let first: Vec<u64> = p.initial_specs(true).iter().map(|s| s.slice_ms).collect();
+        for _ in 0..1_000 {
+            if let Step::Put { task, spec, .. } | Step::Recreate { task, spec, .. } =
+                p.next_step().step
+            {
+                assert_eq!(spec.slice_ms, first[task]);
             }
         }
     }

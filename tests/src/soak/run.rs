@@ -31,6 +31,8 @@ pub struct Options {
     pub keep_going: bool,
     /// Keep the logs directory after a successful run.
     pub keep_logs: bool,
+    /// Every task keeps its first slice length (see [`Planner::initial_specs`]).
+    pub fixed_slices: bool,
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -127,7 +129,7 @@ pub async fn run(o: Options) -> bool {
     watch_signals();
     let ns = format!("soak{}x{}", std::process::id(), o.seed % 1_000);
     let mut planner = Planner::new(o.seed, o.weights.clone(), o.tasks, o.hosts);
-    let specs = planner.initial_specs();
+    let specs = planner.initial_specs(o.fixed_slices);
     let t0 = Instant::now();
     let cpu0 = cpu_seconds();
     let mut w = World::start(Settings {

@@ -645,11 +645,13 @@ impl World {
                 r.child = None;
                 r.exited = true;
                 let err = std::fs::read_to_string(&r.err).unwrap_or_default();
-                if err.contains("panicked") {
+                if let Some(i) = err.find("panicked") {
+                    // The panic line and its message.
+                    let what: String = err[i..].lines().take(2).collect::<Vec<_>>().join(": ");
                     found.push((
                         "crash.loadgen_panic",
                         r.task,
-                        format!("run {} of {} panicked:\n{}", r.id, h.id, tail(&err, 20)),
+                        format!("run {} of {} {what} (log {})", r.id, h.id, r.err.display()),
                     ));
                 }
                 if !r.stopped_by_us {
