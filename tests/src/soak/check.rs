@@ -48,7 +48,10 @@
 //! host arrives at each slice after the others drained it; that is the skew the alert is for).
 //! While a host leads by more than half a slice no host is checked for zero admissions: the
 //! leading host reaches every slice first and may take all of it (the others admit nothing —
-//! see docs/soak.md, "what it found"); the total is still checked.
+//! see docs/soak.md, "what it found"); the total is still checked. While any host is not
+//! eligible, the total's floor is lowered by one host's share (`cap / hosts`): a host whose
+//! clock is off may over- or under-admit by up to its share per slice (operations.md, clock
+//! skew) — measured: a host 300 ms ahead on 100 ms slices strands 6–11 of 57 per slice.
 
 use std::collections::BTreeMap;
 
@@ -672,6 +675,14 @@ pub fn check_liveness(
         });
         return out;
     };
+    // A host whose clock is off (not eligible) may cost up to one host's share of each slice
+    // (documented in operations.md, clock skew): the 90 % is lowered by cap / hosts.
+    let skew_share = if eligible.iter().all(|e| *e) {
+        0.0
+    } else {
+        1.0 / eligible.len().max(1) as f64
+    };
+    let floor = |cap: u64| (0.9 - skew_share) * cap as f64;
     // exact_sliding: the whole window's total (see the module doc).
     let mut window = (0u64, 0u64);
     for (s, read) in starts.iter().zip(reads) {
@@ -707,29 +718,31 @@ pub fn check_liveness(
             }
             continue;
         }
-        if pressed && (admitted as f64) < 0.9 * read.cap as f64 {
+        if pressed && (admitted as f64) < floor(read.cap) {
             out.push(Violation {
                 invariant: "liveness.total",
                 task: name.clone(),
                 slice: Some(*s),
                 evidence: format!(
-                    "slice {s} ({l} ms): {admitted} admitted by the global quota < 90 % of cap {} with demand {demand} ({})",
+                    "slice {s} ({l} ms): {admitted} admitted by the global quota < {:.0} % of cap {} with demand {demand} ({})",
+                    100.0 * (0.9 - skew_share),
                     read.cap,
                     breakdown(&cells)
                 ),
             });
         }
     }
-    if window.1 > 0 && (window.0 as f64) < 0.9 * window.1 as f64 {
+    if window.1 > 0 && (window.0 as f64) < floor(window.1) {
         out.push(Violation {
             invariant: "liveness.total",
             task: name.clone(),
             slice: Some(starts[0]),
             evidence: format!(
-                "{} admitted by the sliding log in the slices of [{}, {}) with demand above their caps < 90 % of their caps' sum {}",
+                "{} admitted by the sliding log in the slices of [{}, {}) with demand above their caps < {:.0} % of their caps' sum {}",
                 window.0,
                 starts[0],
                 starts[starts.len() - 1] + l,
+                100.0 * (0.9 - skew_share),
                 window.1
             ),
         });
@@ -1092,6 +1105,11 @@ mod tests {
             live(&l, &[true, true], false).is_empty(),
             "no per-host check"
         );
+        // With a host off (not eligible), one host's share may be missing: 90 − 50 = 40 %.
+        let mut l3 = ledger(spec(100, 1_000, "pooled"));
+        fill(&mut l3, 0, 10_000, [6, 0], 0); // 60 % of the cap; host 0 asks 110 a slice
+        assert!(live(&l3, &[true, false], false).is_empty());
+        assert!(!live(&l3, &[true, true], false).is_empty(), "60 % with every host eligible");
         // 80 % of the cap with enough demand: too little.
         let mut l2 = ledger(spec(100, 1_000, "pooled"));
         fill(&mut l2, 0, 10_000, [4, 4], 0);
