@@ -51,7 +51,7 @@
 //! see docs/soak.md, "what it found"); the total is still checked. While any host is not
 //! eligible, the total's floor is lowered by one host's share (`cap / hosts`): a host whose
 //! clock is off may over- or under-admit by up to its share per slice (operations.md, clock
-//! skew) — measured: a host 300 ms ahead on 100 ms slices strands 6–11 of 57 per slice.
+//! skew) — measured: with a host 300 ms ahead on 100 ms slices of cap 57, slices admitted 46–51.
 
 use std::collections::BTreeMap;
 
@@ -1109,7 +1109,10 @@ mod tests {
         let mut l3 = ledger(spec(100, 1_000, "pooled"));
         fill(&mut l3, 0, 10_000, [6, 0], 0); // 60 % of the cap; host 0 asks 110 a slice
         assert!(live(&l3, &[true, false], false).is_empty());
-        assert!(!live(&l3, &[true, true], false).is_empty(), "60 % with every host eligible");
+        assert!(
+            !live(&l3, &[true, true], false).is_empty(),
+            "60 % with every host eligible"
+        );
         // 80 % of the cap with enough demand: too little.
         let mut l2 = ledger(spec(100, 1_000, "pooled"));
         fill(&mut l2, 0, 10_000, [4, 4], 0);
