@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
 # The main job on a fresh machine: installs what is missing, starts a local etcd and Redis,
 # three sluice-manager replicas on 127.0.0.1:8080/8081/8082, a demo task with demo traffic,
-# and prints the dashboard URL. Ctrl-C stops everything it started.
+# and prints the dashboard URL. Ctrl-C (or SIGTERM) stops everything it started and removes the
+# demo hosts' shared memory segments.
 #
 # Environment: SLUICE_DEV_TRAFFIC=0 skips the demo traffic; RUST_LOG sets the log level.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib.sh
 source scripts/lib.sh
-trap cleanup EXIT
+DEV_HOSTS=(host-a host-b)
+# Stops everything started here (by PID), then removes the demo hosts' shared memory segments
+# (the SDK keeps them across process restarts on purpose; nothing uses them any more).
+DEV_SLEEP=''
+dev_cleanup() {
+  [ -n "$DEV_SLEEP" ] && kill "$DEV_SLEEP" 2>/dev/null
+  cleanup
+  local h
+  for h in "${DEV_HOSTS[@]}"; do
+    rm -f "/dev/shm/sluice.sluice.$h" "/dev/shm/sluice.sluice.$h".*
+  done
+}
+trap dev_cleanup EXIT
 trap 'echo; log "stopping"; exit 0' INT TERM
 
 ensure_base_packages
@@ -49,10 +62,14 @@ curl -sf -X PUT http://127.0.0.1:8080/api/v1/tasks/checkout -H 'content-type: ap
 
 if [ -x target/release/examples/loadgen ] && [ "${SLUICE_DEV_TRAFFIC:-1}" != 0 ]; then
   log "demo traffic: two simulated hosts, two processes each, ~7,000 requests/s offered"
-  for h in host-a host-b; do
-    (while true; do
+  for h in "${DEV_HOSTS[@]}"; do
+    # A loop that restarts the host's loadgen; on SIGTERM it stops the running one (which
+    # stops its children and reports) and ends. `cmd & wait` lets the trap run at once.
+    (trap 'kill -TERM $(jobs -p) 2>/dev/null; wait; exit 0' TERM
+     while true; do
       target/release/examples/loadgen --redis "$REDIS_URL" --namespace sluice --task checkout \
-        --host-id "$h" --procs 2 --duration-ms 600000 --rate 1750 >/dev/null 2>>"$dir/loadgen-$h.log" || sleep 1
+        --host-id "$h" --procs 2 --duration-ms 600000 --rate 1750 >/dev/null 2>>"$dir/loadgen-$h.log" &
+      wait $! || sleep 1
     done) &
     SLUICE_PIDS+=($!)
   done
@@ -72,4 +89,10 @@ cat <<MSG
   Ctrl-C stops everything.
 
 MSG
-while true; do sleep 3600; done
+# Bash runs a trap only between foreground commands: sleep in the background and `wait` for it
+# (wait returns at once when a signal arrives), so SIGTERM/SIGINT stop everything right away.
+while true; do
+  sleep 3600 &
+  DEV_SLEEP=$!
+  wait "$DEV_SLEEP" || true
+done

@@ -2,11 +2,13 @@
 # Runs every check and test of Sluice against real servers:
 #   system packages (installed when missing, as root) → etcd + Redis on free loopback ports →
 #   cargo fmt --check → dashboard build → clippy -D warnings → build → cargo test (unit, doc,
-#   end-to-end) → browser tests of the dashboard.
+#   end-to-end) → a 60 s slice of the soak (random seed, printed) → browser tests of the
+#   dashboard.
 # Everything started here is stopped by PID on exit, failure or Ctrl-C.
 #
-# Environment: SLUICE_TEST_FILTER=<name> runs only matching Rust tests (and skips the browser
-# tests); SLUICE_SKIP_BROWSER=1 skips the browser tests.
+# Environment: SLUICE_TEST_FILTER=<name> runs only matching Rust tests (and skips the soak and
+# the browser tests); SLUICE_SKIP_BROWSER=1 skips the browser tests; SLUICE_SKIP_SOAK=1 skips
+# the soak slice; SLUICE_SOAK_SECONDS sets its length (default 60).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib.sh
@@ -40,6 +42,11 @@ export SLUICE_TEST_ETCD="$ETCD_ENDPOINT" SLUICE_TEST_REDIS="$REDIS_URL"
 log "cargo test"
 # End-to-end tests start several managers each; two at a time keeps a 2-core machine honest.
 cargo test --workspace -- --test-threads="${SLUICE_TEST_THREADS:-2}" ${SLUICE_TEST_FILTER:-}
+
+if [ -z "${SLUICE_TEST_FILTER:-}" ] && [ -z "${SLUICE_SKIP_SOAK:-}" ]; then
+  log "soak: a ${SLUICE_SOAK_SECONDS:-60} s slice with a random seed (replay: scripts/soak.sh --seed S)"
+  scripts/soak.sh --seconds "${SLUICE_SOAK_SECONDS:-60}"
+fi
 
 if [ -f dashboard/package.json ] && [ -z "${SLUICE_SKIP_BROWSER:-}" ] && [ -z "${SLUICE_TEST_FILTER:-}" ]; then
   log "browser tests"

@@ -71,11 +71,14 @@ pub fn shared_redis() -> String {
 /// The target directory holding this test binary (`target/debug` or `target/release`).
 pub fn target_dir() -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
-    // target/<profile>/deps/<test binary>
-    exe.parent()
-        .and_then(Path::parent)
-        .expect("test binary is not inside a target directory")
-        .to_path_buf()
+    // target/<profile>/deps/<test binary>, or target/<profile>/<bin> (the soak program).
+    let dir = exe
+        .parent()
+        .expect("test binary is not inside a target directory");
+    match dir.file_name() {
+        Some(n) if n == "deps" => dir.parent().unwrap_or(dir).to_path_buf(),
+        _ => dir.to_path_buf(),
+    }
 }
 
 /// A binary of the workspace: `sluice-manager`, or `examples/loadgen`.
@@ -1175,3 +1178,129 @@ pub async fn wait_caps(
     })
     .await
 }
+
+// ─── Processes, loadgen signals and the soak (branch `soak`; keep this section self-contained) ───
+
+/// The pids of the children of `pid` that have not exited (zombies excluded), from `/proc`.
+pub fn child_pids(pid: u32) -> Vec<u32> {
+    proc_stats()
+        .filter(|s| s.ppid == pid && s.state != 'Z')
+        .map(|s| s.pid)
+        .collect()
+}
+
+/// True when `pid` does not run any more: no such process, or a zombie not reaped yet.
+pub fn process_gone(pid: u32) -> bool {
+    proc_stat(pid).is_none_or(|s| s.state == 'Z' || s.state == 'X')
+}
+
+/// The pids of live processes (zombies excluded) whose command line contains `needle`,
+/// other than this process.
+pub fn pids_with_cmdline(needle: &str) -> Vec<u32> {
+    let me = std::process::id();
+    proc_stats()
+        .filter(|s| s.pid != me && s.state != 'Z')
+        .filter(|s| {
+            std::fs::read(format!("/proc/{}/cmdline", s.pid)).is_ok_and(|c| {
+                String::from_utf8_lossy(&c)
+                    .replace('\0', " ")
+                    .contains(needle)
+            })
+        })
+        .map(|s| s.pid)
+        .collect()
+}
+
+/// One line of `/proc/<pid>/stat`, the fields the helpers above need.
+#[derive(Debug, Clone, Copy)]
+struct ProcStat {
+    pid: u32,
+    state: char,
+    ppid: u32,
+}
+
+fn proc_stat(pid: u32) -> Option<ProcStat> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // `pid (comm) state ppid …`; comm may contain spaces and parentheses: split at the last ')'.
+    let (_, rest) = text.rsplit_once(')')?;
+    let mut f = rest.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    let ppid = f.next()?.parse().ok()?;
+    Some(ProcStat { pid, state, ppid })
+}
+
+fn proc_stats() -> impl Iterator<Item = ProcStat> {
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter_map(proc_stat)
+}
+
+/// Waits (polling every 10 ms, at most `timeout`) until every pid in `pids` is gone
+/// ([`process_gone`]); returns how long it took, or the pids still running.
+pub fn wait_gone(pids: &[u32], timeout: Duration) -> Result<Duration, Vec<u32>> {
+    let t0 = Instant::now();
+    loop {
+        let alive: Vec<u32> = pids.iter().copied().filter(|p| !process_gone(*p)).collect();
+        if alive.is_empty() {
+            return Ok(t0.elapsed());
+        }
+        if t0.elapsed() >= timeout {
+            return Err(alive);
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+impl Proc {
+    /// Sends `sig` and waits up to `timeout` for the exit: its status, or None when it still
+    /// runs then (it is left running; [`Proc::kill`] it). Never panics.
+    pub fn signal_and_wait(
+        &mut self,
+        sig: i32,
+        timeout: Duration,
+    ) -> Option<std::process::ExitStatus> {
+        let c = self.child.as_mut()?;
+        // SAFETY: kill(2) on our own child, not reaped yet (its pid cannot be reused).
+        unsafe { libc::kill(c.id() as libc::pid_t, sig) };
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                self.child = None;
+                return Some(st);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl RedisServer {
+    /// True while the server process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        self.proc.as_mut().is_some_and(Proc::is_running)
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("redis.log")).unwrap_or_default()
+    }
+}
+
+impl EtcdServer {
+    /// True while the etcd process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        self.proc.as_mut().is_some_and(Proc::is_running)
+    }
+
+    /// Its log so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("etcd.log")).unwrap_or_default()
+    }
+}
+
+pub mod soak;

@@ -2,38 +2,83 @@
 //!
 //! ```text
 //! cargo run --release -p sluice --example loadgen -- --redis URL --namespace NS --task T \
-//!     --host-id H --procs P --duration-ms D [--rate R] [--bucket-ms B] [--backend-capacity C]
+//!     --host-id H --procs P --duration-ms D [--rate R] [--bucket-ms B] [--backend-capacity C] \
+//!     [--progress FILE]
 //! ```
 //!
 //! The parent re-executes itself P times (`--child i`); the children share one host segment
-//! (`/dev/shm/sluice.NS.H`), start together, call `try_acquire(1)` in a loop for D ms (`--rate`
-//! per process per second, 0 = as fast as possible) and report to the parent, which prints ONE
-//! JSON line on stdout:
+//! (`/dev/shm/sluice.NS.H`), start together, decide one permit at a time in a loop for D ms
+//! (`--rate` per process per second, 0 = as fast as possible) and report to the parent, which
+//! prints ONE JSON line on stdout:
 //!
 //! ```json
 //! {"task":"T","host_id":"H","procs":4,"duration_ms":5000,"admitted":0,"rejected":0,
 //!  "fallback_admitted":0,"decisions_per_sec":0.0,"redis_calls":0,
-//!  "buckets":{"<bucket_start_ms>":[admitted,rejected]}}
+//!  "buckets":{"<bucket_start_ms>":[admitted,rejected]},
+//!  "fallback_buckets":{"<bucket_start_ms>":fallback_admitted}}
 //! ```
 //!
 //! `admitted` counts every admitted decision, `fallback_admitted` the part of it admitted by
 //! the FAILED fallback (or for an unknown task); `rejected` every rejection. Each decision is
-//! bucketed by the time it was decided at (the SDK's slice clock), so with `--bucket-ms` equal
-//! to the slice length a bucket is exactly a slice. `--backend-capacity C` simulates a backend
-//! that fails requests above C per second on this host (C/P per process); outcomes and
-//! latencies are reported to the SDK's health API.
+//! bucketed by the time it was decided at (the SDK's slice clock; for exact tasks the time the
+//! call started, which picks the slice), so with `--bucket-ms` equal to the slice length a
+//! bucket is exactly a slice. `fallback_buckets` (additive to the pinned output) holds the
+//! fallback-admitted count of every bucket that has any, so safety can be checked on the
+//! globally decided admissions alone (`buckets[b][0] − fallback_buckets[b]`).
 //!
-//! Extra flags (not part of the pinned interface): `--probe-interval-ms`, `--pull-timeout-ms`,
-//! `--clock host|redis`. Logs go to stderr (`RUST_LOG`, default `sluice=info`).
+//! # Which SDK call decides
+//!
+//! Every mode is decided through the call its users make: pooled and local tasks with
+//! `try_acquire_at` (the synchronous path), `exact_fixed` / `exact_sliding` tasks with
+//! `acquire_blocking` (one Redis round trip per decision). The mode is read from the task's
+//! meta in the host segment (`Task::meta`, a few atomic loads) before every decision, so a mode
+//! changed at run time is followed at once. An `exact_fixed` decision that would start less
+//! than 1 ms before a slice boundary waits for the boundary, so the slice it is bucketed in is
+//! the one the SDK charged (the SDK reads the clock again when the call starts).
+//!
+//! # Backend capacity
+//!
+//! `--backend-capacity C` simulates a backend that serves C requests per second for the whole
+//! host and fails the rest; outcomes and latencies are reported to the SDK's health API. The
+//! count is shared by every loadgen process of the host id (also of other loadgen runs with the
+//! same `--host-id` at the same time) through one atomic word `second:32 | count:32` in the file
+//! `<segment>.<task>.backend` next to the host segment (one backend per task): created by the
+//! first parent, mapped by every child, removed by the last parent to finish (each parent holds a shared `flock` on it while it
+//! runs; the one that can upgrade to exclusive at the end is the last).
+//!
+//! # Signals
+//!
+//! SIGTERM or SIGINT to the parent is forwarded to the children; they stop their loop at once
+//! and report what they did, and the parent still prints its JSON line (exit 0). The children
+//! die with the parent (`PR_SET_PDEATHSIG`, SIGKILL): a SIGKILLed parent leaves no process.
+//!
+//! # Progress
+//!
+//! `--progress FILE` (extra): every child appends one JSON line per closed bucket, with one
+//! `write` on an `O_APPEND` descriptor (so lines of several processes never interleave):
+//! `{"host":"H","child":0,"task":"T","bucket":1796023086000,"adm":10,"rej":3,"fb":0}`
+//! (`adm` includes `fb`, the fallback-admitted part). A long-running observer (the soak) checks
+//! invariants from it while the run goes on, and keeps the data of a host it SIGKILLs. A bucket
+//! is closed when a decision falls into a later one, and at the end of the run.
+//!
+//! Other extra flags (not part of the pinned interface): `--probe-interval-ms`,
+//! `--pull-timeout-ms`, `--clock host|redis`. Logs go to stderr (`RUST_LOG`, default
+//! `sluice=info`).
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
+use std::fs::File;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use clap::Parser;
+use memmap2::MmapMut;
 use serde::{Deserialize, Serialize};
-use sluice::{Client, ClockSource, Config, Decision, Outcome};
+use sluice::protocol::Mode;
+use sluice::{Client, ClockSource, Config, Decision, Outcome, Task};
 
 #[derive(Debug, Clone, Parser)]
 #[command(about = "Sluice load generator: P processes sharing one host segment")]
@@ -62,9 +107,12 @@ struct Args {
     /// Bucket width of the per-time counts, ms.
     #[arg(long, default_value_t = 1000)]
     bucket_ms: i64,
-    /// Simulated backend capacity per second on this host (0 = unlimited).
+    /// Simulated backend capacity per second for the whole host (0 = unlimited).
     #[arg(long, default_value_t = 0)]
     backend_capacity: u64,
+    /// Append one JSON line per closed bucket to this file (extra).
+    #[arg(long)]
+    progress: Option<PathBuf>,
     /// Probe interval while FAILED, ms (extra).
     #[arg(long)]
     probe_interval_ms: Option<u64>,
@@ -80,6 +128,9 @@ struct Args {
     /// Internal: common start time (Unix ms).
     #[arg(long, hide = true)]
     start_at_ms: Option<i64>,
+    /// Internal: the parent's pid (a child exits when its parent is gone).
+    #[arg(long, hide = true)]
+    parent_pid: Option<u32>,
 }
 
 #[derive(Debug, Default, Serialize, Deserialize)]
@@ -94,6 +145,46 @@ struct Report {
     decisions_per_sec: f64,
     redis_calls: u64,
     buckets: BTreeMap<String, [u64; 2]>,
+    fallback_buckets: BTreeMap<String, u64>,
+}
+
+impl Report {
+    fn new(args: &Args, procs: u32) -> Self {
+        Self {
+            task: args.task.clone(),
+            host_id: args.host_id.clone(),
+            procs,
+            duration_ms: args.duration_ms,
+            ..Self::default()
+        }
+    }
+
+    /// Adds one bucket's counts: `[admitted, rejected, fallback_admitted]`.
+    fn add_bucket(&mut self, start: i64, v: [u64; 3]) {
+        let key = start.to_string();
+        let e = self.buckets.entry(key.clone()).or_insert([0, 0]);
+        e[0] += v[0];
+        e[1] += v[1];
+        if v[2] > 0 {
+            *self.fallback_buckets.entry(key).or_insert(0) += v[2];
+        }
+    }
+
+    /// Adds a child's report into this (the parent's) total.
+    fn merge(&mut self, r: Report) {
+        self.admitted += r.admitted;
+        self.rejected += r.rejected;
+        self.fallback_admitted += r.fallback_admitted;
+        self.redis_calls += r.redis_calls;
+        for (k, v) in r.buckets {
+            let e = self.buckets.entry(k).or_insert([0, 0]);
+            e[0] += v[0];
+            e[1] += v[1];
+        }
+        for (k, n) in r.fallback_buckets {
+            *self.fallback_buckets.entry(k).or_insert(0) += n;
+        }
+    }
 }
 
 fn main() {
@@ -119,6 +210,177 @@ fn now_ms() -> i64 {
     sluice::clock::host_ms()
 }
 
+/// SIGTERM / SIGINT handling: the handler only sets a flag that the loops poll.
+mod signals {
+    use super::{AtomicBool, Ordering};
+
+    static STOP: AtomicBool = AtomicBool::new(false);
+
+    extern "C" fn on_signal(_: libc::c_int) {
+        STOP.store(true, Ordering::SeqCst);
+    }
+
+    /// Installs the handler for SIGTERM and SIGINT.
+    pub fn install() {
+        for sig in [libc::SIGTERM, libc::SIGINT] {
+            // SAFETY: the handler only stores to an atomic, which is async-signal-safe; the
+            // sigaction struct is fully initialised (zeroed, then the fields we use).
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_signal as *const () as libc::sighandler_t;
+                sa.sa_flags = libc::SA_RESTART;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
+            }
+        }
+    }
+
+    /// True once SIGTERM or SIGINT arrived.
+    pub fn stop_requested() -> bool {
+        STOP.load(Ordering::SeqCst)
+    }
+}
+
+/// Sleeps up to `d` in steps of at most 20 ms; false if a stop was requested meanwhile.
+fn sleep_unless_stopped(d: Duration) -> bool {
+    let until = Instant::now() + d;
+    loop {
+        if signals::stop_requested() {
+            return false;
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return true;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(20)));
+    }
+}
+
+/// The simulated backend of one host: requests served per second, counted in one atomic word
+/// `second:32 | count:32` in a file next to the host segment, shared by every process of the
+/// host (see the module doc).
+struct Backend {
+    map: MmapMut,
+    capacity: u64,
+}
+
+impl Backend {
+    /// `<segment>.<task>.backend`, next to the host segment in the SDK's default directory
+    /// (one backend per task: each task protects its own service).
+    fn path(args: &Args) -> PathBuf {
+        let seg = sluice::shm::Segment::path_for(
+            &Config::new(args.redis.clone()).shm_dir,
+            &args.namespace,
+            &args.host_id,
+        );
+        let mut p = seg.into_os_string();
+        p.push(format!(".{}.backend", args.task));
+        PathBuf::from(p)
+    }
+
+    /// Opens (creating if needed) the counter file, at least one word long.
+    fn open_file(path: &Path) -> Result<File, String> {
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| format!("backend counter {}: {e}", path.display()))?;
+        if file.metadata().map(|m| m.len()).unwrap_or(0) < 8 {
+            file.set_len(8)
+                .map_err(|e| format!("backend counter: {e}"))?;
+        }
+        Ok(file)
+    }
+
+    /// Maps the counter word of the file at `path`.
+    fn open(path: &Path, capacity: u64) -> Result<Self, String> {
+        let file = Self::open_file(path)?;
+        // SAFETY: the file is at least 8 bytes and only ever accessed through the atomic word;
+        // the mapping outlives the descriptor.
+        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| format!("mmap: {e}"))?;
+        Ok(Self { map, capacity })
+    }
+
+    fn word(&self) -> &AtomicU64 {
+        // SAFETY: the mapping is page-aligned, at least 8 bytes, and lives as long as `self`.
+        unsafe { &*(self.map.as_ptr() as *const AtomicU64) }
+    }
+
+    /// Counts one request at `now_ms`; true when it is within the host's capacity.
+    fn serve(&self, now_ms: i64) -> bool {
+        let second = now_ms.div_euclid(1_000) as u32;
+        let w = self.word();
+        let mut cur = w.load(Ordering::Acquire);
+        loop {
+            let (s, c) = ((cur >> 32) as u32, cur as u32);
+            let count = if s == second { c.saturating_add(1) } else { 1 };
+            let next = (u64::from(second) << 32) | u64::from(count);
+            match w.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return u64::from(count) <= self.capacity,
+                Err(seen) => cur = seen,
+            }
+        }
+    }
+}
+
+/// The parent's hold on the backend counter file: a shared `flock` for the run; at the end the
+/// file is removed if no other parent holds it.
+struct BackendFile {
+    path: PathBuf,
+    file: File,
+}
+
+impl BackendFile {
+    fn acquire(path: PathBuf) -> Result<Self, String> {
+        loop {
+            let file = Backend::open_file(&path)?;
+            flock(&file, libc::LOCK_SH)?;
+            // Another parent may have removed the file between our open and our lock: then
+            // we hold an orphan; start over on the path's current file.
+            let same = std::fs::metadata(&path)
+                .ok()
+                .zip(file.metadata().ok())
+                .is_some_and(|(a, b)| a.ino() == b.ino() && a.dev() == b.dev());
+            if same {
+                return Ok(Self { path, file });
+            }
+        }
+    }
+}
+
+impl Drop for BackendFile {
+    fn drop(&mut self) {
+        if flock(&self.file, libc::LOCK_EX | libc::LOCK_NB).is_ok() {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
+}
+
+fn flock(file: &File, op: libc::c_int) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    loop {
+        // SAFETY: flock on a descriptor we own.
+        if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(format!("flock: {e}"));
+        }
+    }
+}
+
+/// Reads the one JSON line a child prints.
+fn read_report(out: Option<std::process::ChildStdout>) -> String {
+    let mut line = String::new();
+    if let Some(out) = out {
+        let _ = BufReader::new(out).read_line(&mut line);
+    }
+    line
+}
+
 fn parent(args: &Args) -> Result<(), String> {
     if args.procs == 0 || args.procs > 256 {
         return Err("--procs must be 1..=256".into());
@@ -126,82 +388,201 @@ fn parent(args: &Args) -> Result<(), String> {
     if args.bucket_ms <= 0 {
         return Err("--bucket-ms must be positive".into());
     }
+    signals::install();
+    let backend = match args.backend_capacity {
+        0 => None,
+        _ => Some(BackendFile::acquire(Backend::path(args))?),
+    };
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let start_at = now_ms() + 1_000 + 50 * args.procs as i64;
     let raw: Vec<String> = std::env::args().skip(1).collect();
+    let me = std::process::id().to_string();
     let mut children = Vec::new();
     for i in 0..args.procs {
-        let child = Command::new(&exe)
+        let spawned = Command::new(&exe)
             .args(&raw)
             .args(["--child", &i.to_string()])
             .args(["--start-at-ms", &start_at.to_string()])
+            .args(["--parent-pid", &me])
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("cannot start child {i}: {e}"))?;
-        children.push(child);
+            .spawn();
+        match spawned {
+            Ok(c) => children.push(c),
+            Err(e) => {
+                for mut c in children {
+                    let _ = c.kill();
+                    let _ = c.wait();
+                }
+                return Err(format!("cannot start child {i}: {e}"));
+            }
+        }
     }
-    let deadline =
-        Instant::now() + Duration::from_millis(args.duration_ms) + Duration::from_secs(60);
-    let mut total = Report {
-        task: args.task.clone(),
-        host_id: args.host_id.clone(),
-        procs: args.procs,
-        duration_ms: args.duration_ms,
-        ..Report::default()
-    };
-    let mut failures = Vec::new();
     let readers: Vec<_> = children
         .iter_mut()
         .map(|c| {
             let out = c.stdout.take();
-            std::thread::spawn(move || {
-                let mut line = String::new();
-                if let Some(out) = out {
-                    let _ = BufReader::new(out).read_line(&mut line);
-                }
-                line
-            })
+            std::thread::spawn(move || read_report(out))
         })
         .collect();
-    for (i, (mut c, reader)) in children.into_iter().zip(readers).enumerate() {
-        while matches!(c.try_wait(), Ok(None)) {
-            if Instant::now() > deadline {
+
+    // Wait for every child; forward a stop request once; kill what outlives its deadline.
+    let mut deadline =
+        Instant::now() + Duration::from_millis(args.duration_ms) + Duration::from_secs(60);
+    let mut forwarded = false;
+    let mut running: Vec<Option<std::process::Child>> = children.into_iter().map(Some).collect();
+    while running.iter().any(Option::is_some) {
+        if signals::stop_requested() && !forwarded {
+            forwarded = true;
+            for c in running.iter().flatten() {
+                // SAFETY: kill(2) on our own child's pid (not yet reaped, so not reused).
+                unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+            }
+            deadline = deadline.min(Instant::now() + Duration::from_secs(5));
+        }
+        let late = Instant::now() > deadline;
+        for slot in running.iter_mut() {
+            let Some(c) = slot else { continue };
+            if late {
                 let _ = c.kill();
             }
-            std::thread::sleep(Duration::from_millis(10));
+            if !matches!(c.try_wait(), Ok(None)) {
+                let _ = c.wait();
+                *slot = None;
+            }
         }
-        let _ = c.wait();
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(backend);
+
+    let mut total = Report::new(args, args.procs);
+    let mut failures = Vec::new();
+    for (i, reader) in readers.into_iter().enumerate() {
         let line = reader.join().unwrap_or_default();
         match serde_json::from_str::<Report>(line.trim()) {
-            Ok(r) => {
-                total.admitted += r.admitted;
-                total.rejected += r.rejected;
-                total.fallback_admitted += r.fallback_admitted;
-                total.redis_calls += r.redis_calls;
-                for (k, v) in r.buckets {
-                    let e = total.buckets.entry(k).or_insert([0, 0]);
-                    e[0] += v[0];
-                    e[1] += v[1];
-                }
-            }
+            Ok(r) => total.merge(r),
             Err(e) => failures.push(format!("child {i}: {e} ({line:?})")),
         }
     }
     if !failures.is_empty() {
         return Err(failures.join("; "));
     }
-    total.decisions_per_sec =
-        (total.admitted + total.rejected) as f64 / (args.duration_ms.max(1) as f64 / 1_000.0);
-    println!(
-        "{}",
-        serde_json::to_string(&total).map_err(|e| e.to_string())?
-    );
+    // Over the time the children ran: the whole duration, or less when stopped early.
+    let ran_ms = (now_ms() - start_at).clamp(1, args.duration_ms.max(1) as i64);
+    total.decisions_per_sec = (total.admitted + total.rejected) as f64 / (ran_ms as f64 / 1_000.0);
+    let line = serde_json::to_string(&total).map_err(|e| e.to_string())?;
+    // A closed stdout (the reader went away) is not worth a panic.
+    let _ = writeln!(std::io::stdout(), "{line}");
     Ok(())
 }
 
+/// Makes this child die with its parent (SIGKILL when the parent thread exits), and exits at
+/// once if the parent is already gone (it may have died before the prctl).
+fn die_with_parent(parent: Option<u32>) {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) and getppid have no memory-safety preconditions.
+    unsafe {
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        );
+        if let Some(p) = parent
+            && libc::getppid() as u32 != p
+        {
+            std::process::exit(1);
+        }
+    }
+}
+
+/// Appends closed buckets to the progress file, one `write` per line.
+struct Progress {
+    file: Option<File>,
+    host: String,
+    child: u32,
+    task: String,
+}
+
+impl Progress {
+    fn open(args: &Args, child: u32) -> Result<Self, String> {
+        let file = match &args.progress {
+            None => None,
+            Some(p) => Some(
+                File::options()
+                    .create(true)
+                    .append(true)
+                    .open(p)
+                    .map_err(|e| format!("progress file {}: {e}", p.display()))?,
+            ),
+        };
+        Ok(Self {
+            file,
+            host: args.host_id.clone(),
+            child,
+            task: args.task.clone(),
+        })
+    }
+
+    fn bucket(&mut self, start: i64, v: [u64; 3]) {
+        let Some(f) = self.file.as_mut() else { return };
+        let line = serde_json::json!({
+            "host": self.host, "child": self.child, "task": self.task,
+            "bucket": start, "adm": v[0], "rej": v[1], "fb": v[2],
+        })
+        .to_string()
+            + "\n";
+        // O_APPEND: one write lands whole at the end, whatever the other children write.
+        if let Err(e) = f.write_all(line.as_bytes()) {
+            tracing::warn!(error = %e, "cannot append to the progress file");
+        }
+    }
+}
+
+/// `Some((slice_us, fixed))` when the task is exact (`exact_fixed`: fixed = true), from the
+/// meta in the host segment (a few atomic loads, read before every decision so a mode changed
+/// at run time is followed at once).
+fn exact_mode(task: &Task) -> Option<(i64, bool)> {
+    let m = task.meta()?;
+    let slice_us = m.slice_ms as i64 * 1_000;
+    match m.mode {
+        Mode::ExactFixed => Some((slice_us, true)),
+        Mode::ExactSliding => Some((slice_us, false)),
+        _ => None,
+    }
+}
+
+/// Decides one permit with the call a user of the task's mode makes; returns the decision and
+/// the time it is bucketed at.
+///
+/// `acquire_blocking` reads the slice clock again when it starts: an `exact_fixed` decision
+/// stamped less than 1 ms before a slice boundary is held until the boundary, so the slice it
+/// is bucketed in is the slice TAKE charged (the two clock reads are microseconds apart).
+fn decide(task: &Task) -> (Decision, i64) {
+    let now_us = task.now_us();
+    match exact_mode(task) {
+        None => match task.try_acquire_at(1, now_us) {
+            // The task became exact between the mode check and the decision.
+            Decision::WouldBlock => (task.acquire_blocking(1), now_us),
+            d => (d, now_us),
+        },
+        Some((slice_us, fixed)) => {
+            let left = slice_us - now_us.rem_euclid(slice_us.max(1));
+            let now_us = if fixed && left < 1_000 {
+                std::thread::sleep(Duration::from_micros(left as u64));
+                task.now_us()
+            } else {
+                now_us
+            };
+            (task.acquire_blocking(1), now_us)
+        }
+    }
+}
+
 fn child(args: &Args, index: u32) -> Result<(), String> {
+    die_with_parent(args.parent_pid);
+    signals::install();
     let mut cfg = Config::new(args.redis.clone());
     cfg.namespace = args.namespace.clone();
     cfg.host_id = args.host_id.clone();
@@ -215,16 +596,28 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
         "redis" => ClockSource::Redis,
         _ => ClockSource::Host,
     };
+    let backend = match args.backend_capacity {
+        0 => None,
+        c => Some(Backend::open(&Backend::path(args), c)?),
+    };
+    let mut progress = Progress::open(args, index)?;
     let client = Client::new(cfg).map_err(|e| e.to_string())?;
     let calls = client.redis_calls_counter();
     let task = client.task(&args.task).map_err(|e| e.to_string())?;
-    if !task.wait_ready(Duration::from_secs(5)) {
-        tracing::warn!(task = %args.task, "task meta not known after 5 s; starting anyway");
+    let ready_by = Instant::now() + Duration::from_secs(5);
+    while !task.wait_ready(Duration::from_millis(50)) {
+        if signals::stop_requested() {
+            break;
+        }
+        if Instant::now() >= ready_by {
+            tracing::warn!(task = %args.task, "task meta not known after 5 s; starting anyway");
+            break;
+        }
     }
     let start_at = args.start_at_ms.unwrap_or_else(now_ms);
     let wait = start_at - now_ms();
     if wait > 0 {
-        std::thread::sleep(Duration::from_millis(wait as u64));
+        sleep_unless_stopped(Duration::from_millis(wait as u64));
     }
     let started = Instant::now();
     let duration = Duration::from_millis(args.duration_ms);
@@ -234,21 +627,12 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
         Some(_) => (args.rate * args.duration_ms as f64 / 1_000.0).ceil() as u64 + 1,
         None => 100_000_000_000,
     };
-    let per_proc_capacity = args.backend_capacity.div_ceil(args.procs.max(1) as u64);
-    let mut r = Report {
-        task: args.task.clone(),
-        host_id: args.host_id.clone(),
-        procs: 1,
-        duration_ms: args.duration_ms,
-        ..Report::default()
-    };
+    let mut r = Report::new(args, 1);
     let bucket_ms = args.bucket_ms;
     let mut cur_bucket = i64::MIN;
-    let mut cur = [0u64; 2];
-    let mut backend_second = i64::MIN;
-    let mut backend_used = 0u64;
+    let mut cur = [0u64; 3];
     let mut done: u64 = 0;
-    'outer: while done < max_decisions {
+    'outer: while done < max_decisions && !signals::stop_requested() {
         let elapsed = started.elapsed();
         if elapsed >= duration {
             break;
@@ -267,31 +651,26 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
             None => 256.min(max_decisions - done),
         };
         for _ in 0..due {
-            let now_us = task.now_us();
-            let d = task.try_acquire_at(1, now_us);
+            let (d, now_us) = decide(&task);
             let now_ms = now_us.div_euclid(1_000);
             let bucket = now_ms - now_ms.rem_euclid(bucket_ms);
             if bucket != cur_bucket {
                 if cur_bucket != i64::MIN {
-                    add_bucket(&mut r.buckets, cur_bucket, cur);
+                    r.add_bucket(cur_bucket, cur);
+                    progress.bucket(cur_bucket, cur);
                 }
                 cur_bucket = bucket;
-                cur = [0, 0];
+                cur = [0, 0, 0];
             }
             if d.is_allowed() {
                 r.admitted += 1;
                 cur[0] += 1;
                 if d == Decision::FallbackAllowed {
                     r.fallback_admitted += 1;
+                    cur[2] += 1;
                 }
-                if per_proc_capacity > 0 {
-                    let second = now_ms.div_euclid(1_000);
-                    if second != backend_second {
-                        backend_second = second;
-                        backend_used = 0;
-                    }
-                    backend_used += 1;
-                    let (outcome, latency) = if backend_used <= per_proc_capacity {
+                if let Some(b) = &backend {
+                    let (outcome, latency) = if b.serve(now_ms) {
                         (Outcome::Ok, Duration::from_millis(2))
                     } else {
                         (Outcome::Err, Duration::from_millis(50))
@@ -303,13 +682,14 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
                 cur[1] += 1;
             }
             done += 1;
-            if done >= max_decisions {
+            if done >= max_decisions || signals::stop_requested() {
                 break 'outer;
             }
         }
     }
     if cur_bucket != i64::MIN {
-        add_bucket(&mut r.buckets, cur_bucket, cur);
+        r.add_bucket(cur_bucket, cur);
+        progress.bucket(cur_bucket, cur);
     }
     let secs = started.elapsed().as_secs_f64().max(1e-9);
     r.decisions_per_sec = (r.admitted + r.rejected) as f64 / secs;
@@ -323,12 +703,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     drop(task);
     drop(client);
     r.redis_calls = calls.get();
-    println!("{}", serde_json::to_string(&r).map_err(|e| e.to_string())?);
+    let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
+    let _ = writeln!(std::io::stdout(), "{line}");
     Ok(())
-}
-
-fn add_bucket(buckets: &mut BTreeMap<String, [u64; 2]>, start: i64, v: [u64; 2]) {
-    let e = buckets.entry(start.to_string()).or_insert([0, 0]);
-    e[0] += v[0];
-    e[1] += v[1];
 }
