@@ -137,6 +137,8 @@ pub struct VersionSpan {
     pub until_ms: i64,
     /// Largest cap it allows (0 for a deletion).
     pub max_cap: u64,
+    /// Its slice length (0 for a deletion).
+    pub slice_ms: u64,
 }
 
 /// When a change written at `at` has surely reached Redis and the hosts: `apply_lag` later,
@@ -183,6 +185,7 @@ fn spans_of(ledger: &Ledger, api: &[ApiVersion], t: &Timing) -> Vec<VersionSpan>
                 from_ms: v.at_ms,
                 until_ms,
                 max_cap: v.spec.as_ref().map_or(0, |s| s.max_cap()),
+                slice_ms: v.spec.as_ref().map_or(0, |s| s.slice_ms),
             }
         })
         .collect()
@@ -209,6 +212,22 @@ pub fn bound(spans: &[VersionSpan], a: i64, b: i64, l: i64) -> u64 {
         .map(|s| s.max_cap)
         .max()
         .unwrap_or(0)
+}
+
+/// The bound for the cap that key `s` (decisions in `[a, b]`, real time) may hold in Redis:
+/// [`bound`], and also every version written up to one of its own slices after `s` whose grid
+/// has a slice starting at `s` — a new grid's current slice can start before the change that
+/// created it, and then reuses the key of the old grid's slice with that start (with the new
+/// cap; consumption kept).
+pub fn cap_bound(spans: &[VersionSpan], s: i64, a: i64, b: i64, l: i64) -> u64 {
+    let regrid = spans
+        .iter()
+        .filter(|v| v.slice_ms > 0 && s.rem_euclid(v.slice_ms as i64) == 0)
+        .filter(|v| v.from_ms <= b + v.slice_ms as i64 && v.until_ms >= a - l - 1_000)
+        .map(|v| v.max_cap)
+        .max()
+        .unwrap_or(0);
+    bound(spans, a, b, l).max(regrid)
 }
 
 /// 2 when Redis lost its data during `[a, b]` (real time), else 1: the consumption of a slice
@@ -395,7 +414,7 @@ fn slice_bounds(
                 ),
             });
         }
-        let cap_bound = bound(cap_spans, s - off, s + l + off, l);
+        let cap_bound = cap_bound(cap_spans, *s, s - off, s + l + off, l);
         if let Some(Some(read)) = reads.as_ref().map(|v| v[i])
             && read.cap > cap_bound
         {
@@ -1121,5 +1140,31 @@ mod tests {
             !v.is_empty() && v.iter().all(|v| v.invariant == "liveness.total"),
             "{v:?}"
         );
+    }
+
+    #[test]
+    fn a_new_grid_may_raise_the_cap_of_an_ended_old_slice_with_the_same_start() {
+        // 500 ms slices at 279 until a 2 s spec at 783 is written at 856_700: the new grid's
+        // current slice starts at 856_000, the key of the ended old slice [856_000, 856_500).
+        let spans = [
+            VersionSpan {
+                from_ms: 0,
+                until_ms: 859_700,
+                max_cap: 279,
+                slice_ms: 500,
+            },
+            VersionSpan {
+                from_ms: 856_700,
+                until_ms: i64::MAX / 4,
+                max_cap: 783,
+                slice_ms: 2_000,
+            },
+        ];
+        assert_eq!(bound(&spans, 856_000, 856_500, 500), 279);
+        assert_eq!(cap_bound(&spans, 856_000, 856_000, 856_500, 500), 783);
+        // A key off the new grid cannot get the new cap.
+        assert_eq!(cap_bound(&spans, 855_500, 855_500, 856_000, 500), 279);
+        // Nor one whose new-grid slice had ended before the change.
+        assert_eq!(cap_bound(&spans, 852_000, 852_000, 852_500, 500), 279);
     }
 }
