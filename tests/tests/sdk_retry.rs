@@ -80,6 +80,24 @@ fn make_slice(sync: &mut redis::Connection, key: &str, cap: u64, ttl_ms: u64) {
         .unwrap();
 }
 
+/// Keys of a fresh namespace, an async connection for the scripts and a sync one for checks,
+/// on the shared Redis.
+async fn script_conns(
+    prefix: &str,
+) -> (
+    sluice::protocol::Keys,
+    sluice::protocol::conn::RedisConn,
+    redis::Connection,
+) {
+    let url = shared_redis();
+    let keys = sluice::protocol::Keys::new(&unique_ns(prefix)).unwrap();
+    let redis = sluice::protocol::conn::Redis::new(
+        sluice::protocol::conn::RedisTarget::parse(&url).unwrap(),
+        Default::default(),
+    );
+    (keys, redis.conn().await.unwrap(), redis_conn(&url))
+}
+
 /// Waits until at least 15 s are left in the current 60 s slice; returns its start.
 async fn early_in_slice() -> i64 {
     let left = 60_000 - now_ms().rem_euclid(60_000);
@@ -161,15 +179,7 @@ async fn a_pull_retried_after_a_stall_is_granted_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
     use sluice::protocol::scripts::{self, ExactReply, PullReply, PullRequest, SliceCounters};
-    let url = shared_redis();
-    let ns = unique_ns("script");
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
-    let redis = sluice::protocol::conn::Redis::new(
-        sluice::protocol::conn::RedisTarget::parse(&url).unwrap(),
-        Default::default(),
-    );
-    let mut c = redis.conn().await.unwrap();
-    let mut sync = redis_conn(&url);
+    let (keys, mut c, mut sync) = script_conns("script").await;
     let start = early_in_slice().await;
     let key = keys.slice("t", start);
     make_slice(&mut sync, &key, 100, 120_000);
@@ -299,15 +309,7 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mode_switch_inside_a_slice_keeps_one_cap() {
     use sluice::protocol::scripts::{self, ExactReply};
-    let url = shared_redis();
-    let ns = unique_ns("modesw");
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
-    let redis = sluice::protocol::conn::Redis::new(
-        sluice::protocol::conn::RedisTarget::parse(&url).unwrap(),
-        Default::default(),
-    );
-    let mut c = redis.conn().await.unwrap();
-    let mut sync = redis_conn(&url);
+    let (keys, mut c, mut sync) = script_conns("modesw").await;
     let start = sluice::protocol::slice::start(now_ms(), 60_000);
     make_slice(&mut sync, &keys.slice("t", start), 10, 120_000);
     let admitted = |r: ExactReply| matches!(r, ExactReply::Admitted { .. });
