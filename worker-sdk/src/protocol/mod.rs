@@ -34,6 +34,7 @@
 
 pub mod conn;
 pub mod scripts;
+pub mod tls;
 
 use std::fmt;
 use std::str::FromStr;
