@@ -555,8 +555,9 @@ pub fn check_changes(
             if fb > 0 {
                 continue;
             }
-            let b = bound(&spans, s - off, s + l + off, *l)
-                * loss_factor(ledger, s - off - l, s + l + off);
+            let Some(b) = reused_key_bound(ledger, task, &spans, *s, *l, off) else {
+                continue;
+            };
             cov.redis_keys += 1;
             if read.adm > b {
                 out.push(Violation {
@@ -572,6 +573,52 @@ pub fn check_changes(
         }
     }
     out
+}
+
+/// The bound on the `adm` a key `s` (length `l` on the grid of the change) may hold: a key is
+/// named by its start only, so any other grid the task lived on whose slice starting at `s`
+/// was in use (a later `put.slice`, a re-creation with another length) flushed into the same
+/// hash, after the leader wrote it anew with that grid's cap. The bound is the sum, over every
+/// such grid, of what one of its slices may admit there ([`cap_bound`]), times the
+/// [`loss_factor`]. None when a grid in a mode that is not per-slice (local, exact_sliding)
+/// used the key: its hosts count by another rule.
+pub fn reused_key_bound(
+    ledger: &Ledger,
+    task: usize,
+    spans: &[VersionSpan],
+    s: i64,
+    l: i64,
+    off: i64,
+) -> Option<u64> {
+    let mut lengths: Vec<i64> = Vec::new();
+    for r in &ledger.meta[task] {
+        let MetaState::Live { slice_ms, class } = r.state else {
+            continue;
+        };
+        let len = slice_ms as i64;
+        if len <= 0 || s.rem_euclid(len) != 0 {
+            continue;
+        }
+        // Hosts on this grid decided in [s, s + len) (their clocks within `off`).
+        if r.first_ms > s + len + off || r.last_ms < s - off {
+            continue;
+        }
+        if class != Class::Slice {
+            return None;
+        }
+        if !lengths.contains(&len) {
+            lengths.push(len);
+        }
+    }
+    if lengths.is_empty() {
+        lengths.push(l);
+    }
+    let sum: u64 = lengths
+        .iter()
+        .map(|&len| cap_bound(spans, s, s - off, s + len + off, len))
+        .sum();
+    let longest = lengths.iter().copied().max().unwrap_or(l);
+    Some(sum * loss_factor(ledger, s - off - longest, s + longest + off))
 }
 
 /// What the fencing check remembers per task.
@@ -1166,5 +1213,47 @@ mod tests {
         assert_eq!(cap_bound(&spans, 855_500, 855_500, 856_000, 500), 279);
         // Nor one whose new-grid slice had ended before the change.
         assert_eq!(cap_bound(&spans, 852_000, 852_000, 852_500, 500), 279);
+    }
+
+    #[test]
+    fn a_key_reused_by_a_later_grid_counts_both_grids_caps() {
+        // Seed 203: 2 s slices at 100, then 1 s (put.slice at 10 s), then a re-creation on
+        // 10 s slices at 4 000 (at 13 s) whose slice [10 000, 20 000) reuses the key of the
+        // 2 s slice and of the 1 s slice starting at 10 000.
+        let run = |third_class: Class| {
+            let mut l = Ledger::new(1, 2);
+            for (at, sp) in [
+                (0, spec(100, 2_000, "pooled")),
+                (10_000, spec(50, 1_000, "pooled")),
+                (13_000, spec(4_000, 10_000, "pooled")),
+            ] {
+                l.api[0].push(ApiVersion {
+                    at_ms: at,
+                    spec: Some(sp),
+                    confirmed: true,
+                });
+            }
+            for i in 0..=240 {
+                let (slice_ms, class) = match i * 250 {
+                    t if t < 10_250 => (2_000, Class::Slice),
+                    t if t < 13_250 => (1_000, Class::Slice),
+                    _ => (10_000, third_class),
+                };
+                l.observe_meta(0, i * 250, MetaState::Live { slice_ms, class });
+            }
+            l
+        };
+        let t = Timing::default();
+        let spans = version_spans(&run(Class::Slice), 0, &t);
+        let l = run(Class::Slice);
+        // 2 s grid 100 + 1 s grid 50 + 10 s grid 4 000 (the caps live around the key).
+        let b = reused_key_bound(&l, 0, &spans, 10_000, 2_000, 0).unwrap();
+        assert!(b >= 4_150, "{b}");
+        // A key no later grid reused keeps the tight bound.
+        let b = reused_key_bound(&l, 0, &spans, 6_000, 2_000, 0).unwrap();
+        assert_eq!(b, 100);
+        // A key a local-mode grid wrote to is not checked (local admissions are counted there).
+        let l = run(Class::Local);
+        assert_eq!(reused_key_bound(&l, 0, &spans, 10_000, 2_000, 0), None);
     }
 }
