@@ -130,6 +130,9 @@ const TOP_FIELDS: &[&str] = &[
     "description",
     "name",
     "version",
+    // Read-only (the live status `GET /tasks/{name}` adds): accepted and ignored, so a
+    // GET → edit → PUT round trip works.
+    "status",
 ];
 
 struct Obj<'a> {
@@ -226,7 +229,7 @@ fn join(path: &str, k: &str) -> String {
 /// Parses and validates a PUT body for task `name`.
 ///
 /// `name` and `version` may appear in the body (as `GET` returns them); a `name` must equal
-/// the one in the path.
+/// the one in the path. `status` (read-only, from `GET`) is ignored.
 pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| fe("", format!("malformed JSON: {e}")))?;
@@ -415,6 +418,16 @@ mod tests {
         assert_eq!(r.spec.on_failure, OnFailure::Local);
         assert_eq!(r.spec.mode, Mode::Pooled);
         assert_eq!(r.version, None);
+    }
+
+    #[test]
+    fn a_get_answer_with_its_status_can_be_put_back() {
+        let r = parse(
+            r#"{"threshold": 100, "name": "t", "version": 7,
+                "status": {"effective_threshold": 100, "remaining": 3}}"#,
+        )
+        .unwrap();
+        assert_eq!((r.spec.threshold, r.version), (100, Some(7)));
     }
 
     #[test]
