@@ -160,11 +160,11 @@ pub fn keep_redacted(new: &mut [String], stored: &[String]) -> std::result::Resu
     for u in new.iter().filter(|u| webhook::is_redacted(u)) {
         *sent_back.entry(u.clone()).or_insert(0) += 1;
     }
-    for i in 0..new.len() {
-        if !webhook::is_redacted(&new[i]) {
+    for (i, entry) in new.iter_mut().enumerate() {
+        if !webhook::is_redacted(entry) {
             continue;
         }
-        let shown = new[i].clone();
+        let shown = entry.clone();
         let candidates: Vec<&String> = stored
             .iter()
             .filter(|u| webhook::redact(u) == shown)
@@ -189,7 +189,7 @@ pub fn keep_redacted(new: &mut [String], stored: &[String]) -> std::result::Resu
             ));
         }
         let k = used.entry(shown).or_insert(0);
-        new[i] = candidates[*k].clone();
+        *entry = candidates[*k].clone();
         *k += 1;
     }
     Ok(())

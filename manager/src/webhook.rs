@@ -161,8 +161,17 @@ fn is_global_v6(ip: Ipv6Addr) -> bool {
 }
 
 fn refused(host: &str, ip: IpAddr) -> String {
+    let what = match host
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+    {
+        Ok(literal) if literal == ip => format!("{ip} is not a global address"),
+        Ok(literal) => format!("{literal} is {ip}, not a global address"),
+        Err(_) => format!("{host} resolves to {ip}, not a global address"),
+    };
     format!(
-        "{host} is {ip}, not a global address (loopback, private, link-local and similar destinations are refused; start the manager with --webhook-allow-private to allow them)"
+        "{what} (loopback, private, link-local and similar destinations are refused; start the manager with --webhook-allow-private to allow them)"
     )
 }
 

@@ -2,7 +2,8 @@
 //! admin token from a file, a read-only token from the environment, Redis behind a password
 //! (`requirepass`), webhook URLs with secrets in their paths and queries — one that takes the
 //! alert, one that always fails (500), one where nothing listens — and a third replica given a
-//! wrong Redis password. After deliveries that succeed and fail and a round of bad requests,
+//! wrong Redis password. After deliveries that succeed and fail, settings read and written back
+//! as shown (redacted: the webhooks are kept, a second alert arrives) and a round of bad requests,
 //! every secret is searched for in: each manager's log (at debug level), every API answer
 //! collected (settings, alerts, errors), `/metrics`, and what the alert pipeline keeps in Redis.
 
@@ -136,6 +137,53 @@ async fn no_secret_is_ever_shown() {
             (!ok.received().is_empty()
                 && failing.requests() >= 5
                 && log.matches("giving up").count() >= 2)
+                .then_some(())
+        },
+    )
+    .await;
+
+    // Settings read (redacted), edited and written back keep their webhooks: an alert of
+    // another host still reaches the receiver.
+    let (_, shown) = seen
+        .call(
+            "GET settings before editing",
+            m.request(reqwest::Method::GET, "/api/v1/settings"),
+        )
+        .await;
+    let mut back = shown.clone();
+    back["skew_threshold_ms"] = json!(150);
+    let (s, v) = seen
+        .call(
+            "PUT settings back as shown",
+            m.request(reqwest::Method::PUT, "/api/v1/settings")
+                .header("content-type", "application/json")
+                .body(back.to_string()),
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["webhooks"], shown["webhooks"]);
+    let report = serde_json::to_string(&HostReport {
+        offset_ms: -5_000.0,
+        rtt_ms: 1.0,
+        seen_ms: now_ms(),
+        sdk: "test".into(),
+        tasks: Default::default(),
+    })
+    .unwrap();
+    let _: () = redis::cmd("HSET")
+        .arg(keys.hosts())
+        .arg("far-behind")
+        .arg(report)
+        .query(&mut conn)
+        .unwrap();
+    wait_until(
+        "the second alert at the kept webhook",
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+        || async {
+            ok.received()
+                .iter()
+                .any(|a| a["host"] == "far-behind")
                 .then_some(())
         },
     )

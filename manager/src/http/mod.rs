@@ -176,7 +176,7 @@ fn cross_origin(req: &Request) -> Option<String> {
     let origin = h.get(header::ORIGIN)?;
     let refused = || {
         Some(
-            "cross-origin requests cannot change anything: the Origin header does not match the Host              (behind a proxy, keep the Host header)"
+            "cross-origin requests cannot change anything: the Origin header does not match the Host (behind a proxy, keep the Host header)"
                 .to_string(),
         )
     };
