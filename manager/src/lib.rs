@@ -67,7 +67,11 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
     let cfg = Arc::new(cfg);
     sluice::protocol::tls::install_provider();
     let webhooks = webhook::Webhooks::new(cfg.webhook_allow_private, cfg.webhook_ca.as_deref())
-        .map_err(|e| Error::Startup(format!("--webhook-ca: {e}")))?;
+        .map_err(|e| {
+            Error::Startup(format!(
+                "webhook trust roots (--webhook-ca, SSL_CERT_FILE): {e}"
+            ))
+        })?;
     if cfg.webhook_allow_private {
         warn!(
             "--webhook-allow-private: webhooks may reach loopback, private and link-local addresses"

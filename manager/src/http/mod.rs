@@ -215,3 +215,77 @@ fn unauthorized(error: &str) -> Response {
     )
         .into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(headers: &[(&str, &str)]) -> Request {
+        let mut b = Request::builder()
+            .method(Method::PUT)
+            .uri("/api/v1/tasks/t");
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(axum::body::Body::empty()).unwrap()
+    }
+
+    #[test]
+    fn origins() {
+        for ok in [
+            vec![],
+            vec![
+                ("host", "127.0.0.1:8080"),
+                ("origin", "http://127.0.0.1:8080"),
+            ],
+            vec![
+                ("host", "Sluice.Example.com"),
+                ("origin", "https://sluice.example.com"),
+            ],
+            vec![
+                ("host", "sluice.example.com:443"),
+                ("origin", "https://sluice.example.com"),
+            ],
+            vec![("host", "[::1]:8080"), ("origin", "http://[::1]:8080")],
+            vec![("host", "a:1"), ("sec-fetch-site", "same-origin")],
+        ] {
+            assert_eq!(cross_origin(&req(&ok)), None, "{ok:?}");
+        }
+        for bad in [
+            vec![
+                ("host", "127.0.0.1:8080"),
+                ("origin", "http://evil.example"),
+            ],
+            vec![
+                ("host", "127.0.0.1:8080"),
+                ("origin", "http://127.0.0.1:8081"),
+            ],
+            vec![
+                ("host", "sluice.example.com"),
+                ("origin", "http://sluice.example.com:8443"),
+            ],
+            vec![("host", "127.0.0.1:8080"), ("origin", "null")],
+            vec![("origin", "http://127.0.0.1:8080")],
+            vec![("sec-fetch-site", "cross-site")],
+        ] {
+            assert!(cross_origin(&req(&bad)).is_some(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn content_types() {
+        assert!(is_json(&req(&[("content-type", "application/json")])));
+        assert!(is_json(&req(&[(
+            "content-type",
+            "Application/JSON; charset=utf-8"
+        )])));
+        for bad in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "application/jsonx",
+        ] {
+            assert!(!is_json(&req(&[("content-type", bad)])), "{bad}");
+        }
+        assert!(!is_json(&req(&[])));
+    }
+}
