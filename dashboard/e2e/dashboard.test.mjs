@@ -169,6 +169,25 @@ describe('dashboard', () => {
       await p.waitForURL(`${m.url}/tasks/guarded`);
       assert.equal((await call(m.url, 'GET', '/api/v1/tasks/guarded')).body.threshold, 10);
 
+      // The settings need the token to be read: a browser without it is asked, then sees them.
+      assert.equal((await call(m.url, 'GET', '/api/v1/settings')).status, 401);
+      const fresh = await page();
+      try {
+        await fresh.goto(`${m.url}/alerts`);
+        await fresh.getByRole('dialog').waitFor();
+        await fresh.getByLabel('API token', { exact: true }).fill('s3cret');
+        await fresh.getByLabel('API token', { exact: true }).press('Enter');
+        await fresh.getByLabel('Clock skew threshold (ms)').waitFor();
+        await fresh.getByLabel('Clock skew threshold (ms)').fill('150');
+        await fresh.getByRole('button', { name: 'Save settings' }).click();
+        await fresh.getByText('Settings saved.').waitFor();
+        const auth = { authorization: 'Bearer s3cret' };
+        assert.equal((await call(m.url, 'GET', '/api/v1/settings', undefined, auth)).body.skew_threshold_ms, 150);
+        assert.deepEqual(fresh.errors, []);
+      } finally {
+        await fresh.context().close();
+      }
+
       // The manager goes away: the page says so instead of showing stale numbers silently.
       await m.stop('SIGKILL');
       await p.getByTestId('api-unreachable').waitFor({ timeout: 20000 });
@@ -278,7 +297,8 @@ describe('dashboard', () => {
 
   test('alert settings: a bad webhook shows its error, a good one is saved', T, async (t) => {
     const ns = uniqueNs('uisettings');
-    const m = await manager({ ns, nodeId: 'w1' });
+    // The webhook below is on loopback: allowed only with --webhook-allow-private.
+    const m = await manager({ ns, nodeId: 'w1', extra: ['--webhook-allow-private'] });
     const p = await page();
     try {
       if ((await call(m.url, 'GET', '/api/v1/settings')).status === 404) {
@@ -299,12 +319,16 @@ describe('dashboard', () => {
       await p.getByRole('button', { name: 'Save settings' }).click();
       await p.getByText('Settings saved.').waitFor();
       const saved = (await call(m.url, 'GET', '/api/v1/settings')).body;
-      assert.deepEqual(saved.webhooks, ['http://127.0.0.1:9/sluice']);
+      // Shown redacted (the path is the secret), in the API and in the form.
+      assert.deepEqual(saved.webhooks, ['http://127.0.0.1:9/…']);
       assert.equal(saved.skew_threshold_ms, 250);
+      assert.equal(await hook.inputValue(), 'http://127.0.0.1:9/…');
       // A second save carries the new version (no spurious conflict).
       await p.getByLabel('Clock skew threshold (ms)').fill('300');
       await p.getByLabel('Clock skew threshold (ms)').press('Enter');
       await waitFor('the second save', async () => (await call(m.url, 'GET', '/api/v1/settings')).body.skew_threshold_ms === 300);
+      // The redacted entry sent back kept the stored webhook.
+      assert.deepEqual((await call(m.url, 'GET', '/api/v1/settings')).body.webhooks, ['http://127.0.0.1:9/…']);
       assert.deepEqual(p.errors, []);
     } finally {
       await cleanup([m], [p]);

@@ -207,7 +207,8 @@ async function once(method: string, path: string, body: unknown, signal?: AbortS
   const onAbort = () => ctl.abort();
   signal?.addEventListener('abort', onAbort);
   const headers: Record<string, string> = { Accept: 'application/json' };
-  if (body !== undefined) headers['Content-Type'] = 'application/json';
+  // Every change is JSON (the manager answers 415 otherwise), even one without a body.
+  if (body !== undefined || method !== 'GET') headers['Content-Type'] = 'application/json';
   const token = tokenStore.get();
   if (token) headers.Authorization = `Bearer ${token}`;
   try {
@@ -229,14 +230,25 @@ async function once(method: string, path: string, body: unknown, signal?: AbortS
   }
 }
 
-/** Calls the API; returns the parsed JSON body (undefined for 204). */
-export async function api<T>(method: string, path: string, body?: unknown, signal?: AbortSignal): Promise<T> {
+/**
+ * Calls the API; returns the parsed JSON body (undefined for 204). A change refused with 401
+ * asks for the token and is retried once; so is a read with `askOnRead` (the settings: with
+ * --api-token they need a token to be read).
+ */
+export async function api<T>(
+  method: string,
+  path: string,
+  body?: unknown,
+  signal?: AbortSignal,
+  askOnRead = false,
+): Promise<T> {
   let res = await once(method, path, body, signal);
-  if (res.status === 401 && method !== 'GET') {
+  if (res.status === 401 && (method !== 'GET' || askOnRead)) {
+    const what = method === 'GET' ? 'to read this page' : 'for changes';
     const token = await askToken(
       tokenStore.get()
-        ? 'The manager refused the token. Enter the correct API token to make changes.'
-        : 'This manager requires an API token for changes (it runs with --api-token).',
+        ? `The manager refused the token. Enter the correct API token ${what}.`
+        : `This manager requires an API token ${what} (it runs with --api-token).`,
     );
     if (token) {
       setToken(token);
@@ -268,5 +280,9 @@ export async function api<T>(method: string, path: string, body?: unknown, signa
 }
 
 export const get = <T>(path: string, signal?: AbortSignal) => api<T>('GET', path, undefined, signal);
+
+/** A read that needs the token when the manager has one (the settings): asks for it on 401. */
+export const getProtected = <T>(path: string, signal?: AbortSignal) =>
+  api<T>('GET', path, undefined, signal, true);
 
 export const taskPath = (name: string) => `/api/v1/tasks/${encodeURIComponent(name)}`;

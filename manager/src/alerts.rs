@@ -6,7 +6,7 @@
 //!  (skew, roller,          │ NS:alerts:state              ──▶ log + sluice_alerts_total{kind}
 //!   settings)              │                              └─ try_send ──▶ webhook sender
 //!                          ▼                              ──POST (retries, backoff)──▶ URL
-//!                    firing / resolved               delivered: ZADD NS:alerts:sent "<id> <url>"
+//!                    firing / resolved               delivered: ZADD NS:alerts:sent "<id> <fp>"
 //! ```
 //!
 //! Detectors never talk to Redis or webhooks for alerts: they send [`Signal`]s — momentary
@@ -19,6 +19,12 @@
 //! its predecessor left pending (the last ten minutes) and never resends what was delivered.
 //! Episodes (one firing and one resolved alert per incident) are tracked by the detectors in
 //! `NS:alerts:state`, which also survives a failover.
+//!
+//! Deliveries go through [`crate::webhook`]'s client (trusted roots, destination checks, no
+//! redirects, timeouts). A webhook URL is a secret: logs show it redacted (`scheme://host/…`)
+//! and `NS:alerts:sent` records a fingerprint of it (`<fp>`), never the URL. Retries back off
+//! exponentially with jitter; an answer that retrying cannot fix (a 3xx — redirects are not
+//! followed — or a 4xx other than 408/429, or a refused destination) ends the delivery at once.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -35,6 +41,7 @@ use crate::election::LeaderContext;
 use crate::error::{Result, redis as redis_err};
 use crate::metrics::Metrics;
 use crate::settings::Settings;
+use crate::webhook::{self, Webhooks};
 
 /// Alerts kept in the stream (approximately).
 pub const STREAM_CAP: usize = 10_000;
@@ -44,8 +51,8 @@ pub const QUEUE_CAP: usize = 1_000;
 pub const ATTEMPTS: u32 = 5;
 /// Deliveries in flight at once.
 const IN_FLIGHT: usize = 8;
-/// Bound on one POST.
-const POST_TIMEOUT: Duration = Duration::from_secs(3);
+/// First pause between attempts (doubled each time, ±50 % jitter).
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
 /// How far back a new leader looks for undelivered alerts.
 pub const REDELIVER_WINDOW_MS: i64 = 10 * 60 * 1000;
 
@@ -120,6 +127,7 @@ pub struct Alerts {
     redis: Arc<Redis>,
     metrics: Arc<Metrics>,
     queue: mpsc::Sender<Delivery>,
+    webhooks: Webhooks,
 }
 
 impl Alerts {
@@ -128,6 +136,7 @@ impl Alerts {
         keys: Keys,
         redis: Arc<Redis>,
         metrics: Arc<Metrics>,
+        webhooks: Webhooks,
         stop: CancellationToken,
     ) -> Self {
         let (tx, rx) = mpsc::channel(QUEUE_CAP);
@@ -136,6 +145,7 @@ impl Alerts {
             redis,
             metrics,
             queue: tx,
+            webhooks,
         };
         tokio::spawn(me.clone().send_loop(rx, stop));
         me
@@ -210,7 +220,7 @@ impl Alerts {
             for url in webhooks {
                 let done: Option<f64> = redis::cmd("ZSCORE")
                     .arg(self.keys.alerts_sent())
-                    .arg(format!("{} {url}", a.id))
+                    .arg(sent_member(&a.id, url))
                     .query_async(&mut c)
                     .await
                     .map_err(redis_err("ZSCORE"))?;
@@ -224,10 +234,7 @@ impl Alerts {
     }
 
     async fn send_loop(self, mut rx: mpsc::Receiver<Delivery>, stop: CancellationToken) {
-        let http = reqwest::Client::builder()
-            .timeout(POST_TIMEOUT)
-            .build()
-            .unwrap_or_default();
+        let http = self.webhooks.http.clone();
         let slots = Arc::new(Semaphore::new(IN_FLIGHT));
         loop {
             let d = tokio::select! {
@@ -249,47 +256,96 @@ impl Alerts {
 
     async fn deliver(&self, http: &reqwest::Client, d: Delivery, stop: CancellationToken) {
         let body = d.alert.webhook_body();
-        let mut backoff = Duration::from_millis(500);
+        let shown = webhook::redact(&d.url);
+        let id = d.alert.id.as_str();
+        let url = match webhook::check_syntax(&d.url)
+            .and_then(|u| webhook::check_literal(&u, self.webhooks.allow_private).map(|()| u))
+        {
+            Ok(u) => u,
+            Err(e) => {
+                self.metrics.webhook_failures.inc();
+                warn!(
+                    url = shown,
+                    id,
+                    error = e,
+                    "webhook destination refused; not delivered"
+                );
+                return;
+            }
+        };
+        let mut backoff = FIRST_BACKOFF;
         for attempt in 1..=ATTEMPTS {
-            let r = http.post(&d.url).json(&body).send().await;
-            match r {
+            let (why, retry) = match http.post(url.clone()).json(&body).send().await {
                 Ok(resp) if resp.status().is_success() => {
                     self.metrics.webhook_deliveries.inc();
-                    debug!(url = d.url, id = d.alert.id, attempt, "webhook delivered");
-                    if let Ok(mut c) = self.redis.conn().await {
-                        let _: redis::RedisResult<()> = redis::pipe()
-                            .cmd("ZADD")
-                            .arg(self.keys.alerts_sent())
-                            .arg(d.alert.at_ms)
-                            .arg(format!("{} {}", d.alert.id, d.url))
-                            .ignore()
-                            .cmd("ZREMRANGEBYSCORE")
-                            .arg(self.keys.alerts_sent())
-                            .arg("-inf")
-                            .arg(d.alert.at_ms - 24 * 3_600_000)
-                            .ignore()
-                            .query_async(&mut c)
-                            .await;
-                    }
+                    debug!(url = shown, id, attempt, "webhook delivered");
+                    self.record_sent(&d).await;
                     return;
                 }
                 Ok(resp) => {
-                    warn!(url = d.url, status = %resp.status(), attempt, "webhook refused the alert")
+                    let st = resp.status();
+                    let retry = st.is_server_error() || st.as_u16() == 408 || st.as_u16() == 429;
+                    let why = if st.is_redirection() {
+                        format!("answered {st} (redirects are not followed)")
+                    } else {
+                        format!("answered {st}")
+                    };
+                    (why, retry)
                 }
-                Err(e) => warn!(url = d.url, %e, attempt, "webhook unreachable"),
-            }
+                Err(e) => (webhook::error_text(e), true),
+            };
             self.metrics.webhook_failures.inc();
-            if attempt == ATTEMPTS {
-                warn!(url = d.url, id = d.alert.id, "giving up on this delivery");
+            if !retry || attempt == ATTEMPTS {
+                warn!(
+                    url = shown,
+                    id,
+                    attempt,
+                    error = why,
+                    "webhook delivery failed; giving up"
+                );
                 return;
             }
+            let pause = jitter(backoff);
+            warn!(url = shown, id, attempt, error = why, retry_in = ?pause, "webhook delivery failed");
             tokio::select! {
                 _ = stop.cancelled() => return,
-                _ = tokio::time::sleep(backoff) => {}
+                _ = tokio::time::sleep(pause) => {}
             }
             backoff *= 2;
         }
     }
+
+    async fn record_sent(&self, d: &Delivery) {
+        if let Ok(mut c) = self.redis.conn().await {
+            let _: redis::RedisResult<()> = redis::pipe()
+                .cmd("ZADD")
+                .arg(self.keys.alerts_sent())
+                .arg(d.alert.at_ms)
+                .arg(sent_member(&d.alert.id, &d.url))
+                .ignore()
+                .cmd("ZREMRANGEBYSCORE")
+                .arg(self.keys.alerts_sent())
+                .arg("-inf")
+                .arg(d.alert.at_ms - 24 * 3_600_000)
+                .ignore()
+                .query_async(&mut c)
+                .await;
+        }
+    }
+}
+
+/// The `NS:alerts:sent` member of a delivery: alert id and the URL's fingerprint.
+fn sent_member(id: &str, url: &str) -> String {
+    format!("{id} {}", webhook::fingerprint(url))
+}
+
+/// `d` ± 50 %, so deliveries failing together do not retry together.
+fn jitter(d: Duration) -> Duration {
+    use std::hash::{BuildHasher, Hasher};
+    let r = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    d.mul_f64(0.5 + (r % 1_000) as f64 / 1_000.0)
 }
 
 /// The newest `limit` alerts, newest first.
@@ -592,6 +648,7 @@ pub async fn run(
     keys: Keys,
     redis: Arc<Redis>,
     metrics: Arc<Metrics>,
+    webhooks: Webhooks,
     mut settings: watch::Receiver<Settings>,
     mut rx: mpsc::Receiver<Signal>,
 ) {
@@ -599,6 +656,7 @@ pub async fn run(
         keys.clone(),
         redis.clone(),
         metrics.clone(),
+        webhooks,
         ctx.token().clone(),
     );
     let mut episodes = match load_episodes(&redis, &keys, unix_ms()).await {

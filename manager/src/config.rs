@@ -64,6 +64,23 @@ pub struct Cli {
     /// Bearer token required by mutating API calls (unset = no auth)
     #[arg(long, env = "SLUICE_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
+    // ── API access and webhooks (docs/security.md) ──
+    /// File holding the admin API token (instead of --api-token, kept out of the process list)
+    #[arg(long, env = "SLUICE_API_TOKEN_FILE")]
+    pub api_token_file: Option<PathBuf>,
+    /// Read-only API token: reads the settings, cannot change anything (needs --api-token)
+    #[arg(long, env = "SLUICE_API_READ_TOKEN", hide_env_values = true)]
+    pub api_read_token: Option<String>,
+    /// File holding the read-only API token
+    #[arg(long, env = "SLUICE_API_READ_TOKEN_FILE")]
+    pub api_read_token_file: Option<PathBuf>,
+    /// Allow webhooks to loopback, private, link-local and other non-global addresses
+    #[arg(long, env = "SLUICE_WEBHOOK_ALLOW_PRIVATE", num_args = 0..=1,
+          default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
+    pub webhook_allow_private: Option<bool>,
+    /// Extra CA bundle (PEM) trusted for https webhooks, besides the platform roots and SSL_CERT_FILE
+    #[arg(long, env = "SLUICE_WEBHOOK_CA")]
+    pub webhook_ca: Option<PathBuf>,
     /// Log as JSON lines instead of text
     #[arg(long, env = "SLUICE_LOG_JSON")]
     pub log_json: Option<bool>,
@@ -86,6 +103,11 @@ struct FileConfig {
     control_period: Option<String>,
     fence_stale_after: Option<String>,
     api_token: Option<String>,
+    api_token_file: Option<PathBuf>,
+    api_read_token: Option<String>,
+    api_read_token_file: Option<PathBuf>,
+    webhook_allow_private: Option<bool>,
+    webhook_ca: Option<PathBuf>,
     log_json: Option<bool>,
 }
 
@@ -133,8 +155,14 @@ pub struct Config {
     pub control_period: Duration,
     /// A fence not refreshed for this long may be taken over.
     pub fence_stale_after: Duration,
-    /// API token.
-    pub api_token: Option<String>,
+    /// Admin API token (`--api-token` or `--api-token-file`): every call.
+    pub api_token: Option<Token>,
+    /// Read-only API token (`--api-read-token[-file]`): reads, including the settings.
+    pub api_read_token: Option<Token>,
+    /// `--webhook-allow-private`: webhooks may reach non-global addresses.
+    pub webhook_allow_private: bool,
+    /// `--webhook-ca`: extra trusted roots for https webhooks.
+    pub webhook_ca: Option<PathBuf>,
     /// JSON logs.
     pub log_json: bool,
 }
@@ -266,9 +294,49 @@ impl Config {
                 ),
             ));
         }
-        let api_token = cli.api_token.clone().or(file.api_token.clone());
-        if api_token.as_deref().is_some_and(str::is_empty) {
-            return Err(err("api-token", "must not be empty when set"));
+        let api_token = token(
+            (
+                "api-token",
+                cli.api_token.clone().or(file.api_token.clone()),
+            ),
+            (
+                "api-token-file",
+                cli.api_token_file.clone().or(file.api_token_file.clone()),
+            ),
+        )?;
+        let api_read_token = token(
+            (
+                "api-read-token",
+                cli.api_read_token.clone().or(file.api_read_token.clone()),
+            ),
+            (
+                "api-read-token-file",
+                cli.api_read_token_file
+                    .clone()
+                    .or(file.api_read_token_file.clone()),
+            ),
+        )?;
+        if let Some(read) = &api_read_token {
+            match &api_token {
+                None => {
+                    return Err(err(
+                        "api-read-token",
+                        "needs --api-token (without an admin token every call is open)",
+                    ));
+                }
+                Some(admin) if admin.matches(read.expose()) => {
+                    return Err(err("api-read-token", "must differ from --api-token"));
+                }
+                Some(_) => {}
+            }
+        }
+        let webhook_allow_private = cli
+            .webhook_allow_private
+            .or(file.webhook_allow_private)
+            .unwrap_or(false);
+        let webhook_ca = cli.webhook_ca.clone().or(file.webhook_ca.clone());
+        if let Some(ca) = &webhook_ca {
+            sluice::protocol::tls::load_certs(ca).map_err(|e| err("webhook-ca", e))?;
         }
         let log_json = cli.log_json.or(file.log_json).unwrap_or(false);
 
@@ -286,8 +354,58 @@ impl Config {
             control_period,
             fence_stale_after,
             api_token,
+            api_read_token,
+            webhook_allow_private,
+            webhook_ca,
             log_json,
         })
+    }
+}
+
+/// An API token: compared in constant time, never printed (`Debug` shows `***`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Token(String);
+
+impl Token {
+    /// A token (tests, embedding).
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    /// Is `given` this token? Constant time in the token's content.
+    pub fn matches(&self, given: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), given.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+
+    /// The token itself.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Token(***)")
+    }
+}
+
+/// A token given inline (`--x`) or in a file (`--x-file`), not both; never empty.
+fn token(
+    (flag, inline): (&'static str, Option<String>),
+    (file_flag, path): (&'static str, Option<PathBuf>),
+) -> Result<Option<Token>, ConfigError> {
+    match (inline, path) {
+        (Some(_), Some(_)) => Err(err(
+            flag,
+            format!("give --{flag} or --{file_flag}, not both"),
+        )),
+        (Some(t), None) if t.trim().is_empty() => Err(err(flag, "must not be empty when set")),
+        (Some(t), None) => Ok(Some(Token(t))),
+        (None, Some(p)) => sluice::protocol::tls::read_secret_file(&p)
+            .map(|t| Some(Token(t)))
+            .map_err(|e| err(file_flag, e)),
+        (None, None) => Ok(None),
     }
 }
 
@@ -349,6 +467,54 @@ mod tests {
         let e = parse(&["--config", path.to_str().unwrap()]).unwrap_err();
         assert_eq!(e.flag, "config");
         assert!(e.message.contains("nmespace"), "{e}");
+    }
+
+    #[test]
+    fn tokens_and_webhook_flags() {
+        let dir = tempfile_dir();
+        let admin = dir.join("admin");
+        let read = dir.join("read");
+        std::fs::write(&admin, "adm1n-s3cret\n").unwrap();
+        std::fs::write(&read, "r3ad-s3cret\n").unwrap();
+        let (a, r) = (admin.to_str().unwrap(), read.to_str().unwrap());
+        let c = parse(&["--api-token-file", a, "--api-read-token-file", r]).unwrap();
+        assert!(c.api_token.as_ref().unwrap().matches("adm1n-s3cret"));
+        assert!(c.api_read_token.as_ref().unwrap().matches("r3ad-s3cret"));
+        assert!(!format!("{c:?}").contains("s3cret"), "{c:?}");
+        assert!(!c.webhook_allow_private);
+        assert!(
+            parse(&["--webhook-allow-private"])
+                .unwrap()
+                .webhook_allow_private
+        );
+        assert!(
+            !parse(&["--webhook-allow-private=false"])
+                .unwrap()
+                .webhook_allow_private
+        );
+        let empty = dir.join("empty");
+        std::fs::write(&empty, "\n").unwrap();
+        let junk = dir.join("junk.pem");
+        std::fs::write(&junk, "not a cert\n").unwrap();
+        for (args, flag) in [
+            (vec!["--api-token", "x", "--api-token-file", a], "api-token"),
+            (vec!["--api-token-file", "/nonexistent/t"], "api-token-file"),
+            (
+                vec!["--api-token-file", empty.to_str().unwrap()],
+                "api-token-file",
+            ),
+            (vec!["--api-token", " "], "api-token"),
+            (vec!["--api-read-token", "r"], "api-read-token"),
+            (
+                vec!["--api-token", "same", "--api-read-token", "same"],
+                "api-read-token",
+            ),
+            (vec!["--webhook-ca", junk.to_str().unwrap()], "webhook-ca"),
+        ] {
+            let e = parse(&args).unwrap_err();
+            assert_eq!(e.flag, flag, "{args:?}: {e}");
+            assert!(!e.to_string().contains("s3cret"), "{e}");
+        }
     }
 
     fn tempfile_dir() -> PathBuf {

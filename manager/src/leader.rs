@@ -53,6 +53,8 @@ pub struct LeaderDeps {
     pub etcd: etcd_client::Client,
     /// Dynamic-limiting control period.
     pub control_period: std::time::Duration,
+    /// The webhook client and destination policy.
+    pub webhooks: crate::webhook::Webhooks,
 }
 
 /// Runs every leader-only loop until the leadership ends.
@@ -86,6 +88,7 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
             deps.keys.clone(),
             deps.redis.clone(),
             deps.metrics.clone(),
+            deps.webhooks.clone(),
             settings.clone(),
             signals,
         ),

@@ -16,6 +16,7 @@
 //! * [`skew`]: clock-skew detection (key movement, host offsets).
 //! * [`alerts`]: the alert pipeline: detectors' signals, episodes, stream, metrics, webhooks.
 //! * [`settings`]: global settings (webhooks, skew threshold) in etcd.
+//! * [`webhook`]: webhook URLs (redaction, destination safety) and the client that posts alerts.
 //! * [`history`]: the leader's harvest of ended slices into compact per-task history rings.
 //! * [`http`]: the JSON API, `/metrics`, `/healthz` and the embedded dashboard.
 //! * [`metrics`]: every metric, in one place.
@@ -38,6 +39,7 @@ pub mod settings;
 pub mod skew;
 pub mod spec;
 pub mod tasks;
+pub mod webhook;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -63,6 +65,18 @@ use crate::tasks::TaskStore;
 /// leader resigns (a follower takes over at once), the HTTP server drains, watches end.
 pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
     let cfg = Arc::new(cfg);
+    sluice::protocol::tls::install_provider();
+    let webhooks = webhook::Webhooks::new(cfg.webhook_allow_private, cfg.webhook_ca.as_deref())
+        .map_err(|e| {
+            Error::Startup(format!(
+                "webhook trust roots (--webhook-ca, SSL_CERT_FILE): {e}"
+            ))
+        })?;
+    if cfg.webhook_allow_private {
+        warn!(
+            "--webhook-allow-private: webhooks may reach loopback, private and link-local addresses"
+        );
+    }
     let keys = Keys::new(&cfg.namespace).map_err(|e| Error::Startup(e.to_string()))?;
     let metrics = Arc::new(Metrics::new());
     let etcd = etcd_client::Client::connect(
@@ -115,6 +129,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
         dynamic: DynamicThresholds::default(),
         etcd: etcd.clone(),
         control_period: cfg.control_period,
+        webhooks,
     });
     let work: LeaderWork = Arc::new(move |ctx| Box::pin(leader::lead(ctx, deps.clone())));
     let election_cfg = ElectionConfig {

@@ -20,6 +20,7 @@ use crate::election::{ETCD_TIMEOUT, LeaderContext};
 use crate::error::{Error, Result, etcd};
 use crate::spec::FieldError;
 use crate::tasks::put_if_version;
+use crate::webhook;
 
 /// Most webhooks.
 pub const MAX_WEBHOOKS: usize = 16;
@@ -88,13 +89,7 @@ pub fn parse_request(body: &[u8]) -> std::result::Result<SettingsRequest, FieldE
         for (i, u) in arr.iter().enumerate() {
             let field = format!("webhooks[{i}]");
             let u = u.as_str().ok_or_else(|| fe(&field, "must be a string"))?;
-            let url = reqwest::Url::parse(u).map_err(|e| fe(&field, format!("{u:?}: {e}")))?;
-            if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
-                return Err(fe(
-                    &field,
-                    format!("{u:?} must be an http:// or https:// URL"),
-                ));
-            }
+            webhook::check_syntax(u).map_err(|e| fe(&field, e))?;
             s.webhooks.push(u.to_string());
         }
     }
@@ -122,6 +117,98 @@ pub fn parse_request(body: &[u8]) -> std::result::Result<SettingsRequest, FieldE
         settings: s,
         version,
     })
+}
+
+impl Settings {
+    /// The settings as every API answer shows them: webhook URLs [`webhook::redact`]ed.
+    pub fn redacted(&self) -> Self {
+        Self {
+            webhooks: self.webhooks.iter().map(|u| webhook::redact(u)).collect(),
+            ..self.clone()
+        }
+    }
+
+    /// Does any webhook entry stand for a stored one (a redacted URL sent back)?
+    pub fn has_redacted(&self) -> bool {
+        self.webhooks.iter().any(|u| webhook::is_redacted(u))
+    }
+}
+
+/// Replaces each redacted entry of `new` (`scheme://host/…`, as `GET` shows them) by the stored
+/// webhook it stands for, so settings read, edited and written back keep their URLs. An entry
+/// that matches no stored webhook, or that is ambiguous (several stored webhooks redact to it and
+/// not all of them are sent back), is an error naming it.
+///
+/// ```
+/// use sluice_manager::settings::keep_redacted;
+/// let stored = vec!["https://a.example/s/1".to_string(), "https://a.example/s/2".into(),
+///                   "https://b.example/s/3".into()];
+/// let mut new = vec!["https://b.example/…".to_string(), "https://c.example/new".into()];
+/// keep_redacted(&mut new, &stored).unwrap();
+/// assert_eq!(new, ["https://b.example/s/3", "https://c.example/new"]);
+/// let mut both = vec!["https://a.example/…".to_string(), "https://a.example/…".into()];
+/// keep_redacted(&mut both, &stored).unwrap();
+/// assert_eq!(both, ["https://a.example/s/1", "https://a.example/s/2"]);
+/// let mut one = vec!["https://a.example/…".to_string()];
+/// assert_eq!(keep_redacted(&mut one, &stored).unwrap_err().field, "webhooks[0]");
+/// let mut gone = vec!["https://z.example/…".to_string()];
+/// assert_eq!(keep_redacted(&mut gone, &stored).unwrap_err().field, "webhooks[0]");
+/// ```
+pub fn keep_redacted(new: &mut [String], stored: &[String]) -> std::result::Result<(), FieldError> {
+    let mut used: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut sent_back: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for u in new.iter().filter(|u| webhook::is_redacted(u)) {
+        *sent_back.entry(u.clone()).or_insert(0) += 1;
+    }
+    for (i, entry) in new.iter_mut().enumerate() {
+        if !webhook::is_redacted(entry) {
+            continue;
+        }
+        let shown = entry.clone();
+        let candidates: Vec<&String> = stored
+            .iter()
+            .filter(|u| webhook::redact(u) == shown)
+            .collect();
+        let sent = sent_back.get(&shown).copied().unwrap_or(0);
+        let field = format!("webhooks[{i}]");
+        if candidates.is_empty() {
+            return Err(fe(
+                field,
+                format!(
+                    "{shown} is a redacted URL that matches no stored webhook; give the full URL"
+                ),
+            ));
+        }
+        if candidates.len() > 1 && sent != candidates.len() {
+            return Err(fe(
+                field,
+                format!(
+                    "{shown} is ambiguous: {} stored webhooks redact to it and {sent} are sent back; give the full URLs",
+                    candidates.len()
+                ),
+            ));
+        }
+        let k = used.entry(shown).or_insert(0);
+        *entry = candidates[*k].clone();
+        *k += 1;
+    }
+    Ok(())
+}
+
+/// The `PUT` check of every webhook's destination ([`webhook::check_destination`]): the error
+/// names the entry.
+pub async fn check_destinations(
+    settings: &Settings,
+    allow_private: bool,
+) -> std::result::Result<(), FieldError> {
+    for (i, u) in settings.webhooks.iter().enumerate() {
+        let field = format!("webhooks[{i}]");
+        let url = webhook::check_syntax(u).map_err(|e| fe(&field, e))?;
+        webhook::check_destination(&url, allow_private)
+            .await
+            .map_err(|e| fe(&field, format!("{}: {e}", webhook::redact(u))))?;
+    }
+    Ok(())
 }
 
 /// Reads the settings and their version (0 = never written: defaults); [`Error::Invalid`] when

@@ -268,12 +268,14 @@ impl RedisServer {
         let url = self.url();
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if redis::Client::open(url.as_str())
+            match redis::Client::open(url.as_str())
                 .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
                 .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
-                .is_ok()
             {
-                return;
+                Ok(_) => return,
+                // Up, with `--requirepass`: the password goes in the client's URL.
+                Err(e) if e.to_string().contains("NOAUTH") => return,
+                Err(_) => {}
             }
             assert!(Instant::now() < deadline, "redis-server did not start");
             std::thread::sleep(Duration::from_millis(20));
@@ -400,8 +402,14 @@ pub struct ManagerOpts {
     pub lease_ttl: String,
     /// Extra arguments.
     pub extra: Vec<String>,
-    /// Extra environment variables (`SLUICE_<FLAG>` settings).
+    /// Extra environment variables (`SLUICE_<FLAG>` settings; a `RUST_LOG` here wins over the
+    /// harness's).
     pub env: Vec<(String, String)>,
+    /// `--webhook-allow-private` (default on: the tests' webhook receivers listen on loopback;
+    /// tests of the default refusal turn it off).
+    pub webhook_allow_private: bool,
+    /// Bearer token the helper methods ([`Manager::put`], [`Manager::get_json`], …) send.
+    pub auth: Option<String>,
 }
 
 impl ManagerOpts {
@@ -415,6 +423,8 @@ impl ManagerOpts {
             lease_ttl: "2s".to_string(),
             extra: Vec::new(),
             env: Vec::new(),
+            webhook_allow_private: true,
+            auth: None,
         }
     }
 }
@@ -443,13 +453,16 @@ impl Manager {
             .args(["--namespace", &opts.namespace])
             .args(["--node-id", &opts.node_id])
             .args(&opts.extra)
-            .envs(opts.env.iter().map(|(k, v)| (k, v)))
             .env(
                 "RUST_LOG",
                 std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "info".into()),
-            );
+            )
+            .envs(opts.env.iter().map(|(k, v)| (k, v)));
         if !opts.extra.iter().any(|a| a == "--lease-ttl") {
             cmd.args(["--lease-ttl", &opts.lease_ttl]);
+        }
+        if opts.webhook_allow_private {
+            cmd.arg("--webhook-allow-private");
         }
         let log = dir.path().join("manager.log");
         let proc = Proc::spawn(&format!("sluice-manager {}", opts.node_id), cmd, log);
@@ -487,9 +500,18 @@ impl Manager {
         format!("http://{}{path}", self.addr)
     }
 
+    /// A request to `path` with the [`ManagerOpts::auth`] token, if any.
+    pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
+        let r = http().request(method, self.url(path));
+        match &self.opts.auth {
+            Some(t) => r.bearer_auth(t),
+            None => r,
+        }
+    }
+
     /// GET `path` and parse JSON; None on any error (unreachable, non-2xx).
     pub async fn get_json(&self, path: &str) -> Option<Value> {
-        let r = http().get(self.url(path)).send().await.ok()?;
+        let r = self.request(reqwest::Method::GET, path).send().await.ok()?;
         if !r.status().is_success() {
             return None;
         }
@@ -516,8 +538,8 @@ impl Manager {
 
     /// PUT `body` to `path`; returns (status, JSON body or Null).
     pub async fn put(&self, path: &str, body: &str) -> (u16, Value) {
-        let r = http()
-            .put(self.url(path))
+        let r = self
+            .request(reqwest::Method::PUT, path)
             .header("content-type", "application/json")
             .body(body.to_string())
             .send()
@@ -529,8 +551,7 @@ impl Manager {
 
     /// DELETE `path`; returns the status.
     pub async fn delete(&self, path: &str) -> u16 {
-        http()
-            .delete(self.url(path))
+        self.request(reqwest::Method::DELETE, path)
             .send()
             .await
             .expect("DELETE")
@@ -588,6 +609,7 @@ pub fn http() -> reqwest::Client {
     static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
     CLIENT
         .get_or_init(|| {
+            sluice::protocol::tls::install_provider();
             reqwest::Client::builder()
                 .timeout(Duration::from_secs(3))
                 .no_proxy()
@@ -751,87 +773,162 @@ impl RedisCluster {
 }
 
 /// A webhook receiver on 127.0.0.1: records the JSON body of every POST and answers 200
-/// (or `fail_first` times 500 first, to exercise retries).
+/// (or `fail_first` times 500 first, to exercise retries; or always a redirect; over plain
+/// HTTP or HTTPS).
 pub struct WebhookReceiver {
-    /// `http://127.0.0.1:<port>/hook`.
+    /// `http://127.0.0.1:<port>/hook` (`https://` for [`WebhookReceiver::start_tls`]). Any path
+    /// is accepted.
     pub url: String,
     received: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
+    requests: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
+}
+
+/// How a [`WebhookReceiver`] answers.
+#[derive(Debug, Clone)]
+enum Answer {
+    /// 500 for the first n requests, then 200.
+    FailFirst(usize),
+    /// Always `302 Found` to this location.
+    Redirect(String),
 }
 
 impl WebhookReceiver {
     /// Starts the receiver; the first `fail_first` requests get a 500.
     pub async fn start(fail_first: usize) -> Self {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        Self::start_with(Answer::FailFirst(fail_first), None).await
+    }
+
+    /// A receiver that answers every POST with `302 Found` to `location` (and records nothing).
+    pub async fn redirecting(location: &str) -> Self {
+        Self::start_with(Answer::Redirect(location.to_string()), None).await
+    }
+
+    /// An HTTPS receiver with this certificate chain and key (PEM files), answering 200.
+    pub async fn start_tls(cert: &Path, key: &Path) -> Self {
+        sluice::protocol::tls::install_provider();
+        let certs = sluice::protocol::tls::load_certs(cert).expect("receiver certificate");
+        let key = sluice::protocol::tls::load_key(key).expect("receiver key");
+        let cfg = rustls::ServerConfig::builder()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .expect("receiver TLS config");
+        let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(cfg));
+        Self::start_with(Answer::FailFirst(0), Some(acceptor)).await
+    }
+
+    async fn start_with(answer: Answer, tls: Option<tokio_rustls::TlsAcceptor>) -> Self {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
-        let url = format!("http://{}/hook", listener.local_addr().expect("addr"));
+        let scheme = if tls.is_some() { "https" } else { "http" };
+        let url = format!("{scheme}://{}/hook", listener.local_addr().expect("addr"));
         let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-        let store = received.clone();
-        let failures = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(fail_first));
+        let requests = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let failures = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(match &answer {
+            Answer::FailFirst(n) => *n,
+            Answer::Redirect(_) => 0,
+        }));
+        let (store, count) = (received.clone(), requests.clone());
         let task = tokio::spawn(async move {
             loop {
-                let Ok((mut sock, _)) = listener.accept().await else {
+                let Ok((sock, _)) = listener.accept().await else {
                     return;
                 };
-                let store = store.clone();
-                let failures = failures.clone();
+                let (store, count, failures, answer) = (
+                    store.clone(),
+                    count.clone(),
+                    failures.clone(),
+                    answer.clone(),
+                );
+                let tls = tls.clone();
                 tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 4096];
-                    // Read headers, then Content-Length bytes of body.
-                    let body = loop {
-                        let Ok(n) = sock.read(&mut chunk).await else {
-                            return;
-                        };
-                        if n == 0 {
-                            return;
-                        }
-                        buf.extend_from_slice(&chunk[..n]);
-                        let text = String::from_utf8_lossy(&buf).to_string();
-                        if let Some((head, body)) = text.split_once("\r\n\r\n") {
-                            let len = head
-                                .lines()
-                                .find_map(|l| {
-                                    let (k, v) = l.split_once(':')?;
-                                    k.eq_ignore_ascii_case("content-length")
-                                        .then(|| v.trim().parse::<usize>().ok())?
-                                })
-                                .unwrap_or(0);
-                            if body.len() >= len {
-                                break body[..len].to_string();
+                    match tls {
+                        None => serve_hook(sock, store, count, failures, answer).await,
+                        Some(acceptor) => {
+                            if let Ok(s) = acceptor.accept(sock).await {
+                                serve_hook(s, store, count, failures, answer).await;
                             }
                         }
-                    };
-                    let fail = failures
-                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| f.checked_sub(1))
-                        .is_ok();
-                    let status = if fail {
-                        "500 Internal Server Error"
-                    } else {
-                        "200 OK"
-                    };
-                    if !fail && let Ok(v) = serde_json::from_str::<Value>(&body) {
-                        store.lock().expect("lock").push(v);
                     }
-                    let _ = sock
-                        .write_all(format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\nconnection: close\r\n\r\n").as_bytes())
-                        .await;
                 });
             }
         });
         Self {
             url,
             received,
+            requests,
             task,
         }
     }
 
-    /// Every body received so far.
+    /// Every body received (and answered 200) so far.
     pub fn received(&self) -> Vec<Value> {
         self.received.lock().expect("lock").clone()
     }
+
+    /// Requests seen so far, whatever the answer.
+    pub fn requests(&self) -> usize {
+        self.requests.load(Ordering::SeqCst)
+    }
+}
+
+/// One request of a [`WebhookReceiver`] connection.
+async fn serve_hook<S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin>(
+    mut sock: S,
+    store: std::sync::Arc<std::sync::Mutex<Vec<Value>>>,
+    count: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    failures: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    answer: Answer,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    // Read headers, then Content-Length bytes of body.
+    let body = loop {
+        let Ok(n) = sock.read(&mut chunk).await else {
+            return;
+        };
+        if n == 0 {
+            return;
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        let text = String::from_utf8_lossy(&buf).to_string();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("content-length")
+                        .then(|| v.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            if body.len() >= len {
+                break body[..len].to_string();
+            }
+        }
+    };
+    count.fetch_add(1, Ordering::SeqCst);
+    let head = match answer {
+        Answer::Redirect(to) => format!("HTTP/1.1 302 Found\r\nlocation: {to}\r\n"),
+        Answer::FailFirst(_) => {
+            let fail = failures
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |f| f.checked_sub(1))
+                .is_ok();
+            if !fail && let Ok(v) = serde_json::from_str::<Value>(&body) {
+                store.lock().expect("lock").push(v);
+            }
+            if fail {
+                "HTTP/1.1 500 Internal Server Error\r\n".to_string()
+            } else {
+                "HTTP/1.1 200 OK\r\n".to_string()
+            }
+        }
+    };
+    let _ = sock
+        .write_all(format!("{head}content-length: 0\r\nconnection: close\r\n\r\n").as_bytes())
+        .await;
+    let _ = sock.shutdown().await;
 }
 
 impl Drop for WebhookReceiver {
@@ -1303,4 +1400,5 @@ impl EtcdServer {
     }
 }
 
+pub mod pki;
 pub mod soak;

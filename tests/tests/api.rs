@@ -192,7 +192,7 @@ async fn versions_prevent_lost_updates() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_api_token_protects_mutations_only() {
+async fn the_api_token_protects_mutations_and_the_settings() {
     let (m, _) = leader_replica(&["--api-token", "s3cret"]).await;
     let (s, v) = m.put("/api/v1/tasks/a", r#"{"threshold": 1}"#).await;
     assert_eq!(s, 401, "{v}");
@@ -205,6 +205,7 @@ async fn the_api_token_protects_mutations_only() {
     let r = http()
         .put(m.url("/api/v1/tasks/a"))
         .bearer_auth("wrong")
+        .header("content-type", "application/json")
         .body(r#"{"threshold": 1}"#)
         .send()
         .await
@@ -213,13 +214,23 @@ async fn the_api_token_protects_mutations_only() {
     let r = http()
         .put(m.url("/api/v1/tasks/a"))
         .bearer_auth("s3cret")
+        .header("content-type", "application/json")
         .body(r#"{"threshold": 1}"#)
         .send()
         .await
         .unwrap();
     assert_eq!(r.status(), 201);
     assert_eq!(m.delete("/api/v1/tasks/a").await, 401);
-    // Reads stay open.
+    // Reads stay open, except the settings.
     assert!(m.get_json("/api/v1/tasks/a").await.is_some());
     assert!(m.metrics().await.unwrap().contains("sluice_leader"));
+    let r = http().get(m.url("/api/v1/settings")).send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    let r = http()
+        .get(m.url("/api/v1/settings"))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
 }

@@ -10,6 +10,7 @@ use sluice_tests::*;
 async fn report(m: &Manager, task: &str, error_rate: f64) {
     let r = http()
         .post(m.url(&format!("/api/v1/tasks/{task}/health")))
+        .header("content-type", "application/json")
         .body(json!({"error_rate": error_rate, "latency_ms": 20, "source": "probe"}).to_string())
         .send()
         .await
@@ -52,6 +53,7 @@ async fn external_reports_drive_the_threshold_down_to_min_and_back_up() {
     ] {
         let r = http()
             .post(ms[0].url("/api/v1/tasks/d/health"))
+            .header("content-type", "application/json")
             .body(body)
             .send()
             .await
@@ -62,6 +64,7 @@ async fn external_reports_drive_the_threshold_down_to_min_and_back_up() {
     }
     let r = http()
         .post(ms[0].url("/api/v1/tasks/nope/health"))
+        .header("content-type", "application/json")
         .body(r#"{"error_rate": 0.1}"#)
         .send()
         .await

@@ -286,6 +286,7 @@ async fn a_second_cluster_on_the_namespace_never_overwrites_the_first() {
 async fn report(m: &Manager, task: &str, error_rate: f64) {
     let r = http()
         .post(m.url(&format!("/api/v1/tasks/{task}/health")))
+        .header("content-type", "application/json")
         .body(json!({"error_rate": error_rate, "source": "probe"}).to_string())
         .send()
         .await

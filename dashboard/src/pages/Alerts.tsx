@@ -1,7 +1,7 @@
 // Alerts: the live feed (clock skew and others) and the webhook settings.
 
 import { useEffect, useRef, useState } from 'preact/hooks';
-import { api, ApiError, get, type Alert, type Settings } from '../api';
+import { api, ApiError, get, getProtected, type Alert, type Settings } from '../api';
 import { fieldId } from '../components/TaskForm';
 import { Badge, ErrorNote, NotAvailable, Section } from '../components/ui';
 import { dateTime } from '../format';
@@ -65,7 +65,7 @@ function Feed() {
 }
 
 function SettingsForm() {
-  const loaded = usePoll((s) => get<Settings>('/api/v1/settings', s), 0, []);
+  const loaded = usePoll((s) => getProtected<Settings>('/api/v1/settings', s), 0, []);
   const [hooks, setHooks] = useState<string[] | null>(null);
   const [skew, setSkew] = useState('');
   const [quiet, setQuiet] = useState('');
@@ -182,7 +182,10 @@ function SettingsForm() {
       ) : null}
       <fieldset id={`${fieldId('webhooks')}`} tabIndex={-1}>
         <legend>Webhooks</legend>
-        <p class="hint">Every alert is POSTed as JSON to each URL.</p>
+        <p class="hint">
+          Every alert is POSTed as JSON to each URL. Saved URLs are shown shortened (<code>https://host/…</code>: the
+          rest is the secret); leave one as it is to keep it, or replace it with a full URL.
+        </p>
         {errFor('webhooks') ? (
           <p class="field-error" data-testid="field-error">
             {errFor('webhooks')}

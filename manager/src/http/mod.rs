@@ -52,7 +52,7 @@ pub fn router(state: AppState) -> Router {
         .route("/metrics", get(metrics))
         .nest("/api/v1", api::routes())
         .fallback(ui::serve)
-        .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn_with_state(state.clone(), access))
         .with_state(state)
 }
 
@@ -92,32 +92,200 @@ async fn metrics(State(s): State<AppState>, req: Request) -> impl IntoResponse {
     }
 }
 
-/// With `--api-token`, mutating calls need `Authorization: Bearer <token>`.
-async fn auth(State(s): State<AppState>, req: Request, next: Next) -> Response {
-    let Some(token) = s.cfg.api_token.as_deref() else {
-        return next.run(req).await;
-    };
-    if matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS) {
-        return next.run(req).await;
+/// Access rules of every request (contract in `docs/security.md`, "API access"):
+///
+/// ```text
+///  mutation (not GET/HEAD/OPTIONS):
+///    Sec-Fetch-Site: cross-site, or an Origin whose host:port is not the Host → 403
+///    --api-token set and no admin token                                        → 401
+///      (the read-only token                                                    → 403)
+///    PUT/POST/PATCH whose content-type is not application/json                → 415
+///  GET /api/v1/settings with --api-token set and neither token                 → 401
+///  every other read: open
+/// ```
+async fn access(State(s): State<AppState>, req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let read = matches!(method, Method::GET | Method::HEAD | Method::OPTIONS);
+    if !read && let Some(why) = cross_origin(&req) {
+        return refuse(StatusCode::FORBIDDEN, &why);
     }
-    let given = req
-        .headers()
+    if let Some(admin) = s.cfg.api_token.as_ref() {
+        let given = bearer(&req);
+        let is_admin = given.is_some_and(|g| admin.matches(g));
+        let is_reader = is_admin
+            || given.is_some_and(|g| s.cfg.api_read_token.as_ref().is_some_and(|r| r.matches(g)));
+        if !read && !is_admin {
+            if is_reader {
+                return refuse(
+                    StatusCode::FORBIDDEN,
+                    "this token is read-only (--api-read-token); changes need the admin token (--api-token)",
+                );
+            }
+            return unauthorized(
+                "this call needs Authorization: Bearer <token> (the manager runs with --api-token)",
+            );
+        }
+        if read && !is_reader && needs_token_to_read(req.uri().path()) {
+            return unauthorized(
+                "reading the settings needs Authorization: Bearer <token> (the manager runs with --api-token)",
+            );
+        }
+    }
+    if matches!(method, Method::PUT | Method::POST | Method::PATCH) && !is_json(&req) {
+        return refuse(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "changes must be sent with content-type: application/json",
+        );
+    }
+    next.run(req).await
+}
+
+/// Reads that can expose secrets (webhook URLs are shown redacted, but the settings are still
+/// the operators' business).
+fn needs_token_to_read(path: &str) -> bool {
+    path.trim_end_matches('/') == "/api/v1/settings"
+}
+
+fn bearer(req: &Request) -> Option<&str> {
+    req.headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given.is_some_and(|g| constant_time_eq(g.as_bytes(), token.as_bytes())) {
-        return next.run(req).await;
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+}
+
+fn is_json(req: &Request) -> bool {
+    req.headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split(';').next())
+        .is_some_and(|t| t.trim().eq_ignore_ascii_case("application/json"))
+}
+
+/// Why a mutation looks like a browser request from another site, if it does: the browser says
+/// so (`Sec-Fetch-Site: cross-site`), or its `Origin` is not the server it talks to (`Host`).
+/// Requests without `Origin` (curl, scripts, the SDK) pass.
+fn cross_origin(req: &Request) -> Option<String> {
+    let h = req.headers();
+    let site = h.get("sec-fetch-site").and_then(|v| v.to_str().ok());
+    if site.is_some_and(|v| v.eq_ignore_ascii_case("cross-site")) {
+        return Some(
+            "cross-site requests cannot change anything (Sec-Fetch-Site: cross-site)".into(),
+        );
     }
+    let origin = h.get(header::ORIGIN)?;
+    let refused = || {
+        Some(
+            "cross-origin requests cannot change anything: the Origin header does not match the Host (behind a proxy, keep the Host header)"
+                .to_string(),
+        )
+    };
+    let Some(origin) = origin
+        .to_str()
+        .ok()
+        .and_then(|o| reqwest::Url::parse(o).ok())
+    else {
+        return refused(); // "null" (sandboxed pages, file://) or garbage
+    };
+    let host = h
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .or_else(|| req.uri().authority().map(|a| a.to_string()));
+    let Some(host) =
+        host.and_then(|hh| reqwest::Url::parse(&format!("{}://{hh}/", origin.scheme())).ok())
+    else {
+        return refused();
+    };
+    let same = origin.host_str().map(str::to_ascii_lowercase)
+        == host.host_str().map(str::to_ascii_lowercase)
+        && origin.port_or_known_default() == host.port_or_known_default();
+    if same { None } else { refused() }
+}
+
+fn refuse(status: StatusCode, error: &str) -> Response {
+    (status, axum::Json(serde_json::json!({ "error": error }))).into_response()
+}
+
+fn unauthorized(error: &str) -> Response {
     (
         StatusCode::UNAUTHORIZED,
         [(header::WWW_AUTHENTICATE, "Bearer")],
-        axum::Json(serde_json::json!({
-            "error": "this call needs Authorization: Bearer <token> (the manager runs with --api-token)"
-        })),
+        axum::Json(serde_json::json!({ "error": error })),
     )
         .into_response()
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(headers: &[(&str, &str)]) -> Request {
+        let mut b = Request::builder()
+            .method(Method::PUT)
+            .uri("/api/v1/tasks/t");
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        b.body(axum::body::Body::empty()).unwrap()
+    }
+
+    #[test]
+    fn origins() {
+        for ok in [
+            vec![],
+            vec![
+                ("host", "127.0.0.1:8080"),
+                ("origin", "http://127.0.0.1:8080"),
+            ],
+            vec![
+                ("host", "Sluice.Example.com"),
+                ("origin", "https://sluice.example.com"),
+            ],
+            vec![
+                ("host", "sluice.example.com:443"),
+                ("origin", "https://sluice.example.com"),
+            ],
+            vec![("host", "[::1]:8080"), ("origin", "http://[::1]:8080")],
+            vec![("host", "a:1"), ("sec-fetch-site", "same-origin")],
+        ] {
+            assert_eq!(cross_origin(&req(&ok)), None, "{ok:?}");
+        }
+        for bad in [
+            vec![
+                ("host", "127.0.0.1:8080"),
+                ("origin", "http://evil.example"),
+            ],
+            vec![
+                ("host", "127.0.0.1:8080"),
+                ("origin", "http://127.0.0.1:8081"),
+            ],
+            vec![
+                ("host", "sluice.example.com"),
+                ("origin", "http://sluice.example.com:8443"),
+            ],
+            vec![("host", "127.0.0.1:8080"), ("origin", "null")],
+            vec![("origin", "http://127.0.0.1:8080")],
+            vec![("sec-fetch-site", "cross-site")],
+        ] {
+            assert!(cross_origin(&req(&bad)).is_some(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn content_types() {
+        assert!(is_json(&req(&[("content-type", "application/json")])));
+        assert!(is_json(&req(&[(
+            "content-type",
+            "Application/JSON; charset=utf-8"
+        )])));
+        for bad in [
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "application/jsonx",
+        ] {
+            assert!(!is_json(&req(&[("content-type", bad)])), "{bad}");
+        }
+        assert!(!is_json(&req(&[])));
+    }
 }

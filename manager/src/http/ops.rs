@@ -58,8 +58,9 @@ async fn list_alerts(
     Ok(axum::Json(alerts::to_json(&a)))
 }
 
+/// The settings as answered: webhook URLs always redacted (the URL is the secret).
 fn settings_json(st: &Settings, version: i64) -> Value {
-    let mut v = serde_json::to_value(st).unwrap_or(Value::Null);
+    let mut v = serde_json::to_value(st.redacted()).unwrap_or(Value::Null);
     v["version"] = Value::from(version);
     v
 }
@@ -69,9 +70,21 @@ async fn get_settings(State(s): State<AppState>) -> ApiResult<axum::Json<Value>>
     Ok(axum::Json(settings_json(&st, version)))
 }
 
+/// Validates (400 naming the field), keeps the stored URL of each redacted webhook sent back,
+/// checks every destination (private ones only with `--webhook-allow-private`), then writes.
 async fn put_settings(State(s): State<AppState>, body: Bytes) -> ApiResult<axum::Json<Value>> {
-    let req =
-        settings::parse_request(&body).map_err(|e| ApiError::field(StatusCode::BAD_REQUEST, e))?;
+    let bad_request = |e| ApiError::field(StatusCode::BAD_REQUEST, e);
+    let mut req = settings::parse_request(&body).map_err(bad_request)?;
+    if req.settings.has_redacted() {
+        let (stored, version) = settings::load(&s.etcd, &s.keys).await?;
+        settings::keep_redacted(&mut req.settings.webhooks, &stored.webhooks)
+            .map_err(bad_request)?;
+        // Written only over what the redacted entries were resolved against.
+        req.version.get_or_insert(version);
+    }
+    settings::check_destinations(&req.settings, s.cfg.webhook_allow_private)
+        .await
+        .map_err(bad_request)?;
     match settings::store(&s.etcd, &s.keys, &req.settings, req.version).await? {
         Ok(version) => {
             tracing::info!(

@@ -182,7 +182,7 @@ impl Keys {
         format!("{}:alerts:state", self.ns)
     }
 
-    /// `NS:alerts:sent`: sorted set of webhook deliveries (`<alert id> <url>`, score = when), so
+    /// `NS:alerts:sent`: sorted set of webhook deliveries (`<alert id> <url fingerprint>`, score = when), so
     /// a new leader delivers what is pending and never resends what was delivered.
     pub fn alerts_sent(&self) -> String {
         format!("{}:alerts:sent", self.ns)
