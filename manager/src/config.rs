@@ -301,7 +301,8 @@ fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdL
             ));
         }
         (Some(f), None) => Some(Secret::new(
-            sluice::protocol::tls::read_secret_file(&f).map_err(|e| err("etcd-password-file", e))?,
+            sluice::protocol::tls::read_secret_file(&f)
+                .map_err(|e| err("etcd-password-file", e))?,
         )),
         (None, Some(p)) => Some(Secret::new(p)),
         (None, None) => None,

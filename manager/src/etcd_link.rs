@@ -15,8 +15,8 @@
 //! own (so an error can name it): a TLS handshake, authentication when a user is set, and a
 //! read of the namespace. Then:
 //!
-//! * a TLS failure (unknown CA, wrong host name, http:// against a TLS port, https:// against
-//!   a plain one) or an authentication failure (wrong password, unknown user, auth not enabled,
+//! * a TLS failure (unknown CA, wrong host name, https:// against a plain-HTTP etcd) or an
+//!   authentication failure (wrong password, unknown user, auth not enabled,
 //!   no permission) on **any** endpoint is a configuration error: logged at ERROR with the
 //!   endpoint, and the manager exits non-zero. Retrying cannot fix it.
 //! * an endpoint that cannot be reached (refused, timed out) is logged at WARN; while no
@@ -171,11 +171,21 @@ async fn check(endpoint: &str, cfg: &Config) -> std::result::Result<(), Failure>
 /// Checks every endpoint (see the module documentation), then authenticates `client` when a
 /// user is set. Returns Ok(false) when `stop` was cancelled first; an error is a configuration
 /// error the manager must exit on.
-pub async fn establish(client: &mut Client, cfg: &Config, stop: &CancellationToken) -> Result<bool> {
+pub async fn establish(
+    client: &mut Client,
+    cfg: &Config,
+    stop: &CancellationToken,
+) -> Result<bool> {
     let mut backoff = Duration::from_millis(250);
     let mut attempt = 0u32;
+    let mut next_log = 1u32;
     loop {
         attempt += 1;
+        // Unreachable endpoints: logged on the first attempt, then every tenth (about 50 s).
+        let log_unreachable = attempt >= next_log;
+        if log_unreachable {
+            next_log = attempt + 10;
+        }
         let results =
             futures::future::join_all(cfg.etcd.iter().map(|e| check(e.as_str(), cfg))).await;
         let mut fatal = Vec::new();
@@ -188,8 +198,7 @@ pub async fn establish(client: &mut Client, cfg: &Config, stop: &CancellationTok
                     fatal.push(format!("{endpoint}: {why}"));
                 }
                 Err(Failure::Unreachable(why)) => {
-                    // Log the first attempt and then every tenth (about every 50 s).
-                    if attempt == 1 || attempt % 10 == 0 {
+                    if log_unreachable {
                         warn!(
                             endpoint = %endpoint,
                             attempt,
@@ -202,29 +211,29 @@ pub async fn establish(client: &mut Client, cfg: &Config, stop: &CancellationTok
         if !fatal.is_empty() {
             return Err(Error::Startup(format!("etcd: {}", fatal.join("; "))));
         }
-        if reachable > 0 {
-            if let Some((user, password)) = &cfg.etcd_link.user {
-                let auth = tokio::time::timeout(
-                    CHECK_TIMEOUT,
-                    client.update_user(Some((user.clone(), password.expose().to_string()))),
-                )
-                .await;
-                match auth {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => match classify(&e) {
-                        Failure::Fatal(why) => {
-                            error!("etcd {:?}: {why}", cfg.etcd);
-                            return Err(Error::Startup(format!("etcd: {why}")));
-                        }
-                        Failure::Unreachable(why) => {
-                            warn!("etcd authentication did not go through: {why}; retrying");
-                            reachable = 0;
-                        }
-                    },
-                    Err(_) => {
-                        warn!("etcd authentication timed out; retrying");
+        if reachable > 0
+            && let Some((user, password)) = &cfg.etcd_link.user
+        {
+            let auth = tokio::time::timeout(
+                CHECK_TIMEOUT,
+                client.update_user(Some((user.clone(), password.expose().to_string()))),
+            )
+            .await;
+            match auth {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => match classify(&e) {
+                    Failure::Fatal(why) => {
+                        error!("etcd {:?}: {why}", cfg.etcd);
+                        return Err(Error::Startup(format!("etcd: {why}")));
+                    }
+                    Failure::Unreachable(why) => {
+                        warn!("etcd authentication did not go through: {why}; retrying");
                         reachable = 0;
                     }
+                },
+                Err(_) => {
+                    warn!("etcd authentication timed out; retrying");
+                    reachable = 0;
                 }
             }
         }

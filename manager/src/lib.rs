@@ -77,7 +77,10 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
         .await
         .map_err(|e| Error::Startup(format!("--listen {}: {e}", cfg.listen)))?;
     let tls = match &cfg.tls {
-        Some(t) => Some(t.server_config().map_err(|e| Error::Startup(e.to_string()))?),
+        Some(t) => Some(
+            t.server_config()
+                .map_err(|e| Error::Startup(e.to_string()))?,
+        ),
         None => None,
     };
     info!(

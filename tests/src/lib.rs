@@ -695,7 +695,8 @@ impl Manager {
 
     /// PUT `body` to `path`; returns (status, JSON body or Null).
     pub async fn put(&self, path: &str, body: &str) -> (u16, Value) {
-        let r = self.client()
+        let r = self
+            .client()
             .put(self.url(path))
             .header("content-type", "application/json")
             .body(body.to_string())
@@ -767,6 +768,8 @@ pub fn http() -> reqwest::Client {
     static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
     CLIENT
         .get_or_init(|| {
+            // reqwest is built without a default rustls provider: ring, as everywhere.
+            sluice::protocol::tls::install_provider();
             reqwest::Client::builder()
                 .timeout(Duration::from_secs(3))
                 .no_proxy()

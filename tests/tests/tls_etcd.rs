@@ -82,11 +82,19 @@ async fn readyz(m: &Manager) -> Option<(u16, Value)> {
 async fn wait_ready(m: &Manager, want: u16, timeout: Duration) -> Value {
     let what = format!("/readyz of {} to answer {want}", m.opts.node_id);
     wait_until(&what, timeout, Duration::from_millis(100), || async {
-        readyz(m)
-            .await
-            .and_then(|(s, v)| (s == want).then_some(v))
+        readyz(m).await.and_then(|(s, v)| (s == want).then_some(v))
     })
     .await
+}
+
+/// Prints the ERROR lines of a log (what an operator would see).
+fn show_errors(who: &str, log: &str) {
+    for l in log
+        .lines()
+        .filter(|l| l.contains("ERROR") || l.starts_with("Error"))
+    {
+        eprintln!("{who}: {l}");
+    }
 }
 
 fn assert_no_secret(log: &str, who: &str) {
@@ -114,7 +122,10 @@ async fn three_managers_elect_roll_and_fail_over_over_tls_etcd_with_auth() {
     let refs: Vec<&Manager> = ms.iter().collect();
     let started = Instant::now();
     let (leader, term) = wait_for_leader(&refs, Duration::from_secs(20)).await;
-    eprintln!("leader n{leader} (term {term}) after {:?}", started.elapsed());
+    eprintln!(
+        "leader n{leader} (term {term}) after {:?}",
+        started.elapsed()
+    );
     for m in &ms {
         let v = wait_ready(m, 200, Duration::from_secs(10)).await;
         assert_eq!(v["ready"], true, "{v}");
@@ -179,7 +190,10 @@ async fn three_managers_elect_roll_and_fail_over_over_tls_etcd_with_auth() {
             r#"{"threshold": 700, "slice_ms": 1000}"#,
         )
         .await;
-    assert!(status == 201 || status == 200, "PUT after failover: {status} {v}");
+    assert!(
+        status == 201 || status == 200,
+        "PUT after failover: {status} {v}"
+    );
     wait_until(
         "slices of after written by the new leader",
         Duration::from_secs(10),
@@ -193,20 +207,19 @@ async fn three_managers_elect_roll_and_fail_over_over_tls_etcd_with_auth() {
     )
     .await;
     for m in &survivors {
-        assert_eq!(wait_ready(m, 200, Duration::from_secs(5)).await["ready"], true);
+        assert_eq!(
+            wait_ready(m, 200, Duration::from_secs(5)).await["ready"],
+            true
+        );
     }
     for m in &ms {
         assert_no_secret(&m.proc.log(), &m.opts.node_id);
-        assert!(
-            m.proc.log().contains("etcd connected"),
-            "{}",
-            m.proc.log()
-        );
+        assert!(m.proc.log().contains("etcd connected"), "{}", m.proc.log());
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn wrong_ca_wrong_password_or_scheme_fail_loudly_and_unreachable_etcd_is_awaited() {
+async fn wrong_ca_password_or_scheme_fail_loudly_and_unreachable_etcd_is_awaited() {
     let ns = unique_ns("tlsbad");
     let mut se = secure_etcd(&ns).await;
     let endpoint = se.etcd.endpoint();
@@ -226,6 +239,7 @@ async fn wrong_ca_wrong_password_or_scheme_fail_loudly_and_unreachable_etcd_is_a
         "TLS not blamed:\n{log}"
     );
     assert_no_secret(&log, "badca");
+    show_errors("badca", &log);
 
     // A wrong password: exit 1, the endpoint named, the password not printed.
     let wrong = se.ca.dir.path().join("wrong-password");
@@ -239,14 +253,17 @@ async fn wrong_ca_wrong_password_or_scheme_fail_loudly_and_unreachable_etcd_is_a
     assert!(log.contains(&endpoint), "endpoint not named:\n{log}");
     assert!(log.contains("authentication failed"), "{log}");
     assert_no_secret(&log, "badpw");
+    show_errors("badpw", &log);
 
-    // http:// against etcd's TLS port: exit 1, the endpoint named.
-    let plain = endpoint.replace("https://", "http://");
-    let flags: Vec<String> = se.flags()[6..].to_vec(); // user + password only
+    // https:// against a plain-HTTP etcd: exit 1, the endpoint named, TLS blamed.
+    let plain = shared_etcd().replace("http://", "https://");
+    let flags: Vec<String> = se.flags()[..2].to_vec(); // --etcd-ca only
     let mut m = Manager::spawn(opts(&plain, &redis_url, &ns, "plain", flags));
     let (code, log) = m.wait_exit(Duration::from_secs(20)).await;
     assert_eq!(code, Some(1), "{log}");
     assert!(log.contains(&plain), "endpoint not named:\n{log}");
+    assert!(log.contains("TLS"), "TLS not blamed:\n{log}");
+    show_errors("plain", &log);
 
     // A bad certificate file is a configuration error: exit 2 naming the flag, at once.
     let mut flags = se.flags();
@@ -301,9 +318,15 @@ async fn https_listener_serves_api_dashboard_and_readyz_follows_redis() {
     let v = wait_ready(&m, 200, Duration::from_secs(10)).await;
     assert_eq!(v["ready"], true, "{v}");
     let (status, v) = m
-        .put("/api/v1/tasks/web", r#"{"threshold": 50, "slice_ms": 1000}"#)
+        .put(
+            "/api/v1/tasks/web",
+            r#"{"threshold": 50, "slice_ms": 1000}"#,
+        )
         .await;
-    assert!(status == 201 || status == 200, "PUT over https: {status} {v}");
+    assert!(
+        status == 201 || status == 200,
+        "PUT over https: {status} {v}"
+    );
     assert_eq!(m.wait_rolled("web").await, 50);
     let page = m.client().get(m.url("/")).send().await.expect("dashboard");
     assert_eq!(page.status().as_u16(), 200);
@@ -329,7 +352,12 @@ async fn https_listener_serves_api_dashboard_and_readyz_follows_redis() {
     let v = wait_ready(&m, 503, Duration::from_secs(10)).await;
     assert_eq!(v["ready"], false, "{v}");
     assert_eq!(v["redis"]["ok"], false, "{v}");
-    assert!(v["redis"]["reason"].as_str().is_some_and(|r| r.contains("redis")), "{v}");
+    assert!(
+        v["redis"]["reason"]
+            .as_str()
+            .is_some_and(|r| r.contains("redis")),
+        "{v}"
+    );
     assert_eq!(v["etcd"]["ok"], true, "{v}");
     assert_eq!(v["task_watch"]["ok"], true, "{v}");
     assert!(m.get_json("/healthz").await.is_some());

@@ -85,7 +85,11 @@ async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
         let key = s.keys.etcd_tasks_prefix();
         let get = c.get(
             key.as_str(),
-            Some(etcd_client::GetOptions::new().with_prefix().with_count_only()),
+            Some(
+                etcd_client::GetOptions::new()
+                    .with_prefix()
+                    .with_count_only(),
+            ),
         );
         match tokio::time::timeout(READY_CHECK_TIMEOUT, get).await {
             Ok(Ok(_)) => Ok(()),
