@@ -176,6 +176,12 @@ pub async fn establish(
     cfg: &Config,
     stop: &CancellationToken,
 ) -> Result<bool> {
+    if cfg.etcd_link.user.is_some() && !cfg.etcd_link.tls {
+        warn!(
+            "--etcd-user with http:// endpoints: the password and the token cross the network \
+             unencrypted; use https:// endpoints"
+        );
+    }
     let mut backoff = Duration::from_millis(250);
     let mut attempt = 0u32;
     let mut next_log = 1u32;

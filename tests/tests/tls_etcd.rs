@@ -114,9 +114,18 @@ async fn three_managers_elect_roll_and_fail_over_over_tls_etcd_with_auth() {
     assert!(endpoint.starts_with("https://"), "{endpoint}");
     let redis_url = shared_redis();
 
+    // n0 and n1 trust etcd's CA through --etcd-ca, n2 through SSL_CERT_FILE (pinned: an extra
+    // trusted bundle for every TLS link).
     let mut ms = Vec::new();
     for i in 0..3 {
-        let o = opts(&endpoint, &redis_url, &ns, &format!("n{i}"), se.flags());
+        let mut o = opts(&endpoint, &redis_url, &ns, &format!("n{i}"), se.flags());
+        if i == 2 {
+            o.extra.drain(..2);
+            o.env.push((
+                "SSL_CERT_FILE".into(),
+                se.ca.cert.to_str().unwrap().to_string(),
+            ));
+        }
         ms.push(Manager::start(o).await);
     }
     let refs: Vec<&Manager> = ms.iter().collect();
