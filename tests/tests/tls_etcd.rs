@@ -115,10 +115,15 @@ async fn three_managers_elect_roll_and_fail_over_over_tls_etcd_with_auth() {
     let redis_url = shared_redis();
 
     // n0 and n1 trust etcd's CA through --etcd-ca, n2 through SSL_CERT_FILE (pinned: an extra
-    // trusted bundle for every TLS link).
+    // trusted bundle for every TLS link); n1 has its password in SLUICE_ETCD_PASSWORD.
     let mut ms = Vec::new();
     for i in 0..3 {
         let mut o = opts(&endpoint, &redis_url, &ns, &format!("n{i}"), se.flags());
+        if i == 1 {
+            // The password from the environment instead of a file.
+            o.extra.truncate(o.extra.len() - 2);
+            o.env.push(("SLUICE_ETCD_PASSWORD".into(), PASSWORD.into()));
+        }
         if i == 2 {
             o.extra.drain(..2);
             o.env.push((
@@ -274,6 +279,16 @@ async fn wrong_ca_password_or_scheme_fail_loudly_and_unreachable_etcd_is_awaited
     assert!(log.contains("TLS"), "TLS not blamed:\n{log}");
     show_errors("plain", &log);
 
+    // No client certificate while etcd demands one: exit 1, the endpoint named, TLS blamed.
+    let mut flags = se.flags();
+    flags.drain(2..6);
+    let mut m = Manager::spawn(opts(&endpoint, &redis_url, &ns, "nocert", flags));
+    let (code, log) = m.wait_exit(Duration::from_secs(20)).await;
+    assert_eq!(code, Some(1), "{log}");
+    assert!(log.contains(&endpoint), "endpoint not named:\n{log}");
+    assert!(log.contains("TLS"), "TLS not blamed:\n{log}");
+    show_errors("nocert", &log);
+
     // A bad certificate file is a configuration error: exit 2 naming the flag, at once.
     let mut flags = se.flags();
     flags[3] = se.password_file.to_str().unwrap().to_string(); // --etcd-cert: not a PEM
@@ -359,6 +374,7 @@ async fn https_listener_serves_api_dashboard_and_readyz_follows_redis() {
     // Redis stopped: /readyz 503 naming redis (etcd and the watch still fine); /healthz 200.
     redis.kill();
     let v = wait_ready(&m, 503, Duration::from_secs(10)).await;
+    eprintln!("/readyz while Redis is down: {v}");
     assert_eq!(v["ready"], false, "{v}");
     assert_eq!(v["redis"]["ok"], false, "{v}");
     assert!(
