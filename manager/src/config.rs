@@ -84,6 +84,31 @@ pub struct Cli {
     /// Log as JSON lines instead of text
     #[arg(long, env = "SLUICE_LOG_JSON")]
     pub log_json: Option<bool>,
+
+    // --- etcd TLS and authentication, the manager's own HTTPS listener ---
+    /// CA bundle (PEM) trusted for https:// etcd endpoints, besides the platform roots and
+    /// SSL_CERT_FILE
+    #[arg(long, env = "SLUICE_ETCD_CA")]
+    pub etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS to etcd (with --etcd-key)
+    #[arg(long, env = "SLUICE_ETCD_CERT")]
+    pub etcd_cert: Option<PathBuf>,
+    /// Private key (PEM) of --etcd-cert
+    #[arg(long, env = "SLUICE_ETCD_KEY")]
+    pub etcd_key: Option<PathBuf>,
+    /// etcd user (etcd auth); the password comes from --etcd-password-file or the
+    /// environment variable SLUICE_ETCD_PASSWORD
+    #[arg(long, env = "SLUICE_ETCD_USER")]
+    pub etcd_user: Option<String>,
+    /// File holding the etcd user's password (surrounding whitespace ignored)
+    #[arg(long, env = "SLUICE_ETCD_PASSWORD_FILE")]
+    pub etcd_password_file: Option<PathBuf>,
+    /// Serve HTTPS with this certificate chain (PEM; with --tls-key)
+    #[arg(long, env = "SLUICE_TLS_CERT")]
+    pub tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert
+    #[arg(long, env = "SLUICE_TLS_KEY")]
+    pub tls_key: Option<PathBuf>,
 }
 
 /// The TOML file: the same settings as [`Cli`]; unknown keys are errors.
@@ -109,6 +134,15 @@ struct FileConfig {
     webhook_allow_private: Option<bool>,
     webhook_ca: Option<PathBuf>,
     log_json: Option<bool>,
+
+    // etcd TLS and authentication, the manager's own HTTPS listener.
+    etcd_ca: Option<PathBuf>,
+    etcd_cert: Option<PathBuf>,
+    etcd_key: Option<PathBuf>,
+    etcd_user: Option<String>,
+    etcd_password_file: Option<PathBuf>,
+    tls_cert: Option<PathBuf>,
+    tls_key: Option<PathBuf>,
 }
 
 /// A configuration error, naming the flag.
@@ -165,6 +199,213 @@ pub struct Config {
     pub webhook_ca: Option<PathBuf>,
     /// JSON logs.
     pub log_json: bool,
+    /// TLS and authentication of the etcd link.
+    pub etcd_link: EtcdLink,
+    /// HTTPS for the manager's own listener (None = plain HTTP).
+    pub tls: Option<ListenerTls>,
+}
+
+/// A secret string: its `Debug` and `Display` never show it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret.
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    /// The secret itself, for the one place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// How the manager reaches etcd beyond the endpoints: TLS (for https:// endpoints) and auth.
+#[derive(Debug, Clone, Default)]
+pub struct EtcdLink {
+    /// True when the endpoints are https://.
+    pub tls: bool,
+    /// `--etcd-ca` (added to the platform roots and `SSL_CERT_FILE`).
+    pub ca: Option<PathBuf>,
+    /// `--etcd-cert` and `--etcd-key`.
+    pub identity: Option<(PathBuf, PathBuf)>,
+    /// `--etcd-user` and its password.
+    pub user: Option<(String, Secret)>,
+}
+
+/// `--tls-cert` and `--tls-key`, validated at start-up.
+#[derive(Debug, Clone)]
+pub struct ListenerTls {
+    /// Certificate chain (PEM).
+    pub cert: PathBuf,
+    /// Private key (PEM).
+    pub key: PathBuf,
+}
+
+fn pick_path(
+    cli: &Option<PathBuf>,
+    file: &Option<PathBuf>,
+    flag: &'static str,
+) -> Result<Option<PathBuf>, ConfigError> {
+    match cli.clone().or(file.clone()) {
+        Some(p) if p.as_os_str().is_empty() => Err(err(flag, "must not be empty when set")),
+        other => Ok(other),
+    }
+}
+
+/// Validates the etcd link settings against the endpoints (every file is read now, so a typo
+/// fails at start-up with the flag named, not as a handshake error later).
+fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdLink, ConfigError> {
+    let mut https = 0;
+    for e in endpoints {
+        let lower = e.to_ascii_lowercase();
+        if lower.starts_with("https://") {
+            https += 1;
+        } else if !lower.starts_with("http://") && lower.contains("://") {
+            return Err(err(
+                "etcd",
+                format!("{e}: endpoints are http://host:port or https://host:port"),
+            ));
+        }
+    }
+    if https != 0 && https != endpoints.len() {
+        return Err(err(
+            "etcd",
+            "mixes http:// and https:// endpoints: use one scheme for every endpoint",
+        ));
+    }
+    let tls = https != 0;
+    let ca = pick_path(&cli.etcd_ca, &file.etcd_ca, "etcd-ca")?;
+    let cert = pick_path(&cli.etcd_cert, &file.etcd_cert, "etcd-cert")?;
+    let key = pick_path(&cli.etcd_key, &file.etcd_key, "etcd-key")?;
+    if !tls {
+        for (flag, set) in [
+            ("etcd-ca", ca.is_some()),
+            ("etcd-cert", cert.is_some()),
+            ("etcd-key", key.is_some()),
+        ] {
+            if set {
+                return Err(err(
+                    flag,
+                    "is for TLS, but the --etcd endpoints are http://: use https:// endpoints",
+                ));
+            }
+        }
+    } else {
+        // Reads SSL_CERT_FILE and --etcd-ca now; the error names the file.
+        sluice::protocol::tls::extra_roots(ca.as_deref()).map_err(|e| err("etcd-ca", e))?;
+    }
+    let identity = match (cert, key) {
+        (Some(c), Some(k)) => {
+            sluice::protocol::tls::load_certs(&c).map_err(|e| err("etcd-cert", e))?;
+            sluice::protocol::tls::load_key(&k).map_err(|e| err("etcd-key", e))?;
+            Some((c, k))
+        }
+        (None, None) => None,
+        (Some(_), None) => return Err(err("etcd-key", "--etcd-cert needs --etcd-key")),
+        (None, Some(_)) => return Err(err("etcd-cert", "--etcd-key needs --etcd-cert")),
+    };
+    let user = cli.etcd_user.clone().or(file.etcd_user.clone());
+    let password_file = pick_path(
+        &cli.etcd_password_file,
+        &file.etcd_password_file,
+        "etcd-password-file",
+    )?;
+    let password_env = std::env::var("SLUICE_ETCD_PASSWORD")
+        .ok()
+        .filter(|v| !v.is_empty());
+    let password = match (password_file, password_env) {
+        (Some(_), Some(_)) => {
+            return Err(err(
+                "etcd-password-file",
+                "given together with SLUICE_ETCD_PASSWORD: use one",
+            ));
+        }
+        (Some(f), None) => Some(Secret::new(
+            sluice::protocol::tls::read_secret_file(&f)
+                .map_err(|e| err("etcd-password-file", e))?,
+        )),
+        (None, Some(p)) => Some(Secret::new(p)),
+        (None, None) => None,
+    };
+    let user = match (user, password) {
+        (Some(u), Some(p)) => {
+            if u.is_empty() || u.chars().any(|c| c.is_control() || c.is_whitespace()) {
+                return Err(err("etcd-user", "1 or more characters, no whitespace"));
+            }
+            Some((u, p))
+        }
+        (None, None) => None,
+        (Some(_), None) => {
+            return Err(err(
+                "etcd-user",
+                "needs a password: --etcd-password-file (or SLUICE_ETCD_PASSWORD)",
+            ));
+        }
+        (None, Some(_)) => {
+            return Err(err(
+                "etcd-password-file",
+                "a password is given (file or SLUICE_ETCD_PASSWORD) but no --etcd-user",
+            ));
+        }
+    };
+    Ok(EtcdLink {
+        tls,
+        ca,
+        identity,
+        user,
+    })
+}
+
+fn listener_tls(cli: &Cli, file: &FileConfig) -> Result<Option<ListenerTls>, ConfigError> {
+    let cert = pick_path(&cli.tls_cert, &file.tls_cert, "tls-cert")?;
+    let key = pick_path(&cli.tls_key, &file.tls_key, "tls-key")?;
+    match (cert, key) {
+        (None, None) => Ok(None),
+        (Some(_), None) => Err(err("tls-key", "--tls-cert needs --tls-key")),
+        (None, Some(_)) => Err(err("tls-cert", "--tls-key needs --tls-cert")),
+        (Some(cert), Some(key)) => {
+            let tls = ListenerTls { cert, key };
+            tls.server_config()?;
+            Ok(Some(tls))
+        }
+    }
+}
+
+impl ListenerTls {
+    /// The rustls server configuration (ring provider; HTTP/1.1, as the server speaks). Reads
+    /// both files; errors name the flag and the file, never the key.
+    pub fn server_config(&self) -> Result<rustls::ServerConfig, ConfigError> {
+        let certs =
+            sluice::protocol::tls::load_certs(&self.cert).map_err(|e| err("tls-cert", e))?;
+        let key = sluice::protocol::tls::load_key(&self.key).map_err(|e| err("tls-key", e))?;
+        let mut cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+            rustls::crypto::ring::default_provider(),
+        ))
+        .with_safe_default_protocol_versions()
+        .map_err(|e| err("tls-cert", e.to_string()))?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .map_err(|e| {
+            err(
+                "tls-key",
+                format!(
+                    "{} does not fit {} ({e})",
+                    self.key.display(),
+                    self.cert.display()
+                ),
+            )
+        })?;
+        cfg.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(cfg)
+    }
 }
 
 fn duration(flag: &'static str, raw: &str) -> Result<Duration, ConfigError> {
@@ -207,14 +448,8 @@ impl Config {
         if etcd.is_empty() {
             return Err(err("etcd", "no endpoint given"));
         }
-        for e in &etcd {
-            if e.starts_with("https://") {
-                return Err(err(
-                    "etcd",
-                    format!("{e}: TLS endpoints are not supported yet"),
-                ));
-            }
-        }
+        let etcd_link = etcd_link(&cli, &file, &etcd)?;
+        let tls = listener_tls(&cli, &file)?;
 
         let redis_raw: String = pick!(redis, "redis://127.0.0.1:6379");
         let redis = RedisTarget::parse(&redis_raw).map_err(|e| err("redis", e))?;
@@ -358,6 +593,8 @@ impl Config {
             webhook_allow_private,
             webhook_ca,
             log_json,
+            etcd_link,
+            tls,
         })
     }
 }
@@ -515,6 +752,83 @@ mod tests {
             assert_eq!(e.flag, flag, "{args:?}: {e}");
             assert!(!e.to_string().contains("s3cret"), "{e}");
         }
+    }
+
+    #[test]
+    fn etcd_tls_and_auth_errors_name_the_flag() {
+        let dir = tempfile_dir();
+        let junk = dir.join("junk.pem");
+        std::fs::write(&junk, "not pem\n").unwrap();
+        let missing = dir.join("missing.pem");
+        let junk = junk.to_str().unwrap();
+        let missing = missing.to_str().unwrap();
+        let https = "https://127.0.0.1:2379";
+        for (args, flag) in [
+            (
+                vec!["--etcd", "https://127.0.0.1:2379,http://127.0.0.1:2380"],
+                "etcd",
+            ),
+            (vec!["--etcd", "unix://x"], "etcd"),
+            (vec!["--etcd-ca", junk], "etcd-ca"),
+            (vec!["--etcd", https, "--etcd-ca", junk], "etcd-ca"),
+            (vec!["--etcd", https, "--etcd-ca", missing], "etcd-ca"),
+            (vec!["--etcd", https, "--etcd-cert", junk], "etcd-key"),
+            (vec!["--etcd", https, "--etcd-key", junk], "etcd-cert"),
+            (
+                vec!["--etcd", https, "--etcd-cert", missing, "--etcd-key", junk],
+                "etcd-cert",
+            ),
+            (vec!["--etcd-user", "root"], "etcd-user"),
+            (vec!["--etcd-password-file", junk], "etcd-password-file"),
+            (
+                vec!["--etcd-user", "root", "--etcd-password-file", missing],
+                "etcd-password-file",
+            ),
+            (vec!["--tls-cert", junk], "tls-key"),
+            (vec!["--tls-key", junk], "tls-cert"),
+            (vec!["--tls-cert", missing, "--tls-key", junk], "tls-cert"),
+            (vec!["--tls-cert", junk, "--tls-key", junk], "tls-cert"),
+        ] {
+            let mut a = vec!["--node-id", "n1"];
+            a.extend(args.iter().copied());
+            let e = parse(&a).unwrap_err();
+            assert_eq!(e.flag, flag, "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn etcd_password_file_is_read_and_never_shown() {
+        let dir = tempfile_dir();
+        let pw = dir.join("etcd-password");
+        std::fs::write(&pw, "hunter2-etcd\n").unwrap();
+        let c = parse(&[
+            "--node-id",
+            "n1",
+            "--etcd",
+            "http://127.0.0.1:2379",
+            "--etcd-user",
+            "sluice",
+            "--etcd-password-file",
+            pw.to_str().unwrap(),
+        ])
+        .unwrap();
+        let (user, secret) = c.etcd_link.user.clone().unwrap();
+        assert_eq!(user, "sluice");
+        assert_eq!(secret.expose(), "hunter2-etcd");
+        assert!(!c.etcd_link.tls);
+        assert!(!format!("{c:?}").contains("hunter2"));
+        // An empty file is refused, naming the flag and not the content.
+        std::fs::write(&pw, "\n").unwrap();
+        let e = parse(&[
+            "--etcd-user",
+            "sluice",
+            "--etcd-password-file",
+            pw.to_str().unwrap(),
+        ])
+        .unwrap_err();
+        assert_eq!(e.flag, "etcd-password-file");
+        let c = parse(&["--node-id", "n1", "--etcd", "https://a:1,https://b:2"]).unwrap();
+        assert!(c.etcd_link.tls);
     }
 
     fn tempfile_dir() -> PathBuf {

@@ -6,6 +6,7 @@
 //! # Layout
 //!
 //! * [`config`]: flags, environment and TOML file, validated once.
+//! * [`etcd_link`]: the etcd client: TLS, authentication, the start-up check of every endpoint.
 //! * [`election`]: etcd election and lease; leadership bounded by a proven-alive lease.
 //! * [`leader`]: the leader-only loops, started and stopped by the election.
 //! * [`tasks`]: task specs in etcd, and the watched snapshot the leader rolls from.
@@ -18,7 +19,8 @@
 //! * [`settings`]: global settings (webhooks, skew threshold) in etcd.
 //! * [`webhook`]: webhook URLs (redaction, destination safety) and the client that posts alerts.
 //! * [`history`]: the leader's harvest of ended slices into compact per-task history rings.
-//! * [`http`]: the JSON API, `/metrics`, `/healthz` and the embedded dashboard.
+//! * [`http`]: the JSON API, `/metrics`, `/healthz`, `/readyz` and the embedded dashboard,
+//!   over HTTP or HTTPS.
 //! * [`metrics`]: every metric, in one place.
 //! * [`error`]: the error type.
 //!
@@ -29,6 +31,7 @@ pub mod config;
 pub mod dynamic;
 pub mod election;
 pub mod error;
+pub mod etcd_link;
 pub mod history;
 pub mod http;
 pub mod leader;
@@ -45,7 +48,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use etcd_client::ConnectOptions;
 use sluice::protocol::Keys;
 use sluice::protocol::conn::{ConnOptions, Redis};
 use tokio::sync::watch;
@@ -64,6 +66,7 @@ use crate::tasks::TaskStore;
 /// Runs a replica until `shutdown` resolves, then stops in order: leader work stops and the
 /// leader resigns (a follower takes over at once), the HTTP server drains, watches end.
 pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
+    sluice::protocol::tls::install_provider();
     let cfg = Arc::new(cfg);
     sluice::protocol::tls::install_provider();
     let webhooks = webhook::Webhooks::new(cfg.webhook_allow_private, cfg.webhook_ca.as_deref())
@@ -79,20 +82,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
     }
     let keys = Keys::new(&cfg.namespace).map_err(|e| Error::Startup(e.to_string()))?;
     let metrics = Arc::new(Metrics::new());
-    let etcd = etcd_client::Client::connect(
-        &cfg.etcd,
-        Some(
-            ConnectOptions::new()
-                .with_connect_timeout(Duration::from_secs(1))
-                .with_keep_alive(Duration::from_secs(1), Duration::from_secs(1))
-                .with_keep_alive_while_idle(true),
-        ),
-    )
-    .await
-    .map_err(|source| Error::Etcd {
-        op: "connect",
-        source,
-    })?;
+    let mut etcd = etcd_link::connect(&cfg).await?;
     let redis = Arc::new(Redis::new(cfg.redis.clone(), ConnOptions::default()));
     let store = TaskStore::new(etcd.clone(), keys.clone());
     let (role_tx, role_rx) = watch::channel(Role::Follower);
@@ -100,8 +90,16 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| Error::Startup(format!("--listen {}: {e}", cfg.listen)))?;
+    let tls = match &cfg.tls {
+        Some(t) => Some(
+            t.server_config()
+                .map_err(|e| Error::Startup(e.to_string()))?,
+        ),
+        None => None,
+    };
     info!(
         listen = %cfg.listen,
+        https = tls.is_some(),
         node_id = cfg.node_id,
         namespace = cfg.namespace,
         etcd = ?cfg.etcd,
@@ -113,12 +111,68 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
     let rest_stop = CancellationToken::new();
     let tracker = TaskTracker::new();
 
+    // The HTTP server runs from the start (`/healthz` 200, `/readyz` 503 until etcd is
+    // established); the election and the task watch start once etcd is.
+    let state = http::AppState {
+        cfg: cfg.clone(),
+        keys: keys.clone(),
+        store: store.clone(),
+        etcd: etcd.clone(),
+        redis: redis.clone(),
+        metrics: metrics.clone(),
+        role: role_rx,
+    };
+    let app = http::router(state);
+    let drained = rest_stop.clone().cancelled_owned();
+    let server = match tls {
+        Some(tls) => {
+            let listener = http::tls::TlsListener::new(listener, tls)
+                .map_err(|e| Error::Startup(format!("--listen {}: {e}", cfg.listen)))?;
+            tracker.spawn(async move {
+                if let Err(e) = axum::serve(listener, app)
+                    .with_graceful_shutdown(drained)
+                    .await
+                {
+                    warn!(%e, "HTTPS server failed");
+                }
+            })
+        }
+        None => tracker.spawn(async move {
+            if let Err(e) = axum::serve(listener, app)
+                .with_graceful_shutdown(drained)
+                .await
+            {
+                warn!(%e, "HTTP server failed");
+            }
+        }),
+    };
+
+    // SIGTERM during the etcd start-up check stops the check too.
+    let shutdown_token = CancellationToken::new();
+    let mut shutdown = Box::pin(shutdown);
+    let established = tokio::select! {
+        r = etcd_link::establish(&mut etcd, &cfg, &shutdown_token) => r,
+        _ = &mut shutdown => {
+            shutdown_token.cancel();
+            Ok(false)
+        }
+    };
+    match established {
+        Ok(true) => {}
+        other => {
+            rest_stop.cancel();
+            tracker.close();
+            let _ = tokio::time::timeout(Duration::from_secs(5), tracker.wait()).await;
+            return other.map(|_| ());
+        }
+    }
+
     tracker.spawn(store.clone().run_watch(rest_stop.clone()));
 
     let deps = Arc::new(LeaderDeps {
         keys: keys.clone(),
         redis: redis.clone(),
-        store: store.clone(),
+        store,
         metrics: metrics.clone(),
         roll: RollConfig {
             horizon: cfg.horizon,
@@ -133,7 +187,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
     });
     let work: LeaderWork = Arc::new(move |ctx| Box::pin(leader::lead(ctx, deps.clone())));
     let election_cfg = ElectionConfig {
-        keys: keys.clone(),
+        keys,
         node: NodeInfo {
             node_id: cfg.node_id.clone(),
             addr: cfg.advertise.clone(),
@@ -147,26 +201,9 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
         election_cfg,
         work,
         role_tx,
-        metrics.clone(),
+        metrics,
         election_stop.clone(),
     ));
-
-    let state = http::AppState {
-        cfg: cfg.clone(),
-        keys,
-        store,
-        etcd,
-        redis,
-        metrics,
-        role: role_rx,
-    };
-    let server = axum::serve(listener, http::router(state))
-        .with_graceful_shutdown(rest_stop.clone().cancelled_owned());
-    let server = tracker.spawn(async move {
-        if let Err(e) = server.await {
-            warn!(%e, "HTTP server failed");
-        }
-    });
     tracker.close();
 
     shutdown.await;

@@ -200,6 +200,8 @@ pub struct TaskStore {
     client: Client,
     keys: Keys,
     snapshot: watch::Sender<Arc<TaskSnapshot>>,
+    /// True while the snapshot is loaded and a watch stream is open (for `/readyz`).
+    watching: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl TaskStore {
@@ -210,7 +212,18 @@ impl TaskStore {
             client,
             keys,
             snapshot,
+            watching: Arc::default(),
         }
+    }
+
+    /// Whether the task watch is in sync: tasks loaded and a watch stream open.
+    pub fn watch_synced(&self) -> bool {
+        self.watching.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn set_watching(&self, on: bool) {
+        self.watching
+            .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     /// The latest snapshot (changes are announced on [`TaskStore::subscribe`]).
@@ -414,6 +427,7 @@ impl TaskStore {
                 }
             };
             backoff = Duration::from_millis(100);
+            self.set_watching(true);
             loop {
                 let msg = tokio::select! {
                     _ = shutdown.cancelled() => return,
@@ -470,6 +484,7 @@ impl TaskStore {
                     self.snapshot.send_replace(Arc::new(current.clone()));
                 }
             }
+            self.set_watching(false);
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 _ = sleep(backoff) => {}

@@ -27,6 +27,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+pub mod pki;
+
 /// How long a server may take to come up on a loaded machine.
 pub const START_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -167,6 +169,15 @@ impl Proc {
         }
     }
 
+    /// The exit code of a process that has exited (None while running or when killed by a
+    /// signal).
+    pub fn exit_code(&mut self) -> Option<i32> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+            .and_then(|st| st.code())
+    }
+
     /// SIGKILL and reap.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -303,24 +314,109 @@ pub struct EtcdServer {
     peer_port: u16,
     dir: tempfile::TempDir,
     proc: Option<Proc>,
+    /// TLS of the client port ([`EtcdServer::start_tls`]).
+    pub tls: Option<EtcdTls>,
+    extra: Vec<String>,
+}
+
+/// The TLS setup of a private etcd: its server certificate, the CA it trusts for client
+/// certificates (`--client-cert-auth`), and a client certificate of that CA (the harness's
+/// health checks and admin client use it).
+#[derive(Debug, Clone)]
+pub struct EtcdTls {
+    /// CA file (trusted by the server for client certificates, and by clients for the server).
+    pub ca: PathBuf,
+    /// Server certificate for 127.0.0.1.
+    pub server: pki::CertPair,
+    /// A client certificate.
+    pub client: pki::CertPair,
 }
 
 impl EtcdServer {
     /// Starts etcd and waits until it is healthy.
     pub fn start() -> Self {
+        Self::start_with(None, &[])
+    }
+
+    /// Starts etcd serving clients over TLS only (https://, client certificates required),
+    /// with extra arguments (e.g. `["--auth-token-ttl", "3"]`); waits until it is healthy.
+    pub fn start_tls(tls: EtcdTls, extra: &[&str]) -> Self {
+        Self::start_with(Some(tls), extra)
+    }
+
+    fn start_with(tls: Option<EtcdTls>, extra: &[&str]) -> Self {
         let mut s = Self {
             client_port: free_port(),
             peer_port: free_port(),
             dir: tempfile::tempdir().expect("tempdir"),
             proc: None,
+            tls,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
         };
         s.restart();
         s
     }
 
-    /// `http://127.0.0.1:<client port>`.
+    /// `http://127.0.0.1:<client port>` (`https://` with TLS).
     pub fn endpoint(&self) -> String {
-        format!("http://127.0.0.1:{}", self.client_port)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.client_port)
+    }
+
+    /// An etcd client of this server (TLS with the harness's client certificate when the
+    /// server has TLS), authenticated as `user` when given.
+    pub async fn client(&self, user: Option<(&str, &str)>) -> etcd_client::Client {
+        let mut o = etcd_client::ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_timeout(Duration::from_secs(5));
+        if let Some(t) = &self.tls {
+            let read = |p: &Path| std::fs::read(p).expect("read pem");
+            o = o.with_tls(
+                etcd_client::TlsOptions::new()
+                    .ca_certificate(etcd_client::Certificate::from_pem(read(&t.ca)))
+                    .identity(etcd_client::Identity::from_pem(
+                        read(&t.client.cert),
+                        read(&t.client.key),
+                    )),
+            );
+        }
+        if let Some((u, p)) = user {
+            o = o.with_user(u, p);
+        }
+        etcd_client::Client::connect([self.endpoint()], Some(o))
+            .await
+            .unwrap_or_else(|e| panic!("etcd client of {}: {e}", self.endpoint()))
+    }
+
+    /// Turns etcd authentication on: user `root` (password `root_password`, role `root`) and
+    /// user `user` (password `password`) with role `user`, allowed to read and write the keys
+    /// under `/<namespace>/` only: the least privilege a manager needs.
+    pub async fn enable_auth(
+        &self,
+        root_password: &str,
+        user: &str,
+        password: &str,
+        namespace: &str,
+    ) {
+        let mut c = self.client(None).await;
+        c.role_add("root").await.expect("role add root");
+        c.user_add("root", root_password, None)
+            .await
+            .expect("user add root");
+        c.user_grant_role("root", "root").await.expect("grant root");
+        c.role_add(user).await.expect("role add");
+        let prefix = format!("/{namespace}/");
+        let mut end = prefix.clone().into_bytes();
+        *end.last_mut().expect("prefix") += 1;
+        c.role_grant_permission(
+            user,
+            etcd_client::Permission::read_write(prefix).with_range_end(end),
+        )
+        .await
+        .expect("grant permission");
+        c.user_add(user, password, None).await.expect("user add");
+        c.user_grant_role(user, user).await.expect("grant role");
+        c.auth_enable().await.expect("auth enable");
     }
 
     /// (Re)starts etcd on the same ports and data directory; waits until healthy.
@@ -328,6 +424,18 @@ impl EtcdServer {
         assert!(self.proc.is_none(), "etcd already running");
         let client = self.endpoint();
         let peer = format!("http://127.0.0.1:{}", self.peer_port);
+        let mut tls_args: Vec<std::ffi::OsString> = Vec::new();
+        if let Some(t) = &self.tls {
+            for (flag, path) in [
+                ("--cert-file", &t.server.cert),
+                ("--key-file", &t.server.key),
+                ("--trusted-ca-file", &t.ca),
+            ] {
+                tls_args.push(flag.into());
+                tls_args.push(path.into());
+            }
+            tls_args.push("--client-cert-auth".into());
+        }
         let mut cmd = Command::new("etcd");
         cmd.args(["--name", "test"])
             .arg("--data-dir")
@@ -337,10 +445,15 @@ impl EtcdServer {
             .args(["--listen-peer-urls", &peer])
             .args(["--initial-advertise-peer-urls", &peer])
             .args(["--initial-cluster", &format!("test={peer}")])
-            .args(["--log-level", "warn"]);
+            .args(["--log-level", "warn"])
+            .args(&tls_args)
+            .args(&self.extra);
         let log = self.dir.path().join("etcd.log");
         self.proc = Some(Proc::spawn("etcd", cmd, log));
-        wait_healthy_blocking(&format!("{client}/health"), "etcd");
+        match &self.tls {
+            None => wait_healthy_blocking(&format!("{client}/health"), "etcd"),
+            Some(t) => wait_tls_healthy_blocking(&format!("{client}/health"), t),
+        }
     }
 
     /// SIGKILLs etcd (its data directory is kept for [`EtcdServer::restart`]).
@@ -348,6 +461,33 @@ impl EtcdServer {
         if let Some(mut p) = self.proc.take() {
             p.kill();
         }
+    }
+}
+
+/// Polls `url` with `curl` (TLS, the harness's client certificate) until it answers 200.
+fn wait_tls_healthy_blocking(url: &str, t: &EtcdTls) {
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        let ok = Command::new("curl")
+            .args(["-sf", "--max-time", "2", "--cacert"])
+            .arg(&t.ca)
+            .arg("--cert")
+            .arg(&t.client.cert)
+            .arg("--key")
+            .arg(&t.client.key)
+            .arg(url)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "etcd (TLS) did not become healthy at {url}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
     }
 }
 
@@ -410,6 +550,9 @@ pub struct ManagerOpts {
     pub webhook_allow_private: bool,
     /// Bearer token the helper methods ([`Manager::put`], [`Manager::get_json`], …) send.
     pub auth: Option<String>,
+    /// Set for a replica serving HTTPS (`--tls-cert` in `extra`): the harness reaches it over
+    /// `https://` with this client (e.g. [`pki::TestCa::https_client`]).
+    pub https_client: Option<reqwest::Client>,
 }
 
 impl ManagerOpts {
@@ -425,6 +568,7 @@ impl ManagerOpts {
             env: Vec::new(),
             webhook_allow_private: true,
             auth: None,
+            https_client: None,
         }
     }
 }
@@ -444,6 +588,33 @@ pub struct Manager {
 impl Manager {
     /// Starts the replica on a free port and waits for `GET /healthz`.
     pub async fn start(opts: ManagerOpts) -> Self {
+        let mut m = Self::spawn(opts);
+        let url = m.url("/healthz");
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok(r) = m.client().get(&url).send().await
+                && r.status().is_success()
+            {
+                return m;
+            }
+            assert!(
+                m.proc.is_running(),
+                "{} exited at start-up:\n{}",
+                m.opts.node_id,
+                m.proc.log()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "{} did not answer /healthz within {START_TIMEOUT:?}",
+                m.opts.node_id
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Starts the replica on a free port without waiting for anything (for tests of
+    /// start-up failures: see [`Manager::wait_exit`]).
+    pub fn spawn(opts: ManagerOpts) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let addr = format!("127.0.0.1:{}", free_port());
         let mut cmd = Command::new(workspace_bin("sluice-manager"));
@@ -466,43 +637,51 @@ impl Manager {
         }
         let log = dir.path().join("manager.log");
         let proc = Proc::spawn(&format!("sluice-manager {}", opts.node_id), cmd, log);
-        let mut m = Self {
+        Self {
             opts,
             addr,
             proc,
             _dir: dir,
-        };
-        let url = m.url("/healthz");
-        let deadline = Instant::now() + START_TIMEOUT;
+        }
+    }
+
+    /// Waits up to `timeout` for the process to exit by itself; returns its exit code and its
+    /// log. Panics if it is still running then.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> (Option<i32>, String) {
+        let deadline = Instant::now() + timeout;
         loop {
-            if let Ok(r) = http().get(&url).send().await
-                && r.status().is_success()
-            {
-                return m;
+            if !self.proc.is_running() {
+                let code = self.proc.exit_code();
+                return (code, self.proc.log());
             }
             assert!(
-                m.proc.is_running(),
-                "{} exited at start-up:\n{}",
-                m.opts.node_id,
-                m.proc.log()
-            );
-            assert!(
                 Instant::now() < deadline,
-                "{} did not answer /healthz within {START_TIMEOUT:?}",
-                m.opts.node_id
+                "{} still runs after {timeout:?}:\n{}",
+                self.opts.node_id,
+                self.proc.log()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
 
-    /// `http://<addr><path>`.
+    /// `http://<addr><path>` (`https://` for a replica started with `https_client`).
     pub fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
+        let scheme = if self.opts.https_client.is_some() {
+            "https"
+        } else {
+            "http"
+        };
+        format!("{scheme}://{}{path}", self.addr)
+    }
+
+    /// The HTTP client this replica is reached with.
+    pub fn client(&self) -> reqwest::Client {
+        self.opts.https_client.clone().unwrap_or_else(http)
     }
 
     /// A request to `path` with the [`ManagerOpts::auth`] token, if any.
     pub fn request(&self, method: reqwest::Method, path: &str) -> reqwest::RequestBuilder {
-        let r = http().request(method, self.url(path));
+        let r = self.client().request(method, self.url(path));
         match &self.opts.auth {
             Some(t) => r.bearer_auth(t),
             None => r,
@@ -520,7 +699,7 @@ impl Manager {
 
     /// `GET /metrics` as text; None when unreachable.
     pub async fn metrics(&self) -> Option<String> {
-        http()
+        self.client()
             .get(self.url("/metrics"))
             .send()
             .await
@@ -609,6 +788,7 @@ pub fn http() -> reqwest::Client {
     static CLIENT: std::sync::OnceLock<reqwest::Client> = std::sync::OnceLock::new();
     CLIENT
         .get_or_init(|| {
+            // reqwest is built without a default rustls provider: ring, as everywhere.
             sluice::protocol::tls::install_provider();
             reqwest::Client::builder()
                 .timeout(Duration::from_secs(3))
@@ -1400,5 +1580,4 @@ impl EtcdServer {
     }
 }
 
-pub mod pki;
 pub mod soak;

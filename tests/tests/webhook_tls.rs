@@ -13,11 +13,11 @@ use sluice_tests::*;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_skew_alert_reaches_an_https_webhook_trusted_via_ssl_cert_file() {
     let ca = TestCa::new("sluice test webhook CA");
-    let leaf = ca.issue("receiver", &["IP:127.0.0.1"]);
+    let leaf = ca.issue_for("receiver", &["IP:127.0.0.1"]);
     let rx = WebhookReceiver::start_tls(&leaf.cert, &leaf.key).await;
     assert!(rx.url.starts_with("https://127.0.0.1:"), "{}", rx.url);
     let rogue_ca = TestCa::new("a CA nobody trusts");
-    let rogue_leaf = rogue_ca.issue("rogue", &["IP:127.0.0.1"]);
+    let rogue_leaf = rogue_ca.issue_for("rogue", &["IP:127.0.0.1"]);
     let rogue = WebhookReceiver::start_tls(&rogue_leaf.cert, &rogue_leaf.key).await;
 
     let ns = unique_ns("whtls");

@@ -65,7 +65,8 @@ export function ClusterPage() {
                       {c.self?.node_id === m.node_id ? <span class="muted small"> (this page)</span> : null}
                     </td>
                     <td>
-                      <a href={`http://${m.addr}/`}>{m.addr}</a>
+                      {/* Replicas share one scheme: an https:// page links its peers over https://. */}
+                      <a href={`${window.location.protocol}//${m.addr}/`}>{m.addr}</a>
                     </td>
                     <td>{m.is_leader ? <Badge kind="ok">leader</Badge> : <Badge kind="muted">follower</Badge>}</td>
                     <td class="hide-narrow muted">
