@@ -89,7 +89,15 @@ enum Failure {
     Unreachable(String),
     /// TLS or authentication: a configuration error.
     Fatal(String),
+    /// A TLS connection that the server closed right after it was set up. With TLS 1.3 the
+    /// server checks the client certificate after the client considers the handshake done, so
+    /// a refused (or missing) client certificate shows up like this, not as an alert. Once is
+    /// an accident (etcd restarting); every time is a configuration error.
+    Closed(String),
 }
+
+/// Consecutive [`Failure::Closed`] of one endpoint that make it a configuration error.
+const CLOSED_FATAL_AFTER: u32 = 3;
 
 /// The error and every source below it, on one line.
 fn chain(e: &(dyn std::error::Error + 'static)) -> String {
@@ -143,6 +151,30 @@ fn classify(e: &etcd_client::Error) -> Failure {
     Failure::Unreachable(text)
 }
 
+/// [`classify`], for a TLS link: a connection closed or reset by the server (not refused) is
+/// [`Failure::Closed`].
+fn classify_link(e: &etcd_client::Error, tls: bool) -> Failure {
+    match classify(e) {
+        Failure::Unreachable(text) if tls => {
+            let lower = text.to_ascii_lowercase();
+            let closed = [
+                "connection closed",
+                "canceled",
+                "reset by peer",
+                "broken pipe",
+            ]
+            .iter()
+            .any(|w| lower.contains(w));
+            if closed && !lower.contains("refused") {
+                Failure::Closed(text)
+            } else {
+                Failure::Unreachable(text)
+            }
+        }
+        other => other,
+    }
+}
+
 /// Checks one endpoint: connect (TLS), authenticate (with a user), read the namespace.
 async fn check(endpoint: &str, cfg: &Config) -> std::result::Result<(), Failure> {
     let mut opts = options(&cfg.etcd_link).map_err(|e| Failure::Fatal(e.to_string()))?;
@@ -161,7 +193,7 @@ async fn check(endpoint: &str, cfg: &Config) -> std::result::Result<(), Failure>
     };
     match tokio::time::timeout(CHECK_TIMEOUT, attempt).await {
         Ok(Ok(())) => Ok(()),
-        Ok(Err(e)) => Err(classify(&e)),
+        Ok(Err(e)) => Err(classify_link(&e, cfg.etcd_link.tls)),
         Err(_) => Err(Failure::Unreachable(format!(
             "no answer within {CHECK_TIMEOUT:?}"
         ))),
@@ -185,6 +217,7 @@ pub async fn establish(
     let mut backoff = Duration::from_millis(250);
     let mut attempt = 0u32;
     let mut next_log = 1u32;
+    let mut closed_in_a_row = vec![0u32; cfg.etcd.len()];
     loop {
         attempt += 1;
         // Unreachable endpoints: logged on the first attempt, then every tenth (about 50 s).
@@ -196,9 +229,31 @@ pub async fn establish(
             futures::future::join_all(cfg.etcd.iter().map(|e| check(e.as_str(), cfg))).await;
         let mut fatal = Vec::new();
         let mut reachable = 0;
-        for (endpoint, r) in cfg.etcd.iter().zip(&results) {
+        for ((endpoint, r), closed) in cfg.etcd.iter().zip(&results).zip(&mut closed_in_a_row) {
+            if !matches!(r, Err(Failure::Closed(_))) {
+                *closed = 0;
+            }
             match r {
                 Ok(()) => reachable += 1,
+                Err(Failure::Closed(why)) => {
+                    *closed += 1;
+                    if *closed >= CLOSED_FATAL_AFTER {
+                        let why = format!(
+                            "TLS failed: the server closed {CLOSED_FATAL_AFTER} connections in \
+                             a row right after the handshake (it refuses this client's \
+                             certificate: check --etcd-cert, --etcd-key and the server's \
+                             client CA): {why}"
+                        );
+                        error!(endpoint = %endpoint, "etcd endpoint {endpoint}: {why}");
+                        fatal.push(format!("{endpoint}: {why}"));
+                    } else if log_unreachable {
+                        warn!(
+                            endpoint = %endpoint,
+                            attempt,
+                            "etcd endpoint {endpoint} closed the TLS connection: {why}; retrying"
+                        );
+                    }
+                }
                 Err(Failure::Fatal(why)) => {
                     error!(endpoint = %endpoint, "etcd endpoint {endpoint}: {why}");
                     fatal.push(format!("{endpoint}: {why}"));
@@ -232,7 +287,7 @@ pub async fn establish(
                         error!("etcd {:?}: {why}", cfg.etcd);
                         return Err(Error::Startup(format!("etcd: {why}")));
                     }
-                    Failure::Unreachable(why) => {
+                    Failure::Unreachable(why) | Failure::Closed(why) => {
                         warn!("etcd authentication did not go through: {why}; retrying");
                         reachable = 0;
                     }
