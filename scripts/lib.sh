@@ -26,7 +26,7 @@ ensure_packages() {
 # The packages every script needs.
 ensure_base_packages() {
   ensure_packages protoc:protobuf-compiler etcd:etcd-server redis-server:redis-server \
-    redis-cli:redis-tools faketime:faketime curl:curl promtool:prometheus
+    redis-cli:redis-tools faketime:faketime curl:curl promtool:prometheus openssl:openssl
 }
 
 # free_port — prints a free TCP port on 127.0.0.1.

@@ -224,11 +224,12 @@ impl Drop for Proc {
 /// A private Redis server on a free port (for tests that kill, flush or restart it).
 #[derive(Debug)]
 pub struct RedisServer {
-    /// Its port on 127.0.0.1.
+    /// Its port on 127.0.0.1 (the TLS port of a [`RedisServer::start_tls`] server).
     pub port: u16,
     dir: tempfile::TempDir,
     proc: Option<Proc>,
     extra: Vec<String>,
+    tls: Option<RedisTlsSetup>,
 }
 
 impl RedisServer {
@@ -244,40 +245,78 @@ impl RedisServer {
             dir: tempfile::tempdir().expect("tempdir"),
             proc: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            tls: None,
         };
         s.restart();
         s
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>` (`rediss://` for a TLS server).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        match self.tls {
+            None => format!("redis://127.0.0.1:{}", self.port),
+            Some(_) => format!("rediss://127.0.0.1:{}", self.port),
+        }
     }
 
     /// (Re)starts the server on the same port; waits until it answers PING.
     pub fn restart(&mut self) {
         assert!(self.proc.is_none(), "redis already running");
         let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &self.port.to_string()])
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        match &self.tls {
+            None => {
+                cmd.args(["--port", &self.port.to_string()]);
+            }
+            Some(t) => {
+                cmd.args(["--port", "0", "--tls-port", &self.port.to_string()])
+                    .arg("--tls-cert-file")
+                    .arg(&t.pki.server_cert)
+                    .arg("--tls-key-file")
+                    .arg(&t.pki.server_key)
+                    .arg("--tls-ca-cert-file")
+                    .arg(&t.pki.ca_cert)
+                    .args(["--tls-auth-clients", "yes"]);
+                if let Some(acl) = &t.acl_file {
+                    cmd.arg("--aclfile").arg(acl);
+                }
+            }
+        }
+        cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(self.dir.path())
             .args(&self.extra);
         let log = self.dir.path().join("redis.log");
         self.proc = Some(Proc::spawn("redis-server", cmd, log));
-        let url = self.url();
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            if redis::Client::open(url.as_str())
-                .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
+            if self
+                .try_admin_conn(Duration::from_millis(200))
                 .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
                 .is_ok()
             {
                 return;
             }
-            assert!(Instant::now() < deadline, "redis-server did not start");
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    fn try_admin_conn(&self, timeout: Duration) -> redis::RedisResult<redis::Connection> {
+        match &self.tls {
+            None => redis::Client::open(self.url().as_str())?.get_connection_with_timeout(timeout),
+            Some(t) => t.client(&self.url())?.get_connection_with_timeout(timeout),
+        }
+    }
+
+    /// A synchronous connection with full rights (over mutual TLS as the ACL file's admin user
+    /// for a [`RedisServer::start_tls`] server), for setting up and asserting.
+    pub fn admin_conn(&self) -> redis::Connection {
+        self.try_admin_conn(Duration::from_secs(2))
+            .unwrap_or_else(|e| panic!("cannot connect to Redis at {}: {e}", self.url()))
     }
 
     /// SIGKILLs the server (data is lost: it runs without persistence).
@@ -290,6 +329,176 @@ impl RedisServer {
     /// The server's pid.
     pub fn pid(&self) -> u32 {
         self.proc.as_ref().expect("redis not running").pid()
+    }
+}
+
+// ─── TLS Redis and test certificates (branch tls-redis; keep this section self-contained) ───
+
+/// A CA, a server certificate for 127.0.0.1 (IP SAN) and a client certificate, made with
+/// `openssl` in a temporary directory.
+#[derive(Debug)]
+pub struct TestPki {
+    /// The directory holding every file.
+    pub dir: tempfile::TempDir,
+    /// The CA certificate (PEM).
+    pub ca_cert: PathBuf,
+    /// The server certificate, signed by the CA, for IP 127.0.0.1.
+    pub server_cert: PathBuf,
+    /// Its key.
+    pub server_key: PathBuf,
+    /// A client certificate (extended key usage clientAuth), signed by the CA.
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+}
+
+fn openssl(dir: &Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .unwrap_or_else(|e| panic!("openssl is needed for the TLS tests (package openssl): {e}"));
+    assert!(
+        out.status.success(),
+        "openssl {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl TestPki {
+    /// Generates the CA (named `cn`) and the certificates (P-256 keys, valid two days).
+    pub fn generate(cn: &str) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        let ec = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        let mut ca = vec!["req", "-x509"];
+        ca.extend(ec);
+        ca.extend(["-keyout", "ca.key", "-out", "ca.crt", "-days", "2"]);
+        let subj = format!("/CN={cn}");
+        ca.extend(["-subj", &subj]);
+        ca.extend([
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,keyCertSign,cRLSign",
+        ]);
+        openssl(d, &ca);
+        for (name, ext) in [
+            (
+                "server",
+                "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n",
+            ),
+            (
+                "client",
+                "extendedKeyUsage=clientAuth\nbasicConstraints=CA:FALSE\n",
+            ),
+        ] {
+            let key = format!("{name}.key");
+            let csr = format!("{name}.csr");
+            let crt = format!("{name}.crt");
+            let extfile = format!("{name}.ext");
+            std::fs::write(d.join(&extfile), ext).expect("write ext");
+            let subj = format!("/CN=sluice-test-{name}");
+            let mut req = vec!["req"];
+            req.extend(ec);
+            req.extend(["-keyout", &key, "-out", &csr, "-subj", &subj]);
+            openssl(d, &req);
+            openssl(
+                d,
+                &[
+                    "x509",
+                    "-req",
+                    "-in",
+                    &csr,
+                    "-CA",
+                    "ca.crt",
+                    "-CAkey",
+                    "ca.key",
+                    "-CAcreateserial",
+                    "-out",
+                    &crt,
+                    "-days",
+                    "2",
+                    "-extfile",
+                    &extfile,
+                ],
+            );
+        }
+        Self {
+            ca_cert: d.join("ca.crt"),
+            server_cert: d.join("server.crt"),
+            server_key: d.join("server.key"),
+            client_cert: d.join("client.crt"),
+            client_key: d.join("client.key"),
+            dir,
+        }
+    }
+}
+
+/// How a [`RedisServer::start_tls`] server runs: its certificates, its ACL file and the admin
+/// user of that file the harness logs in as.
+#[derive(Debug)]
+struct RedisTlsSetup {
+    pki: std::sync::Arc<TestPki>,
+    acl_file: Option<PathBuf>,
+    admin: Option<(String, String)>,
+}
+
+impl RedisTlsSetup {
+    fn client(&self, url: &str) -> redis::RedisResult<redis::Client> {
+        sluice::protocol::tls::install_provider();
+        let mut info = redis::IntoConnectionInfo::into_connection_info(url)?;
+        if let Some((u, p)) = &self.admin {
+            let rs = info
+                .redis_settings()
+                .clone()
+                .set_username(u)
+                .set_password(p);
+            info = info.set_redis_settings(rs);
+        }
+        let read = |p: &Path| std::fs::read(p).expect("read test certificate");
+        redis::Client::build_with_tls(
+            info,
+            redis::TlsCertificates {
+                client_tls: Some(redis::ClientTlsConfig {
+                    client_cert: read(&self.pki.client_cert),
+                    client_key: read(&self.pki.client_key),
+                }),
+                root_cert: Some(read(&self.pki.ca_cert)),
+            },
+        )
+    }
+}
+
+impl RedisServer {
+    /// Starts `redis-server` with TLS only (`--port 0 --tls-port <port>`), the certificates
+    /// of `pki` and client certificates required (`--tls-auth-clients yes`). With `acl_file`,
+    /// the server loads it (`--aclfile`) and the harness logs in as `admin` (a user of that
+    /// file with every right). Waits until it answers PING over TLS.
+    pub fn start_tls(
+        pki: std::sync::Arc<TestPki>,
+        acl_file: Option<PathBuf>,
+        admin: Option<(String, String)>,
+    ) -> Self {
+        let mut s = Self {
+            port: free_port(),
+            dir: tempfile::tempdir().expect("tempdir"),
+            proc: None,
+            extra: Vec::new(),
+            tls: Some(RedisTlsSetup {
+                pki,
+                acl_file,
+                admin,
+            }),
+        };
+        s.restart();
+        s
     }
 }
 
@@ -434,31 +643,7 @@ pub struct Manager {
 impl Manager {
     /// Starts the replica on a free port and waits for `GET /healthz`.
     pub async fn start(opts: ManagerOpts) -> Self {
-        let dir = tempfile::tempdir().expect("tempdir");
-        let addr = format!("127.0.0.1:{}", free_port());
-        let mut cmd = Command::new(workspace_bin("sluice-manager"));
-        cmd.args(["--etcd", &opts.etcd])
-            .args(["--redis", &opts.redis])
-            .args(["--listen", &addr])
-            .args(["--namespace", &opts.namespace])
-            .args(["--node-id", &opts.node_id])
-            .args(&opts.extra)
-            .envs(opts.env.iter().map(|(k, v)| (k, v)))
-            .env(
-                "RUST_LOG",
-                std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "info".into()),
-            );
-        if !opts.extra.iter().any(|a| a == "--lease-ttl") {
-            cmd.args(["--lease-ttl", &opts.lease_ttl]);
-        }
-        let log = dir.path().join("manager.log");
-        let proc = Proc::spawn(&format!("sluice-manager {}", opts.node_id), cmd, log);
-        let mut m = Self {
-            opts,
-            addr,
-            proc,
-            _dir: dir,
-        };
+        let mut m = Self::spawn(opts);
         let url = m.url("/healthz");
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
@@ -479,6 +664,58 @@ impl Manager {
                 m.opts.node_id
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Starts a replica that must refuse to run: waits (up to `timeout`) for it to exit and
+    /// returns its exit code and log. Panics if it is still running then.
+    pub async fn start_expecting_exit(
+        opts: ManagerOpts,
+        timeout: Duration,
+    ) -> (Option<i32>, String) {
+        let mut m = Self::spawn(opts);
+        let what = format!("{} to exit", m.opts.node_id);
+        let child = m.proc.child.as_mut().expect("spawned");
+        let mut status = None;
+        let deadline = Instant::now() + timeout;
+        while Instant::now() < deadline {
+            if let Some(st) = child.try_wait().expect("wait") {
+                status = Some(st);
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let st =
+            status.unwrap_or_else(|| panic!("timed out waiting for {what}:\n{}", m.proc.log()));
+        m.proc.child = None;
+        (st.code(), m.proc.log())
+    }
+
+    fn spawn(opts: ManagerOpts) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let addr = format!("127.0.0.1:{}", free_port());
+        let mut cmd = Command::new(workspace_bin("sluice-manager"));
+        cmd.args(["--etcd", &opts.etcd])
+            .args(["--redis", &opts.redis])
+            .args(["--listen", &addr])
+            .args(["--namespace", &opts.namespace])
+            .args(["--node-id", &opts.node_id])
+            .args(&opts.extra)
+            .envs(opts.env.iter().map(|(k, v)| (k, v)))
+            .env(
+                "RUST_LOG",
+                std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            );
+        if !opts.extra.iter().any(|a| a == "--lease-ttl") {
+            cmd.args(["--lease-ttl", &opts.lease_ttl]);
+        }
+        let log = dir.path().join("manager.log");
+        let proc = Proc::spawn(&format!("sluice-manager {}", opts.node_id), cmd, log);
+        Self {
+            opts,
+            addr,
+            proc,
+            _dir: dir,
         }
     }
 
