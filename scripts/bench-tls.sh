@@ -122,7 +122,8 @@ w0 = time.time()
 print(f"measuring both for {secs}s ...", file=sys.stderr)
 time.sleep(secs)
 el = time.time() - w0
-print(f"\n| {tasks:,} tasks, 1 s slices, {secs} s | plain | TLS (mutual) |\n|---|---|---|")
+print(f"\n| {tasks:,} tasks, 1 s slices, {el:.0f} s | plain | TLS (mutual) |\n|---|---|---|")
+print(f"pids: {sides}", file=sys.stderr)
 rows = {}
 for n, s in sides.items():
     m0, c0, r0 = before[n]
@@ -134,7 +135,8 @@ for n, s in sides.items():
         "rolling pass (mean)": f"{1000 * (m1['sluice_roll_tick_seconds_sum'] - m0['sluice_roll_tick_seconds_sum']) / max(ticks, 1):.0f} ms",
         "manager CPU (% of one core)": f"{100 * (c1 - c0) / el:.1f} %",
         "Redis CPU (% of one core)": f"{100 * (r1 - r0) / el:.1f} %",
-        "roll errors": f"{m1.get('sluice_roll_errors_total', 0):.0f}",
+        "manager CPU seconds": f"{c1 - c0:.2f} s",
+        "roll errors (during the measurement)": f"{m1.get('sluice_roll_errors_total', 0) - m0.get('sluice_roll_errors_total', 0):.0f}",
     }
 for k in rows["plain"]:
     print(f"| {k} | {rows['plain'][k]} | {rows['tls'][k]} |")

@@ -366,7 +366,9 @@ fn openssl(dir: &Path, args: &[&str]) {
 }
 
 impl TestPki {
-    /// Generates the CA (named `cn`) and the certificates (P-256 keys, valid two days).
+    /// Generates the CA (named `cn`) and the certificates (P-256 keys, valid two days). The
+    /// server certificate may also authenticate a client: Redis Cluster nodes present it on
+    /// the TLS cluster bus.
     pub fn generate(cn: &str) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let d = dir.path();
@@ -392,7 +394,7 @@ impl TestPki {
         for (name, ext) in [
             (
                 "server",
-                "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth\nbasicConstraints=CA:FALSE\n",
+                "subjectAltName=IP:127.0.0.1\nextendedKeyUsage=serverAuth,clientAuth\nbasicConstraints=CA:FALSE\n",
             ),
             (
                 "client",
@@ -486,11 +488,21 @@ impl RedisServer {
         acl_file: Option<PathBuf>,
         admin: Option<(String, String)>,
     ) -> Self {
+        Self::start_tls_with(pki, acl_file, admin, &[])
+    }
+
+    /// [`RedisServer::start_tls`] with extra arguments.
+    pub fn start_tls_with(
+        pki: std::sync::Arc<TestPki>,
+        acl_file: Option<PathBuf>,
+        admin: Option<(String, String)>,
+        extra: &[&str],
+    ) -> Self {
         let mut s = Self {
             port: free_port(),
             dir: tempfile::tempdir().expect("tempdir"),
             proc: None,
-            extra: Vec::new(),
+            extra: extra.iter().map(|s| s.to_string()).collect(),
             tls: Some(RedisTlsSetup {
                 pki,
                 acl_file,
@@ -918,6 +930,8 @@ pub fn now_ms() -> i64 {
     sluice::protocol::unix_ms()
 }
 
+const CLUSTER_ARGS: [&str; 4] = ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"];
+
 /// A private Redis Cluster of `n` primaries (no replicas) on free ports.
 #[derive(Debug)]
 pub struct RedisCluster {
@@ -930,20 +944,56 @@ impl RedisCluster {
     /// and waits until every node reports `cluster_state:ok`.
     pub fn start(n: usize) -> Self {
         let nodes: Vec<RedisServer> = (0..n)
+            .map(|_| RedisServer::start_with(&CLUSTER_ARGS))
+            .collect();
+        Self::join(nodes, &[], &[])
+    }
+
+    /// Like [`RedisCluster::start`] with TLS only (`tls-cluster yes`: the cluster bus too) and
+    /// client certificates required, as [`RedisServer::start_tls`]; `redis-cli` joins them
+    /// over TLS as the `admin` user of `acl_file`.
+    pub fn start_tls(
+        n: usize,
+        pki: std::sync::Arc<TestPki>,
+        acl_file: Option<PathBuf>,
+        admin: Option<(String, String)>,
+    ) -> Self {
+        let mut args: Vec<&str> = CLUSTER_ARGS.to_vec();
+        args.extend(["--tls-cluster", "yes"]);
+        let nodes: Vec<RedisServer> = (0..n)
             .map(|_| {
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-node-timeout",
-                    "2000",
-                ])
+                RedisServer::start_tls_with(pki.clone(), acl_file.clone(), admin.clone(), &args)
             })
             .collect();
+        let p = |f: &Path| f.to_str().expect("utf-8 path").to_string();
+        let mut cli = vec![
+            "--tls".to_string(),
+            "--cacert".into(),
+            p(&pki.ca_cert),
+            "--cert".into(),
+            p(&pki.client_cert),
+            "--key".into(),
+            p(&pki.client_key),
+        ];
+        let mut env = Vec::new();
+        if let Some((user, pw)) = admin {
+            cli.extend(["--user".into(), user]);
+            // The password through the environment, not the command line.
+            env.push(("REDISCLI_AUTH".to_string(), pw));
+        }
+        Self::join(nodes, &cli, &env)
+    }
+
+    fn join(nodes: Vec<RedisServer>, cli: &[String], env: &[(String, String)]) -> Self {
         let addrs: Vec<String> = nodes
             .iter()
             .map(|s| format!("127.0.0.1:{}", s.port))
             .collect();
-        let out = Command::new("redis-cli")
+        // Bounded: redis-cli waits for the cluster to join forever if the bus cannot connect.
+        let out = Command::new("timeout")
+            .args(["60", "redis-cli"])
+            .args(cli)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
@@ -959,7 +1009,7 @@ impl RedisCluster {
         let deadline = Instant::now() + START_TIMEOUT;
         for s in &nodes {
             loop {
-                let mut c = redis_conn(&s.url());
+                let mut c = s.admin_conn();
                 let info: String = redis::cmd("CLUSTER")
                     .arg("INFO")
                     .query(&mut c)

@@ -52,32 +52,74 @@ fn pw_file(dir: &Path, name: &str, pw: &str) -> PathBuf {
     p
 }
 
-struct TlsWorld {
+/// The certificates and password files of a test.
+struct Creds {
     pki: Arc<TestPki>,
-    redis: RedisServer,
     dir: tempfile::TempDir,
+}
+
+/// A TLS Redis with the documented ACLs, and the credentials for it.
+struct TlsWorld {
+    creds: Creds,
+    redis: RedisServer,
     ns: String,
+}
+
+impl std::ops::Deref for TlsWorld {
+    type Target = Creds;
+    fn deref(&self) -> &Creds {
+        &self.creds
+    }
+}
+
+impl Creds {
+    fn new() -> Self {
+        Self {
+            pki: Arc::new(TestPki::generate("sluice-test-ca")),
+            dir: tempfile::tempdir().expect("tempdir"),
+        }
+    }
 }
 
 impl TlsWorld {
     fn start(prefix: &str) -> Self {
         let ns = unique_ns(prefix);
-        let dir = tempfile::tempdir().expect("tempdir");
-        let pki = Arc::new(TestPki::generate("sluice-test-ca"));
-        let acl = acl_file(dir.path(), &ns);
+        let creds = Creds::new();
+        let acl = acl_file(creds.dir.path(), &ns);
         let redis = RedisServer::start_tls(
-            pki.clone(),
+            creds.pki.clone(),
             Some(acl),
             Some(("admin".into(), ADMIN_PW.into())),
         );
-        Self {
-            pki,
-            redis,
-            dir,
-            ns,
-        }
+        Self { creds, redis, ns }
     }
 
+    fn manager_opts(&self, node: &str, flags: Vec<String>) -> ManagerOpts {
+        let mut o = ManagerOpts::new(&shared_etcd(), &self.redis.url(), &self.ns, node);
+        o.extra = flags;
+        o
+    }
+
+    /// Runs the loadgen on `task` for `ms` with `procs` processes; returns its report and log.
+    async fn loadgen(&self, task: &str, host: &str, procs: u32, ms: u64) -> (Value, String) {
+        let flags = self.worker_flags();
+        let mut extra: Vec<&str> = flags.iter().map(String::as_str).collect();
+        extra.extend(["--bucket-ms", "1000"]);
+        let args = loadgen_args(&self.redis.url(), &self.ns, task, host, procs, ms, &extra);
+        let mut lg = Loadgen::spawn(&args);
+        let report = lg
+            .wait_json(Duration::from_millis(ms) + START_TIMEOUT)
+            .await;
+        (report, lg.proc.log())
+    }
+
+    /// Denials Redis recorded (`ACL LOG`): every command or key a user was refused.
+    fn acl_denials(&self) -> Vec<String> {
+        acl_denials(&self.redis)
+    }
+}
+
+impl Creds {
     fn path(p: &Path) -> String {
         p.to_str().expect("utf-8 path").to_string()
     }
@@ -100,12 +142,6 @@ impl TlsWorld {
         v
     }
 
-    fn manager_opts(&self, node: &str, flags: Vec<String>) -> ManagerOpts {
-        let mut o = ManagerOpts::new(&shared_etcd(), &self.redis.url(), &self.ns, node);
-        o.extra = flags;
-        o
-    }
-
     /// Loadgen flags for mutual TLS as the worker user (password file).
     fn worker_flags(&self) -> Vec<String> {
         let pw = pw_file(self.dir.path(), "worker-pw", WORKER_PW);
@@ -122,28 +158,14 @@ impl TlsWorld {
             Self::path(&pw),
         ]
     }
+}
 
-    /// Runs the loadgen on `task` for `ms` with `procs` processes; returns its report and log.
-    async fn loadgen(&self, task: &str, host: &str, procs: u32, ms: u64) -> (Value, String) {
-        let flags = self.worker_flags();
-        let mut extra: Vec<&str> = flags.iter().map(String::as_str).collect();
-        extra.extend(["--bucket-ms", "1000"]);
-        let args = loadgen_args(&self.redis.url(), &self.ns, task, host, procs, ms, &extra);
-        let mut lg = Loadgen::spawn(&args);
-        let report = lg
-            .wait_json(Duration::from_millis(ms) + START_TIMEOUT)
-            .await;
-        (report, lg.proc.log())
-    }
-
-    /// Denials Redis recorded (`ACL LOG`): every command or key a user was refused.
-    fn acl_denials(&self) -> Vec<String> {
-        let mut c = self.redis.admin_conn();
-        let v: redis::Value = redis::cmd("ACL").arg("LOG").query(&mut c).expect("ACL LOG");
-        match v {
-            redis::Value::Array(entries) => entries.iter().map(|e| format!("{e:?}")).collect(),
-            other => vec![format!("{other:?}")],
-        }
+fn acl_denials(server: &RedisServer) -> Vec<String> {
+    let mut c = server.admin_conn();
+    let v: redis::Value = redis::cmd("ACL").arg("LOG").query(&mut c).expect("ACL LOG");
+    match v {
+        redis::Value::Array(entries) => entries.iter().map(|e| format!("{e:?}")).collect(),
+        other => vec![format!("{other:?}")],
     }
 }
 
@@ -195,7 +217,7 @@ async fn rolling_pulling_and_failover_over_mutual_tls_under_the_documented_acls(
     .await;
     let mut o1 = w.manager_opts("n1", w.manager_flags("sluice-manager", &pw, None));
     o1.env
-        .push(("SSL_CERT_FILE".into(), TlsWorld::path(&w.pki.ca_cert)));
+        .push(("SSL_CERT_FILE".into(), Creds::path(&w.pki.ca_cert)));
     let m1 = Manager::start(o1).await;
     let mut ms = vec![m0, m1];
     for m in &ms {
@@ -312,11 +334,11 @@ async fn misconfigured_tls_links_fail_at_start_up_naming_the_endpoint() {
             "no client certificate",
             vec![
                 "--redis-ca".into(),
-                TlsWorld::path(&w.pki.ca_cert),
+                Creds::path(&w.pki.ca_cert),
                 "--redis-user".into(),
                 "sluice-manager".into(),
                 "--redis-password-file".into(),
-                TlsWorld::path(&good_pw),
+                Creds::path(&good_pw),
             ],
             "TLS handshake failed",
         ),
@@ -336,7 +358,7 @@ async fn misconfigured_tls_links_fail_at_start_up_naming_the_endpoint() {
     }
 
     // The loadgen (the SDK) refuses a wrong password the same way.
-    let bad = TlsWorld::path(&bad_pw);
+    let bad = Creds::path(&bad_pw);
     let flags = w.worker_flags();
     let mut extra: Vec<&str> = flags.iter().map(String::as_str).collect();
     let i = extra
@@ -374,4 +396,55 @@ async fn misconfigured_tls_links_fail_at_start_up_naming_the_endpoint() {
     )
     .await;
     assert!(m.proc.log().contains(&down), "{}", m.proc.log());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_cluster_over_tls_under_the_documented_acls() {
+    let ns = unique_ns("tlscl");
+    let Creds { pki, dir } = Creds::new();
+    let acl = acl_file(dir.path(), &ns);
+    let cluster = RedisCluster::start_tls(
+        3,
+        pki.clone(),
+        Some(acl),
+        Some(("admin".into(), ADMIN_PW.into())),
+    );
+    let w = Creds { pki, dir };
+    let _seg = SegmentGuard(vec![(ns.clone(), "hc".into())]);
+    let urls = cluster.urls();
+    assert!(urls.starts_with("rediss://"), "{urls}");
+    let pw = pw_file(w.dir.path(), "manager-pw", MANAGER_PW);
+    let mut o = ManagerOpts::new(&shared_etcd(), &urls, &ns, "c0");
+    o.extra = w.manager_flags("sluice-manager", &pw, Some(&w.pki.ca_cert));
+    let m = Manager::start(o).await;
+    wait_for_log(&m.proc, "Redis reachable", Duration::from_secs(10)).await;
+    m.wait_leader().await;
+    const T: u64 = 200;
+    // Enough tasks to spread over every node's slots.
+    for i in 0..6 {
+        let (st, v) = m
+            .put(
+                &format!("/api/v1/tasks/task{i}"),
+                &format!(r#"{{"threshold":{T},"slice_ms":1000}}"#),
+            )
+            .await;
+        assert!(st == 200 || st == 201, "{st} {v}");
+        m.wait_rolled(&format!("task{i}")).await;
+    }
+    let flags = w.worker_flags();
+    let mut extra: Vec<&str> = flags.iter().map(String::as_str).collect();
+    extra.extend(["--bucket-ms", "1000"]);
+    for task in ["task1", "task4"] {
+        let args = loadgen_args(&urls, &ns, task, "hc", 1, 3_500, &extra);
+        let mut lg = Loadgen::spawn(&args);
+        let r = lg.wait_json(Duration::from_secs(30)).await;
+        assert_pooled(&r, T, &format!("cluster {task}"));
+        assert_no_secret(&lg.proc.log(), "loadgen");
+    }
+    assert_eq!(m.metric("sluice_roll_errors_total").await, Some(0.0));
+    for node in &cluster.nodes {
+        let d = acl_denials(node);
+        assert!(d.is_empty(), "ACL denials on :{}: {d:#?}", node.port);
+    }
+    assert_no_secret(&m.proc.log(), "manager");
 }
