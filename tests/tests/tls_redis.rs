@@ -384,6 +384,27 @@ async fn misconfigured_tls_links_fail_at_start_up_naming_the_endpoint() {
         "loadgen printed the password"
     );
 
+    // Credentials in the URL: the same failure, the URL shown redacted.
+    let url = format!(
+        "rediss://sluice-worker:url-pw-5d1e@127.0.0.1:{}",
+        w.redis.port
+    );
+    let flags = w.worker_flags();
+    let extra: Vec<&str> = flags[..6].iter().map(String::as_str).collect();
+    assert_eq!(extra[4], "--redis-key", "CA, certificate and key only");
+    let mut lg = Loadgen::spawn(&loadgen_args(&url, &w.ns, "t", "hbad", 1, 500, &extra));
+    let st = lg
+        .proc
+        .signal_and_wait(0, Duration::from_secs(15))
+        .expect("the loadgen exits at start-up");
+    let log = lg.proc.log();
+    assert_eq!(st.code(), Some(1), "loadgen: {st}\n{log}");
+    assert!(log.contains(&format!("rediss://***@{endpoint}")), "{log}");
+    assert!(
+        !log.contains("url-pw-5d1e"),
+        "loadgen printed the URL password:\n{log}"
+    );
+
     // A TLS Redis that is down is tolerated: the replica starts, names the endpoint, waits.
     let down = format!("rediss://127.0.0.1:{}", free_port());
     let mut o = ManagerOpts::new(&shared_etcd(), &down, &w.ns, "down0");
