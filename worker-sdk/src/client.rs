@@ -138,7 +138,7 @@ pub enum Error {
     Redis(String),
     /// A TLS or ACL setting of [`Config::redis_security`] cannot be used (the field is named,
     /// a secret never).
-    #[error("Config::redis_security.{}", .0)]
+    #[error("{}", security_message(.0))]
     RedisSecurity(#[source] SecurityError),
     /// The shared segment could not be opened.
     #[error(transparent)]
@@ -154,6 +154,14 @@ pub enum Error {
     /// The background thread could not be started.
     #[error("cannot start the background thread: {0}")]
     Spawn(#[source] std::io::Error),
+}
+
+/// `Config::redis_security.<field>: …`, or `Config::redis: …` for the URL itself.
+fn security_message(e: &SecurityError) -> String {
+    match e.field {
+        "redis" => format!("Config::redis: {}", e.message),
+        f => format!("Config::redis_security.{f}: {}", e.message),
+    }
 }
 
 /// The answer to "may I do `n` units of work now?".

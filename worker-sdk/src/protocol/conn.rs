@@ -677,3 +677,103 @@ impl Redis {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(url: &str, s: &RedisSecurity) -> Result<(), SecurityError> {
+        Redis::with_security(RedisTarget::parse(url).unwrap(), ConnOptions::default(), s)
+            .map(|_| ())
+    }
+
+    #[test]
+    fn security_rules_name_the_field_never_the_secret() {
+        let dir = std::env::temp_dir().join(format!("sluice-conn-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pw = dir.join("pw");
+        std::fs::write(&pw, "file-secret\n").unwrap();
+        let missing = dir.join("missing.pem");
+        let ok = RedisSecurity {
+            user: Some("w".into()),
+            password_file: Some(pw.clone()),
+            ..RedisSecurity::default()
+        };
+        assert!(check("rediss://127.0.0.1:6380", &ok).is_ok());
+        assert!(check("redis://127.0.0.1:6379", &ok).is_ok());
+        for (url, s, field) in [
+            (
+                "redis://h:1",
+                RedisSecurity {
+                    insecure: true,
+                    ..RedisSecurity::default()
+                },
+                "insecure",
+            ),
+            (
+                "rediss://h:1",
+                RedisSecurity {
+                    ca_file: Some(missing.clone()),
+                    ..RedisSecurity::default()
+                },
+                "ca_file",
+            ),
+            (
+                "rediss://h:1",
+                RedisSecurity {
+                    cert_file: Some(pw.clone()),
+                    ..RedisSecurity::default()
+                },
+                "key_file",
+            ),
+            (
+                "rediss://u:url-secret@h:1",
+                RedisSecurity {
+                    password_file: Some(pw.clone()),
+                    ..RedisSecurity::default()
+                },
+                "password_file",
+            ),
+            (
+                "rediss://h:1",
+                RedisSecurity {
+                    password: Some("p".into()),
+                    password_file: Some(pw.clone()),
+                    ..RedisSecurity::default()
+                },
+                "password_file",
+            ),
+            (
+                "rediss://h:1",
+                RedisSecurity {
+                    user: Some("w".into()),
+                    ..RedisSecurity::default()
+                },
+                "user",
+            ),
+            (
+                "redis://a:1,rediss://b:2",
+                RedisSecurity::default(),
+                "redis",
+            ),
+        ] {
+            let e = check(url, &s).unwrap_err();
+            assert_eq!(e.field, field, "{url} {s:?}: {e}");
+            let text = e.to_string();
+            assert!(!text.contains("secret"), "{text}");
+        }
+        let dbg = format!(
+            "{:?}",
+            RedisSecurity {
+                password: Some("dbg-secret".into()),
+                ..RedisSecurity::default()
+            }
+        );
+        assert!(!dbg.contains("dbg-secret"), "{dbg}");
+        assert_eq!(
+            RedisTarget::parse("rediss://u:pw@h:1").unwrap().to_string(),
+            "rediss://***@h:1"
+        );
+        std::fs::remove_dir_all(&dir).ok();
+    }
+}
