@@ -8,6 +8,8 @@
 //! Misconfigured links fail at start-up, naming the endpoint and never the password: a CA that
 //! did not sign the server's certificate, a wrong password, no client certificate; a TLS Redis
 //! that is down is tolerated (logged), as a plain one is.
+//!
+//! A three-node Redis Cluster over TLS (`tls-cluster yes`) works under the same ACL file.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
