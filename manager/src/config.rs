@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
-use sluice::protocol::conn::RedisTarget;
+use sluice::protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
 use sluice::protocol::validate_namespace;
 
 /// Command-line flags (every one also `SLUICE_<FLAG>` in the environment).
@@ -30,6 +30,25 @@ pub struct Cli {
     /// Redis URL, or a comma-separated list of Redis Cluster nodes [default: redis://127.0.0.1:6379]
     #[arg(long, env = "SLUICE_REDIS")]
     pub redis: Option<String>,
+    // ── Redis TLS and ACL (branch tls-redis) ──
+    /// CA bundle (PEM) trusted for rediss:// besides the platform's and SSL_CERT_FILE
+    #[arg(long, env = "SLUICE_REDIS_CA")]
+    pub redis_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS to Redis (with --redis-key)
+    #[arg(long, env = "SLUICE_REDIS_CERT")]
+    pub redis_cert: Option<PathBuf>,
+    /// Private key (PEM) of --redis-cert
+    #[arg(long, env = "SLUICE_REDIS_KEY")]
+    pub redis_key: Option<PathBuf>,
+    /// Skip verifying Redis's TLS certificate (tests only; logged as a warning)
+    #[arg(long, env = "SLUICE_REDIS_INSECURE", num_args = 0..=1, default_missing_value = "true")]
+    pub redis_insecure: Option<bool>,
+    /// Redis ACL user (default: the URL's user name)
+    #[arg(long, env = "SLUICE_REDIS_USER")]
+    pub redis_user: Option<String>,
+    /// File holding the Redis password (default: the URL's password)
+    #[arg(long, env = "SLUICE_REDIS_PASSWORD_FILE")]
+    pub redis_password_file: Option<PathBuf>,
     /// HTTP listen address for the API, dashboard and metrics [default: 127.0.0.1:8080]
     #[arg(long, env = "SLUICE_LISTEN")]
     pub listen: Option<String>,
@@ -117,6 +136,12 @@ pub struct Cli {
 struct FileConfig {
     etcd: Option<String>,
     redis: Option<String>,
+    redis_ca: Option<PathBuf>,
+    redis_cert: Option<PathBuf>,
+    redis_key: Option<PathBuf>,
+    redis_insecure: Option<bool>,
+    redis_user: Option<String>,
+    redis_password_file: Option<PathBuf>,
     listen: Option<String>,
     namespace: Option<String>,
     node_id: Option<String>,
@@ -169,6 +194,8 @@ pub struct Config {
     pub etcd: Vec<String>,
     /// Redis.
     pub redis: RedisTarget,
+    /// TLS and ACL settings of the Redis link (files checked when the config was built).
+    pub redis_security: RedisSecurity,
     /// HTTP listen address.
     pub listen: SocketAddr,
     /// Namespace.
@@ -453,6 +480,21 @@ impl Config {
 
         let redis_raw: String = pick!(redis, "redis://127.0.0.1:6379");
         let redis = RedisTarget::parse(&redis_raw).map_err(|e| err("redis", e))?;
+        let redis_security = RedisSecurity {
+            ca_file: cli.redis_ca.clone().or(file.redis_ca.clone()),
+            cert_file: cli.redis_cert.clone().or(file.redis_cert.clone()),
+            key_file: cli.redis_key.clone().or(file.redis_key.clone()),
+            insecure: cli.redis_insecure.or(file.redis_insecure).unwrap_or(false),
+            user: cli.redis_user.clone().or(file.redis_user.clone()),
+            password: None,
+            password_file: cli
+                .redis_password_file
+                .clone()
+                .or(file.redis_password_file.clone()),
+        };
+        // Reads every file now: a bad path or a conflict is an error naming its flag.
+        Redis::with_security(redis.clone(), ConnOptions::default(), &redis_security)
+            .map_err(|e| err(e.flag(), e.message))?;
 
         let listen_raw: String = pick!(listen, "127.0.0.1:8080");
         let listen: SocketAddr = listen_raw.parse().map_err(|e| {
@@ -578,6 +620,7 @@ impl Config {
         Ok(Self {
             etcd,
             redis,
+            redis_security,
             listen,
             namespace,
             node_id,
@@ -829,6 +872,85 @@ mod tests {
         assert_eq!(e.flag, "etcd-password-file");
         let c = parse(&["--node-id", "n1", "--etcd", "https://a:1,https://b:2"]).unwrap();
         assert!(c.etcd_link.tls);
+    }
+
+    #[test]
+    fn redis_security_flags() {
+        let dir = tempfile_dir();
+        let pw = dir.join("redis-pw");
+        std::fs::write(&pw, "s3cret-pw\n").unwrap();
+        let pw_s = pw.to_str().unwrap();
+        let c = parse(&[
+            "--node-id",
+            "n1",
+            "--redis",
+            "rediss://127.0.0.1:6380",
+            "--redis-user",
+            "mgr",
+            "--redis-password-file",
+            pw_s,
+            "--redis-insecure",
+        ])
+        .unwrap();
+        assert!(c.redis_security.insecure);
+        assert_eq!(c.redis_security.user.as_deref(), Some("mgr"));
+        assert!(!format!("{:?}", c).contains("s3cret-pw"));
+        let missing = dir.join("missing.pem");
+        let missing_s = missing.to_str().unwrap();
+        for (args, flag) in [
+            (
+                &["--redis", "redis://x:1", "--redis-ca", missing_s][..],
+                "redis-ca",
+            ),
+            (
+                &["--redis", "rediss://x:1", "--redis-ca", missing_s][..],
+                "redis-ca",
+            ),
+            (
+                &["--redis", "rediss://x:1", "--redis-cert", pw_s][..],
+                "redis-key",
+            ),
+            (
+                &["--redis", "rediss://x:1", "--redis-key", pw_s][..],
+                "redis-cert",
+            ),
+            (
+                &["--redis", "redis://x:1", "--redis-insecure"][..],
+                "redis-insecure",
+            ),
+            (
+                &["--redis", "rediss://u:p@x:1", "--redis-password-file", pw_s][..],
+                "redis-password-file",
+            ),
+            (
+                &[
+                    "--redis",
+                    "rediss://x:1",
+                    "--redis-password-file",
+                    missing_s,
+                ][..],
+                "redis-password-file",
+            ),
+            (
+                &["--redis", "rediss://x:1", "--redis-user", "u"][..],
+                "redis-user",
+            ),
+            (
+                &["--redis", "redis://u:hunter2@x:1,rediss://y:2"][..],
+                "redis",
+            ),
+        ] {
+            let e = parse(args).unwrap_err();
+            assert_eq!(e.flag, flag, "{args:?}: {e}");
+            let text = e.to_string();
+            assert!(
+                !text.contains("s3cret-pw") && !text.contains("hunter2"),
+                "{text}"
+            );
+        }
+        // A bad URL with a password is named without it.
+        let e = parse(&["--redis", "redis://u:hunter2@"]).unwrap_err();
+        assert!(!e.to_string().contains("hunter2"), "{e}");
     }
 
     fn tempfile_dir() -> PathBuf {

@@ -53,7 +53,7 @@ use sluice::protocol::conn::{ConnOptions, Redis};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::config::Config;
 use crate::election::{ElectionConfig, LeaderWork, NodeInfo, Role};
@@ -63,12 +63,42 @@ use crate::metrics::Metrics;
 use crate::roller::{DynamicThresholds, RollConfig};
 use crate::tasks::TaskStore;
 
+/// The Redis handle, checked once: a TLS or authentication failure (wrong CA, certificate,
+/// user or password) is a configuration error that retrying will not fix, so it stops the
+/// replica at start-up with an error naming the endpoint (a replica that cannot write Redis
+/// must not win an election). A Redis that is merely down is tolerated, as before: the
+/// replica starts, logs the failure and connects when Redis comes up.
+async fn connect_redis(cfg: &Config) -> Result<Redis> {
+    sluice::protocol::tls::install_provider();
+    let redis = Redis::with_security(
+        cfg.redis.clone(),
+        ConnOptions::default(),
+        &cfg.redis_security,
+    )
+    .map_err(|e| Error::Startup(format!("--{}: {}", e.flag(), e.message)))?;
+    if cfg.redis_security.insecure {
+        warn!(
+            redis = %cfg.redis,
+            "--redis-insecure: Redis TLS certificate verification is OFF; anyone on the path \
+             can read and change this link (tests only)"
+        );
+    }
+    match redis.check().await {
+        Ok(()) => info!(redis = %cfg.redis, tls = cfg.redis.is_tls(), "Redis reachable"),
+        Err(e) if e.is_config() => {
+            error!(error = %e, "Redis link misconfigured; stopping");
+            return Err(Error::Startup(e.to_string()));
+        }
+        Err(e) => warn!(error = %e, "Redis not reachable at start-up; will keep trying"),
+    }
+    Ok(redis)
+}
+
 /// Runs a replica until `shutdown` resolves, then stops in order: leader work stops and the
 /// leader resigns (a follower takes over at once), the HTTP server drains, watches end.
 pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
     sluice::protocol::tls::install_provider();
     let cfg = Arc::new(cfg);
-    sluice::protocol::tls::install_provider();
     let webhooks = webhook::Webhooks::new(cfg.webhook_allow_private, cfg.webhook_ca.as_deref())
         .map_err(|e| {
             Error::Startup(format!(
@@ -83,7 +113,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
     let keys = Keys::new(&cfg.namespace).map_err(|e| Error::Startup(e.to_string()))?;
     let metrics = Arc::new(Metrics::new());
     let mut etcd = etcd_link::connect(&cfg).await?;
-    let redis = Arc::new(Redis::new(cfg.redis.clone(), ConnOptions::default()));
+    let redis = Arc::new(connect_redis(&cfg).await?);
     let store = TaskStore::new(etcd.clone(), keys.clone());
     let (role_tx, role_rx) = watch::channel(Role::Follower);
 

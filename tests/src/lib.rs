@@ -235,11 +235,12 @@ impl Drop for Proc {
 /// A private Redis server on a free port (for tests that kill, flush or restart it).
 #[derive(Debug)]
 pub struct RedisServer {
-    /// Its port on 127.0.0.1.
+    /// Its port on 127.0.0.1 (the TLS port of a [`RedisServer::start_tls`] server).
     pub port: u16,
     dir: tempfile::TempDir,
     proc: Option<Proc>,
     extra: Vec<String>,
+    tls: Option<RedisTlsSetup>,
 }
 
 impl RedisServer {
@@ -255,32 +256,52 @@ impl RedisServer {
             dir: tempfile::tempdir().expect("tempdir"),
             proc: None,
             extra: extra.iter().map(|s| s.to_string()).collect(),
+            tls: None,
         };
         s.restart();
         s
     }
 
-    /// `redis://127.0.0.1:<port>`.
+    /// `redis://127.0.0.1:<port>` (`rediss://` for a TLS server).
     pub fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
+        match self.tls {
+            None => format!("redis://127.0.0.1:{}", self.port),
+            Some(_) => format!("rediss://127.0.0.1:{}", self.port),
+        }
     }
 
     /// (Re)starts the server on the same port; waits until it answers PING.
     pub fn restart(&mut self) {
         assert!(self.proc.is_none(), "redis already running");
         let mut cmd = Command::new("redis-server");
-        cmd.args(["--port", &self.port.to_string()])
-            .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        match &self.tls {
+            None => {
+                cmd.args(["--port", &self.port.to_string()]);
+            }
+            Some(t) => {
+                cmd.args(["--port", "0", "--tls-port", &self.port.to_string()])
+                    .arg("--tls-cert-file")
+                    .arg(&t.pki.server_cert)
+                    .arg("--tls-key-file")
+                    .arg(&t.pki.server_key)
+                    .arg("--tls-ca-cert-file")
+                    .arg(&t.pki.ca_cert)
+                    .args(["--tls-auth-clients", "yes"]);
+                if let Some(acl) = &t.acl_file {
+                    cmd.arg("--aclfile").arg(acl);
+                }
+            }
+        }
+        cmd.args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(self.dir.path())
             .args(&self.extra);
         let log = self.dir.path().join("redis.log");
         self.proc = Some(Proc::spawn("redis-server", cmd, log));
-        let url = self.url();
         let deadline = Instant::now() + START_TIMEOUT;
         loop {
-            match redis::Client::open(url.as_str())
-                .and_then(|c| c.get_connection_with_timeout(Duration::from_millis(200)))
+            match self
+                .try_admin_conn(Duration::from_millis(200))
                 .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
             {
                 Ok(_) => return,
@@ -288,9 +309,27 @@ impl RedisServer {
                 Err(e) if e.to_string().contains("NOAUTH") => return,
                 Err(_) => {}
             }
-            assert!(Instant::now() < deadline, "redis-server did not start");
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    fn try_admin_conn(&self, timeout: Duration) -> redis::RedisResult<redis::Connection> {
+        match &self.tls {
+            None => redis::Client::open(self.url().as_str())?.get_connection_with_timeout(timeout),
+            Some(t) => t.client(&self.url())?.get_connection_with_timeout(timeout),
+        }
+    }
+
+    /// A synchronous connection with full rights (over mutual TLS as the ACL file's admin user
+    /// for a [`RedisServer::start_tls`] server), for setting up and asserting.
+    pub fn admin_conn(&self) -> redis::Connection {
+        self.try_admin_conn(Duration::from_secs(2))
+            .unwrap_or_else(|e| panic!("cannot connect to Redis at {}: {e}", self.url()))
     }
 
     /// SIGKILLs the server (data is lost: it runs without persistence).
@@ -303,6 +342,115 @@ impl RedisServer {
     /// The server's pid.
     pub fn pid(&self) -> u32 {
         self.proc.as_ref().expect("redis not running").pid()
+    }
+}
+
+// ─── TLS Redis and test certificates (branch tls-redis; keep this section self-contained) ───
+
+/// A CA, a server certificate for 127.0.0.1 (IP SAN) and a client certificate, made with
+/// [`pki::TestCa`] (`openssl`) in a temporary directory.
+#[derive(Debug)]
+pub struct TestPki {
+    /// The CA (its directory holds every file).
+    pub ca: pki::TestCa,
+    /// The CA certificate (PEM).
+    pub ca_cert: PathBuf,
+    /// The server certificate, signed by the CA, for IP 127.0.0.1.
+    pub server_cert: PathBuf,
+    /// Its key.
+    pub server_key: PathBuf,
+    /// A client certificate, signed by the CA.
+    pub client_cert: PathBuf,
+    /// Its key.
+    pub client_key: PathBuf,
+}
+
+impl TestPki {
+    /// Generates the CA (named `cn`) and the certificates. The server certificate may also
+    /// authenticate a client: Redis Cluster nodes present it on the TLS cluster bus.
+    pub fn generate(cn: &str) -> Self {
+        let ca = pki::TestCa::new(cn);
+        let server = ca.issue_for("server", &["IP:127.0.0.1"]);
+        let client = ca.issue_for("client", &[]);
+        Self {
+            ca_cert: ca.cert.clone(),
+            server_cert: server.cert,
+            server_key: server.key,
+            client_cert: client.cert,
+            client_key: client.key,
+            ca,
+        }
+    }
+}
+
+/// How a [`RedisServer::start_tls`] server runs: its certificates, its ACL file and the admin
+/// user of that file the harness logs in as.
+#[derive(Debug)]
+struct RedisTlsSetup {
+    pki: std::sync::Arc<TestPki>,
+    acl_file: Option<PathBuf>,
+    admin: Option<(String, String)>,
+}
+
+impl RedisTlsSetup {
+    fn client(&self, url: &str) -> redis::RedisResult<redis::Client> {
+        sluice::protocol::tls::install_provider();
+        let mut info = redis::IntoConnectionInfo::into_connection_info(url)?;
+        if let Some((u, p)) = &self.admin {
+            let rs = info
+                .redis_settings()
+                .clone()
+                .set_username(u)
+                .set_password(p);
+            info = info.set_redis_settings(rs);
+        }
+        let read = |p: &Path| std::fs::read(p).expect("read test certificate");
+        redis::Client::build_with_tls(
+            info,
+            redis::TlsCertificates {
+                client_tls: Some(redis::ClientTlsConfig {
+                    client_cert: read(&self.pki.client_cert),
+                    client_key: read(&self.pki.client_key),
+                }),
+                root_cert: Some(read(&self.pki.ca_cert)),
+            },
+        )
+    }
+}
+
+impl RedisServer {
+    /// Starts `redis-server` with TLS only (`--port 0 --tls-port <port>`), the certificates
+    /// of `pki` and client certificates required (`--tls-auth-clients yes`). With `acl_file`,
+    /// the server loads it (`--aclfile`) and the harness logs in as `admin` (a user of that
+    /// file with every right). Waits until it answers PING over TLS.
+    pub fn start_tls(
+        pki: std::sync::Arc<TestPki>,
+        acl_file: Option<PathBuf>,
+        admin: Option<(String, String)>,
+    ) -> Self {
+        Self::start_tls_with(pki, acl_file, admin, &[])
+    }
+
+    /// [`RedisServer::start_tls`] with extra arguments.
+    pub fn start_tls_with(
+        pki: std::sync::Arc<TestPki>,
+        acl_file: Option<PathBuf>,
+        admin: Option<(String, String)>,
+        extra: &[&str],
+    ) -> Self {
+        let mut s = Self {
+            port: free_port(),
+            dir: tempfile::tempdir().expect("tempdir"),
+            proc: None,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
+            tls: Some(RedisTlsSetup {
+                pki,
+                acl_file,
+                admin,
+            }),
+        };
+        s.restart();
+        s
     }
 }
 
@@ -612,6 +760,15 @@ impl Manager {
         }
     }
 
+    /// Starts a replica that must refuse to run: waits (up to `timeout`) for it to exit and
+    /// returns its exit code and log. Panics if it is still running then.
+    pub async fn start_expecting_exit(
+        opts: ManagerOpts,
+        timeout: Duration,
+    ) -> (Option<i32>, String) {
+        Self::spawn(opts).wait_exit(timeout).await
+    }
+
     /// Starts the replica on a free port without waiting for anything (for tests of
     /// start-up failures: see [`Manager::wait_exit`]).
     pub fn spawn(opts: ManagerOpts) -> Self {
@@ -883,6 +1040,8 @@ pub fn now_ms() -> i64 {
     sluice::protocol::unix_ms()
 }
 
+const CLUSTER_ARGS: [&str; 4] = ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"];
+
 /// A private Redis Cluster of `n` primaries (no replicas) on free ports.
 #[derive(Debug)]
 pub struct RedisCluster {
@@ -895,20 +1054,56 @@ impl RedisCluster {
     /// and waits until every node reports `cluster_state:ok`.
     pub fn start(n: usize) -> Self {
         let nodes: Vec<RedisServer> = (0..n)
+            .map(|_| RedisServer::start_with(&CLUSTER_ARGS))
+            .collect();
+        Self::join(nodes, &[], &[])
+    }
+
+    /// Like [`RedisCluster::start`] with TLS only (`tls-cluster yes`: the cluster bus too) and
+    /// client certificates required, as [`RedisServer::start_tls`]; `redis-cli` joins them
+    /// over TLS as the `admin` user of `acl_file`.
+    pub fn start_tls(
+        n: usize,
+        pki: std::sync::Arc<TestPki>,
+        acl_file: Option<PathBuf>,
+        admin: Option<(String, String)>,
+    ) -> Self {
+        let mut args: Vec<&str> = CLUSTER_ARGS.to_vec();
+        args.extend(["--tls-cluster", "yes"]);
+        let nodes: Vec<RedisServer> = (0..n)
             .map(|_| {
-                RedisServer::start_with(&[
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-node-timeout",
-                    "2000",
-                ])
+                RedisServer::start_tls_with(pki.clone(), acl_file.clone(), admin.clone(), &args)
             })
             .collect();
+        let p = |f: &Path| f.to_str().expect("utf-8 path").to_string();
+        let mut cli = vec![
+            "--tls".to_string(),
+            "--cacert".into(),
+            p(&pki.ca_cert),
+            "--cert".into(),
+            p(&pki.client_cert),
+            "--key".into(),
+            p(&pki.client_key),
+        ];
+        let mut env = Vec::new();
+        if let Some((user, pw)) = admin {
+            cli.extend(["--user".into(), user]);
+            // The password through the environment, not the command line.
+            env.push(("REDISCLI_AUTH".to_string(), pw));
+        }
+        Self::join(nodes, &cli, &env)
+    }
+
+    fn join(nodes: Vec<RedisServer>, cli: &[String], env: &[(String, String)]) -> Self {
         let addrs: Vec<String> = nodes
             .iter()
             .map(|s| format!("127.0.0.1:{}", s.port))
             .collect();
-        let out = Command::new("redis-cli")
+        // Bounded: redis-cli waits for the cluster to join forever if the bus cannot connect.
+        let out = Command::new("timeout")
+            .args(["60", "redis-cli"])
+            .args(cli)
+            .envs(env.iter().map(|(k, v)| (k, v)))
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
@@ -924,7 +1119,7 @@ impl RedisCluster {
         let deadline = Instant::now() + START_TIMEOUT;
         for s in &nodes {
             loop {
-                let mut c = redis_conn(&s.url());
+                let mut c = s.admin_conn();
                 let info: String = redis::cmd("CLUSTER")
                     .arg("INFO")
                     .query(&mut c)

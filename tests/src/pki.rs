@@ -84,7 +84,8 @@ impl TestCa {
     }
 
     /// A certificate for `cn` with the subject alternative names `sans` (`IP:127.0.0.1`,
-    /// `DNS:example.test`, …), valid as a server and as a client.
+    /// `DNS:example.test`, …; none for a client-only certificate), valid as a server and as a
+    /// client.
     pub fn issue_for(&self, cn: &str, sans: &[&str]) -> CertPair {
         let d = self.dir.path();
         let stem = format!("{}-{cn}", self.name);
@@ -97,9 +98,12 @@ impl TestCa {
             format!(
                 "basicConstraints=CA:FALSE\n\
                  keyUsage=critical,digitalSignature,keyEncipherment\n\
-                 extendedKeyUsage=serverAuth,clientAuth\n\
-                 subjectAltName={}\n",
-                sans.join(",")
+                 extendedKeyUsage=serverAuth,clientAuth\n{}",
+                if sans.is_empty() {
+                    String::new()
+                } else {
+                    format!("subjectAltName={}\n", sans.join(","))
+                }
             ),
         )
         .expect("write ext");

@@ -62,7 +62,11 @@
 //! is closed when a decision falls into a later one, and at the end of the run.
 //!
 //! Other extra flags (not part of the pinned interface): `--probe-interval-ms`,
-//! `--pull-timeout-ms`, `--clock host|redis`. Logs go to stderr (`RUST_LOG`, default
+//! `--pull-timeout-ms`, `--clock host|redis`, and the Redis TLS / ACL flags of the manager:
+//! `--redis-ca`, `--redis-cert`, `--redis-key`, `--redis-insecure`, `--redis-user`,
+//! `--redis-password-file` (with a `rediss://` URL). The parent checks the link once before it
+//! starts the children: a TLS or login failure exits 1 naming the endpoint; a Redis that is
+//! down is only logged (the SDK rides it out). Logs go to stderr (`RUST_LOG`, default
 //! `sluice=info`).
 
 use std::collections::BTreeMap;
@@ -122,6 +126,24 @@ struct Args {
     /// Slice clock: host or redis (extra).
     #[arg(long, default_value = "host")]
     clock: String,
+    /// CA bundle (PEM) trusted for rediss:// (extra).
+    #[arg(long)]
+    redis_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS (extra).
+    #[arg(long)]
+    redis_cert: Option<PathBuf>,
+    /// Private key (PEM) of --redis-cert (extra).
+    #[arg(long)]
+    redis_key: Option<PathBuf>,
+    /// Skip verifying the server's certificate (extra; tests only).
+    #[arg(long)]
+    redis_insecure: bool,
+    /// Redis ACL user (extra).
+    #[arg(long)]
+    redis_user: Option<String>,
+    /// File holding the Redis password (extra).
+    #[arg(long)]
+    redis_password_file: Option<PathBuf>,
     /// Internal: run as child number i.
     #[arg(long, hide = true)]
     child: Option<u32>,
@@ -381,10 +403,49 @@ fn read_report(out: Option<std::process::ChildStdout>) -> String {
     line
 }
 
+impl Args {
+    fn redis_security(&self) -> sluice::protocol::conn::RedisSecurity {
+        sluice::protocol::conn::RedisSecurity {
+            ca_file: self.redis_ca.clone(),
+            cert_file: self.redis_cert.clone(),
+            key_file: self.redis_key.clone(),
+            insecure: self.redis_insecure,
+            user: self.redis_user.clone(),
+            password: None,
+            password_file: self.redis_password_file.clone(),
+        }
+    }
+}
+
+/// Checks the Redis link once (see the module docs): settings, TLS handshake, login.
+fn check_redis(args: &Args) -> Result<(), String> {
+    use sluice::protocol::conn::{ConnOptions, Redis, RedisTarget};
+    sluice::protocol::tls::install_provider();
+    let target = RedisTarget::parse(&args.redis).map_err(|e| format!("--redis: {e}"))?;
+    let redis = Redis::with_security(target, ConnOptions::default(), &args.redis_security())
+        .map_err(|e| format!("--{}: {}", e.flag(), e.message))?;
+    if args.redis_insecure {
+        tracing::warn!("--redis-insecure: Redis TLS certificate verification is OFF (tests only)");
+    }
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    match rt.block_on(redis.check()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.is_config() => Err(e.to_string()),
+        Err(e) => {
+            tracing::warn!(error = %e, "Redis not reachable at start; running anyway");
+            Ok(())
+        }
+    }
+}
+
 fn parent(args: &Args) -> Result<(), String> {
     if args.procs == 0 || args.procs > 256 {
         return Err("--procs must be 1..=256".into());
     }
+    check_redis(args)?;
     if args.bucket_ms <= 0 {
         return Err("--bucket-ms must be positive".into());
     }
@@ -584,6 +645,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     die_with_parent(args.parent_pid);
     signals::install();
     let mut cfg = Config::new(args.redis.clone());
+    cfg.redis_security = args.redis_security();
     cfg.namespace = args.namespace.clone();
     cfg.host_id = args.host_id.clone();
     if let Some(ms) = args.probe_interval_ms {

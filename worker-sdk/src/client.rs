@@ -24,7 +24,9 @@ use tokio::sync::Notify;
 
 use crate::health::{self, Outcome};
 use crate::limiter::{self, Params, Verdict};
-use crate::protocol::conn::{ConnOptions, Redis, RedisTarget};
+use crate::protocol::conn::{
+    CheckError, ConnOptions, Redis, RedisSecurity, RedisTarget, SecurityError,
+};
 use crate::protocol::scripts::ExactReply;
 use crate::protocol::{Keys, Mode, NameError, OnFailure, TaskMeta, validate_task_name};
 use crate::shm::{
@@ -47,8 +49,22 @@ pub enum ClockSource {
 /// Client settings. [`Config::new`] gives the defaults; every field is public.
 #[derive(Debug, Clone)]
 pub struct Config {
-    /// One Redis URL, or a comma-separated list of Redis Cluster seed nodes.
+    /// One Redis URL, or a comma-separated list of Redis Cluster seed nodes. `rediss://` is
+    /// TLS; `rediss://user:password@host:port` carries the ACL user and password (or give them
+    /// in [`Config::redis_security`], a password file keeping it out of the source).
     pub redis: String,
+    /// TLS and ACL settings of the Redis link (default: none beyond the URL's):
+    ///
+    /// * `ca_file`: a PEM bundle trusted besides the platform's and `SSL_CERT_FILE`;
+    /// * `cert_file` + `key_file`: the client certificate and key for mutual TLS;
+    /// * `insecure`: skip verifying the server (tests only; logged as a warning);
+    /// * `user`: the ACL user (else the URL's);
+    /// * `password` / `password_file`: the password (else the URL's; one place only).
+    ///
+    /// Files are read by [`Client::new`]: a bad one is [`Error::RedisSecurity`] naming it.
+    /// The host name of the URL must match the server certificate (SNI and hostname checks
+    /// are on). See docs/security.md for the worker ACL.
+    pub redis_security: RedisSecurity,
     /// Namespace (default `sluice`).
     pub namespace: String,
     /// This host's id: names the shared segment and the entry in `NS:hosts` (default: the
@@ -91,6 +107,7 @@ impl Config {
     pub fn new(redis: impl Into<String>) -> Self {
         Self {
             redis: redis.into(),
+            redis_security: RedisSecurity::default(),
             namespace: crate::protocol::DEFAULT_NAMESPACE.to_string(),
             host_id: gethostname::gethostname().to_string_lossy().into_owned(),
             shm_dir: PathBuf::from("/dev/shm"),
@@ -119,6 +136,10 @@ pub enum Error {
     /// The Redis address does not parse.
     #[error("Redis address: {0}")]
     Redis(String),
+    /// A TLS or ACL setting of [`Config::redis_security`] cannot be used (the field is named,
+    /// a secret never).
+    #[error("{}", security_message(.0))]
+    RedisSecurity(#[source] SecurityError),
     /// The shared segment could not be opened.
     #[error(transparent)]
     Segment(#[from] SegmentError),
@@ -133,6 +154,14 @@ pub enum Error {
     /// The background thread could not be started.
     #[error("cannot start the background thread: {0}")]
     Spawn(#[source] std::io::Error),
+}
+
+/// `Config::redis_security.<field>: …`, or `Config::redis: …` for the URL itself.
+fn security_message(e: &SecurityError) -> String {
+    match e.field {
+        "redis" => format!("Config::redis: {}", e.message),
+        f => format!("Config::redis_security.{f}: {}", e.message),
+    }
 }
 
 /// The answer to "may I do `n` units of work now?".
@@ -370,13 +399,22 @@ impl Client {
                 tracing::warn!(path = %path.display(), reason = %why, "replaced host segment")
             }
         }
-        let redis = Redis::new(
+        let redis = Redis::with_security(
             target,
             ConnOptions {
                 connect_timeout: cfg.connect_timeout,
                 response_timeout: cfg.pull_timeout,
             },
-        );
+            &cfg.redis_security,
+        )
+        .map_err(Error::RedisSecurity)?;
+        if cfg.redis_security.insecure {
+            tracing::warn!(
+                redis = %redis.target(),
+                "Redis TLS certificate verification is OFF (insecure): anyone on the path can \
+                 read and change this link; use it for tests only"
+            );
+        }
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -442,6 +480,27 @@ impl Client {
             inner,
             shared: self.shared.clone(),
             _guard: self.guard.clone(),
+        })
+    }
+
+    /// Connects to Redis now and sends `PING`, waiting at most a few connect timeouts: for a
+    /// program that wants a misconfigured link to fail at start-up. [`CheckError::Config`]:
+    /// the TLS handshake or the ACL login failed (wrong CA, certificate, user or password),
+    /// which retrying will not fix; [`CheckError::Down`]: Redis is unreachable (the client
+    /// keeps working from its `on_failure` policy and reconnects by itself). Both name the
+    /// endpoint, passwords redacted. Decisions never wait for this.
+    pub fn check_redis(&self) -> Result<(), CheckError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let shared = self.shared.clone();
+        self.shared.rt.spawn(async move {
+            let _ = tx.send(shared.redis.check().await);
+        });
+        let wait = self.shared.cfg.connect_timeout * 5 + Duration::from_millis(500);
+        rx.recv_timeout(wait).unwrap_or_else(|_| {
+            Err(CheckError::Down {
+                target: self.shared.redis.target().to_string(),
+                detail: "no answer in time".into(),
+            })
         })
     }
 

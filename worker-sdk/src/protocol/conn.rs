@@ -4,15 +4,40 @@
 //! seed nodes of a Redis Cluster). [`Redis`] connects lazily and reconnects by itself, so a
 //! process can start while Redis is down; [`RedisConn`] is the cheap, cloneable, multiplexed
 //! handle: concurrent commands on it are pipelined on the wire.
+//!
+//! # TLS and ACL users
+//!
+//! A `rediss://` URL is a TLS link; [`RedisSecurity`] holds everything else about it, shared by
+//! the manager's flags (`--redis-ca`, `--redis-cert`, `--redis-key`, `--redis-insecure`,
+//! `--redis-user`, `--redis-password-file`), the SDK's `Config::redis_security` and the
+//! loadgen's flags of the same names. Trust is [`super::tls::all_roots`]: the platform bundle,
+//! `SSL_CERT_FILE` and the link's CA file. The server's certificate must name the host of the
+//! URL (SNI and hostname verification are on) unless `insecure` is set, which skips every
+//! check of the server and is logged as a warning by the caller. A client certificate and key
+//! (both or neither) make it mutual TLS.
+//!
+//! The ACL user and password come from the URL (`rediss://user:pass@host:6380`) or from the
+//! security settings (a user name, and a password or a password file); giving a password in
+//! both places is an error, so there is never a doubt which one is used. Files are read once,
+//! when [`Redis::with_security`] is called: a typo in a path is an error at start-up.
+//!
+//! No URL password ever reaches a log line or an error: [`RedisTarget`]'s `Display` and `Debug`
+//! redact it, and errors name the target that way.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
-use redis::{Cmd, Pipeline, RedisError, RedisFuture, RedisResult, Value};
+use redis::{
+    ClientTlsConfig, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisError,
+    RedisFuture, RedisResult, TlsCertificates, TlsMode, Value,
+};
 use tokio::sync::Mutex;
+
+use super::tls;
 
 /// Where Redis is: one server, or the seed nodes of a cluster.
 #[derive(Clone, PartialEq, Eq)]
@@ -29,15 +54,19 @@ impl fmt::Debug for RedisTarget {
     }
 }
 
+/// `url` without its userinfo (`rediss://***@host:6380`): the form every log line and error
+/// shows.
+pub fn redact_url(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_string(),
+    }
+}
+
 impl fmt::Display for RedisTarget {
     /// Shows the URLs without passwords.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fn redact(url: &str) -> String {
-            match (url.find("://"), url.rfind('@')) {
-                (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
-                _ => url.to_string(),
-            }
-        }
+        let redact = redact_url;
         match self {
             Self::Single(u) => f.write_str(&redact(u)),
             Self::Cluster(us) => {
@@ -73,13 +102,394 @@ impl RedisTarget {
             return Err("no Redis URL given".into());
         }
         for u in &urls {
-            redis::Client::open(u.as_str()).map_err(|e| format!("bad Redis URL {u:?}: {e}"))?;
+            // The error names the URL redacted: a URL may carry a password.
+            redis::Client::open(u.as_str())
+                .map_err(|e| format!("bad Redis URL {}: {e}", redact_url(u)))?;
         }
         Ok(if urls.len() == 1 {
             Self::Single(urls.into_iter().next().unwrap_or_default())
         } else {
             Self::Cluster(urls)
         })
+    }
+
+    /// The URLs (with their passwords: never log these, log the target itself).
+    fn urls(&self) -> &[String] {
+        match self {
+            Self::Single(u) => std::slice::from_ref(u),
+            Self::Cluster(us) => us,
+        }
+    }
+
+    /// True when the link is TLS (`rediss://`).
+    pub fn is_tls(&self) -> bool {
+        self.urls().iter().any(|u| u.starts_with("rediss://"))
+    }
+
+    /// True when a URL carries a password (`redis://user:pass@host`).
+    pub fn has_password(&self) -> bool {
+        self.urls().iter().any(|u| {
+            url_info(u)
+                .map(|i| i.redis_settings().password().is_some())
+                .unwrap_or(false)
+        })
+    }
+}
+
+fn url_info(url: &str) -> RedisResult<ConnectionInfo> {
+    url.into_connection_info()
+}
+
+/// TLS and ACL settings of a Redis link (see the module docs). `Default` is a plain link with
+/// whatever credentials the URL carries.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct RedisSecurity {
+    /// A PEM bundle trusted besides the platform's and `SSL_CERT_FILE` (`--redis-ca`).
+    pub ca_file: Option<PathBuf>,
+    /// The client certificate chain (PEM) for mutual TLS (`--redis-cert`; with `key_file`).
+    pub cert_file: Option<PathBuf>,
+    /// The client certificate's private key (PEM) (`--redis-key`; with `cert_file`).
+    pub key_file: Option<PathBuf>,
+    /// Skip every check of the server's certificate (`--redis-insecure`). For tests against a
+    /// server with a throw-away certificate only: anyone on the path can read and change the
+    /// traffic. Callers log a warning when it is set.
+    pub insecure: bool,
+    /// The ACL user (`--redis-user`); the URL's user name when `None`.
+    pub user: Option<String>,
+    /// The password (`None`: from `password_file` or the URL). Never printed (`Debug` redacts).
+    pub password: Option<String>,
+    /// A file holding the password (`--redis-password-file`; surrounding whitespace dropped).
+    pub password_file: Option<PathBuf>,
+}
+
+impl fmt::Debug for RedisSecurity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisSecurity")
+            .field("ca_file", &self.ca_file)
+            .field("cert_file", &self.cert_file)
+            .field("key_file", &self.key_file)
+            .field("insecure", &self.insecure)
+            .field("user", &self.user)
+            .field("password", &self.password.as_ref().map(|_| "<redacted>"))
+            .field("password_file", &self.password_file)
+            .finish()
+    }
+}
+
+/// A [`RedisSecurity`] setting that cannot be used: which one, and why (never a secret).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct SecurityError {
+    /// The field of [`RedisSecurity`] (`ca_file`, `cert_file`, `key_file`, `insecure`, `user`,
+    /// `password`, `password_file`), or `redis` for the URL itself. The manager maps it to its
+    /// flag with [`SecurityError::flag`].
+    pub field: &'static str,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl SecurityError {
+    /// The manager's and the loadgen's flag for [`SecurityError::field`], without dashes.
+    pub fn flag(&self) -> &'static str {
+        match self.field {
+            "ca_file" => "redis-ca",
+            "cert_file" => "redis-cert",
+            "key_file" => "redis-key",
+            "insecure" => "redis-insecure",
+            "user" => "redis-user",
+            "password" | "password_file" => "redis-password-file",
+            _ => "redis",
+        }
+    }
+}
+
+fn sec_err(field: &'static str, message: impl Into<String>) -> SecurityError {
+    SecurityError {
+        field,
+        message: message.into(),
+    }
+}
+
+/// [`RedisSecurity`] with its files read and checked: what a connection is built from.
+#[derive(Clone, Default)]
+struct Link {
+    /// `Some` for a TLS link: trusted roots and the client identity.
+    tls: Option<TlsCertificates>,
+    insecure: bool,
+    user: Option<String>,
+    password: Option<String>,
+}
+
+impl RedisSecurity {
+    /// True when any TLS option is set.
+    fn wants_tls(&self) -> bool {
+        self.ca_file.is_some()
+            || self.cert_file.is_some()
+            || self.key_file.is_some()
+            || self.insecure
+    }
+
+    /// Reads and checks every file against `target` (see the module docs for the rules).
+    fn prepare(&self, target: &RedisTarget) -> Result<Link, SecurityError> {
+        let tls = target.is_tls();
+        if tls && !target.urls().iter().all(|u| u.starts_with("rediss://")) {
+            return Err(sec_err(
+                "redis",
+                format!("{target}: mixes redis:// and rediss:// URLs"),
+            ));
+        }
+        if !tls && self.wants_tls() {
+            let field = if self.ca_file.is_some() {
+                "ca_file"
+            } else if self.cert_file.is_some() {
+                "cert_file"
+            } else if self.key_file.is_some() {
+                "key_file"
+            } else {
+                "insecure"
+            };
+            return Err(sec_err(
+                field,
+                format!("a TLS option needs a rediss:// URL, but the link is {target}"),
+            ));
+        }
+        let mut link = Link {
+            insecure: self.insecure,
+            ..Link::default()
+        };
+        if tls {
+            tls::install_provider();
+            let roots = tls::all_roots_pem(self.ca_file.as_deref()).map_err(|e| {
+                let field = if e.starts_with("SSL_CERT_FILE") {
+                    "redis"
+                } else {
+                    "ca_file"
+                };
+                sec_err(field, e)
+            })?;
+            let client_tls = match (&self.cert_file, &self.key_file) {
+                (None, None) => None,
+                (Some(_), None) => {
+                    return Err(sec_err("key_file", "a client certificate needs its key"));
+                }
+                (None, Some(_)) => {
+                    return Err(sec_err("cert_file", "a client key needs its certificate"));
+                }
+                (Some(cert), Some(key)) => {
+                    // Parsed now so that a bad file is named; the redis crate gets the PEM.
+                    tls::load_certs(cert).map_err(|e| sec_err("cert_file", e))?;
+                    tls::load_key(key).map_err(|e| sec_err("key_file", e))?;
+                    let read = |p: &std::path::Path, field| {
+                        std::fs::read(p).map_err(|e| {
+                            sec_err(field, format!("cannot read {}: {e}", p.display()))
+                        })
+                    };
+                    Some(ClientTlsConfig {
+                        client_cert: read(cert, "cert_file")?,
+                        client_key: read(key, "key_file")?,
+                    })
+                }
+            };
+            link.tls = Some(TlsCertificates {
+                client_tls,
+                root_cert: Some(roots),
+            });
+        }
+        let from_settings = match (&self.password, &self.password_file) {
+            (Some(_), Some(_)) => {
+                return Err(sec_err(
+                    "password_file",
+                    "give a password or a password file, not both",
+                ));
+            }
+            (Some(p), None) if p.is_empty() => {
+                return Err(sec_err("password", "must not be empty when set"));
+            }
+            (Some(p), None) => Some(p.clone()),
+            (None, Some(f)) => {
+                Some(tls::read_secret_file(f).map_err(|e| sec_err("password_file", e))?)
+            }
+            (None, None) => None,
+        };
+        if from_settings.is_some() && target.has_password() {
+            return Err(sec_err(
+                "password_file",
+                format!("{target} carries a password already: give it in one place"),
+            ));
+        }
+        if let Some(u) = &self.user {
+            if u.is_empty() || u.chars().any(|c| c.is_whitespace() || c.is_control()) {
+                return Err(sec_err("user", format!("{u:?} is not an ACL user name")));
+            }
+            if from_settings.is_none() && !target.has_password() {
+                return Err(sec_err(
+                    "user",
+                    "an ACL user needs a password (a password file, or in the URL)",
+                ));
+            }
+        }
+        link.user = self.user.clone();
+        link.password = from_settings;
+        Ok(link)
+    }
+}
+
+impl Link {
+    /// `url`'s connection info with this link's user, password and TLS mode.
+    fn info(&self, url: &str) -> RedisResult<ConnectionInfo> {
+        let mut info = url_info(url)?;
+        let mut rs = info.redis_settings().clone();
+        if let Some(u) = &self.user {
+            rs = rs.set_username(u);
+        }
+        if let Some(p) = &self.password {
+            rs = rs.set_password(p);
+        }
+        info = info.set_redis_settings(rs);
+        if self.insecure
+            && let ConnectionAddr::TcpTls {
+                host,
+                port,
+                tls_params,
+                ..
+            } = info.addr().clone()
+        {
+            info = info.set_addr(ConnectionAddr::TcpTls {
+                host,
+                port,
+                insecure: true,
+                tls_params,
+            });
+        }
+        Ok(info)
+    }
+
+    fn client(&self, url: &str) -> RedisResult<redis::Client> {
+        let info = self.info(url)?;
+        match &self.tls {
+            Some(certs) => redis::Client::build_with_tls(info, certs.clone()),
+            None => redis::Client::open(info),
+        }
+    }
+
+    fn cluster(&self, urls: &[String], o: &ConnOptions) -> RedisResult<ClusterClient> {
+        let infos = urls
+            .iter()
+            .map(|u| self.info(u))
+            .collect::<RedisResult<Vec<_>>>()?;
+        let mut b = ClusterClient::builder(infos)
+            .connection_timeout(o.connect_timeout)
+            .response_timeout(o.response_timeout)
+            .retries(1);
+        if let Some(certs) = &self.tls {
+            b = b.certs(certs.clone());
+            if self.insecure {
+                b = b.tls(TlsMode::Insecure);
+            }
+        }
+        b.build()
+    }
+}
+
+/// Why [`Redis::check`] failed, by what an operator must do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum CheckError {
+    /// Redis answered, but the link is misconfigured: the TLS handshake failed (unknown CA,
+    /// wrong host name, client certificate refused, not a TLS port) or the server refused the
+    /// credentials (wrong password, no such user, command not allowed). Retrying will not help.
+    #[error("Redis at {target}: {what}: {detail}")]
+    Config {
+        /// The target, passwords redacted.
+        target: String,
+        /// `TLS handshake failed` or `authentication failed`.
+        what: &'static str,
+        /// The cause (never a secret).
+        detail: String,
+    },
+    /// Redis could not be reached (refused, timed out): it may come up later.
+    #[error("Redis at {target} is unreachable: {detail}")]
+    Down {
+        /// The target, passwords redacted.
+        target: String,
+        /// The cause.
+        detail: String,
+    },
+}
+
+impl CheckError {
+    /// True for [`CheckError::Config`].
+    pub fn is_config(&self) -> bool {
+        matches!(self, Self::Config { .. })
+    }
+}
+
+/// The rustls error under a connection error, if the TLS handshake is what failed. The redis
+/// crate keeps an I/O error as `Arc<dyn Error>`, and an I/O error hides the error it wraps from
+/// `source()`, so each layer is unwrapped by hand.
+fn tls_cause(e: &RedisError) -> Option<String> {
+    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+    fn find(e: &(dyn std::error::Error + 'static), depth: u32) -> Option<String> {
+        if depth > 8 {
+            return None;
+        }
+        if let Some(r) = e.downcast_ref::<rustls::Error>() {
+            return Some(r.to_string());
+        }
+        if let Some(a) = e.downcast_ref::<Shared>() {
+            return find(a.as_ref(), depth + 1);
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>()
+            && let Some(inner) = io.get_ref()
+        {
+            return find(inner, depth + 1);
+        }
+        e.source().and_then(|s| find(s, depth + 1))
+    }
+    if let Some(found) = std::error::Error::source(e).and_then(|s| find(s, 0)) {
+        return Some(found);
+    }
+    // Some paths (the connection manager's reconnect) keep only the message: recognise the
+    // messages of rustls's handshake errors.
+    const RUSTLS: &[&str] = &[
+        "invalid peer certificate",
+        "received fatal alert",
+        "peer sent no certificates",
+        "peer is incompatible",
+        "peer misbehaved",
+        "received corrupt message",
+        "received unexpected message",
+        "received unexpected handshake message",
+        "cannot decrypt peer's message",
+        "handshake not complete",
+        "presented server name type wasn't supported",
+    ];
+    let text = e.to_string();
+    RUSTLS.iter().any(|m| text.contains(m)).then_some(text)
+}
+
+/// Sorts a failed connect-and-PING into [`CheckError`]. Exposed for the SDK, which classifies
+/// its first connection the same way.
+pub fn classify(target: &RedisTarget, e: &RedisError) -> CheckError {
+    let target_s = target.to_string();
+    if let Some(detail) = tls_cause(e) {
+        return CheckError::Config {
+            target: target_s,
+            what: "TLS handshake failed",
+            detail,
+        };
+    }
+    let auth = e.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(e.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"));
+    if auth {
+        return CheckError::Config {
+            target: target_s,
+            what: "authentication failed",
+            detail: e.to_string(),
+        };
+    }
+    CheckError::Down {
+        target: target_s,
+        detail: e.to_string(),
     }
 }
 
@@ -143,6 +553,7 @@ impl ConnectionLike for RedisConn {
 pub struct Redis {
     target: RedisTarget,
     options: ConnOptions,
+    link: Link,
     conn: Mutex<Option<RedisConn>>,
 }
 
@@ -155,12 +566,61 @@ impl fmt::Debug for Redis {
 }
 
 impl Redis {
-    /// A handle to `target`; nothing is connected yet.
+    /// A handle to `target` with the credentials its URL carries (TLS for `rediss://`, with
+    /// the platform roots and `SSL_CERT_FILE`); nothing is connected yet.
     pub fn new(target: RedisTarget, options: ConnOptions) -> Self {
+        let link = RedisSecurity::default()
+            .prepare(&target)
+            .unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "Redis TLS roots unusable; connecting without them");
+                Link::default()
+            });
         Self {
             target,
             options,
+            link,
             conn: Mutex::new(None),
+        }
+    }
+
+    /// A handle to `target` with TLS and ACL settings: every file is read now and every rule of
+    /// the module docs checked, so a bad setting is an error naming it. Nothing is connected.
+    pub fn with_security(
+        target: RedisTarget,
+        options: ConnOptions,
+        security: &RedisSecurity,
+    ) -> Result<Self, SecurityError> {
+        let link = security.prepare(&target)?;
+        Ok(Self {
+            target,
+            options,
+            link,
+            conn: Mutex::new(None),
+        })
+    }
+
+    /// Connects (afresh) and sends `PING`: the start-up check. A TLS or authentication failure
+    /// is [`CheckError::Config`], anything else [`CheckError::Down`]; both name the target
+    /// (passwords redacted) and never a secret.
+    pub async fn check(&self) -> Result<(), CheckError> {
+        self.reset().await;
+        let r = async {
+            let mut c = self.conn().await?;
+            redis::cmd("PING").query_async::<String>(&mut c).await
+        };
+        match tokio::time::timeout(self.options.connect_timeout * 4, r).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => {
+                self.reset().await;
+                Err(classify(&self.target, &e))
+            }
+            Err(_) => {
+                self.reset().await;
+                Err(CheckError::Down {
+                    target: self.target.to_string(),
+                    detail: "no answer in time".into(),
+                })
+            }
         }
     }
 
@@ -192,7 +652,7 @@ impl Redis {
         let connect = async {
             match &self.target {
                 RedisTarget::Single(url) => {
-                    let client = redis::Client::open(url.as_str())?;
+                    let client = self.link.client(url)?;
                     let cfg = ConnectionManagerConfig::new()
                         .set_connection_timeout(Some(o.connect_timeout))
                         .set_response_timeout(Some(o.response_timeout))
@@ -203,11 +663,7 @@ impl Redis {
                     ))
                 }
                 RedisTarget::Cluster(urls) => {
-                    let client = ClusterClient::builder(urls.iter().map(String::as_str))
-                        .connection_timeout(o.connect_timeout)
-                        .response_timeout(o.response_timeout)
-                        .retries(1)
-                        .build()?;
+                    let client = self.link.cluster(urls, &o)?;
                     Ok(RedisConn::Cluster(client.get_async_connection().await?))
                 }
             }
@@ -219,5 +675,105 @@ impl Redis {
                 format!("connecting to Redis at {} timed out", self.target),
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(url: &str, s: &RedisSecurity) -> Result<(), SecurityError> {
+        Redis::with_security(RedisTarget::parse(url).unwrap(), ConnOptions::default(), s)
+            .map(|_| ())
+    }
+
+    #[test]
+    fn security_rules_name_the_field_never_the_secret() {
+        let dir = std::env::temp_dir().join(format!("sluice-conn-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pw = dir.join("pw");
+        std::fs::write(&pw, "file-secret\n").unwrap();
+        let missing = dir.join("missing.pem");
+        let ok = RedisSecurity {
+            user: Some("w".into()),
+            password_file: Some(pw.clone()),
+            ..RedisSecurity::default()
+        };
+        assert!(check("rediss://127.0.0.1:6380", &ok).is_ok());
+        assert!(check("redis://127.0.0.1:6379", &ok).is_ok());
+        for (url, s, field) in [
+            (
+                "redis://h:1",
+                RedisSecurity {
+                    insecure: true,
+                    ..RedisSecurity::default()
+                },
+                "insecure",
+            ),
+            (
+                "rediss://h:1",
+                RedisSecurity {
+                    ca_file: Some(missing.clone()),
+                    ..RedisSecurity::default()
+                },
+                "ca_file",
+            ),
+            (
+                "rediss://h:1",
+                RedisSecurity {
+                    cert_file: Some(pw.clone()),
+                    ..RedisSecurity::default()
+                },
+                "key_file",
+            ),
+            (
+                "rediss://u:url-secret@h:1",
+                RedisSecurity {
+                    password_file: Some(pw.clone()),
+                    ..RedisSecurity::default()
+                },
+                "password_file",
+            ),
+            (
+                "rediss://h:1",
+                RedisSecurity {
+                    password: Some("p".into()),
+                    password_file: Some(pw.clone()),
+                    ..RedisSecurity::default()
+                },
+                "password_file",
+            ),
+            (
+                "rediss://h:1",
+                RedisSecurity {
+                    user: Some("w".into()),
+                    ..RedisSecurity::default()
+                },
+                "user",
+            ),
+            (
+                "redis://a:1,rediss://b:2",
+                RedisSecurity::default(),
+                "redis",
+            ),
+        ] {
+            let e = check(url, &s).unwrap_err();
+            assert_eq!(e.field, field, "{url} {s:?}: {e}");
+            let text = e.to_string();
+            assert!(!text.contains("secret"), "{text}");
+        }
+        let dbg = format!(
+            "{:?}",
+            RedisSecurity {
+                password: Some("dbg-secret".into()),
+                ..RedisSecurity::default()
+            }
+        );
+        assert!(!dbg.contains("dbg-secret"), "{dbg}");
+        assert_eq!(
+            RedisTarget::parse("rediss://u:pw@h:1").unwrap().to_string(),
+            "rediss://***@h:1"
+        );
+        std::fs::remove_dir_all(&dir).ok();
     }
 }
