@@ -30,6 +30,7 @@ fn meta(version: i64) -> TaskMeta {
         mode: Mode::Pooled,
         fallback: Fallback::default(),
         version,
+        lease_ms: 0,
     }
 }
 

@@ -56,7 +56,7 @@ pub(crate) type FlushBatch = (u64, Vec<(i64, SliceCounters)>);
 
 /// Whether a call may be sent twice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Retry {
+pub(crate) enum Retry {
     /// Idempotent: retry after a connection error or half the timeout.
     Idempotent,
     /// Not idempotent: retry only when the first attempt surely never reached Redis.
@@ -78,7 +78,7 @@ type CallResult<T> = Result<redis::RedisResult<T>, ()>;
 /// guarantees the request never reached Redis (no connection, connection refused) is retried.
 /// A Redis that is down fails both attempts at once; one that hangs costs exactly the pull
 /// timeout.
-async fn call<T, F, Fut>(sh: &Shared, retry: Retry, mut f: F) -> CallResult<T>
+pub(crate) async fn call<T, F, Fut>(sh: &Shared, retry: Retry, mut f: F) -> CallResult<T>
 where
     F: FnMut(crate::protocol::conn::RedisConn) -> Fut,
     Fut: std::future::Future<Output = redis::RedisResult<T>>,
@@ -235,6 +235,8 @@ async fn step(sh: &Shared, t: &TaskInner, stopping: bool) -> bool {
     }
     let busy = if m.mode == Mode::Pooled && !stopping {
         pooled(sh, t, slot, r, &m, sh.now_us()).await
+    } else if m.mode == Mode::Concurrency && !stopping {
+        crate::concurrency::step(sh, slot, &m).await
     } else {
         false
     };

@@ -142,6 +142,7 @@ mod tests {
                     burst: 0,
                 },
                 version: 1,
+                lease_ms: 0,
             },
             slot.generation(),
         );
