@@ -135,6 +135,46 @@ async fn lease_script_grants_within_the_cap_and_orders_calls() {
         held(lease::lease(&mut c, &keys, "t", "a", 9, 4).await.unwrap()),
         (4, 5, 1)
     );
+    // Sequence numbers from a µs clock (16 digits) are stored exactly and still order calls.
+    let us = 1_796_135_305_814_301u64;
+    assert_eq!(
+        held(lease::lease(&mut c, &keys, "t", "a", 4, us).await.unwrap()),
+        (4, 5, 1)
+    );
+    assert_eq!(
+        held(
+            lease::lease(&mut c, &keys, "t", "c", 5, us + 1)
+                .await
+                .unwrap()
+        ),
+        (1, 5, 4)
+    );
+    assert_eq!(
+        lease::lease(&mut c, &keys, "t", "a", 4, us - 1)
+            .await
+            .unwrap(),
+        LeaseReply::Stale { holding: 4 }
+    );
+    let mut sc = redis_conn(&shared_redis());
+    let entry: String = redis::cmd("HGET")
+        .arg(keys.lease("t"))
+        .arg("a")
+        .query(&mut sc)
+        .unwrap();
+    let f: Vec<&str> = entry.split(':').collect();
+    assert_eq!(
+        (f[0], f[2], f[3]),
+        ("4", us.to_string().as_str(), "0"),
+        "{entry}"
+    );
+    // c asked for 5 and got 1: a learns that others wait for 4 (and gives idle ones back).
+    match lease::lease(&mut c, &keys, "t", "a", 4, us + 2)
+        .await
+        .unwrap()
+    {
+        LeaseReply::Held { others_unmet, .. } => assert_eq!(others_unmet, 4),
+        other => panic!("{other:?}"),
+    }
     // A task of another mode is unknown to LEASE.
     let mut pooled = conc_meta(5, 0, 3);
     pooled.mode = Mode::Pooled;
@@ -379,4 +419,108 @@ async fn permits_are_bounded_per_host_released_on_drop_and_counted() {
         },
     )
     .await;
+}
+
+/// `start_us end_us` lines of one or more interval files.
+fn read_intervals(paths: &[std::path::PathBuf]) -> Vec<(i64, i64)> {
+    let mut v = Vec::new();
+    for p in paths {
+        let text = std::fs::read_to_string(p).unwrap_or_default();
+        for line in text.lines() {
+            let mut it = line.split_whitespace().map(|x| x.parse::<i64>());
+            match (it.next(), it.next()) {
+                (Some(Ok(a)), Some(Ok(b))) => {
+                    assert!(b >= a, "interval ends before it starts: {line}");
+                    v.push((a, b));
+                }
+                _ => panic!("bad interval line {line:?} in {}", p.display()),
+            }
+        }
+    }
+    v
+}
+
+/// Most intervals open at one instant (an end at the same µs as a start closes first).
+fn max_in_flight(iv: &[(i64, i64)]) -> (usize, i64) {
+    let mut ev: Vec<(i64, i32)> = iv.iter().flat_map(|&(a, b)| [(a, 1), (b, -1)]).collect();
+    ev.sort();
+    let (mut cur, mut max, mut at) = (0i64, 0i64, 0);
+    for (t, d) in ev {
+        cur += d as i64;
+        if cur > max {
+            max = cur;
+            at = t;
+        }
+    }
+    (max as usize, at)
+}
+
+/// Mean number of intervals open over `[from, to)` (µs).
+fn mean_in_flight(iv: &[(i64, i64)], from: i64, to: i64) -> f64 {
+    let covered: i64 = iv
+        .iter()
+        .map(|&(a, b)| (b.min(to) - a.max(from)).max(0))
+        .sum();
+    covered as f64 / (to - from) as f64
+}
+
+#[tokio::test]
+async fn three_hosts_never_exceed_the_threshold_and_keep_it_busy() {
+    let (_m, ns) = manager_with(
+        "conc3",
+        r#"{"threshold": 20, "mode": "concurrency", "lease_ms": 2000, "on_failure": "deny"}"#,
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let hosts: Vec<String> = (0..3).map(|i| format!("{ns}-h{i}")).collect();
+    let _segments = SegmentGuard(hosts.iter().map(|h| (ns.clone(), h.clone())).collect());
+    let files: Vec<_> = (0..3).map(|i| dir.path().join(format!("iv{i}"))).collect();
+    let duration_ms = 5_000;
+    let mut gens: Vec<Loadgen> = hosts
+        .iter()
+        .zip(&files)
+        .map(|(h, f)| {
+            let fs = f.display().to_string();
+            Loadgen::spawn(&loadgen_args(
+                &shared_redis(),
+                &ns,
+                "c",
+                h,
+                2,
+                duration_ms,
+                &["--hold-ms", "50", "--workers", "8", "--intervals", &fs],
+            ))
+        })
+        .collect();
+    let mut reports = Vec::new();
+    for g in &mut gens {
+        reports.push(g.wait_json(Duration::from_secs(60)).await);
+    }
+    let iv = read_intervals(&files);
+    let admitted: u64 = reports
+        .iter()
+        .map(|r| r["admitted"].as_u64().unwrap())
+        .sum();
+    let calls: u64 = reports
+        .iter()
+        .map(|r| r["redis_calls"].as_u64().unwrap())
+        .sum();
+    assert_eq!(
+        iv.len() as u64,
+        admitted,
+        "one interval per admitted permit"
+    );
+    let (max, at) = max_in_flight(&iv);
+    // While demand lasts: from the first start + 0.5 s to the last end − 0.5 s.
+    let first = iv.iter().map(|x| x.0).min().unwrap();
+    let last = iv.iter().map(|x| x.1).max().unwrap();
+    let mean = mean_in_flight(&iv, first + 500_000, last - 500_000);
+    let per_permit = calls as f64 / admitted as f64;
+    eprintln!(
+        "3 hosts x 2 procs, threshold 20, hold 50 ms: {admitted} permits, max in flight {max} \
+         (at {at}), mean {mean:.2}, {calls} Redis calls = {per_permit:.4} per permit"
+    );
+    assert!(max <= 20, "in flight reached {max} at {at}");
+    assert!(mean >= 18.0, "mean in flight {mean:.2} < 18");
+    assert!(per_permit <= 0.1, "{per_permit} Redis calls per permit");
 }

@@ -103,18 +103,20 @@ pub fn valid_for_ms(lease_ms: u64) -> i64 {
 
 /// The block a host asks for (pure): what it has in use, plus those waiting, plus headroom
 /// for the demand it refused since the last call (a quarter of its use, at least one), never
-/// above the cap; with no demand, what it uses plus an eighth (idle permits go back). When
-/// the cluster is over the cap (`others + limit > cap`, after a threshold decrease) the host
-/// asks for no more than its room under the cap or, if that is less, what it has in use.
+/// above the cap; with no demand, what it uses plus an eighth, or exactly what it uses when
+/// other hosts wait for permits (`others_unmet > 0`): idle permits go back. When the cluster
+/// is over the cap (`others + limit > cap`, after a threshold decrease) the host asks for no
+/// more than its room under the cap or, if that is less, what it has in use.
 ///
 /// ```
 /// use sluice::concurrency::target;
 /// // 10 in use, 5 waiting: 10 + 5 + 2 (headroom), cap 20 with nobody else.
-/// assert_eq!(target(10, 10, 5, 0, 20, 0), 17);
-/// // Idle: 2 in use of 12 held: give 9 back.
-/// assert_eq!(target(2, 12, 0, 0, 20, 0), 3);
+/// assert_eq!(target(10, 10, 5, 0, 20, 0, 0), 17);
+/// // Idle: 2 in use of 12 held: give 9 back; all 10 idle ones if another host waits.
+/// assert_eq!(target(2, 12, 0, 0, 20, 0, 0), 3);
+/// assert_eq!(target(2, 12, 0, 0, 20, 0, 4), 2);
 /// // Threshold lowered to 5 while others hold 4 and we hold 6 with 3 in use: keep 3.
-/// assert_eq!(target(3, 6, 9, 9, 5, 4), 3);
+/// assert_eq!(target(3, 6, 9, 9, 5, 4, 0), 3);
 /// ```
 pub fn target(
     in_use: u64,
@@ -123,10 +125,13 @@ pub fn target(
     denied_new: u64,
     cap: u64,
     others: u64,
+    others_unmet: u64,
 ) -> u64 {
     let demand = waiting > 0 || denied_new > 0;
     let want = if demand {
         in_use + waiting.max(denied_new.min(cap)).max(1) + (in_use / 4).max(1)
+    } else if others_unmet > 0 {
+        in_use
     } else {
         in_use + in_use / 8
     };
@@ -410,7 +415,12 @@ impl Task {
         };
         if let Err(e) = res {
             k.denied.fetch_add(1, Ordering::Relaxed);
-            self.shared.wake.notify_one();
+            // Wake the background thread for the host's first demand only: after that its
+            // rounds (every millisecond while a caller waits) see the demand; waking it on
+            // every refusal would turn waiting into spinning.
+            if k.sent_ok_ms.load(Ordering::Relaxed) == 0 {
+                self.shared.wake.notify_one();
+            }
             return Err(e);
         }
         if !holder_add(&self.shared.seg, k) {
@@ -453,8 +463,8 @@ impl Task {
             }
             if waiting.is_none() {
                 waiting = Some(WaitGuard::new(self));
+                self.shared.wake.notify_one();
             }
-            self.shared.wake.notify_one();
             notified.await;
         }
     }
@@ -479,8 +489,8 @@ impl Task {
             }
             if waiting.is_none() {
                 waiting = Some(WaitGuard::new(self));
+                self.shared.wake.notify_one();
             }
-            self.shared.wake.notify_one();
             std::thread::sleep(Duration::from_micros(500));
         }
     }
@@ -661,6 +671,7 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
         denied_new,
         cap,
         others,
+        k.others_unmet.load(Ordering::Relaxed),
     );
     if leased && want < limit {
         // Shrink locally first: never more handed out than Redis will believe we hold.
@@ -694,9 +705,11 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
             cap,
             others,
             lease_ms,
+            others_unmet,
             ..
         })) => {
             let lease_ms = lease_ms.max(1);
+            k.others_unmet.store(others_unmet, Ordering::Relaxed);
             set_limit(k, holding);
             k.cap.store(cap, Ordering::Relaxed);
             k.others.store(others, Ordering::Relaxed);
@@ -755,7 +768,7 @@ mod tests {
             for limit in in_use..30 {
                 for waiting in [0, 1, 10, 100] {
                     for others in [0, 5, 25] {
-                        let t = target(in_use, limit, waiting, 0, 20, others);
+                        let t = target(in_use, limit, waiting, 0, 20, others, 3);
                         assert!(t >= in_use.min(20), "{in_use} {limit} {waiting} {others}");
                         assert!(t <= 20.max(in_use), "{t}");
                     }

@@ -336,6 +336,8 @@ pub struct ConcCells {
     pub failing_since_ms: AtomicI64,
     /// Boot-clock ms before which no LEASE call is retried (after a failed one).
     pub next_try_ms: AtomicI64,
+    /// What the other hosts asked for and did not get, from the last reply.
+    pub others_unmet: AtomicU64,
     /// Per-process shares of `in_use`.
     pub holders: [AtomicU64; HOLDERS],
 }
@@ -929,6 +931,7 @@ impl Slot {
             &k.granted,
             &k.reclaimed,
             &k.denied_seen,
+            &k.others_unmet,
         ] {
             w.store(0, Ordering::Relaxed);
         }

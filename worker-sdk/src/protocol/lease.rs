@@ -6,7 +6,8 @@
 //! ```text
 //!  NS:{T}:meta   hash  written by the leader (fenced, like every task): mode = concurrency,
 //!                      threshold = permits in flight cluster-wide, lease_ms = lease TTL
-//!  NS:{T}:lease  hash  host id -> "<permits>:<expires_ms>:<seq>"   (expires_ms: Redis TIME)
+//!  NS:{T}:lease  hash  host id -> "<permits>:<expires_ms>:<seq>:<unmet>"
+//!                      (expires_ms: Redis TIME; unmet: want − permits of its last call)
 //! ```
 //!
 //! A host holds a block of permits under a lease and hands them out locally. [`LEASE_LUA`] is
@@ -55,9 +56,14 @@ use super::Keys;
 /// Takes, grows, renews, shrinks or drops a host's block of permits (see the module docs).
 ///
 /// `KEYS[1]` meta, `KEYS[2]` lease hash. `ARGV`: host id, want (absolute), seq (strictly
-/// increasing per host; a retry resends the same seq).
+/// increasing per host, below 2^53 (Lua numbers are doubles); a retry resends the same seq).
+/// Entries are written with `%d`, never `tostring` (which prints 1.7e+15 for a µs clock).
 ///
-/// Returns `{status, holding, cap, others, lease_ms, version, time_s, time_us}`:
+/// Each entry also records the host's **unmet** demand (`want − holding` of its last call), so
+/// a host learns whether others wait (`others_unmet`) and gives its idle permits back.
+///
+/// Returns `{status, holding, cap, others, lease_ms, version, time_s, time_us,
+/// others_unmet}`:
 ///
 /// * `status = 1`: the host now holds `holding` permits until Redis time + `lease_ms`;
 /// * `status = -1`: the task is unknown: no meta, a tombstone, or not in mode `concurrency`
@@ -71,7 +77,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local m = redis.call('HMGET', KEYS[1], 'mode', 'threshold', 'lease_ms', 'version', 'retired')
 if m[1] ~= 'concurrency' or m[5] or not m[2] then
-  return {-1, 0, 0, 0, 0, 0, tonumber(t[1]), tonumber(t[2])}
+  return {-1, 0, 0, 0, 0, 0, tonumber(t[1]), tonumber(t[2]), 0}
 end
 local cap = tonumber(m[2]) or 0
 local ttl = tonumber(m[3]) or 0
@@ -81,9 +87,10 @@ local host = ARGV[1]
 local want = math.max(0, tonumber(ARGV[2]) or 0)
 local seq = tonumber(ARGV[3]) or 0
 local all = redis.call('HGETALL', KEYS[2])
-local cur, cur_seq, others = 0, -1, 0
+local cur, cur_seq, others, unmet = 0, -1, 0, 0
 for i = 1, #all, 2 do
-  local p, e, s = string.match(all[i + 1], '^(%d+):(%d+):(%d+)$')
+  local p, e, s, u = string.match(all[i + 1], '^(%d+):(%d+):(%d+):?(%d*)$')
+  -- numbers are written with %d (tostring would print a µs seq as 1.79e+15)
   p = tonumber(p); e = tonumber(e); s = tonumber(s)
   if not p then
     redis.call('HDEL', KEYS[2], all[i])
@@ -94,13 +101,14 @@ for i = 1, #all, 2 do
       if live then cur = p end
     elseif live then
       others = others + p
+      unmet = unmet + (tonumber(u) or 0)
     elseif e + 10 * ttl < now then
       redis.call('HDEL', KEYS[2], all[i])
     end
   end
 end
 if seq < cur_seq then
-  return {-3, cur, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2])}
+  return {-3, cur, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unmet}
 end
 local hold
 if want <= cur then
@@ -109,9 +117,10 @@ else
   hold = math.max(cur, math.min(want, cap - others))
 end
 if hold < 0 then hold = 0 end
-redis.call('HSET', KEYS[2], host, hold .. ':' .. (now + ttl) .. ':' .. seq)
+redis.call('HSET', KEYS[2], host,
+  string.format('%d:%d:%d:%d', hold, now + ttl, seq, math.max(0, want - hold)))
 redis.call('PEXPIRE', KEYS[2], 10 * ttl + 1000)
-return {1, hold, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2])}
+return {1, hold, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unmet}
 "#;
 
 /// Takes lock `L` if it is free, drawing its fencing token in the same call.
@@ -176,6 +185,8 @@ pub enum LeaseReply {
         lease_ms: u64,
         /// The meta's spec version.
         version: i64,
+        /// What the other (live) hosts asked for and did not get.
+        others_unmet: u64,
         /// Redis `TIME`, Unix µs.
         redis_time_us: i64,
     },
@@ -218,6 +229,7 @@ where
             lease_ms: g(4).max(0) as u64,
             version: g(5),
             redis_time_us: g(6) * 1_000_000 + g(7),
+            others_unmet: g(8).max(0) as u64,
         },
         -3 => LeaseReply::Stale {
             holding: g(1).max(0) as u64,

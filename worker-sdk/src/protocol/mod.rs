@@ -220,7 +220,7 @@ impl Keys {
     }
 
     /// `NS:{T}:lease`: mode `concurrency`: the permits each host leases (hash: host id →
-    /// `<permits>:<expires_ms>:<seq>`; see [`lease`]).
+    /// `<permits>:<expires_ms>:<seq>:<unmet>`; see [`lease`]).
     pub fn lease(&self, task: &str) -> String {
         format!("{}:{{{}}}:lease", self.ns, task)
     }
