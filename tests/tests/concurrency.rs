@@ -524,3 +524,221 @@ async fn three_hosts_never_exceed_the_threshold_and_keep_it_busy() {
     assert!(mean >= 18.0, "mean in flight {mean:.2} < 18");
     assert!(per_permit <= 0.1, "{per_permit} Redis calls per permit");
 }
+
+/// The `holder` example (worker-sdk/examples/holder.rs) with piped stdin/stdout; resumed
+/// (SIGCONT), killed and reaped when dropped.
+struct Holder {
+    child: std::process::Child,
+    lines: std::sync::mpsc::Receiver<String>,
+    stdin: Option<std::process::ChildStdin>,
+}
+
+impl Holder {
+    fn spawn(ns: &str, host: &str, what: &[&str]) -> Self {
+        use std::process::{Command, Stdio};
+        let mut child = Command::new(workspace_bin("examples/holder"))
+            .args([
+                "--redis",
+                &shared_redis(),
+                "--namespace",
+                ns,
+                "--host-id",
+                host,
+            ])
+            .args(what)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the holder example (cargo build -p sluice --examples)");
+        let out = child.stdout.take().unwrap();
+        let (tx, lines) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let stdin = child.stdin.take();
+        Self {
+            child,
+            lines,
+            stdin,
+        }
+    }
+
+    fn line(&self, timeout: Duration) -> String {
+        self.lines
+            .recv_timeout(timeout)
+            .unwrap_or_else(|e| panic!("no line from the holder within {timeout:?}: {e}"))
+    }
+
+    fn send(&mut self, line: &str) {
+        use std::io::Write;
+        let s = self.stdin.as_mut().expect("stdin");
+        writeln!(s, "{line}").unwrap();
+        s.flush().unwrap();
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Holder {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) on our own unreaped child.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGCONT) };
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Polls `try_permit` every millisecond until it succeeds; how long that took.
+fn time_until_permit(task: &sluice::Task, timeout: Duration) -> (Duration, sluice::Permit) {
+    let t0 = std::time::Instant::now();
+    loop {
+        if let Ok(p) = task.try_permit() {
+            return (t0.elapsed(), p);
+        }
+        assert!(t0.elapsed() < timeout, "no permit within {timeout:?}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+#[tokio::test]
+async fn a_killed_process_gives_its_permits_back_at_once_a_killed_host_within_the_ttl() {
+    let (_m, ns) = manager_with(
+        "conckill",
+        r#"{"threshold": 5, "mode": "concurrency", "lease_ms": 2000, "on_failure": "deny"}"#,
+    )
+    .await;
+    let ha = format!("{ns}-a");
+    let hb = format!("{ns}-b");
+    let _segments = SegmentGuard(vec![(ns.clone(), ha.clone()), (ns.clone(), hb.clone())]);
+    // Host a: this test's client and a holder process with all 5 permits.
+    let client = sluice::Client::new(sdk_config(&shared_redis(), &ns, &ha)).unwrap();
+    let task = client.task("c").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    let mut holder = Holder::spawn(&ns, &ha, &["permits", "--task", "c", "--count", "5"]);
+    assert_eq!(holder.line(Duration::from_secs(15)), "held 5");
+    assert_eq!(task.try_permit().unwrap_err(), sluice::PermitError::Full);
+    signal(holder.pid(), libc::SIGKILL);
+    let (back, p) = time_until_permit(&task, Duration::from_secs(2));
+    eprintln!("SIGKILLed process: its permits back on the host after {back:?}");
+    assert!(back <= Duration::from_millis(100), "{back:?}");
+    drop(p);
+    let st = task.permit_stats().unwrap();
+    assert_eq!(st.in_use, 0, "{st:?}");
+    assert!(st.reclaimed >= 5, "{st:?}");
+    drop(holder);
+
+    // Host b: a holder takes all 5; then the whole host dies (its only process, SIGKILL).
+    let mut hold_b = Holder::spawn(&ns, &hb, &["permits", "--task", "c", "--count", "5"]);
+    // a renews and gives its idle permits back (others wait): b gets all 5 eventually.
+    assert_eq!(hold_b.line(Duration::from_secs(15)), "held 5");
+    signal(hold_b.pid(), libc::SIGKILL);
+    let (back, _p) = time_until_permit(&task, Duration::from_secs(6));
+    eprintln!("SIGKILLed host (lease 2000 ms): its permits back on another host after {back:?}");
+    // Within the lease TTL of its last renewal (before the kill), plus host a's pause between
+    // two growth attempts (200 ms).
+    assert!(back <= Duration::from_millis(2_000 + 250), "{back:?}");
+    drop(hold_b);
+}
+
+#[tokio::test]
+async fn a_stopped_host_past_its_ttl_hands_out_nothing_until_it_holds_a_new_lease() {
+    let (_m, ns) = manager_with(
+        "concstop",
+        r#"{"threshold": 5, "mode": "concurrency", "lease_ms": 1000, "on_failure": "deny"}"#,
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let (hs, hb) = (format!("{ns}-s"), format!("{ns}-b"));
+    let _segments = SegmentGuard(vec![(ns.clone(), hs.clone()), (ns.clone(), hb.clone())]);
+    let (fs, fb) = (dir.path().join("s"), dir.path().join("b"));
+    // Host s starts first and takes every permit; host b starts after and waits.
+    let mut gs = Loadgen::spawn(&loadgen_args(
+        &shared_redis(),
+        &ns,
+        "c",
+        &hs,
+        1,
+        9_000,
+        &[
+            "--hold-ms",
+            "50",
+            "--workers",
+            "8",
+            "--intervals",
+            &fs.display().to_string(),
+        ],
+    ));
+    let mut gb = Loadgen::spawn(&loadgen_args(
+        &shared_redis(),
+        &ns,
+        "c",
+        &hb,
+        1,
+        5_000,
+        &[
+            "--hold-ms",
+            "50",
+            "--workers",
+            "8",
+            "--intervals",
+            &fb.display().to_string(),
+        ],
+    ));
+    // Let both run, then stop host s (parent and child) for 2.5 lease TTLs.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let pids: Vec<u32> = std::iter::once(gs.proc.pid())
+        .chain(child_pids(gs.proc.pid()))
+        .collect();
+    assert_eq!(pids.len(), 2, "{pids:?}");
+    for p in &pids {
+        signal(*p, libc::SIGSTOP);
+    }
+    let stopped_us = sluice::clock::host_us();
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    for p in &pids {
+        signal(*p, libc::SIGCONT);
+    }
+    let cont_us = sluice::clock::host_us();
+    let rb = gb.wait_json(Duration::from_secs(60)).await;
+    let rs = gs.wait_json(Duration::from_secs(60)).await;
+    let s_iv = read_intervals(&[fs.clone()]);
+    let b_iv = read_intervals(&[fb.clone()]);
+    let b_end = b_iv.iter().map(|x| x.1).max().unwrap();
+    let s_before = s_iv.iter().filter(|x| x.0 < stopped_us).count();
+    let s_between = s_iv
+        .iter()
+        .filter(|x| x.0 >= cont_us && x.0 < b_end)
+        .count();
+    let s_after = s_iv.iter().filter(|x| x.0 >= b_end).count();
+    let b_during = b_iv
+        .iter()
+        .filter(|x| x.0 >= stopped_us && x.0 < cont_us)
+        .count();
+    eprintln!(
+        "stopped host: {s_before} permits before SIGSTOP, {s_between} after SIGCONT while the \
+         other host held the permits, {s_after} after it ended; the other host: {b_during} \
+         during the stop; reports {rs} {rb}"
+    );
+    assert!(s_before > 0 && b_during > 0);
+    // After SIGCONT host s hands out nothing while host b holds every permit (its lease of
+    // before the stop expired in Redis and b took the permits) …
+    assert_eq!(s_between, 0);
+    // … and works again once it holds a new lease (b's expires after b stopped).
+    assert!(s_after > 0);
+    // Permits started after SIGCONT never exceed the threshold together.
+    let late: Vec<(i64, i64)> = s_iv
+        .iter()
+        .chain(&b_iv)
+        .copied()
+        .filter(|x| x.0 >= cont_us)
+        .collect();
+    assert!(max_in_flight(&late).0 <= 5);
+}
