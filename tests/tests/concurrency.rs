@@ -742,3 +742,146 @@ async fn a_stopped_host_past_its_ttl_hands_out_nothing_until_it_holds_a_new_leas
         .collect();
     assert!(max_in_flight(&late).0 <= 5);
 }
+
+#[tokio::test]
+async fn a_thousand_lock_acquisitions_across_three_hosts_have_increasing_tokens_and_one_holder() {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let ns = unique_ns("locks");
+    let hosts: Vec<String> = (0..3).map(|i| format!("{ns}-h{i}")).collect();
+    let _segments = SegmentGuard(hosts.iter().map(|h| (ns.clone(), h.clone())).collect());
+    let held = Arc::new(AtomicBool::new(false));
+    let last = Arc::new(std::sync::Mutex::new(0u64));
+    let count = Arc::new(AtomicU64::new(0));
+    let t0 = std::time::Instant::now();
+    let mut joins = Vec::new();
+    for h in &hosts {
+        let client = sluice::Client::new(sdk_config(&shared_redis(), &ns, h)).unwrap();
+        let (held, last, count) = (held.clone(), last.clone(), count.clone());
+        joins.push(tokio::spawn(async move {
+            let mut mine = 0u64;
+            // Bounded: 1,000 acquisitions in all, or 120 s.
+            while count.load(Ordering::Acquire) < 1_000 && t0.elapsed() < Duration::from_secs(120) {
+                let g = client
+                    .lock_timeout("job", Duration::from_secs(5), Duration::from_secs(10))
+                    .await
+                    .expect("lock");
+                assert!(!held.swap(true, Ordering::AcqRel), "two holders at once");
+                {
+                    let mut l = last.lock().unwrap();
+                    assert!(g.token() > *l, "token {} after {}", g.token(), *l);
+                    *l = g.token();
+                }
+                count.fetch_add(1, Ordering::AcqRel);
+                mine += 1;
+                held.store(false, Ordering::Release);
+                assert!(
+                    g.release().await.expect("release"),
+                    "released by its holder"
+                );
+            }
+            mine
+        }));
+    }
+    let mut per_host = Vec::new();
+    for j in joins {
+        per_host.push(j.await.unwrap());
+    }
+    let n = count.load(Ordering::Acquire);
+    eprintln!(
+        "locks: {n} acquisitions in {:?}, per host {per_host:?}, last token {}",
+        t0.elapsed(),
+        *last.lock().unwrap()
+    );
+    assert!(n >= 1_000, "{n}");
+    assert!(per_host.iter().all(|&k| k > 0), "{per_host:?}");
+}
+
+#[tokio::test]
+async fn a_holder_paused_past_its_ttl_loses_the_lock_and_its_late_write_is_refused() {
+    let ns = unique_ns("lockpause");
+    let (ha, hb) = (format!("{ns}-a"), format!("{ns}-b"));
+    let _segments = SegmentGuard(vec![(ns.clone(), ha.clone()), (ns.clone(), hb.clone())]);
+    let resource = format!("{ns}-resource");
+    let mut a = Holder::spawn(
+        &ns,
+        &ha,
+        &[
+            "lock",
+            "--name",
+            "job",
+            "--ttl-ms",
+            "1000",
+            "--resource",
+            &resource,
+        ],
+    );
+    let line = a.line(Duration::from_secs(15));
+    let ta: u64 = line
+        .strip_prefix("token ")
+        .and_then(|t| t.parse().ok())
+        .unwrap_or_else(|| panic!("{line}"));
+    a.send("write from-a-1");
+    assert_eq!(a.line(Duration::from_secs(5)), "written");
+    // A is paused (GC, SIGSTOP, a stalled VM) while holding the lock.
+    signal(a.pid(), libc::SIGSTOP);
+    let paused = std::time::Instant::now();
+    let client = sluice::Client::new(sdk_config(&shared_redis(), &ns, &hb)).unwrap();
+    let g = client
+        .lock_timeout("job", Duration::from_secs(5), Duration::from_secs(10))
+        .await
+        .expect("the lock of a paused holder expires");
+    let took = paused.elapsed();
+    assert!(g.token() > ta, "{} vs {ta}", g.token());
+    // B writes with its token, through the same fenced write as A.
+    let mut c = redis_conn(&shared_redis());
+    let (ok, _): (i64, i64) = redis::Script::new(
+        r#"
+local seen = tonumber(redis.call('HGET', KEYS[1], 'token') or '0')
+local tok = tonumber(ARGV[1])
+if tok < seen then return {0, seen} end
+redis.call('HSET', KEYS[1], 'token', ARGV[1], 'value', ARGV[2])
+return {1, tok}
+"#,
+    )
+    .key(&resource)
+    .arg(g.token())
+    .arg("from-b")
+    .invoke(&mut c)
+    .unwrap();
+    assert_eq!(ok, 1);
+    // A wakes up and writes late, as if it still held the lock: refused by the resource.
+    signal(a.pid(), libc::SIGCONT);
+    a.send("write from-a-2");
+    assert_eq!(
+        a.line(Duration::from_secs(5)),
+        format!("refused {}", g.token())
+    );
+    let value: String = redis::cmd("HGET")
+        .arg(&resource)
+        .arg("value")
+        .query(&mut c)
+        .unwrap();
+    assert_eq!(value, "from-b");
+    // A's guard finds out it lost the lock.
+    let mut seen = String::new();
+    for _ in 0..50 {
+        a.send("held");
+        seen = a.line(Duration::from_secs(5));
+        if seen == "held false" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(seen, "held false");
+    eprintln!(
+        "paused holder: token {ta}, the next holder got {} after {took:?}; late write refused",
+        g.token()
+    );
+    // A's release (token-checked) does not free B's lock.
+    drop(a);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(g.is_held());
+    assert!(g.release().await.unwrap());
+    let _: () = redis::cmd("DEL").arg(&resource).query(&mut c).unwrap();
+}
