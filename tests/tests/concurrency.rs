@@ -885,3 +885,70 @@ return {1, tok}
     assert!(g.release().await.unwrap());
     let _: () = redis::cmd("DEL").arg(&resource).query(&mut c).unwrap();
 }
+
+#[tokio::test]
+async fn redis_lost_means_local_limit_in_flight_and_back_to_leases_without_double_grants() {
+    let etcd = shared_etcd();
+    let mut redis = RedisServer::start();
+    let ns = unique_ns("concfail");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis.url(), &ns, "m1")).await;
+    let (s, v) = m
+        .put(
+            "/api/v1/tasks/c",
+            r#"{"threshold": 4, "mode": "concurrency", "lease_ms": 1000,
+                "on_failure": "local", "local_limit": 2}"#,
+        )
+        .await;
+    assert!(s == 200 || s == 201, "{s} {v}");
+    let host = format!("{ns}-h");
+    let _segments = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let mut cfg = sdk_config(&redis.url(), &ns, &host);
+    cfg.pull_timeout = Duration::from_millis(300);
+    let client = sluice::Client::new(cfg).unwrap();
+    let task = client.task("c").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(15)));
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let p = task.permit_timeout(Duration::from_secs(5)).await.unwrap();
+        assert!(!p.is_fallback());
+        held.push(p);
+    }
+    redis.kill();
+    let t0 = std::time::Instant::now();
+    wait_until(
+        "FAILED after the lease lapses",
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        || {
+            let st = task.permit_stats().unwrap();
+            async move { st.failed.then_some(()) }
+        },
+    )
+    .await;
+    let failed_after = t0.elapsed();
+    // The 4 permits of the lease stay counted: local_limit 2 allows nothing more …
+    assert_eq!(task.try_permit().unwrap_err(), sluice::PermitError::Failed);
+    // … until fewer than 2 are in use: then fallback permits up to 2 in flight.
+    held.truncate(1);
+    let fb = task.try_permit().expect("a local permit");
+    assert!(fb.is_fallback());
+    held.push(fb);
+    assert_eq!(task.try_permit().unwrap_err(), sluice::PermitError::Failed);
+    // Redis comes back empty; the leader rewrites the meta; the host leases again and counts
+    // its 2 permits in use: 2 more, not 4.
+    redis.restart();
+    let p = task
+        .permit_timeout(Duration::from_secs(15))
+        .await
+        .expect("leases again");
+    assert!(!p.is_fallback());
+    held.push(p);
+    held.push(task.try_permit().expect("the fourth"));
+    assert_eq!(task.try_permit().unwrap_err(), sluice::PermitError::Full);
+    let st = task.permit_stats().unwrap();
+    assert_eq!((st.in_use, st.limit), (4, 4), "{st:?}");
+    assert!(st.leased && !st.failed && st.lapses >= 1, "{st:?}");
+    eprintln!("Redis lost: FAILED after {failed_after:?} (lease 1000 ms: valid 750 ms)");
+    drop(held);
+    drop(m);
+}
