@@ -112,9 +112,9 @@ pub fn valid_for_ms(lease_ms: u64) -> i64 {
 /// use sluice::concurrency::target;
 /// // 10 in use, 5 waiting: 10 + 5 + 2 (headroom), cap 20 with nobody else.
 /// assert_eq!(target(10, 10, 5, 0, 20, 0, 0), 17);
-/// // Idle: 2 in use of 12 held: give 9 back; all 10 idle ones if another host waits.
-/// assert_eq!(target(2, 12, 0, 0, 20, 0, 0), 3);
-/// assert_eq!(target(2, 12, 0, 0, 20, 0, 4), 2);
+/// // Idle: 8 in use of 12 held: give 3 back (keep an eighth); all 4 if another host waits.
+/// assert_eq!(target(8, 12, 0, 0, 20, 0, 0), 9);
+/// assert_eq!(target(8, 12, 0, 0, 20, 0, 4), 8);
 /// // Threshold lowered to 5 while others hold 4 and we hold 6 with 3 in use: keep 3.
 /// assert_eq!(target(3, 6, 9, 9, 5, 4, 0), 3);
 /// ```

@@ -129,7 +129,9 @@ return {1, hold, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unme
 /// acquisition attempt, so a retry of the same attempt gets the same token back), ttl (ms).
 ///
 /// Returns `{1, token, ttl_ms}` (acquired; `token = INCR` of the counter, or this owner's
-/// token again on a retry) or `{0, holder_token, pttl_ms}` (held by another).
+/// token again on a retry) or `{0, holder_token, pttl_ms}` (held by another). A counter that
+/// does not exist (first use, or lost by Redis) starts at Redis `TIME` in µs, so tokens keep
+/// increasing across a Redis restart that lost the data.
 pub const LOCK_ACQUIRE_LUA: &str = r#"
 local h = redis.call('HMGET', KEYS[1], 'owner', 'token')
 if h[1] then
@@ -138,6 +140,12 @@ if h[1] then
     return {1, tonumber(h[2]), tonumber(ARGV[2])}
   end
   return {0, tonumber(h[2]) or 0, redis.call('PTTL', KEYS[1])}
+end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  -- A new counter (or one Redis lost) starts at Redis TIME in µs: tokens keep increasing
+  -- across a Redis restart without persistence, as long as Redis' clock does not go back.
+  local t = redis.call('TIME')
+  redis.call('SET', KEYS[2], string.format('%d', tonumber(t[1]) * 1000000 + tonumber(t[2])))
 end
 local tok = redis.call('INCR', KEYS[2])
 redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', tok)
