@@ -622,7 +622,7 @@ async fn a_killed_process_gives_its_permits_back_at_once_a_killed_host_within_th
     let client = sluice::Client::new(sdk_config(&shared_redis(), &ns, &ha)).unwrap();
     let task = client.task("c").unwrap();
     assert!(task.wait_ready(Duration::from_secs(10)));
-    let mut holder = Holder::spawn(&ns, &ha, &["permits", "--task", "c", "--count", "5"]);
+    let holder = Holder::spawn(&ns, &ha, &["permits", "--task", "c", "--count", "5"]);
     assert_eq!(holder.line(Duration::from_secs(15)), "held 5");
     assert_eq!(task.try_permit().unwrap_err(), sluice::PermitError::Full);
     signal(holder.pid(), libc::SIGKILL);
@@ -636,7 +636,7 @@ async fn a_killed_process_gives_its_permits_back_at_once_a_killed_host_within_th
     drop(holder);
 
     // Host b: a holder takes all 5; then the whole host dies (its only process, SIGKILL).
-    let mut hold_b = Holder::spawn(&ns, &hb, &["permits", "--task", "c", "--count", "5"]);
+    let hold_b = Holder::spawn(&ns, &hb, &["permits", "--task", "c", "--count", "5"]);
     // a renews and gives its idle permits back (others wait): b gets all 5 eventually.
     assert_eq!(hold_b.line(Duration::from_secs(15)), "held 5");
     signal(hold_b.pid(), libc::SIGKILL);
@@ -709,8 +709,8 @@ async fn a_stopped_host_past_its_ttl_hands_out_nothing_until_it_holds_a_new_leas
     let cont_us = sluice::clock::host_us();
     let rb = gb.wait_json(Duration::from_secs(60)).await;
     let rs = gs.wait_json(Duration::from_secs(60)).await;
-    let s_iv = read_intervals(&[fs.clone()]);
-    let b_iv = read_intervals(&[fb.clone()]);
+    let s_iv = read_intervals(std::slice::from_ref(&fs));
+    let b_iv = read_intervals(std::slice::from_ref(&fb));
     let b_end = b_iv.iter().map(|x| x.1).max().unwrap();
     let s_before = s_iv.iter().filter(|x| x.0 < stopped_us).count();
     let s_between = s_iv

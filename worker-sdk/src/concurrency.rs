@@ -27,7 +27,7 @@
 //! the host holds fewer than it may hand out.
 //!
 //! The call is sent at boot-clock time `t0`; Redis sets the entry's expiry to its own `TIME`
-//! + `lease_ms`, which is after `t0` + `lease_ms`. The host hands out permits under that
+//! plus `lease_ms`, which is after `t0 + lease_ms`. The host hands out permits under that
 //! lease only until `t0 + lease_ms − lease_ms / 4` ([`valid_for_ms`]): a renewal that keeps
 //! failing makes the host stop a quarter of the TTL before Redis can give the permits to
 //! another host. The margin absorbs the rate difference of the two clocks and a forward step
