@@ -356,7 +356,9 @@ async fn permits_are_bounded_per_host_released_on_drop_and_counted() {
     .await;
     let host = format!("{ns}-h");
     let _segments = SegmentGuard(vec![(ns.clone(), host.clone())]);
-    let client = sluice::Client::new(sdk_config(&shared_redis(), &ns, &host)).unwrap();
+    let mut cfg = sdk_config(&shared_redis(), &ns, &host);
+    cfg.host_report_interval = Duration::from_millis(200);
+    let client = sluice::Client::new(cfg).unwrap();
     let task = client.task("c").unwrap();
     assert!(task.wait_ready(Duration::from_secs(10)));
     // try_acquire is not the API of a concurrency task.
@@ -391,6 +393,27 @@ async fn permits_are_bounded_per_host_released_on_drop_and_counted() {
         .query(&mut c)
         .unwrap();
     assert!(entry.starts_with("5:"), "{entry}");
+    // The host's permits reach the API through its NS:hosts entry.
+    let url = "/api/v1/hosts?task=c".to_string();
+    let hosts = wait_until(
+        "the host report with permits",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            let (m, url, host) = (&_m, url.clone(), host.clone());
+            async move {
+                let v = m.get_json(&url).await?;
+                let h = v["hosts"]
+                    .as_array()?
+                    .iter()
+                    .find(|h| h["host_id"] == host)?;
+                (h["permits"]["c"]["in_use"] == 5).then(|| h.clone())
+            }
+        },
+    )
+    .await;
+    assert_eq!(hosts["permits"]["c"]["limit"], 5, "{hosts}");
+    assert_eq!(hosts["tasks"]["c"], "normal", "{hosts}");
     held.pop();
     held.pop().unwrap().release();
     assert_eq!(task.permit_stats().unwrap().in_use, 3);

@@ -365,6 +365,7 @@ async fn prune_hosts_deletes_only_entries_still_stale() {
             seen_ms,
             sdk: "t".into(),
             tasks: Default::default(),
+            permits: Default::default(),
         })
         .unwrap()
     };

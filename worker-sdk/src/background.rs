@@ -617,7 +617,7 @@ async fn pull(
     tracing::trace!(task = %t.name, start_ms, want, ?outcome, rtt_us = rtt.as_micros() as u64, "pull");
 }
 
-fn record_clock(sh: &Shared, before_us: i64, after_us: i64, redis_us: i64) {
+pub(crate) fn record_clock(sh: &Shared, before_us: i64, after_us: i64, redis_us: i64) {
     let h = sh.seg.header();
     let rtt = (after_us - before_us).max(1);
     let offset = (before_us + after_us) / 2 - redis_us;
@@ -802,11 +802,18 @@ async fn report_host(sh: &Shared) {
         return;
     }
     let mut tasks = std::collections::BTreeMap::new();
+    let mut permits = std::collections::BTreeMap::new();
     for (i, name) in sh.seg.tasks() {
         let Some(slot) = sh.seg.slot(i) else { continue };
         let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
             continue;
         };
+        if m.mode == Mode::Concurrency {
+            let (state, report) = crate::concurrency::host_report(&slot.conc);
+            tasks.insert(name.clone(), state.as_str().to_string());
+            permits.insert(name, report);
+            continue;
+        }
         let start = slice_start(now_us, m.slice_ms);
         let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
         let w = slot.entry(start, m.slice_ms).word.load(Ordering::Acquire);
@@ -819,6 +826,7 @@ async fn report_host(sh: &Shared) {
         seen_ms: now_ms,
         sdk: env!("CARGO_PKG_VERSION").to_string(),
         tasks,
+        permits,
     };
     let Ok(json) = serde_json::to_string(&report) else {
         return;

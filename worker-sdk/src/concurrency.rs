@@ -503,6 +503,29 @@ impl Task {
     }
 }
 
+/// The host's state and permits of a concurrency task, for its `NS:hosts` entry: FAILED while
+/// `on_failure` decides, NORMAL while it holds a valid lease, LIMITED otherwise.
+pub(crate) fn host_report(k: &ConcCells) -> (crate::HostState, crate::protocol::PermitReport) {
+    let s = stats(k);
+    let state = if s.failed {
+        crate::HostState::Failed
+    } else if s.leased {
+        crate::HostState::Normal
+    } else {
+        crate::HostState::Limited
+    };
+    (
+        state,
+        crate::protocol::PermitReport {
+            in_use: s.in_use,
+            limit: s.limit,
+            waiting: s.waiting,
+            lapses: s.lapses,
+            reclaimed: s.reclaimed,
+        },
+    )
+}
+
 fn stats(k: &ConcCells) -> PermitStats {
     let (limit, in_use) = unpack(k.permits.load(Ordering::Acquire));
     let regime = k.regime.load(Ordering::Acquire);
@@ -692,6 +715,7 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
         next
     };
     let t0 = boot_ms();
+    let before_us = crate::clock::host_us();
     let task = slot.name().unwrap_or_default();
     let res = crate::background::call(sh, crate::background::Retry::Idempotent, |mut c| {
         let (task, host) = (&task, &sh.cfg.host_id);
@@ -706,8 +730,11 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
             others,
             lease_ms,
             others_unmet,
+            redis_time_us,
             ..
         })) => {
+            // The clock offset to Redis, as every pull measures it (skew detection).
+            crate::background::record_clock(sh, before_us, crate::clock::host_us(), redis_time_us);
             let lease_ms = lease_ms.max(1);
             k.others_unmet.store(others_unmet, Ordering::Relaxed);
             set_limit(k, holding);

@@ -581,6 +581,24 @@ pub struct HostReport {
     /// Tasks this host uses, with the host's state for each (`normal`/`limited`/`failed`).
     #[serde(default)]
     pub tasks: std::collections::BTreeMap<String, String>,
+    /// Concurrency tasks this host uses: its permits (absent in reports of older SDKs).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub permits: std::collections::BTreeMap<String, PermitReport>,
+}
+
+/// One host's permits of one concurrency task, in its `NS:hosts` entry.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PermitReport {
+    /// Permits in use on the host.
+    pub in_use: u64,
+    /// Permits the host may hand out (its leased block, or `local_limit` while FAILED).
+    pub limit: u64,
+    /// Callers waiting for a permit.
+    pub waiting: u64,
+    /// Times the host's lease lapsed (renewal failed past the safety margin).
+    pub lapses: u64,
+    /// Permits of dead processes given back to the host.
+    pub reclaimed: u64,
 }
 
 #[cfg(test)]
