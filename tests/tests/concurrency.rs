@@ -975,3 +975,67 @@ async fn redis_lost_means_local_limit_in_flight_and_back_to_leases_without_doubl
     drop(held);
     drop(m);
 }
+
+#[tokio::test]
+async fn a_threshold_decrease_hands_out_nothing_until_in_flight_is_below_the_new_cap() {
+    let (m, ns) = manager_with(
+        "concdown",
+        r#"{"threshold": 5, "mode": "concurrency", "lease_ms": 2000, "on_failure": "deny"}"#,
+    )
+    .await;
+    let host = format!("{ns}-h");
+    let _segments = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let client = sluice::Client::new(sdk_config(&shared_redis(), &ns, &host)).unwrap();
+    let task = client.task("c").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    let mut held = Vec::new();
+    for _ in 0..5 {
+        held.push(task.permit_timeout(Duration::from_secs(5)).await.unwrap());
+    }
+    let (s, v) = m
+        .put(
+            "/api/v1/tasks/c",
+            r#"{"threshold": 2, "mode": "concurrency", "lease_ms": 2000, "on_failure": "deny"}"#,
+        )
+        .await;
+    assert_eq!(s, 200, "{v}");
+    let t0 = std::time::Instant::now();
+    // The next renewal (a quarter TTL) sees the new cap.
+    wait_until(
+        "the host to see the new cap",
+        Duration::from_secs(5),
+        Duration::from_millis(10),
+        || {
+            let st = task.permit_stats().unwrap();
+            async move { (st.cap == 2).then_some(()) }
+        },
+    )
+    .await;
+    let seen_after = t0.elapsed();
+    // 5 → 4 → 3 → 2 in use: nothing is handed out until fewer than 2 are.
+    for _ in 0..3 {
+        held.pop();
+        assert_eq!(task.try_permit().unwrap_err(), sluice::PermitError::Full);
+    }
+    held.pop();
+    held.push(task.try_permit().expect("1 in use < 2"));
+    assert_eq!(task.try_permit().unwrap_err(), sluice::PermitError::Full);
+    // The host gives the permits above the new cap back to Redis at its next renewal.
+    let keys = Keys::new(&ns).unwrap();
+    wait_until(
+        "the holding to shrink to the new cap",
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || {
+            let (key, host) = (keys.lease("c"), host.clone());
+            async move {
+                let mut c = redis_conn(&shared_redis());
+                let e: String = redis::cmd("HGET").arg(&key).arg(&host).query(&mut c).ok()?;
+                e.starts_with("2:").then_some(())
+            }
+        },
+    )
+    .await;
+    eprintln!("threshold 5 -> 2: seen by the host after {seen_after:?}");
+    drop(held);
+}

@@ -384,11 +384,18 @@ impl Task {
                 if leased && boot_ms() >= k.valid_until_ms.load(Ordering::Acquire) {
                     Err(PermitError::NoLease)
                 } else {
+                    // After a threshold decrease the holdings may exceed the new cap: then
+                    // `room` (cap − others) binds until in flight here has fallen below it.
+                    let room = if leased {
+                        k.room.load(Ordering::Acquire)
+                    } else {
+                        u64::MAX
+                    };
                     let r = k
                         .permits
                         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
                             let (l, u) = unpack(w);
-                            (u < l).then(|| pack(l, u + 1))
+                            (u < l && u < room).then(|| pack(l, u + 1))
                         })
                         .map(|_| ())
                         .map_err(|_| {
@@ -737,6 +744,7 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
             crate::background::record_clock(sh, before_us, crate::clock::host_us(), redis_time_us);
             let lease_ms = lease_ms.max(1);
             k.others_unmet.store(others_unmet, Ordering::Relaxed);
+            k.room.store(cap.saturating_sub(others), Ordering::Release);
             set_limit(k, holding);
             k.cap.store(cap, Ordering::Relaxed);
             k.others.store(others, Ordering::Relaxed);

@@ -338,6 +338,10 @@ pub struct ConcCells {
     pub next_try_ms: AtomicI64,
     /// What the other hosts asked for and did not get, from the last reply.
     pub others_unmet: AtomicU64,
+    /// `cap − others` from the last reply: under a lease, no permit is handed out while this
+    /// many or more are in use here (binds only after a threshold decrease, when the
+    /// holdings exceed the new cap).
+    pub room: AtomicU64,
     /// Per-process shares of `in_use`.
     pub holders: [AtomicU64; HOLDERS],
 }
@@ -932,6 +936,7 @@ impl Slot {
             &k.reclaimed,
             &k.denied_seen,
             &k.others_unmet,
+            &k.room,
         ] {
             w.store(0, Ordering::Relaxed);
         }

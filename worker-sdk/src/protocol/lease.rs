@@ -28,9 +28,11 @@
 //! The cap is read from the meta at every call, so a threshold change applies at once to
 //! every grant. A **threshold decrease** never revokes permits already held (they may be in
 //! use): Σ holdings may exceed the new cap until hosts give permits back; no host can grow
-//! while `others + cur ≥ cap`, and a host that sees `others + cur > cap` in a reply shrinks
-//! its holding to what it has in use (the SDK does), so in flight falls to the new cap by
-//! attrition, and no new permit is handed out anywhere until it has.
+//! while `others + cur ≥ cap`; a host hands out no permit while its in use is at or above
+//! `cap − others` of its last reply, and shrinks its holding to what it has in use at its next
+//! call (the SDK does both), so in flight falls to the new cap by attrition, and no new permit
+//! is handed out anywhere until it has (from each host's next renewal on: at most a quarter
+//! TTL after the change).
 //!
 //! Expired entries count 0 and are deleted `10 × lease_ms` after they expired (kept that long
 //! so their sequence number still refuses a late duplicate); the hash itself expires
