@@ -431,8 +431,13 @@ impl Task {
             return Err(e);
         }
         if !holder_add(&self.shared.seg, k) {
-            sub_in_use(k, 1);
-            return Err(PermitError::TooManyHolders);
+            // Entries of processes that exited without permits are freed by the scan only
+            // while permits are in use: free them now and try once more.
+            reclaim_dead(&self.shared.seg, k);
+            if !holder_add(&self.shared.seg, k) {
+                sub_in_use(k, 1);
+                return Err(PermitError::TooManyHolders);
+            }
         }
         k.granted.fetch_add(1, Ordering::Relaxed);
         Ok(Permit {
