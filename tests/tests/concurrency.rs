@@ -1039,3 +1039,33 @@ async fn a_threshold_decrease_hands_out_nothing_until_in_flight_is_below_the_new
     eprintln!("threshold 5 -> 2: seen by the host after {seen_after:?}");
     drop(held);
 }
+
+#[tokio::test]
+async fn a_process_that_stops_gives_the_hosts_idle_permits_back_at_once() {
+    let (_m, ns) = manager_with(
+        "concbye",
+        r#"{"threshold": 5, "mode": "concurrency", "lease_ms": 20000}"#,
+    )
+    .await;
+    let host = format!("{ns}-h");
+    let _segments = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let client = sluice::Client::new(sdk_config(&shared_redis(), &ns, &host)).unwrap();
+    let task = client.task("c").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    let held: Vec<_> = (0..4)
+        .map(|_| task.permit_blocking(Duration::from_secs(5)).unwrap())
+        .collect();
+    drop(held);
+    drop(task);
+    let t0 = std::time::Instant::now();
+    drop(client);
+    let key = Keys::new(&ns).unwrap().lease("c");
+    let mut c = redis_conn(&shared_redis());
+    let e: String = redis::cmd("HGET")
+        .arg(&key)
+        .arg(&host)
+        .query(&mut c)
+        .unwrap();
+    // Renewal would be 5 s away and expiry 20 s: the stopping process gave them back.
+    assert!(e.starts_with("0:"), "{e} after {:?}", t0.elapsed());
+}

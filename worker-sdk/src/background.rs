@@ -237,6 +237,9 @@ async fn step(sh: &Shared, t: &TaskInner, stopping: bool) -> bool {
         pooled(sh, t, slot, r, &m, sh.now_us()).await
     } else if m.mode == Mode::Concurrency && !stopping {
         crate::concurrency::step(sh, slot, &m).await
+    } else if m.mode == Mode::Concurrency {
+        crate::concurrency::give_back(sh, slot, &m).await;
+        false
     } else {
         false
     };

@@ -688,6 +688,33 @@ pub(crate) async fn step(sh: &Shared, slot: &Slot, m: &FastMeta) -> bool {
     waiting > 0
 }
 
+/// The last round of a process that stops using the task: give the host's idle permits back
+/// at once (the holding shrinks to what the host's other processes have in use), instead of
+/// leaving them to the next renewal or to the lease's expiry.
+pub(crate) async fn give_back(sh: &Shared, slot: &Slot, m: &FastMeta) {
+    let k = &slot.conc;
+    reclaim_dead(&sh.seg, k);
+    let (limit, in_use) = unpack(k.permits.load(Ordering::Acquire));
+    if k.regime.load(Ordering::Acquire) != REGIME_LEASE
+        || limit <= in_use
+        || k.waiting.load(Ordering::Acquire) > 0
+    {
+        return;
+    }
+    let lock = sh.seg.lock(&k.lease_lock);
+    let LockAttempt::Acquired { token, .. } = lock.try_lock(
+        crate::clock::host_ms(),
+        (sh.cfg.pull_timeout.as_millis() as u64).saturating_mul(3),
+    ) else {
+        return;
+    };
+    // No demand: the target is what is in use (plus an eighth unless others wait).
+    let denied = k.denied.load(Ordering::Relaxed);
+    k.denied_seen.store(denied, Ordering::Relaxed);
+    lease_call(sh, slot, m, denied).await;
+    lock.unlock(token);
+}
+
 async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
     let k = &slot.conc;
     let (limit, in_use) = unpack(k.permits.load(Ordering::Acquire));
