@@ -44,7 +44,7 @@ use sluice::protocol::conn::Redis;
 use sluice::protocol::scripts::{
     self, FenceRefusal, RetireOutcome, RollOutcome, RollRequest, SliceWrite,
 };
-use sluice::protocol::{Keys, slice, unix_ms};
+use sluice::protocol::{Keys, Mode, slice, unix_ms};
 use tracing::{debug, info, warn};
 
 use crate::alerts::{AlertTx, Condition, Signal};
@@ -184,7 +184,9 @@ pub fn plan(
             Some(c) if !recompute => c,
             _ => effective_threshold(entry, dynamic, start),
         };
-        if full || known != Some(cap) {
+        // A concurrency task has meta and fence but no slices: its threshold is permits in
+        // flight, leased from `NS:{T}:lease` against the meta's threshold.
+        if (full || known != Some(cap)) && entry.spec.mode != Mode::Concurrency {
             slices.push(SliceWrite {
                 start_ms: start,
                 cap,
@@ -809,6 +811,20 @@ mod tests {
             tick: Duration::from_millis(500),
             fence_stale_after: Duration::from_secs(10),
         }
+    }
+
+    #[test]
+    fn concurrency_tasks_get_meta_and_fence_but_no_slices() {
+        let e = entry(
+            r#"{"threshold": 20, "mode": "concurrency", "lease_ms": 2000}"#,
+            5,
+        );
+        let p = plan(&TaskRollState::default(), &e, None, 10_500, &cfg(), true);
+        assert!(p.full && p.write_meta && p.refresh);
+        assert!(p.slices.is_empty());
+        assert!(p.new_rolled_to > 10_500);
+        let q = plan(&p.next, &e, None, 11_500, &cfg(), false);
+        assert!(q.slices.is_empty() && !q.full);
     }
 
     #[test]

@@ -557,6 +557,7 @@ mod tests {
             seen_ms: seen,
             sdk: "x".into(),
             tasks: Default::default(),
+            permits: Default::default(),
         };
         let hosts = vec![
             ("ok".to_string(), r(20.0, 2.0, 1_000)),

@@ -89,7 +89,23 @@ pub struct TaskSpec {
     pub dynamic: Option<DynamicSpec>,
     /// Free text.
     pub description: String,
+    /// Mode `concurrency`: the lease TTL in ms (how long a dead host's permits stay taken);
+    /// [`DEFAULT_LEASE_MS`] unless given; stored only for that mode.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub lease_ms: u64,
 }
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// Lease TTL of a `concurrency` task unless the spec says otherwise.
+pub const DEFAULT_LEASE_MS: u64 = 10_000;
+/// Shortest lease TTL: renewals run every third of it and the host stops handing out permits
+/// a safety margin before it ends, so a shorter one costs many Redis calls.
+pub const MIN_LEASE_MS: u64 = 500;
+/// Longest lease TTL (10 minutes): a dead host's permits stay taken this long.
+pub const MAX_LEASE_MS: u64 = 600_000;
 
 /// A validation error: what is wrong and which field.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -128,6 +144,7 @@ const TOP_FIELDS: &[&str] = &[
     "schedules",
     "dynamic",
     "description",
+    "lease_ms",
     "name",
     "version",
     // Read-only (the live status `GET /tasks/{name}` adds): accepted and ignored, so a
@@ -340,6 +357,36 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
         }
     };
 
+    let lease_ms = if mode == Mode::Concurrency {
+        // threshold = permits in flight; slices are not used (slice_ms is kept but ignored).
+        if !schedules.is_empty() {
+            return Err(fe(
+                "schedules",
+                "not supported in mode concurrency (the threshold is permits in flight)",
+            ));
+        }
+        if dynamic.as_ref().is_some_and(|d| d.enabled) {
+            return Err(fe("dynamic", "not supported in mode concurrency"));
+        }
+        if threshold > u32::MAX as u64 / 2 {
+            return Err(fe(
+                "threshold",
+                format!("at most {} permits in flight", u32::MAX / 2),
+            ));
+        }
+        o.count(
+            "lease_ms",
+            Some(DEFAULT_LEASE_MS),
+            MIN_LEASE_MS,
+            MAX_LEASE_MS,
+        )?
+    } else {
+        if o.get("lease_ms").is_some() {
+            return Err(fe("lease_ms", "only for mode concurrency"));
+        }
+        0
+    };
+
     let description = o.string("description")?.unwrap_or_default().to_string();
     if description.chars().count() > MAX_DESCRIPTION {
         return Err(fe(
@@ -360,6 +407,7 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
             schedules,
             dynamic,
             description,
+            lease_ms,
         },
         version,
     })
@@ -388,6 +436,11 @@ impl TaskSpec {
             mode: self.mode,
             fallback: self.fallback,
             version,
+            lease_ms: if self.mode == Mode::Concurrency {
+                self.lease_ms
+            } else {
+                0
+            },
         }
     }
 
@@ -447,6 +500,51 @@ mod tests {
         let stored = serde_json::to_string(&r.spec).unwrap();
         let back: TaskSpec = serde_json::from_str(&stored).unwrap();
         assert_eq!(back, r.spec);
+    }
+
+    #[test]
+    fn concurrency_specs_get_a_lease_ttl_and_refuse_what_does_not_apply() {
+        let r = parse(r#"{"threshold": 20, "mode": "concurrency"}"#).unwrap();
+        assert_eq!(r.spec.lease_ms, DEFAULT_LEASE_MS);
+        assert_eq!(r.spec.meta(3).lease_ms, DEFAULT_LEASE_MS);
+        let r = parse(r#"{"threshold": 20, "mode": "concurrency", "lease_ms": 2000}"#).unwrap();
+        assert_eq!(r.spec.lease_ms, 2_000);
+        // Stored form round-trips (lease_ms kept), other modes store none.
+        let json = serde_json::to_vec(&r.spec).unwrap();
+        assert_eq!(parse_stored("t", &json).unwrap(), r.spec);
+        let p = parse(r#"{"threshold": 20}"#).unwrap();
+        assert!(!serde_json::to_string(&p.spec).unwrap().contains("lease_ms"));
+        assert_eq!(p.spec.meta(1).lease_ms, 0);
+        for (body, field) in [
+            (
+                r#"{"threshold": 20, "mode": "concurrency", "lease_ms": 499}"#,
+                "lease_ms",
+            ),
+            (
+                r#"{"threshold": 20, "mode": "concurrency", "lease_ms": 600001}"#,
+                "lease_ms",
+            ),
+            (
+                r#"{"threshold": 20, "mode": "concurrency", "lease_ms": "1s"}"#,
+                "lease_ms",
+            ),
+            (r#"{"threshold": 20, "lease_ms": 1000}"#, "lease_ms"),
+            (
+                r#"{"threshold": 20, "mode": "concurrency",
+                    "schedules": [{"cron": "* * * * * *", "threshold": 1}]}"#,
+                "schedules",
+            ),
+            (
+                r#"{"threshold": 20, "mode": "concurrency", "dynamic": {"enabled": true}}"#,
+                "dynamic",
+            ),
+            (
+                r#"{"threshold": 4294967295, "mode": "concurrency"}"#,
+                "threshold",
+            ),
+        ] {
+            assert_eq!(parse(body).unwrap_err().field, field, "{body}");
+        }
     }
 
     #[test]

@@ -66,6 +66,7 @@ fn set_host(conn: &mut redis::Connection, keys: &Keys, host: &str, offset_ms: f6
         seen_ms: now_ms(),
         sdk: "test".into(),
         tasks: Default::default(),
+        permits: Default::default(),
     })
     .unwrap();
     let _: () = redis::cmd("HSET")

@@ -298,6 +298,7 @@ async fn hosts_and_traffic_show_what_workers_report() {
             seen_ms,
             sdk: "sluice-rs/test".into(),
             tasks: [("web".to_string(), state.to_string())].into(),
+            permits: Default::default(),
         })
         .unwrap()
     };

@@ -354,6 +354,7 @@ fn skewed_host(ns: &str, host: &str, offset_ms: f64) {
         seen_ms: now_ms(),
         sdk: "test".into(),
         tasks: Default::default(),
+        permits: Default::default(),
     })
     .unwrap();
     let mut c = redis_conn(&shared_redis());

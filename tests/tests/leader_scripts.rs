@@ -30,6 +30,7 @@ fn meta(version: i64) -> TaskMeta {
         mode: Mode::Pooled,
         fallback: Fallback::default(),
         version,
+        lease_ms: 0,
     }
 }
 
@@ -364,6 +365,7 @@ async fn prune_hosts_deletes_only_entries_still_stale() {
             seen_ms,
             sdk: "t".into(),
             tasks: Default::default(),
+            permits: Default::default(),
         })
         .unwrap()
     };

@@ -580,6 +580,7 @@ fn host_entry(seen_ms: i64) -> String {
         seen_ms,
         sdk: "test".into(),
         tasks: Default::default(),
+        permits: Default::default(),
     })
     .unwrap()
 }

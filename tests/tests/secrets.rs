@@ -130,6 +130,7 @@ async fn no_secret_is_ever_shown() {
         seen_ms: now_ms(),
         sdk: "test".into(),
         tasks: Default::default(),
+        permits: Default::default(),
     })
     .unwrap();
     let mut conn = redis_conn(&redis_url);
@@ -180,6 +181,7 @@ async fn no_secret_is_ever_shown() {
         seen_ms: now_ms(),
         sdk: "test".into(),
         tasks: Default::default(),
+        permits: Default::default(),
     })
     .unwrap();
     let _: () = redis::cmd("HSET")

@@ -56,6 +56,7 @@ fn host(mode: Mode, clients: usize) -> Host {
                 burst: 0,
             },
             version: 1,
+            lease_ms: 0,
         },
         sl.generation(),
     );

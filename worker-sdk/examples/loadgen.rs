@@ -61,6 +61,17 @@
 //! invariants from it while the run goes on, and keeps the data of a host it SIGKILLs. A bucket
 //! is closed when a decision falls into a later one, and at the end of the run.
 //!
+//! # Concurrency tasks
+//!
+//! For a task in mode `concurrency` every process runs `--workers W` (extra; default 16)
+//! concurrent loops on one Tokio runtime, each taking a permit with `Task::permit_timeout`
+//! (waits at most 100 ms; a timeout counts as rejected), holding it `--hold-ms H` ms and
+//! dropping it. `--intervals FILE` appends one line `start_us end_us` (Unix µs on the host
+//! clock, read right after the permit was had and right before it is dropped, so the interval
+//! lies inside the time the permit was held) per released permit, one `write` per line on an
+//! `O_APPEND` descriptor. Buckets count permits by their start; `fallback_admitted` counts
+//! permits handed out while FAILED. `--rate` does not apply (the workers are the demand).
+//!
 //! Other extra flags (not part of the pinned interface): `--probe-interval-ms`,
 //! `--pull-timeout-ms`, `--clock host|redis`, and the Redis TLS / ACL flags of the manager:
 //! `--redis-ca`, `--redis-cert`, `--redis-key`, `--redis-insecure`, `--redis-user`,
@@ -144,6 +155,15 @@ struct Args {
     /// File holding the Redis password (extra).
     #[arg(long)]
     redis_password_file: Option<PathBuf>,
+    /// Concurrency tasks: how long each admitted permit is held, ms.
+    #[arg(long, default_value_t = 0)]
+    hold_ms: u64,
+    /// Concurrency tasks: append `start_us end_us` per released permit to this file.
+    #[arg(long)]
+    intervals: Option<PathBuf>,
+    /// Concurrency tasks: concurrent permit loops per process (extra).
+    #[arg(long, default_value_t = 16)]
+    workers: u32,
     /// Internal: run as child number i.
     #[arg(long, hide = true)]
     child: Option<u32>,
@@ -681,6 +701,18 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     if wait > 0 {
         sleep_unless_stopped(Duration::from_millis(wait as u64));
     }
+    if task.meta().is_some_and(|m| m.mode == Mode::Concurrency) {
+        let r = concurrency_child(args, &task, &mut progress)?;
+        drop(task);
+        drop(client);
+        let r = Report {
+            redis_calls: calls.get(),
+            ..r
+        };
+        let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
+        let _ = writeln!(std::io::stdout(), "{line}");
+        return Ok(());
+    }
     let started = Instant::now();
     let duration = Duration::from_millis(args.duration_ms);
     let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
@@ -768,4 +800,97 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
     let _ = writeln!(std::io::stdout(), "{line}");
     Ok(())
+}
+
+/// The counts of one concurrency worker loop: `[admitted, rejected, fallback]` per bucket.
+type Counts = BTreeMap<i64, [u64; 3]>;
+
+/// A concurrency task: `--workers` loops per process, each holding permits `--hold-ms`.
+fn concurrency_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Report, String> {
+    if args.workers == 0 || args.workers > 10_000 {
+        return Err("--workers must be 1..=10000".into());
+    }
+    let intervals = match &args.intervals {
+        None => None,
+        Some(p) => Some(std::sync::Arc::new(
+            File::options()
+                .create(true)
+                .append(true)
+                .open(p)
+                .map_err(|e| format!("intervals file {}: {e}", p.display()))?,
+        )),
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let duration = Duration::from_millis(args.duration_ms);
+    let hold = Duration::from_millis(args.hold_ms);
+    let bucket_ms = args.bucket_ms;
+    let counts: Vec<Counts> = rt.block_on(async {
+        let loops = (0..args.workers).map(|_| {
+            let task = task.clone();
+            let intervals = intervals.clone();
+            async move {
+                let mut counts = Counts::new();
+                // Bounded by time (and by the stop flag).
+                while started.elapsed() < duration && !signals::stop_requested() {
+                    let got = task.permit_timeout(Duration::from_millis(100)).await;
+                    let start_us = sluice::clock::host_us();
+                    let ms = start_us.div_euclid(1_000);
+                    let c = counts
+                        .entry(ms - ms.rem_euclid(bucket_ms))
+                        .or_insert([0; 3]);
+                    match got {
+                        Ok(p) => {
+                            c[0] += 1;
+                            if p.is_fallback() {
+                                c[2] += 1;
+                            }
+                            if !hold.is_zero() {
+                                tokio::time::sleep(hold).await;
+                            }
+                            let end_us = sluice::clock::host_us();
+                            drop(p);
+                            if let Some(f) = &intervals {
+                                let line = format!("{start_us} {end_us}\n");
+                                // O_APPEND: one write lands whole, whatever others write.
+                                if let Err(e) = (&**f).write_all(line.as_bytes()) {
+                                    tracing::warn!(error = %e, "cannot append an interval");
+                                }
+                            }
+                        }
+                        Err(sluice::PermitError::NotConcurrency) => {
+                            c[1] += 1;
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        Err(_) => c[1] += 1,
+                    }
+                }
+                counts
+            }
+        });
+        futures::future::join_all(loops).await
+    });
+    let mut r = Report::new(args, 1);
+    let mut merged = Counts::new();
+    for c in counts {
+        for (b, v) in c {
+            let e = merged.entry(b).or_insert([0; 3]);
+            for i in 0..3 {
+                e[i] += v[i];
+            }
+        }
+    }
+    for (b, v) in merged {
+        r.admitted += v[0];
+        r.rejected += v[1];
+        r.fallback_admitted += v[2];
+        r.add_bucket(b, v);
+        progress.bucket(b, v);
+    }
+    let secs = started.elapsed().as_secs_f64().max(1e-9);
+    r.decisions_per_sec = (r.admitted + r.rejected) as f64 / secs;
+    Ok(r)
 }

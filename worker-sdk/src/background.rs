@@ -56,7 +56,7 @@ pub(crate) type FlushBatch = (u64, Vec<(i64, SliceCounters)>);
 
 /// Whether a call may be sent twice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Retry {
+pub(crate) enum Retry {
     /// Idempotent: retry after a connection error or half the timeout.
     Idempotent,
     /// Not idempotent: retry only when the first attempt surely never reached Redis.
@@ -78,7 +78,7 @@ type CallResult<T> = Result<redis::RedisResult<T>, ()>;
 /// guarantees the request never reached Redis (no connection, connection refused) is retried.
 /// A Redis that is down fails both attempts at once; one that hangs costs exactly the pull
 /// timeout.
-async fn call<T, F, Fut>(sh: &Shared, retry: Retry, mut f: F) -> CallResult<T>
+pub(crate) async fn call<T, F, Fut>(sh: &Shared, retry: Retry, mut f: F) -> CallResult<T>
 where
     F: FnMut(crate::protocol::conn::RedisConn) -> Fut,
     Fut: std::future::Future<Output = redis::RedisResult<T>>,
@@ -235,6 +235,11 @@ async fn step(sh: &Shared, t: &TaskInner, stopping: bool) -> bool {
     }
     let busy = if m.mode == Mode::Pooled && !stopping {
         pooled(sh, t, slot, r, &m, sh.now_us()).await
+    } else if m.mode == Mode::Concurrency && !stopping {
+        crate::concurrency::step(sh, slot, &m).await
+    } else if m.mode == Mode::Concurrency {
+        crate::concurrency::give_back(sh, slot, &m).await;
+        false
     } else {
         false
     };
@@ -615,7 +620,7 @@ async fn pull(
     tracing::trace!(task = %t.name, start_ms, want, ?outcome, rtt_us = rtt.as_micros() as u64, "pull");
 }
 
-fn record_clock(sh: &Shared, before_us: i64, after_us: i64, redis_us: i64) {
+pub(crate) fn record_clock(sh: &Shared, before_us: i64, after_us: i64, redis_us: i64) {
     let h = sh.seg.header();
     let rtt = (after_us - before_us).max(1);
     let offset = (before_us + after_us) / 2 - redis_us;
@@ -800,11 +805,18 @@ async fn report_host(sh: &Shared) {
         return;
     }
     let mut tasks = std::collections::BTreeMap::new();
+    let mut permits = std::collections::BTreeMap::new();
     for (i, name) in sh.seg.tasks() {
         let Some(slot) = sh.seg.slot(i) else { continue };
         let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
             continue;
         };
+        if m.mode == Mode::Concurrency {
+            let (state, report) = crate::concurrency::host_report(&slot.conc);
+            tasks.insert(name.clone(), state.as_str().to_string());
+            permits.insert(name, report);
+            continue;
+        }
         let start = slice_start(now_us, m.slice_ms);
         let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
         let w = slot.entry(start, m.slice_ms).word.load(Ordering::Acquire);
@@ -817,6 +829,7 @@ async fn report_host(sh: &Shared) {
         seen_ms: now_ms,
         sdk: env!("CARGO_PKG_VERSION").to_string(),
         tasks,
+        permits,
     };
     let Ok(json) = serde_json::to_string(&report) else {
         return;

@@ -350,7 +350,7 @@ impl TaskInner {
     }
 }
 
-struct Guard {
+pub(crate) struct Guard {
     shared: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
@@ -370,8 +370,8 @@ impl Drop for Guard {
 /// `Client` and [`Task`] are dropped.
 #[derive(Clone)]
 pub struct Client {
-    shared: Arc<Shared>,
-    guard: Arc<Guard>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) guard: Arc<Guard>,
 }
 
 impl std::fmt::Debug for Client {
@@ -550,8 +550,8 @@ impl RedisCalls {
 /// A handle to one task. Cheap to clone and share between threads.
 #[derive(Clone)]
 pub struct Task {
-    inner: Arc<TaskInner>,
-    shared: Arc<Shared>,
+    pub(crate) inner: Arc<TaskInner>,
+    pub(crate) shared: Arc<Shared>,
     _guard: Arc<Guard>,
 }
 
@@ -627,7 +627,11 @@ impl Task {
             let notified = self.inner.deposited.notified();
             match self.decide(n, self.shared.now_us()) {
                 // The mode changed to exact between the two reads: decide it exactly.
-                Step::Decided(Decision::WouldBlock) if Instant::now() < deadline => continue,
+                Step::Decided(Decision::WouldBlock)
+                    if Instant::now() < deadline && !self.is_concurrency() =>
+                {
+                    continue;
+                }
                 Step::Decided(d) => return d,
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
                     return self.pending_rejected(start_ms, slice_ms, n);
@@ -663,7 +667,11 @@ impl Task {
                 return self.exact_decision(reply, &m, index, n, now_us);
             }
             match self.decide(n, self.shared.now_us()) {
-                Step::Decided(Decision::WouldBlock) if Instant::now() < deadline => continue,
+                Step::Decided(Decision::WouldBlock)
+                    if Instant::now() < deadline && !self.is_concurrency() =>
+                {
+                    continue;
+                }
                 Step::Decided(d) => return d,
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
                     return self.pending_rejected(start_ms, slice_ms, n);
@@ -828,8 +836,10 @@ impl Task {
                 Step::Decided(d)
             }
             // Exact modes need a Redis round trip per decision, which the synchronous path
-            // never waits for.
-            Mode::ExactFixed | Mode::ExactSliding => Step::Decided(self.would_block(&m)),
+            // never waits for; concurrency tasks hand out permits (`try_permit`).
+            Mode::ExactFixed | Mode::ExactSliding | Mode::Concurrency => {
+                Step::Decided(self.would_block(&m))
+            }
         }
     }
 
@@ -857,8 +867,21 @@ impl Task {
         Step::Decided(self.unknown())
     }
 
+    fn is_concurrency(&self) -> bool {
+        self.slot_meta()
+            .is_some_and(|(_, m)| m.mode == Mode::Concurrency)
+    }
+
     #[cold]
     fn would_block(&self, m: &FastMeta) -> Decision {
+        if m.mode == Mode::Concurrency {
+            if !self.inner.warned_would_block.swap(true, Ordering::Relaxed) {
+                tracing::warn!(task = %self.inner.name,
+                    "try_acquire/acquire on a concurrency task answers WouldBlock: take a permit \
+                     with permit or try_permit");
+            }
+            return Decision::WouldBlock;
+        }
         if !self.inner.warned_would_block.swap(true, Ordering::Relaxed) {
             tracing::warn!(task = %self.inner.name, mode = %m.mode,
                 "try_acquire on an exact task answers WouldBlock: its decisions need a Redis \
@@ -1003,6 +1026,7 @@ mod tests {
                 burst: 0,
             },
             version: 1,
+            lease_ms: 0,
         }
     }
 

@@ -25,6 +25,22 @@ pub fn host_ms() -> i64 {
     host_us().div_euclid(1_000)
 }
 
+/// Milliseconds on the boot clock (`CLOCK_BOOTTIME`): monotonic, shared by every process of
+/// the host, and running while a process is stopped (SIGSTOP) or the machine is suspended.
+/// Lease validity in the host segment is kept on it, so no wall-clock step can extend a lease.
+#[inline]
+pub fn boot_ms() -> i64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we pass; CLOCK_BOOTTIME exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    #[allow(clippy::unnecessary_cast)]
+    let ms = ts.tv_sec as i64 * 1_000 + ts.tv_nsec as i64 / 1_000_000;
+    ms
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

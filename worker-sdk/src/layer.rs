@@ -16,6 +16,10 @@
 //! `429 Too Many Requests` and a `Retry-After` header (whole seconds, at least 1). Admitted
 //! requests are reported to the task's health counters: a 5xx response or an inner error
 //! counts as a failure, with the inner service's latency.
+//!
+//! For a task in mode `concurrency` each request holds one permit ([`Task::permit`], waiting
+//! at most the client's acquire timeout) until the inner service's response future has
+//! resolved (a streamed body is not covered); no permit means `429` with `Retry-After: 1`.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -92,6 +96,17 @@ where
         let mut inner = std::mem::replace(&mut self.inner, clone);
         let task = self.task.clone();
         Box::pin(async move {
+            if task
+                .meta()
+                .is_some_and(|m| m.mode == crate::protocol::Mode::Concurrency)
+            {
+                let Ok(permit) = task.permit().await else {
+                    return Ok(too_many_requests(None));
+                };
+                let res = inner.call(req).await;
+                drop(permit);
+                return res;
+            }
             let d = task.acquire(1).await;
             if !d.is_allowed() {
                 return Ok(too_many_requests(d.retry_after()));
@@ -122,6 +137,15 @@ mod tests {
 
     /// A client whose Redis does not exist: the task's meta is put into the segment directly.
     fn task(dir: &std::path::Path, local_limit: u64) -> (Client, Task) {
+        task_in(dir, local_limit, Mode::Local, OnFailure::Deny)
+    }
+
+    fn task_in(
+        dir: &std::path::Path,
+        local_limit: u64,
+        mode: Mode,
+        on_failure: OnFailure,
+    ) -> (Client, Task) {
         let mut cfg = Config::new("redis://127.0.0.1:1");
         cfg.shm_dir = dir.to_path_buf();
         cfg.host_id = "layer".into();
@@ -135,17 +159,60 @@ mod tests {
                 threshold: 1,
                 pull: 0,
                 local_limit,
-                on_failure: OnFailure::Deny,
-                mode: Mode::Local,
+                on_failure,
+                mode,
                 fallback: Fallback {
                     algorithm: FallbackAlgorithm::FixedWindow,
                     burst: 0,
                 },
                 version: 1,
+                lease_ms: 0,
             },
             slot.generation(),
         );
         (c, t)
+    }
+
+    /// No Redis: the concurrency task is FAILED at once, `on_failure = local` allows
+    /// `local_limit` = 1 request in flight.
+    #[tokio::test]
+    async fn a_concurrency_task_holds_one_permit_per_request_in_flight() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_c, t) = task_in(dir.path(), 1, Mode::Concurrency, OnFailure::Local);
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        let rx = std::sync::Arc::new(tokio::sync::Mutex::new(Some(rx)));
+        let svc = ServiceBuilder::new()
+            .layer(SluiceLayer::new(t.clone()))
+            .service(tower::service_fn(move |_req: Request<String>| {
+                let rx = rx.clone();
+                async move {
+                    if let Some(rx) = rx.lock().await.take() {
+                        let _ = rx.await;
+                    }
+                    Ok::<_, Infallible>(Response::new("ok".to_string()))
+                }
+            }));
+        let first = tokio::spawn(svc.clone().oneshot(Request::new(String::new())));
+        // The first request holds the one permit while the inner service waits.
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while t.permit_stats().is_none_or(|s| s.in_use == 0) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "first request never admitted"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let second = svc
+            .clone()
+            .oneshot(Request::new(String::new()))
+            .await
+            .unwrap();
+        assert_eq!(second.status(), StatusCode::TOO_MANY_REQUESTS);
+        tx.send(()).unwrap();
+        assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+        assert_eq!(t.permit_stats().unwrap().in_use, 0);
+        let third = svc.oneshot(Request::new(String::new())).await.unwrap();
+        assert_eq!(third.status(), StatusCode::OK);
     }
 
     #[tokio::test]

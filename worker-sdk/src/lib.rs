@@ -20,6 +20,8 @@
 //! * [`shm`]: the host-shared memory segment: layout, the packed quota word, participants and
 //!   their locks, slot reclamation.
 //! * [`client`]: the public API ([`Client`], [`Task`], [`Decision`]).
+//! * [`concurrency`]: mode `concurrency`: permits in flight ([`Permit`]) from a leased block.
+//! * [`lock`]: distributed locks with fencing tokens ([`Client::lock`]).
 //! * [`state`]: the NORMAL / LIMITED / FAILED state machine (pure).
 //! * [`pull`]: pull sizing and prefetch policy (pure).
 //! * [`limiter`]: local limiters for FAILED and mode `local` (pure algorithms).
@@ -32,14 +34,18 @@
 mod background;
 pub mod client;
 pub mod clock;
+pub mod concurrency;
 pub mod health;
 pub mod layer;
 pub mod limiter;
+pub mod lock;
 pub mod protocol;
 pub mod pull;
 pub mod shm;
 pub mod state;
 
 pub use client::{Client, ClockSource, Config, Decision, Error, Task};
+pub use concurrency::{Permit, PermitError};
 pub use health::Outcome;
+pub use lock::{LockError, LockGuard};
 pub use state::HostState;

@@ -18,6 +18,8 @@
 //!  │          quota[2] packed quota word per slice parity + accounting           │
 //!  │          ring[16] per-slice counters (adm, rej, ok, err, lat) to flush      │
 //!  │          limiter  lock + cells + log of the local (fallback) limiter        │
+//!  │          conc     mode concurrency: permit word (limit | in use), lease     │
+//!  │                   validity, lease lock + seq, demand, per-process holders  │
 //!  ├──────────────────────────────────────────────────────────────────────────────┤
 //!  │ Slot 1 … Slot N-1                                                            │
 //!  └──────────────────────────────────────────────────────────────────────────────┘
@@ -103,7 +105,8 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"SLUICE\x00\x01");
 /// * 1: quota tags were slice indexes; pid liveness.
 /// * 2: slices named by start (Unix ms), participant table and OFD-lock liveness, slot
 ///   generations and reclamation, flush lock.
-pub const LAYOUT_VERSION: u64 = 2;
+/// * 3: [`ConcCells`] at the end of each slot (mode `concurrency`).
+pub const LAYOUT_VERSION: u64 = 3;
 
 /// Slots per segment unless configured otherwise.
 pub const DEFAULT_SLOTS: u32 = 64;
@@ -279,6 +282,70 @@ pub struct LimiterCells {
     pub cells: [AtomicU64; LIMITER_CELLS],
 }
 
+/// Processes of one host that can hold permits of one concurrency task at once.
+pub const HOLDERS: usize = 128;
+
+/// Mode `concurrency` on this host: the leased block of permits and who uses them
+/// (see [`crate::concurrency`]).
+///
+/// `permits` packs `limit:32 | in_use:32`: a permit is handed out by one compare-and-swap
+/// that raises `in_use` while it is below `limit`, and the lease holder lowers `limit` with a
+/// compare-and-swap that sees `in_use`, so a shrink never leaves more in use than it allows.
+/// Each process's share of `in_use` is in `holders` (`participant:16 | generation:16 |
+/// count:32`, 0 = free), so the permits of a dead process (its byte lock gone, see the module
+/// docs) are subtracted at once by whichever process notices.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct ConcCells {
+    /// `limit:32 | in_use:32`.
+    pub permits: AtomicU64,
+    /// Regime: 0 lease (hand out while `now < valid_until_ms`), 1 FAILED local
+    /// (`limit` = local_limit), 2 FAILED allow, 3 FAILED deny.
+    pub regime: AtomicU64,
+    /// Permits may be handed out under the lease until this time (boot-clock ms; 0 = none).
+    pub valid_until_ms: AtomicI64,
+    /// The cross-process lease lock ([`ShmLock`]): held through a LEASE call.
+    pub lease_lock: AtomicU64,
+    /// Sequence number of the host's last LEASE call.
+    pub seq: AtomicU64,
+    /// Callers waiting for a permit now (demand).
+    pub waiting: AtomicU64,
+    /// Refused `try_permit`s (demand), ever.
+    pub denied: AtomicU64,
+    /// Boot-clock ms at which the last successful LEASE call was sent (0 = never).
+    pub sent_ok_ms: AtomicI64,
+    /// Lease TTL (ms): from the meta, then from each reply.
+    pub lease_ms: AtomicU64,
+    /// Threshold (permits in flight) from the last reply.
+    pub cap: AtomicU64,
+    /// Other hosts' unexpired permits from the last reply.
+    pub others: AtomicU64,
+    /// Boot-clock ms before which the block is not grown again (after a call that got nothing).
+    pub grow_after_ms: AtomicI64,
+    /// Times the lease lapsed here (renewal failed past the safety margin).
+    pub lapses: AtomicU64,
+    /// Permits handed out, ever.
+    pub granted: AtomicU64,
+    /// Permits of dead processes given back to the host, ever.
+    pub reclaimed: AtomicU64,
+    /// Boot-clock ms of the last scan for dead holders.
+    pub scanned_ms: AtomicI64,
+    /// Demand seen by the last LEASE round (`denied` then), to size the next one.
+    pub denied_seen: AtomicU64,
+    /// Boot-clock ms since when LEASE calls fail (0 = they do not).
+    pub failing_since_ms: AtomicI64,
+    /// Boot-clock ms before which no LEASE call is retried (after a failed one).
+    pub next_try_ms: AtomicI64,
+    /// What the other hosts asked for and did not get, from the last reply.
+    pub others_unmet: AtomicU64,
+    /// `cap − others` from the last reply: under a lease, no permit is handed out while this
+    /// many or more are in use here (binds only after a threshold decrease, when the
+    /// holdings exceed the new cap).
+    pub room: AtomicU64,
+    /// Per-process shares of `in_use`.
+    pub holders: [AtomicU64; HOLDERS],
+}
+
 /// Everything the host knows about one task.
 #[repr(C, align(64))]
 #[derive(Debug)]
@@ -297,6 +364,8 @@ pub struct Slot {
     pub limiter: LimiterCells,
     /// The sliding-log limiter's ring of `(ms:44 | count:20)` entries.
     pub log: [AtomicU64; LOG_CAP],
+    /// Mode `concurrency`.
+    pub conc: ConcCells,
 }
 
 const HEADER_SIZE: usize = std::mem::size_of::<Header>();
@@ -394,11 +463,12 @@ pub struct FastMeta {
     pub generation: u16,
 }
 
-const MODES: [Mode; 4] = [
+const MODES: [Mode; 5] = [
     Mode::Pooled,
     Mode::Local,
     Mode::ExactFixed,
     Mode::ExactSliding,
+    Mode::Concurrency,
 ];
 const ON_FAILURE: [OnFailure; 3] = [OnFailure::Local, OnFailure::Allow, OnFailure::Deny];
 const ALGORITHMS: [FallbackAlgorithm; 5] = [
@@ -525,6 +595,7 @@ impl Slot {
                 burst: self.meta.burst.load(Ordering::Relaxed),
             },
             version: self.meta.version.load(Ordering::Relaxed),
+            lease_ms: self.conc.lease_ms.load(Ordering::Relaxed),
         })
     }
 
@@ -541,6 +612,9 @@ impl Slot {
         m.local_limit.store(meta.local_limit, Ordering::Relaxed);
         m.burst.store(meta.fallback.burst, Ordering::Relaxed);
         m.version.store(meta.version, Ordering::Relaxed);
+        if meta.lease_ms > 0 {
+            self.conc.lease_ms.store(meta.lease_ms, Ordering::Relaxed);
+        }
         let next = FastMeta {
             slice_ms: meta.slice_ms,
             mode: meta.mode,
@@ -845,6 +919,39 @@ impl Slot {
         }
         for l in &self.log {
             l.store(0, Ordering::Relaxed);
+        }
+        let k = &self.conc;
+        for w in [
+            &k.permits,
+            &k.regime,
+            &k.lease_lock,
+            &k.seq,
+            &k.waiting,
+            &k.denied,
+            &k.lease_ms,
+            &k.cap,
+            &k.others,
+            &k.lapses,
+            &k.granted,
+            &k.reclaimed,
+            &k.denied_seen,
+            &k.others_unmet,
+            &k.room,
+        ] {
+            w.store(0, Ordering::Relaxed);
+        }
+        for w in [
+            &k.valid_until_ms,
+            &k.sent_ok_ms,
+            &k.grow_after_ms,
+            &k.scanned_ms,
+            &k.failing_since_ms,
+            &k.next_try_ms,
+        ] {
+            w.store(0, Ordering::Relaxed);
+        }
+        for h in &k.holders {
+            h.store(0, Ordering::Relaxed);
         }
     }
 
@@ -1729,6 +1836,7 @@ mod tests {
                 burst: 9,
             },
             version: 3,
+            lease_ms: 0,
         }
     }
 

@@ -247,6 +247,7 @@ fn host_json(host_id: &str, raw: &str, now_ms: i64) -> Value {
                 "seen_ms": h.seen_ms,
                 "sdk": h.sdk,
                 "tasks": h.tasks,
+                "permits": h.permits,
                 "age_ms": age.round() as i64,
                 "stale": age as i64 > STALE_HOST_MS,
             })

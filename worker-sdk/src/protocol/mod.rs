@@ -33,6 +33,7 @@
 //! ```
 
 pub mod conn;
+pub mod lease;
 pub mod scripts;
 pub mod tls;
 
@@ -218,6 +219,22 @@ impl Keys {
         format!("/{}/settings", self.ns)
     }
 
+    /// `NS:{T}:lease`: mode `concurrency`: the permits each host leases (hash: host id →
+    /// `<permits>:<expires_ms>:<seq>:<unmet>`; see [`lease`]).
+    pub fn lease(&self, task: &str) -> String {
+        format!("{}:{{{}}}:lease", self.ns, task)
+    }
+
+    /// `NS:{L}:lock`: the hash of lock `L` (`token`, `owner`), expiring with the lock.
+    pub fn lock(&self, lock: &str) -> String {
+        format!("{}:{{{}}}:lock", self.ns, lock)
+    }
+
+    /// `NS:{L}:lock:token`: the fencing-token counter of lock `L` (never expires).
+    pub fn lock_token(&self, lock: &str) -> String {
+        format!("{}:{{{}}}:lock:token", self.ns, lock)
+    }
+
     /// `NS:{T}:log:seq`: the sequence that makes `exact_sliding` log members unique (expires
     /// with the log, deleted with the task).
     pub fn sliding_log_seq(&self, task: &str) -> String {
@@ -335,6 +352,9 @@ string_enum! {
         ExactFixed = "exact_fixed",
         /// One atomic Redis call per decision against a sliding log.
         ExactSliding = "exact_sliding",
+        /// `threshold` = permits in flight across the cluster: hosts lease blocks of permits
+        /// (see [`lease`]); no slices.
+        Concurrency = "concurrency",
     }
 }
 
@@ -393,6 +413,8 @@ pub struct TaskMeta {
     pub fallback: Fallback,
     /// The spec's version (its etcd mod revision).
     pub version: i64,
+    /// Mode `concurrency`: the lease TTL in ms (0 for other modes; an absent field reads as 0).
+    pub lease_ms: u64,
 }
 
 /// Meta hash field names written by the manager and read by workers.
@@ -417,6 +439,8 @@ pub mod meta_field {
     pub const FALLBACK_BURST: &str = "fallback_burst";
     /// Spec version.
     pub const VERSION: &str = "version";
+    /// Lease TTL (ms) of a `concurrency` task.
+    pub const LEASE_MS: &str = "lease_ms";
     /// Term of the leader that last wrote this task: the fence (with [`EPOCH`]).
     pub const TERM: &str = "term";
     /// The etcd cluster id of that leader's election (decimal string): terms of different
@@ -487,6 +511,7 @@ impl TaskMeta {
             (FALLBACK, self.fallback.algorithm.as_str().to_string()),
             (FALLBACK_BURST, self.fallback.burst.to_string()),
             (VERSION, self.version.to_string()),
+            (LEASE_MS, self.lease_ms.to_string()),
         ]
     }
 
@@ -534,6 +559,10 @@ impl TaskMeta {
                 burst: get(&map, FALLBACK_BURST)?,
             },
             version: get(&map, VERSION)?,
+            lease_ms: match map.get(LEASE_MS) {
+                None => 0,
+                Some(_) => get(&map, LEASE_MS)?,
+            },
         })
     }
 }
@@ -552,6 +581,24 @@ pub struct HostReport {
     /// Tasks this host uses, with the host's state for each (`normal`/`limited`/`failed`).
     #[serde(default)]
     pub tasks: std::collections::BTreeMap<String, String>,
+    /// Concurrency tasks this host uses: its permits (absent in reports of older SDKs).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub permits: std::collections::BTreeMap<String, PermitReport>,
+}
+
+/// One host's permits of one concurrency task, in its `NS:hosts` entry.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PermitReport {
+    /// Permits in use on the host.
+    pub in_use: u64,
+    /// Permits the host may hand out (its leased block, or `local_limit` while FAILED).
+    pub limit: u64,
+    /// Callers waiting for a permit.
+    pub waiting: u64,
+    /// Times the host's lease lapsed (renewal failed past the safety margin).
+    pub lapses: u64,
+    /// Permits of dead processes given back to the host.
+    pub reclaimed: u64,
 }
 
 #[cfg(test)]
@@ -589,6 +636,7 @@ mod tests {
             mode: Mode::Pooled,
             fallback: Fallback::default(),
             version: 7,
+            lease_ms: 0,
         };
         let pairs = meta.to_pairs();
         let back = TaskMeta::from_pairs(pairs.iter().map(|(k, v)| (*k, v.as_str()))).unwrap();

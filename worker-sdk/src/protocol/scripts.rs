@@ -628,6 +628,7 @@ pub fn task_state_keys(keys: &Keys, task: &str) -> Vec<String> {
         keys.health_reports(task),
         keys.sliding_log(task),
         keys.sliding_log_seq(task),
+        keys.lease(task),
         keys.history(task, "1s"),
         keys.history(task, "1m"),
     ]

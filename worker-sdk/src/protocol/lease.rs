@@ -1,0 +1,329 @@
+//! Mode `concurrency` and locks: the Lua scripts of leases and fencing-token locks, with typed
+//! calls. `docs/concurrency.md` states their contract for other languages.
+//!
+//! # Leases (mode `concurrency`)
+//!
+//! ```text
+//!  NS:{T}:meta   hash  written by the leader (fenced, like every task): mode = concurrency,
+//!                      threshold = permits in flight cluster-wide, lease_ms = lease TTL
+//!  NS:{T}:lease  hash  host id -> "<permits>:<expires_ms>:<seq>:<unmet>"
+//!                      (expires_ms: Redis TIME; unmet: want − permits of its last call)
+//! ```
+//!
+//! A host holds a block of permits under a lease and hands them out locally. [`LEASE_LUA`] is
+//! the one call for everything a host does with its block: take one, grow it, renew it
+//! (every call renews: `expires = now + lease_ms`), shrink it (give idle permits back) and drop
+//! it (`want = 0`). `want` is the *absolute* number the host wants to hold, so the call is
+//! idempotent; a per-host sequence number orders calls (a late duplicate of an older call is
+//! refused, never applied over a newer one).
+//!
+//! The grant rule, with `cur` the host's unexpired holding and `others` the sum of the other
+//! hosts' unexpired holdings:
+//!
+//! ```text
+//!  want ≤ cur:  holding = want                          (shrink or renew: always allowed)
+//!  want > cur:  holding = max(cur, min(want, cap − others))   (grow into free room only)
+//! ```
+//!
+//! The cap is read from the meta at every call, so a threshold change applies at once to
+//! every grant. A **threshold decrease** never revokes permits already held (they may be in
+//! use): Σ holdings may exceed the new cap until hosts give permits back; no host can grow
+//! while `others + cur ≥ cap`; a host hands out no permit while its in use is at or above
+//! `cap − others` of its last reply, and shrinks its holding to what it has in use at its next
+//! call (the SDK does both), so in flight falls to the new cap by attrition, and no new permit
+//! is handed out anywhere until it has (from each host's next renewal on: at most a quarter
+//! TTL after the change).
+//!
+//! Expired entries count 0 and are deleted `10 × lease_ms` after they expired (kept that long
+//! so their sequence number still refuses a late duplicate); the hash itself expires
+//! `10 × lease_ms` after the last call.
+//!
+//! # Locks
+//!
+//! ```text
+//!  NS:{L}:lock        hash    token, owner; PEXPIRE = the lock's TTL (renewed)
+//!  NS:{L}:lock:token  string  INCR counter of fencing tokens (never expires)
+//! ```
+//!
+//! [`LOCK_ACQUIRE_LUA`] takes a free lock and, in the same call, draws its fencing token with
+//! `INCR`, so tokens are strictly increasing per lock across holders, crashes and expiries.
+//! Renewal and release check the token (never touch another holder's lock).
+
+use std::sync::LazyLock;
+
+use redis::{RedisResult, Script};
+
+use super::Keys;
+
+/// Takes, grows, renews, shrinks or drops a host's block of permits (see the module docs).
+///
+/// `KEYS[1]` meta, `KEYS[2]` lease hash. `ARGV`: host id, want (absolute), seq (strictly
+/// increasing per host, below 2^53 (Lua numbers are doubles); a retry resends the same seq).
+/// Entries are written with `%d`, never `tostring` (which prints 1.7e+15 for a µs clock).
+///
+/// Each entry also records the host's **unmet** demand (`want − holding` of its last call), so
+/// a host learns whether others wait (`others_unmet`) and gives its idle permits back.
+///
+/// Returns `{status, holding, cap, others, lease_ms, version, time_s, time_us,
+/// others_unmet}`:
+///
+/// * `status = 1`: the host now holds `holding` permits until Redis time + `lease_ms`;
+/// * `status = -1`: the task is unknown: no meta, a tombstone, or not in mode `concurrency`
+///   (nothing is written);
+/// * `status = -3`: `seq` is below the host's last one (a late duplicate): nothing changed;
+///   `holding` is what the host holds.
+///
+/// `others` is the sum of the other hosts' unexpired holdings, `cap` the meta's threshold.
+pub const LEASE_LUA: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local m = redis.call('HMGET', KEYS[1], 'mode', 'threshold', 'lease_ms', 'version', 'retired')
+if m[1] ~= 'concurrency' or m[5] or not m[2] then
+  return {-1, 0, 0, 0, 0, 0, tonumber(t[1]), tonumber(t[2]), 0}
+end
+local cap = tonumber(m[2]) or 0
+local ttl = tonumber(m[3]) or 0
+if ttl <= 0 then ttl = 10000 end
+local version = tonumber(m[4]) or 0
+local host = ARGV[1]
+local want = math.max(0, tonumber(ARGV[2]) or 0)
+local seq = tonumber(ARGV[3]) or 0
+local all = redis.call('HGETALL', KEYS[2])
+local cur, cur_seq, others, unmet = 0, -1, 0, 0
+for i = 1, #all, 2 do
+  local p, e, s, u = string.match(all[i + 1], '^(%d+):(%d+):(%d+):?(%d*)$')
+  -- numbers are written with %d (tostring would print a µs seq as 1.79e+15)
+  p = tonumber(p); e = tonumber(e); s = tonumber(s)
+  if not p then
+    redis.call('HDEL', KEYS[2], all[i])
+  else
+    local live = e > now
+    if all[i] == host then
+      cur_seq = s
+      if live then cur = p end
+    elseif live then
+      others = others + p
+      unmet = unmet + (tonumber(u) or 0)
+    elseif e + 10 * ttl < now then
+      redis.call('HDEL', KEYS[2], all[i])
+    end
+  end
+end
+if seq < cur_seq then
+  return {-3, cur, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unmet}
+end
+local hold
+if want <= cur then
+  hold = want
+else
+  hold = math.max(cur, math.min(want, cap - others))
+end
+if hold < 0 then hold = 0 end
+redis.call('HSET', KEYS[2], host,
+  string.format('%d:%d:%d:%d', hold, now + ttl, seq, math.max(0, want - hold)))
+redis.call('PEXPIRE', KEYS[2], 10 * ttl + 1000)
+return {1, hold, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unmet}
+"#;
+
+/// Takes lock `L` if it is free, drawing its fencing token in the same call.
+///
+/// `KEYS[1]` `NS:{L}:lock`, `KEYS[2]` `NS:{L}:lock:token`. `ARGV`: owner (unique per
+/// acquisition attempt, so a retry of the same attempt gets the same token back), ttl (ms).
+///
+/// Returns `{1, token, ttl_ms}` (acquired; `token = INCR` of the counter, or this owner's
+/// token again on a retry) or `{0, holder_token, pttl_ms}` (held by another). A counter that
+/// does not exist (first use, or lost by Redis) starts at Redis `TIME` in µs, so tokens keep
+/// increasing across a Redis restart that lost the data.
+pub const LOCK_ACQUIRE_LUA: &str = r#"
+local h = redis.call('HMGET', KEYS[1], 'owner', 'token')
+if h[1] then
+  if h[1] == ARGV[1] then
+    redis.call('PEXPIRE', KEYS[1], ARGV[2])
+    return {1, tonumber(h[2]), tonumber(ARGV[2])}
+  end
+  return {0, tonumber(h[2]) or 0, redis.call('PTTL', KEYS[1])}
+end
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  -- A new counter (or one Redis lost) starts at Redis TIME in µs: tokens keep increasing
+  -- across a Redis restart without persistence, as long as Redis' clock does not go back.
+  local t = redis.call('TIME')
+  redis.call('SET', KEYS[2], string.format('%d', tonumber(t[1]) * 1000000 + tonumber(t[2])))
+end
+local tok = redis.call('INCR', KEYS[2])
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', tok)
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return {1, tok, tonumber(ARGV[2])}
+"#;
+
+/// Renews lock `L` for its holder: `KEYS[1]` `NS:{L}:lock`; `ARGV`: token, ttl (ms). Returns
+/// 1 when the token still holds the lock (its TTL is reset), else 0 (lost: expired, or taken).
+pub const LOCK_RENEW_LUA: &str = r#"
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+  return 1
+end
+return 0
+"#;
+
+/// Releases lock `L` if `token` holds it: `KEYS[1]` `NS:{L}:lock`; `ARGV`: token. Returns 1
+/// when released, 0 when the token no longer held it (another holder's lock is never deleted).
+pub const LOCK_RELEASE_LUA: &str = r#"
+if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  return 1
+end
+return 0
+"#;
+
+static LEASE: LazyLock<Script> = LazyLock::new(|| Script::new(LEASE_LUA));
+static LOCK_ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(LOCK_ACQUIRE_LUA));
+static LOCK_RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(LOCK_RENEW_LUA));
+static LOCK_RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(LOCK_RELEASE_LUA));
+
+/// Reply of [`lease`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseReply {
+    /// The host holds `holding` permits for `lease_ms` from Redis time `redis_time_us`.
+    Held {
+        /// Permits the host now holds.
+        holding: u64,
+        /// The task's threshold (meta).
+        cap: u64,
+        /// Unexpired permits of the other hosts.
+        others: u64,
+        /// Lease TTL (meta).
+        lease_ms: u64,
+        /// The meta's spec version.
+        version: i64,
+        /// What the other (live) hosts asked for and did not get.
+        others_unmet: u64,
+        /// Redis `TIME`, Unix µs.
+        redis_time_us: i64,
+    },
+    /// The task is unknown (no meta, retired, or not mode `concurrency`).
+    Unknown,
+    /// The sequence number was below the host's last: nothing changed.
+    Stale {
+        /// What the host holds.
+        holding: u64,
+    },
+}
+
+/// Runs [`LEASE_LUA`]: host `host` of `task` wants to hold `want` permits; `seq` orders the
+/// host's calls (resend the same `seq` on a retry).
+pub async fn lease<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    host: &str,
+    want: u64,
+    seq: u64,
+) -> RedisResult<LeaseReply>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let v: Vec<i64> = LEASE
+        .key(keys.meta(task))
+        .key(keys.lease(task))
+        .arg(host)
+        .arg(want)
+        .arg(seq)
+        .invoke_async(conn)
+        .await?;
+    let g = |i: usize| v.get(i).copied().unwrap_or(0);
+    Ok(match g(0) {
+        1 => LeaseReply::Held {
+            holding: g(1).max(0) as u64,
+            cap: g(2).max(0) as u64,
+            others: g(3).max(0) as u64,
+            lease_ms: g(4).max(0) as u64,
+            version: g(5),
+            redis_time_us: g(6) * 1_000_000 + g(7),
+            others_unmet: g(8).max(0) as u64,
+        },
+        -3 => LeaseReply::Stale {
+            holding: g(1).max(0) as u64,
+        },
+        _ => LeaseReply::Unknown,
+    })
+}
+
+/// Reply of [`lock_acquire`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LockReply {
+    /// Acquired with this fencing token.
+    Acquired {
+        /// The fencing token (strictly increasing per lock).
+        token: u64,
+    },
+    /// Held by another holder.
+    Busy {
+        /// The holder's token.
+        token: u64,
+        /// Its remaining TTL (ms; negative = none).
+        pttl_ms: i64,
+    },
+}
+
+/// Runs [`LOCK_ACQUIRE_LUA`] for lock `name` (a name like a task name).
+pub async fn lock_acquire<C>(
+    conn: &mut C,
+    keys: &Keys,
+    name: &str,
+    owner: &str,
+    ttl_ms: u64,
+) -> RedisResult<LockReply>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let (status, token, ttl): (i64, i64, i64) = LOCK_ACQUIRE
+        .key(keys.lock(name))
+        .key(keys.lock_token(name))
+        .arg(owner)
+        .arg(ttl_ms.max(1))
+        .invoke_async(conn)
+        .await?;
+    Ok(if status == 1 {
+        LockReply::Acquired {
+            token: token.max(0) as u64,
+        }
+    } else {
+        LockReply::Busy {
+            token: token.max(0) as u64,
+            pttl_ms: ttl,
+        }
+    })
+}
+
+/// Runs [`LOCK_RENEW_LUA`]: whether `token` still holds lock `name` (its TTL reset to `ttl_ms`).
+pub async fn lock_renew<C>(
+    conn: &mut C,
+    keys: &Keys,
+    name: &str,
+    token: u64,
+    ttl_ms: u64,
+) -> RedisResult<bool>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let r: i64 = LOCK_RENEW
+        .key(keys.lock(name))
+        .arg(token)
+        .arg(ttl_ms.max(1))
+        .invoke_async(conn)
+        .await?;
+    Ok(r == 1)
+}
+
+/// Runs [`LOCK_RELEASE_LUA`]: whether `token` held lock `name` and released it.
+pub async fn lock_release<C>(conn: &mut C, keys: &Keys, name: &str, token: u64) -> RedisResult<bool>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let r: i64 = LOCK_RELEASE
+        .key(keys.lock(name))
+        .arg(token)
+        .invoke_async(conn)
+        .await?;
+    Ok(r == 1)
+}
