@@ -232,27 +232,9 @@ pub struct Config {
     pub tls: Option<ListenerTls>,
 }
 
-/// A secret string: its `Debug` and `Display` never show it.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    /// Wraps a secret.
-    pub fn new(s: impl Into<String>) -> Self {
-        Self(s.into())
-    }
-
-    /// The secret itself, for the one place that sends it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for Secret {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("<redacted>")
-    }
-}
+/// A secret string (the etcd password): the same wrapper as API tokens, its `Debug` never
+/// shows it.
+pub type Secret = Token;
 
 /// How the manager reaches etcd beyond the endpoints: TLS (for https:// endpoints) and auth.
 #[derive(Debug, Clone, Default)]
@@ -642,7 +624,8 @@ impl Config {
     }
 }
 
-/// An API token: compared in constant time, never printed (`Debug` shows `***`).
+/// A secret (API token, password): compared in constant time, never printed (`Debug` shows
+/// `***`).
 #[derive(Clone, PartialEq, Eq)]
 pub struct Token(String);
 
@@ -666,7 +649,7 @@ impl Token {
 
 impl std::fmt::Debug for Token {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("Token(***)")
+        f.write_str("***")
     }
 }
 
