@@ -41,7 +41,7 @@ export SLUICE_TEST_ETCD="$ETCD_ENDPOINT" SLUICE_TEST_REDIS="$REDIS_URL"
 
 log "cargo test"
 # End-to-end tests start several managers each; two at a time keeps a 2-core machine honest.
-cargo test --workspace -- --test-threads="${SLUICE_TEST_THREADS:-2}" ${SLUICE_TEST_FILTER:-}
+cargo test --workspace --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-2}" ${SLUICE_TEST_FILTER:-}
 
 if [ -z "${SLUICE_TEST_FILTER:-}" ] && [ -z "${SLUICE_SKIP_SOAK:-}" ]; then
   log "soak: a ${SLUICE_SOAK_SECONDS:-60} s slice with a random seed (replay: scripts/soak.sh --seed S)"

@@ -699,6 +699,19 @@ async fn a_stopped_host_past_its_ttl_hands_out_nothing_until_it_holds_a_new_leas
             &fs.display().to_string(),
         ],
     ));
+    // Host b starts once s holds permits (its first released permit is in its intervals
+    // file): started together, either could lease the whole cap first.
+    wait_until(
+        "host s to hold permits",
+        Duration::from_secs(20),
+        Duration::from_millis(20),
+        || async {
+            std::fs::read_to_string(&fs)
+                .is_ok_and(|t| t.lines().next().is_some())
+                .then_some(())
+        },
+    )
+    .await;
     let mut gb = Loadgen::spawn(&loadgen_args(
         &shared_redis(),
         &ns,
