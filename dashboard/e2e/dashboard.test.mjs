@@ -341,7 +341,11 @@ describe('dashboard', () => {
       assert.match(await row.locator('td[data-col="expires"]').textContent(), /\d+(\.\d+)? (s|ms)$/);
       // In use comes from the host's report (the first one within ~2 s of its start).
       await waitFor('in use from the host report', async () => /^\d+ of \d+$/.test(await row.locator('td[data-col="in-use"]').textContent()), { timeout: 30000, every: 250 });
-      await waitFor('waiting for more permits', async () => Number(await row.locator('td[data-col="waiting"]').textContent()) > 0, { timeout: 15000, every: 250 });
+      // 6 workers want more than the 3 permits: callers wait on the host (its report).
+      await waitFor('callers waiting on the host', async () => Number(await row.locator('td[data-col="waiting"]').textContent()) > 0, { timeout: 30000, every: 250 });
+      assert.match(await row.locator('td[data-col="unmet"]').textContent(), /^\d+$/);
+      // The fields mode concurrency does not use are not shown.
+      assert.equal(await p.getByLabel('Slice length (ms)').count(), 0);
 
       // The task list: mode and in flight.
       await p.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Tasks' }).click();

@@ -132,6 +132,7 @@ async fn task_status_and_metrics_follow_the_lease_hash() {
     )
     .await;
     let expired_after = killed.elapsed();
+    eprintln!("host b's lease seen expired {expired_after:?} after the kill (lease {LEASE_MS} ms)");
     // The lease was renewed at most LEASE_MS before the kill; 300 ms for polling on a loaded
     // machine.
     assert!(

@@ -262,6 +262,12 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
     ) : null;
   };
 
+  // Mode concurrency has no slices, schedules or dynamic limiting: their fields are hidden
+  // unless something is set there (the API then names the field it refuses).
+  const conc = m.mode === 'concurrency';
+  const showSchedules = !conc || m.schedules.length > 0;
+  const showDynamic = !conc || m.dynEnabled;
+
   return (
     <form ref={formRef} class="task-form" onSubmit={submit} noValidate aria-label={editing ? 'Edit task' : 'New task'}>
       {error && error.status === 409 && editing ? (
@@ -305,7 +311,9 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
             placeholder: '5000',
             required: true,
           })}
-          {text('slice_ms', 'Slice length (ms)', m.slice_ms, (v) => set('slice_ms', v), {
+          {conc
+            ? null
+            : text('slice_ms', 'Slice length (ms)', m.slice_ms, (v) => set('slice_ms', v), {
             numeric: true,
             hint: '100 ms to 1 day',
           })}
@@ -326,17 +334,19 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
               })
             : null}
           {select('on_failure', 'When Redis fails', m.on_failure, ON_FAILURE, (v) => set('on_failure', v))}
-          {text('local_limit', 'Local limit (per host per slice)', m.local_limit, (v) => set('local_limit', v), {
+          {text('local_limit', conc ? 'Local limit (per host)' : 'Local limit (per host per slice)', m.local_limit, (v) => set('local_limit', v), {
             numeric: true,
             hint: 'used while a host is FAILED; empty = threshold',
           })}
-          {text('pull', 'Pull chunk', m.pull, (v) => set('pull', v), { numeric: true, hint: '0 or empty = automatic' })}
-          {select('fallback.algorithm', 'Local algorithm', m.algorithm, ALGORITHMS, (v) => set('algorithm', v))}
-          {text('fallback.burst', 'Local burst', m.burst, (v) => set('burst', v), { numeric: true, hint: '0 = local limit' })}
+          {/* Accepted and not used by mode concurrency (no slices): not shown for it. */}
+          {conc ? null : text('pull', 'Pull chunk', m.pull, (v) => set('pull', v), { numeric: true, hint: '0 or empty = automatic' })}
+          {conc ? null : select('fallback.algorithm', 'Local algorithm', m.algorithm, ALGORITHMS, (v) => set('algorithm', v))}
+          {conc ? null : text('fallback.burst', 'Local burst', m.burst, (v) => set('burst', v), { numeric: true, hint: '0 = local limit' })}
         </div>
         {groupError('fallback')}
       </fieldset>
 
+      {showSchedules ? (
       <fieldset id={`${fieldId('schedules')}-group`} tabIndex={-1}>
         <legend>Schedules</legend>
         <p class="hint">Cron with seconds, in UTC; slices starting at a match get that threshold (later rows win).</p>
@@ -375,7 +385,9 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
           Add schedule
         </button>
       </fieldset>
+      ) : null}
 
+      {showDynamic ? (
       <fieldset id={`${fieldId('dynamic')}-group`} tabIndex={-1}>
         <legend>Dynamic limiting</legend>
         {groupError('dynamic')}
@@ -402,6 +414,7 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
           })}
         </div>
       </fieldset>
+      ) : null}
 
       <div class="actions">
         <button type="submit" disabled={saving}>

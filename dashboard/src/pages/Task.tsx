@@ -328,6 +328,9 @@ function Leases({ name, t }: { name: string; t: TaskWithStatus }) {
                   Waiting
                 </th>
                 <th scope="col" class="num">
+                  Unmet
+                </th>
+                <th scope="col" class="num">
                   Lease expires in
                 </th>
                 <th scope="col" class="num hide-narrow">
@@ -339,7 +342,6 @@ function Leases({ name, t }: { name: string; t: TaskWithStatus }) {
               {ids.map((id) => {
                 const l = leases.find((x) => x.host === id);
                 const p = byHost.get(id)?.permits?.[name];
-                const waiting = Math.max(l?.waiting ?? 0, p?.waiting ?? 0);
                 return (
                   <tr data-host={id} class={l?.expired ? 'stale' : ''}>
                     <td class="nowrap">{id}</td>
@@ -349,8 +351,11 @@ function Leases({ name, t }: { name: string; t: TaskWithStatus }) {
                     <td class="num" data-col="in-use" title="from the host's last report">
                       {p ? `${num(p.in_use)} of ${num(p.limit)}` : '—'}
                     </td>
-                    <td class={`num${waiting > 0 ? ' warn-text' : ''}`} data-col="waiting" title="callers waiting on the host (its report) / permits it asked Redis for and did not get (its lease)">
-                      {l || p ? num(waiting) : '—'}
+                    <td class={`num${p && p.waiting > 0 ? ' warn-text' : ''}`} data-col="waiting" title="callers waiting for a permit on the host (its last report)">
+                      {p ? num(p.waiting) : '—'}
+                    </td>
+                    <td class={`num${l && l.waiting > 0 ? ' warn-text' : ''}`} data-col="unmet" title="permits the host asked Redis for at its last lease call and did not get">
+                      {l ? num(l.waiting) : '—'}
                     </td>
                     <td class={`num${l?.expired ? ' bad-text' : ''}`} data-col="expires">
                       {!l ? '—' : l.expires_in_ms > 0 ? duration(l.expires_in_ms) : `expired ${duration(-l.expires_in_ms)} ago`}
@@ -366,7 +371,7 @@ function Leases({ name, t }: { name: string; t: TaskWithStatus }) {
         </div>
       ) : null}
       <p class="muted small">
-        Held and lease times are Redis' (live); in use, waiting callers and lapses are each host's last report.
+        Held, unmet and lease times are Redis' (live); in use, waiting callers and lapses are each host's last report.
       </p>
     </>
   );
