@@ -7,6 +7,7 @@ import assert from 'node:assert/strict';
 import { after, before, describe, test } from 'node:test';
 import {
   call,
+  childPids,
   launchBrowser,
   leaderOf,
   need,
@@ -289,6 +290,83 @@ describe('dashboard', () => {
         const t = await p.locator('tr[data-task="live"] td[data-col="admitted"]').textContent();
         return Number(t.replace(/,/g, '')) > 0;
       }, { timeout: 15000, every: 250 });
+    } finally {
+      lg?.kill('SIGKILL');
+      await cleanup([m], [p]);
+    }
+  });
+
+  test('a concurrency task: created through the form, in flight and per-host permits from a loadgen, a killed host expires', T, async () => {
+    const ns = uniqueNs('uiconc');
+    const m = await manager({ ns, nodeId: 'q1' });
+    const p = await page();
+    let lg;
+    try {
+      // The form: mode concurrency shows the lease field; a bad lease is the API's 400 next to
+      // it, and nothing is written.
+      await p.goto(`${m.url}/new`);
+      await p.getByLabel('Name').fill('exports');
+      await p.getByLabel('Mode').selectOption('concurrency');
+      await p.getByLabel('Threshold (permits in flight)').fill('3');
+      await p.getByLabel('Lease TTL (ms)').fill('100');
+      await p.getByRole('button', { name: 'Create task' }).click();
+      const err = p.locator('[data-testid="field-error"][data-field="lease_ms"]');
+      await err.waitFor();
+      assert.match(await err.textContent(), /500/);
+      assert.equal(await p.getByLabel('Lease TTL (ms)').getAttribute('aria-invalid'), 'true');
+      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/exports')).status, 404);
+      await p.getByLabel('Lease TTL (ms)').fill('2000');
+      await p.getByLabel('Lease TTL (ms)').press('Enter');
+      await p.waitForURL(`${m.url}/tasks/exports`);
+      const spec = (await call(m.url, 'GET', '/api/v1/tasks/exports')).body;
+      assert.equal(spec.mode, 'concurrency');
+      assert.equal(spec.lease_ms, 2000);
+      assert.equal(spec.threshold, 3);
+      const inFlight = p.getByTestId('in-flight').locator('.stat-value');
+      await waitFor('the threshold on the page', async () => /\/\s*3/.test(await inFlight.textContent()));
+
+      // One host, 6 workers holding each permit 50 ms against 3 permits: in flight 3 of 3,
+      // the host waits for more.
+      lg = startLoadgen({ ns, task: 'exports', hostId: 'conc-1', procs: 1, durationMs: 60000, extra: ['--hold-ms', '50', '--workers', '6'] });
+      const row = p.locator('[data-testid="leases"] tr[data-host="conc-1"]');
+      await waitFor('permits held by conc-1', async () => {
+        if (!(await row.count())) return false;
+        const held = Number(await row.locator('td[data-col="held"]').textContent());
+        return held > 0 && held <= 3;
+      }, { timeout: 30000, every: 200 });
+      await waitFor('in flight on the page', async () => {
+        const n = Number((await inFlight.textContent()).split('/')[0].trim());
+        return n > 0 && n <= 3;
+      });
+      assert.match(await row.locator('td[data-col="expires"]').textContent(), /\d+(\.\d+)? (s|ms)$/);
+      // In use comes from the host's report (the first one within ~2 s of its start).
+      await waitFor('in use from the host report', async () => /^\d+ of \d+$/.test(await row.locator('td[data-col="in-use"]').textContent()), { timeout: 30000, every: 250 });
+      // 6 workers want more than the 3 permits: callers wait on the host (its report).
+      await waitFor('callers waiting on the host', async () => Number(await row.locator('td[data-col="waiting"]').textContent()) > 0, { timeout: 30000, every: 250 });
+      assert.match(await row.locator('td[data-col="unmet"]').textContent(), /^\d+$/);
+      // The fields mode concurrency does not use are not shown.
+      assert.equal(await p.getByLabel('Slice length (ms)').count(), 0);
+
+      // The task list: mode and in flight.
+      await p.getByRole('navigation', { name: 'Main' }).getByRole('link', { name: 'Tasks' }).click();
+      const tr = p.locator('tr[data-task="exports"]');
+      await tr.waitFor();
+      assert.match(await tr.locator('td[data-col="mode"]').textContent(), /concurrency/);
+      await waitFor('in flight on the task list', async () => {
+        const n = Number((await tr.locator('[data-col="in-flight"]').textContent()).split(' ')[0]);
+        return n > 0 && n <= 3;
+      }, { timeout: 15000, every: 250 });
+
+      // SIGKILL the host (parent and worker): its lease expires within its TTL and shows so.
+      await tr.getByRole('link', { name: 'exports' }).click();
+      const pids = [lg.pid, ...childPids(lg.pid)];
+      assert.equal(pids.length, 2, `loadgen parent and child: ${pids}`);
+      for (const pid of pids) process.kill(pid, 'SIGKILL');
+      await waitFor('the lease of conc-1 to expire', async () => /expired/.test(await row.locator('td[data-col="expires"]').textContent()), { timeout: 15000, every: 200 });
+      assert.equal(await row.locator('td[data-col="held"]').textContent(), '0');
+      await waitFor('the expired lease counted', async () => (await p.getByTestId('expired-leases').locator('.stat-value').textContent()).trim() === '1');
+      await waitFor('in flight back to 0', async () => (await inFlight.textContent()).trim().startsWith('0'));
+      assert.deepEqual(p.errors, []);
     } finally {
       lg?.kill('SIGKILL');
       await cleanup([m], [p]);

@@ -7,7 +7,7 @@
 // runner exits.
 
 import { spawn, spawnSync } from 'node:child_process';
-import { existsSync, mkdtempSync, openSync, readFileSync, rmSync } from 'node:fs';
+import { existsSync, mkdtempSync, openSync, readdirSync, readFileSync, rmSync } from 'node:fs';
 import { createServer } from 'node:net';
 import { tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
@@ -187,9 +187,10 @@ process.on('exit', () => {
 });
 
 /** The pinned load generator arguments. */
-function loadgenArgs({ ns, task, hostId, procs, durationMs, rate }) {
+function loadgenArgs({ ns, task, hostId, procs, durationMs, rate, extra = [] }) {
   segmentUsed(ns, hostId);
   return [
+    ...extra,
     '--redis',
     need('SLUICE_TEST_REDIS'),
     '--namespace',
@@ -297,12 +298,30 @@ export async function runLoadgen({ ns, task, hostId, procs = 2, durationMs = 500
 }
 
 /** Starts the load generator without waiting for it. */
-export function startLoadgen({ ns, task, hostId, procs = 2, durationMs = 5000, rate = 0, dir }) {
+export function startLoadgen({ ns, task, hostId, procs = 2, durationMs = 5000, rate = 0, dir, extra = [] }) {
   const d = dir ?? tempDir();
-  const args = loadgenArgs({ ns, task, hostId, procs, durationMs, rate });
+  const args = loadgenArgs({ ns, task, hostId, procs, durationMs, rate, extra });
   return startProcess(`loadgen ${hostId}`, bin('SLUICE_LOADGEN_BIN', 'target/debug/examples/loadgen'), args, {
     log: join(d, `loadgen-${hostId}.log`),
   });
+}
+
+/** The pids of the live children of `pid` (from /proc; zombies excluded). */
+export function childPids(pid) {
+  const out = [];
+  for (const d of readdirSync('/proc')) {
+    if (!/^\d+$/.test(d)) continue;
+    let stat;
+    try {
+      stat = readFileSync(`/proc/${d}/stat`, 'utf8');
+    } catch {
+      continue;
+    }
+    // pid (comm) state ppid …: comm may hold spaces and parentheses, so split after the last ')'.
+    const [state, ppid] = stat.slice(stat.lastIndexOf(')') + 2).split(' ');
+    if (Number(ppid) === pid && state !== 'Z') out.push(Number(d));
+  }
+  return out;
 }
 
 /** redis-cli against the shared Redis (for test fixtures such as host reports). */

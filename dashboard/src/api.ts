@@ -23,15 +23,42 @@ export interface TaskSpec {
     target_latency_ms: number;
   };
   description: string;
+  /** Mode `concurrency`: the lease TTL (ms). */
+  lease_ms?: number;
 }
 
-/** Live status of a task (GET /api/v1/tasks/{name}). */
+/** One entry of a concurrency task's lease hash, as the task status shows it. */
+export interface LeaseHost {
+  host: string;
+  held: number;
+  expires_in_ms: number;
+  waiting: number;
+  expired: boolean;
+}
+
+/** Live status of a task (GET /api/v1/tasks/{name}); mode `concurrency` has lease fields. */
 export interface TaskStatus {
   effective_threshold: number | null;
-  current_slice_ms: number;
-  remaining: number | null;
-  horizon_until_ms: number | null;
+  current_slice_ms?: number;
+  remaining?: number | null;
+  horizon_until_ms?: number | null;
+  mode?: string;
+  held?: number | null;
+  hosts_holding?: number;
+  hosts_waiting?: number;
+  lease_ms?: number;
+  hosts?: LeaseHost[] | null;
+  malformed_entries?: number;
   error?: string;
+}
+
+/** A host's permits of one concurrency task (its last report). */
+export interface PermitReport {
+  in_use: number;
+  limit: number;
+  waiting: number;
+  lapses: number;
+  reclaimed: number;
 }
 
 export interface TaskWithStatus extends TaskSpec {
@@ -69,6 +96,7 @@ export interface Host {
   seen_ms?: number;
   sdk?: string;
   tasks?: Record<string, string>;
+  permits?: Record<string, PermitReport>;
   age_ms?: number;
   stale?: boolean;
   error?: string;
@@ -81,6 +109,9 @@ export interface TaskTraffic {
   window_ms: number;
   horizon_until_ms?: number | null;
   hosts: Record<string, number>;
+  /** Mode `concurrency`: permits held cluster-wide now. */
+  in_flight?: number;
+  hosts_waiting?: number;
 }
 
 export interface Traffic {

@@ -101,6 +101,13 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
         ),
         roller.run(ctx.clone(), deps.store.clone(), deps.dynamic.clone()),
         harvester.run(ctx.clone(), deps.store.clone()),
+        crate::leases::run(
+            ctx.clone(),
+            deps.keys.clone(),
+            deps.redis.clone(),
+            deps.store.clone(),
+            deps.metrics.clone(),
+        ),
         crate::dynamic::run(
             ctx.clone(),
             deps.keys.clone(),

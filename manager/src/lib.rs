@@ -18,6 +18,8 @@
 //! * [`alerts`]: the alert pipeline: detectors' signals, episodes, stream, metrics, webhooks.
 //! * [`settings`]: global settings (webhooks, skew threshold) in etcd.
 //! * [`webhook`]: webhook URLs (redaction, destination safety) and the client that posts alerts.
+//! * [`leases`]: mode `concurrency`: the lease hash read back and validated (API status,
+//!   leader metrics).
 //! * [`history`]: the leader's harvest of ended slices into compact per-task history rings.
 //! * [`http`]: the JSON API, `/metrics`, `/healthz`, `/readyz` and the embedded dashboard,
 //!   over HTTP or HTTPS.
@@ -35,6 +37,7 @@ pub mod etcd_link;
 pub mod history;
 pub mod http;
 pub mod leader;
+pub mod leases;
 pub mod metrics;
 pub mod roller;
 pub mod schedule;

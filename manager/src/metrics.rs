@@ -65,6 +65,24 @@ pub struct Metrics {
     pub history_errors: Counter,
     /// Duration of one history harvest tick over all tasks.
     pub history_tick_seconds: Histogram,
+    /// Mode `concurrency`, by task: permits held cluster-wide (live lease entries; leader only).
+    pub concurrency_permits_held: Family<TaskLabel, Gauge>,
+    /// Mode `concurrency`, by task: hosts holding permits under a live lease (leader only).
+    pub concurrency_hosts_holding: Family<TaskLabel, Gauge>,
+    /// Mode `concurrency`, by task: hosts with a live lease and permits waiting (leader only).
+    pub concurrency_hosts_waiting: Family<TaskLabel, Gauge>,
+    /// Mode `concurrency`, by task: leases found expired while holding permits, each once.
+    pub concurrency_lease_expiries: Family<TaskLabel, Counter>,
+    /// Lease hash entries skipped because they do not parse (each read counts).
+    pub concurrency_malformed_entries: Counter,
+}
+
+/// Label of the per-task metrics of mode `concurrency` (task names only: bounded by the
+/// tasks an operator created; hosts are never labels).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TaskLabel {
+    /// Task name.
+    pub task: String,
 }
 
 /// Label of `sluice_alerts_total`.
@@ -109,6 +127,11 @@ impl Metrics {
             history_records: Counter::default(),
             history_errors: Counter::default(),
             history_tick_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            concurrency_permits_held: Family::default(),
+            concurrency_hosts_holding: Family::default(),
+            concurrency_hosts_waiting: Family::default(),
+            concurrency_lease_expiries: Family::default(),
+            concurrency_malformed_entries: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -227,7 +250,64 @@ impl Metrics {
             "Webhook deliveries dropped because the queue was full",
             m.webhook_dropped.clone(),
         );
+        registry.register(
+            "concurrency_permits_held",
+            "Mode concurrency: permits held cluster-wide, sum of live lease entries (leader only)",
+            m.concurrency_permits_held.clone(),
+        );
+        registry.register(
+            "concurrency_hosts_holding",
+            "Mode concurrency: hosts holding permits under a live lease (leader only)",
+            m.concurrency_hosts_holding.clone(),
+        );
+        registry.register(
+            "concurrency_hosts_waiting",
+            "Mode concurrency: hosts with a live lease and permits waiting (leader only)",
+            m.concurrency_hosts_waiting.clone(),
+        );
+        registry.register(
+            "concurrency_lease_expiries",
+            "Mode concurrency: leases found expired while holding permits, each once (leader only)",
+            m.concurrency_lease_expiries.clone(),
+        );
+        registry.register(
+            "concurrency_malformed_entries",
+            "Lease hash entries skipped because they do not parse (each read counts)",
+            m.concurrency_malformed_entries.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// Sets the mode `concurrency` metrics of `task` from one read of its lease hash, with
+    /// `expired` leases newly found lapsed.
+    pub fn set_concurrency(&self, task: &str, view: &crate::leases::LeaseView, expired: u64) {
+        let l = TaskLabel {
+            task: task.to_string(),
+        };
+        self.concurrency_permits_held
+            .get_or_create(&l)
+            .set(view.held() as i64);
+        self.concurrency_hosts_holding
+            .get_or_create(&l)
+            .set(view.hosts_holding() as i64);
+        self.concurrency_hosts_waiting
+            .get_or_create(&l)
+            .set(view.hosts_waiting() as i64);
+        self.concurrency_lease_expiries
+            .get_or_create(&l)
+            .inc_by(expired);
+        self.concurrency_malformed_entries.inc_by(view.malformed);
+    }
+
+    /// Removes the gauges of `task` (task gone or leadership ended). The expiry counter stays:
+    /// a counter only goes up while the process lives.
+    pub fn remove_concurrency_task(&self, task: &str) {
+        let l = TaskLabel {
+            task: task.to_string(),
+        };
+        self.concurrency_permits_held.remove(&l);
+        self.concurrency_hosts_holding.remove(&l);
+        self.concurrency_hosts_waiting.remove(&l);
     }
 
     /// Records this replica's role.

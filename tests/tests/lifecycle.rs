@@ -634,15 +634,26 @@ async fn promtool_accepts_the_metrics() {
     let (s, _) = ms[0].put("/api/v1/tasks/p", r#"{"threshold": 5}"#).await;
     assert_eq!(s, 201);
     ms[0].wait_rolled("p").await;
+    // A concurrency task too: its labelled gauges and counter are checked with the rest.
+    let (s, _) = ms[0]
+        .put(
+            "/api/v1/tasks/q",
+            r#"{"threshold": 5, "mode": "concurrency", "lease_ms": 1000}"#,
+        )
+        .await;
+    assert_eq!(s, 201);
     // What promtool's own example does: curl -s …/metrics | promtool check metrics.
-    let text = http()
-        .get(ms[0].url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = wait_until(
+        "the concurrency metrics of task q",
+        Duration::from_secs(15),
+        Duration::from_millis(100),
+        || async {
+            let text = ms[0].metrics().await?;
+            text.contains("sluice_concurrency_lease_expiries_total{task=\"q\"} 0")
+                .then_some(text)
+        },
+    )
+    .await;
     let mut child = Command::new("promtool")
         .args(["check", "metrics"])
         .stdin(Stdio::piped())

@@ -5,7 +5,15 @@ import type { ComponentChildren } from 'preact';
 import { useEffect, useRef, useState } from 'preact/hooks';
 import { api, ApiError, taskPath, type TaskSpec } from '../api';
 
-const MODES = ['pooled', 'local', 'exact_fixed', 'exact_sliding'];
+const MODES = ['pooled', 'local', 'exact_fixed', 'exact_sliding', 'concurrency'];
+
+const MODE_HINTS: Record<string, string> = {
+  pooled: 'pooled: hosts pull chunks of each slice',
+  local: 'local: each host limits alone',
+  exact_fixed: 'exact_fixed: one Redis call per request',
+  exact_sliding: 'exact_sliding: one Redis call per request, sliding window',
+  concurrency: 'concurrency: at most threshold permits in flight, cluster-wide',
+};
 const ON_FAILURE = ['local', 'allow', 'deny'];
 const ALGORITHMS = ['token_bucket', 'fixed_window', 'sliding_window', 'sliding_log', 'leaky_bucket'];
 
@@ -26,6 +34,7 @@ interface Model {
   dynMax: string;
   dynErr: string;
   dynLat: string;
+  lease_ms: string;
 }
 
 function fromSpec(s?: TaskSpec): Model {
@@ -47,6 +56,7 @@ function fromSpec(s?: TaskSpec): Model {
     dynMax: str(s?.dynamic?.max),
     dynErr: str(s?.dynamic?.target_error_rate),
     dynLat: str(s?.dynamic?.target_latency_ms),
+    lease_ms: str(s?.lease_ms),
   };
 }
 
@@ -66,6 +76,8 @@ function toBody(m: Model, version: number) {
     local_limit: numOrText(m.local_limit),
     on_failure: m.on_failure,
     mode: m.mode,
+    // Only for mode concurrency (the API refuses it for the others, naming `lease_ms`).
+    lease_ms: m.mode === 'concurrency' ? numOrText(m.lease_ms) : undefined,
     fallback: { algorithm: m.algorithm, burst: numOrText(m.burst) },
     schedules: m.schedules.map((s) => ({ cron: s.cron, threshold: numOrText(s.threshold) })),
     dynamic: dynTouched
@@ -250,6 +262,12 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
     ) : null;
   };
 
+  // Mode concurrency has no slices, schedules or dynamic limiting: their fields are hidden
+  // unless something is set there (the API then names the field it refuses).
+  const conc = m.mode === 'concurrency';
+  const showSchedules = !conc || m.schedules.length > 0;
+  const showDynamic = !conc || m.dynEnabled;
+
   return (
     <form ref={formRef} class="task-form" onSubmit={submit} noValidate aria-label={editing ? 'Edit task' : 'New task'}>
       {error && error.status === 409 && editing ? (
@@ -288,12 +306,14 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
                 placeholder: 'checkout-api',
                 required: true,
               })}
-          {text('threshold', 'Threshold (permits per slice)', m.threshold, (v) => set('threshold', v), {
+          {text('threshold', m.mode === 'concurrency' ? 'Threshold (permits in flight)' : 'Threshold (permits per slice)', m.threshold, (v) => set('threshold', v), {
             numeric: true,
             placeholder: '5000',
             required: true,
           })}
-          {text('slice_ms', 'Slice length (ms)', m.slice_ms, (v) => set('slice_ms', v), {
+          {conc
+            ? null
+            : text('slice_ms', 'Slice length (ms)', m.slice_ms, (v) => set('slice_ms', v), {
             numeric: true,
             hint: '100 ms to 1 day',
           })}
@@ -306,19 +326,27 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
       <fieldset>
         <legend>Behaviour</legend>
         <div class="grid">
-          {select('mode', 'Mode', m.mode, MODES, (v) => set('mode', v), 'pooled: hosts pull chunks of each slice')}
+          {select('mode', 'Mode', m.mode, MODES, (v) => set('mode', v), MODE_HINTS[m.mode] ?? undefined)}
+          {m.mode === 'concurrency'
+            ? text('lease_ms', 'Lease TTL (ms)', m.lease_ms, (v) => set('lease_ms', v), {
+                numeric: true,
+                hint: '500 ms to 10 min; empty = 10 s: how long a dead host keeps its permits',
+              })
+            : null}
           {select('on_failure', 'When Redis fails', m.on_failure, ON_FAILURE, (v) => set('on_failure', v))}
-          {text('local_limit', 'Local limit (per host per slice)', m.local_limit, (v) => set('local_limit', v), {
+          {text('local_limit', conc ? 'Local limit (per host)' : 'Local limit (per host per slice)', m.local_limit, (v) => set('local_limit', v), {
             numeric: true,
             hint: 'used while a host is FAILED; empty = threshold',
           })}
-          {text('pull', 'Pull chunk', m.pull, (v) => set('pull', v), { numeric: true, hint: '0 or empty = automatic' })}
-          {select('fallback.algorithm', 'Local algorithm', m.algorithm, ALGORITHMS, (v) => set('algorithm', v))}
-          {text('fallback.burst', 'Local burst', m.burst, (v) => set('burst', v), { numeric: true, hint: '0 = local limit' })}
+          {/* Accepted and not used by mode concurrency (no slices): not shown for it. */}
+          {conc ? null : text('pull', 'Pull chunk', m.pull, (v) => set('pull', v), { numeric: true, hint: '0 or empty = automatic' })}
+          {conc ? null : select('fallback.algorithm', 'Local algorithm', m.algorithm, ALGORITHMS, (v) => set('algorithm', v))}
+          {conc ? null : text('fallback.burst', 'Local burst', m.burst, (v) => set('burst', v), { numeric: true, hint: '0 = local limit' })}
         </div>
         {groupError('fallback')}
       </fieldset>
 
+      {showSchedules ? (
       <fieldset id={`${fieldId('schedules')}-group`} tabIndex={-1}>
         <legend>Schedules</legend>
         <p class="hint">Cron with seconds, in UTC; slices starting at a match get that threshold (later rows win).</p>
@@ -357,7 +385,9 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
           Add schedule
         </button>
       </fieldset>
+      ) : null}
 
+      {showDynamic ? (
       <fieldset id={`${fieldId('dynamic')}-group`} tabIndex={-1}>
         <legend>Dynamic limiting</legend>
         {groupError('dynamic')}
@@ -384,6 +414,7 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
           })}
         </div>
       </fieldset>
+      ) : null}
 
       <div class="actions">
         <button type="submit" disabled={saving}>

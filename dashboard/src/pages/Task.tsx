@@ -253,6 +253,130 @@ function Summary({ t }: { t: TaskWithStatus }) {
   );
 }
 
+/** Mode `concurrency`: in flight now against the threshold, from the task's lease hash. */
+function ConcurrencySummary({ t }: { t: TaskWithStatus }) {
+  const st = t.status;
+  const cap = st.effective_threshold ?? null;
+  const held = st.held ?? null;
+  const expired = (st.hosts ?? []).filter((h) => h.expired).length;
+  return (
+    <div class="stats">
+      <Stat
+        label="In flight now"
+        testId="in-flight"
+        value={
+          <>
+            {num(held)}
+            <span class="muted small"> / {num(cap ?? t.threshold)}</span>
+          </>
+        }
+        hint="permits held cluster-wide / threshold"
+      />
+      <Stat
+        label="Hosts holding"
+        testId="hosts-holding"
+        value={num(st.hosts_holding ?? null)}
+        hint={`${num(st.hosts_waiting ?? null)} waiting for more`}
+      />
+      <Stat
+        label="Expired leases"
+        testId="expired-leases"
+        value={num(st.hosts ? expired : null)}
+        hint={`hosts whose lease ended holding permits (kept ${duration(10 * (t.lease_ms ?? 10000))})`}
+      />
+      <Stat label="Mode" value={t.mode} hint={`lease ${duration(t.lease_ms ?? 10000)} · on Redis failure: ${t.on_failure}`} />
+    </div>
+  );
+}
+
+/**
+ * Mode `concurrency`: one row per host, joining its lease entry (held, expires in, waiting in
+ * Redis) with its last report (in use, waiting callers, lapses) from `GET /api/v1/hosts`.
+ */
+function Leases({ name, t }: { name: string; t: TaskWithStatus }) {
+  const reports = usePoll(
+    (s) => get<{ hosts: Host[]; now_ms: number }>(`/api/v1/hosts?task=${encodeURIComponent(name)}`, s),
+    3000,
+    [name],
+  );
+  const leases = t.status.hosts ?? [];
+  const byHost = new Map((reports.data?.hosts ?? []).map((h) => [h.host_id, h]));
+  const ids = [...new Set([...leases.map((l) => l.host), ...byHost.keys()])].sort();
+  const malformed = t.status.malformed_entries ?? 0;
+  return (
+    <>
+      <ErrorNote error={reports.error?.missingEndpoint ? undefined : reports.error} what="the host reports" />
+      {malformed > 0 ? (
+        <p class="note error" data-testid="malformed">
+          {num(malformed)} lease entr{malformed === 1 ? 'y' : 'ies'} in Redis could not be read and {malformed === 1 ? 'is' : 'are'} ignored.
+        </p>
+      ) : null}
+      {ids.length === 0 ? <p class="muted">No host holds or has asked for permits.</p> : null}
+      {ids.length > 0 ? (
+        <div class="table-wrap">
+          <table data-testid="leases">
+            <thead>
+              <tr>
+                <th scope="col">Host</th>
+                <th scope="col" class="num">
+                  Held
+                </th>
+                <th scope="col" class="num">
+                  In use
+                </th>
+                <th scope="col" class="num">
+                  Waiting
+                </th>
+                <th scope="col" class="num">
+                  Unmet
+                </th>
+                <th scope="col" class="num">
+                  Lease expires in
+                </th>
+                <th scope="col" class="num hide-narrow">
+                  Lapses
+                </th>
+              </tr>
+            </thead>
+            <tbody>
+              {ids.map((id) => {
+                const l = leases.find((x) => x.host === id);
+                const p = byHost.get(id)?.permits?.[name];
+                return (
+                  <tr data-host={id} class={l?.expired ? 'stale' : ''}>
+                    <td class="nowrap">{id}</td>
+                    <td class="num" data-col="held">
+                      {l ? num(l.held) : '—'}
+                    </td>
+                    <td class="num" data-col="in-use" title="from the host's last report">
+                      {p ? `${num(p.in_use)} of ${num(p.limit)}` : '—'}
+                    </td>
+                    <td class={`num${p && p.waiting > 0 ? ' warn-text' : ''}`} data-col="waiting" title="callers waiting for a permit on the host (its last report)">
+                      {p ? num(p.waiting) : '—'}
+                    </td>
+                    <td class={`num${l && l.waiting > 0 ? ' warn-text' : ''}`} data-col="unmet" title="permits the host asked Redis for at its last lease call and did not get">
+                      {l ? num(l.waiting) : '—'}
+                    </td>
+                    <td class={`num${l?.expired ? ' bad-text' : ''}`} data-col="expires">
+                      {!l ? '—' : l.expires_in_ms > 0 ? duration(l.expires_in_ms) : `expired ${duration(-l.expires_in_ms)} ago`}
+                    </td>
+                    <td class="num hide-narrow" data-col="lapses">
+                      {p ? num(p.lapses) : '—'}
+                    </td>
+                  </tr>
+                );
+              })}
+            </tbody>
+          </table>
+        </div>
+      ) : null}
+      <p class="muted small">
+        Held, unmet and lease times are Redis' (live); in use, waiting callers and lapses are each host's last report.
+      </p>
+    </>
+  );
+}
+
 export function TaskPage({ name }: { name: string }) {
   const task = usePoll((s) => get<TaskWithStatus>(taskPath(name), s), 2000, [name]);
   const [deleting, setDeleting] = useState(false);
@@ -305,13 +429,21 @@ export function TaskPage({ name }: { name: string }) {
       ) : null}
       <ErrorNote error={task.error} what="the task" />
       {t?.status.error ? <p class="note error">Live status unavailable: {t.status.error}</p> : null}
-      {t ? <Summary t={t} /> : <p class="muted">Loading…</p>}
+      {t ? t.mode === 'concurrency' ? <ConcurrencySummary t={t} /> : <Summary t={t} /> : <p class="muted">Loading…</p>}
 
-      <Section title="Live traffic (last 60 s)" id="live">
-        <TrafficChart name={name} seconds={60} resolution="1s" every={1000} testId="live-chart" label="Live traffic" />
-      </Section>
+      {t?.mode === 'concurrency' ? (
+        <Section title="Permits by host" id="leases">
+          <Leases name={name} t={t} />
+        </Section>
+      ) : (
+        <>
+          <Section title="Live traffic (last 60 s)" id="live">
+            <TrafficChart name={name} seconds={60} resolution="1s" every={1000} testId="live-chart" label="Live traffic" />
+          </Section>
 
-      <HistorySection name={name} />
+          <HistorySection name={name} />
+        </>
+      )}
 
       <div class="two-col">
         <Section title="Settings" id="settings">

@@ -3,7 +3,7 @@
 import { useState } from 'preact/hooks';
 import { ApiError, get, type TaskSpec, type TaskTraffic, type Traffic } from '../api';
 import { Badge, ErrorNote } from '../components/ui';
-import { num, sliceLen } from '../format';
+import { duration, num, sliceLen } from '../format';
 import { Link } from '../router';
 import { usePoll } from '../poll';
 
@@ -131,20 +131,25 @@ export function TasksPage() {
                     >
                       {num(now ?? t.threshold)}
                       {now !== null && now !== t.threshold ? <span class="muted small"> (base {num(t.threshold)})</span> : null}
+                      {t.mode === 'concurrency' ? (
+                        <div class="muted small" data-col="in-flight">
+                          {tr?.in_flight === undefined ? '—' : num(tr.in_flight)} in flight
+                        </div>
+                      ) : null}
                     </td>
                     <td class="num" data-col="admitted" data-label="Admitted/s">
-                      {tr ? num(tr.admitted_per_s) : '—'}
+                      {tr && t.mode !== 'concurrency' ? num(tr.admitted_per_s) : '—'}
                     </td>
                     <td class={`num${tr && tr.rejected_per_s > 0 ? ' bad-text' : ''}`} data-col="rejected" data-label="Rejected/s">
-                      {tr ? num(tr.rejected_per_s) : '—'}
+                      {tr && t.mode !== 'concurrency' ? num(tr.rejected_per_s) : '—'}
                     </td>
                     <td data-label="State">
                       <Badge kind={st.kind} title={st.title}>
                         {st.text}
                       </Badge>
                     </td>
-                    <td class="hide-narrow muted">
-                      {sliceLen(t.slice_ms)} · {t.mode}
+                    <td class="hide-narrow muted" data-col="mode">
+                      {t.mode === 'concurrency' ? `lease ${duration(t.lease_ms ?? 10000)}` : sliceLen(t.slice_ms)} · {t.mode}
                     </td>
                   </tr>
                 );

@@ -15,7 +15,7 @@ use redis::AsyncCommands;
 use serde_json::{Value, json};
 use sluice::protocol::scripts;
 use sluice::protocol::scripts::{Fence, RetireOutcome};
-use sluice::protocol::{meta_field, slice, slice_field, unix_ms, validate_task_name};
+use sluice::protocol::{Mode, meta_field, slice, slice_field, unix_ms, validate_task_name};
 use tracing::{info, warn};
 
 use super::AppState;
@@ -158,6 +158,9 @@ async fn list_tasks(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
 
 /// Live status of a task, read from Redis. Fields are null when Redis cannot be read.
 async fn status(s: &AppState, t: &TaskEntry) -> Value {
+    if t.spec.mode == Mode::Concurrency {
+        return concurrency_status(s, t).await;
+    }
     let now = unix_ms();
     let current = slice::start(now, t.spec.slice_ms);
     let read = async {
@@ -183,6 +186,56 @@ async fn status(s: &AppState, t: &TaskEntry) -> Value {
             "current_slice_ms": current,
             "remaining": null,
             "horizon_until_ms": null,
+            "error": match other {
+                Ok(Err(e)) => format!("redis unavailable: {e}"),
+                _ => "redis unavailable: timed out".to_string(),
+            },
+        }),
+    }
+}
+
+/// Live status of a concurrency task: its lease hash (`crate::leases`) and the threshold the
+/// leader wrote into the meta (what the LEASE script grants against).
+async fn concurrency_status(s: &AppState, t: &TaskEntry) -> Value {
+    let read = async {
+        let mut c = s.redis.conn().await?;
+        let view = crate::leases::read(&mut c, &s.keys, &t.name).await?;
+        let cap: Option<i64> = c.hget(s.keys.meta(&t.name), meta_field::THRESHOLD).await?;
+        Ok::<_, redis::RedisError>((view, cap))
+    };
+    match tokio::time::timeout(std::time::Duration::from_secs(1), read).await {
+        Ok(Ok((view, cap))) => {
+            let hosts: Vec<Value> = view
+                .hosts
+                .iter()
+                .map(|h| {
+                    json!({
+                        "host": h.host,
+                        "held": h.held,
+                        "expires_in_ms": h.expires_in_ms,
+                        "waiting": h.waiting,
+                        "expired": h.expired,
+                    })
+                })
+                .collect();
+            json!({
+                "mode": "concurrency",
+                "effective_threshold": cap,
+                "held": view.held(),
+                "hosts_holding": view.hosts_holding(),
+                "hosts_waiting": view.hosts_waiting(),
+                "lease_ms": t.spec.lease_ms,
+                "hosts": hosts,
+                "malformed_entries": view.malformed,
+                "now_ms": view.now_ms,
+            })
+        }
+        other => json!({
+            "mode": "concurrency",
+            "effective_threshold": null,
+            "held": null,
+            "hosts": null,
+            "lease_ms": t.spec.lease_ms,
             "error": match other {
                 Ok(Err(e)) => format!("redis unavailable: {e}"),
                 _ => "redis unavailable: timed out".to_string(),

@@ -373,6 +373,37 @@ async fn task_traffic(
     }))
 }
 
+/// A concurrency task in `/traffic`: no slices (rates 0), `in_flight` = permits held
+/// cluster-wide now (its lease hash), `threshold` = what the leader wrote into the meta.
+async fn concurrency_traffic(mut conn: RedisConn, s: &AppState, name: &str) -> CrateResult<Value> {
+    let read = async {
+        let view = crate::leases::read(&mut conn, &s.keys, name).await?;
+        let cap: Option<i64> = redis::cmd("HGET")
+            .arg(s.keys.meta(name))
+            .arg(meta_field::THRESHOLD)
+            .query_async(&mut conn)
+            .await?;
+        Ok::<_, redis::RedisError>((view, cap))
+    };
+    let (view, cap) = match tokio::time::timeout(HOSTS_TIMEOUT, read).await {
+        Ok(r) => r.map_err(redis_err("read the lease hash"))?,
+        Err(_) => {
+            return Err(Error::Timeout {
+                op: "read the lease hash",
+                after: HOSTS_TIMEOUT,
+            });
+        }
+    };
+    Ok(json!({
+        "threshold": cap,
+        "admitted_per_s": 0.0,
+        "rejected_per_s": 0.0,
+        "window_ms": 0,
+        "in_flight": view.held(),
+        "hosts_waiting": view.hosts_waiting(),
+    }))
+}
+
 async fn traffic(State(s): State<AppState>) -> Reply {
     let (tasks, _invalid) = s.store.list().await.map_err(backend)?;
     let conn = s
@@ -404,7 +435,11 @@ async fn traffic(State(s): State<AppState>) -> Reply {
         .map(|t| {
             let c = conn.clone();
             async move {
-                let r = task_traffic(c, s_ref, &t.name, t.spec.slice_ms, now).await;
+                let r = if t.spec.mode == sluice::protocol::Mode::Concurrency {
+                    concurrency_traffic(c, s_ref, &t.name).await
+                } else {
+                    task_traffic(c, s_ref, &t.name, t.spec.slice_ms, now).await
+                };
                 (t.name, r)
             }
         })
