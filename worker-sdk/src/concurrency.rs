@@ -460,25 +460,39 @@ impl Task {
         let mut waiting: Option<WaitGuard<'_>> = None;
         loop {
             let notified = self.inner.deposited.notified();
-            match self.try_permit() {
-                Ok(p) => return Ok(p),
-                Err(e @ (PermitError::NotConcurrency | PermitError::TooManyHolders)) => {
-                    return Err(e);
-                }
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(match e {
-                        PermitError::Full | PermitError::NoLease => PermitError::Timeout,
-                        other => other,
-                    });
-                }
-                Err(_) => {}
-            }
-            if waiting.is_none() {
-                waiting = Some(WaitGuard::new(self));
-                self.shared.wake.notify_one();
+            if let Some(done) = self.wait_step(deadline, &mut waiting) {
+                return done;
             }
             notified.await;
         }
+    }
+
+    /// One round of a wait for a permit: the answer when there is one (a permit, an error
+    /// waiting cannot cure, or the deadline passed); otherwise registers the wait (once) so
+    /// the background thread grows the lease, and None: wait and try again.
+    fn wait_step<'a>(
+        &'a self,
+        deadline: Instant,
+        waiting: &mut Option<WaitGuard<'a>>,
+    ) -> Option<Result<Permit, PermitError>> {
+        match self.try_permit() {
+            Ok(p) => return Some(Ok(p)),
+            Err(e @ (PermitError::NotConcurrency | PermitError::TooManyHolders)) => {
+                return Some(Err(e));
+            }
+            Err(e) if Instant::now() >= deadline => {
+                return Some(Err(match e {
+                    PermitError::Full | PermitError::NoLease => PermitError::Timeout,
+                    other => other,
+                }));
+            }
+            Err(_) => {}
+        }
+        if waiting.is_none() {
+            *waiting = Some(WaitGuard::new(self));
+            self.shared.wake.notify_one();
+        }
+        None
     }
 
     /// [`Task::permit`] for programs without an async runtime: sleeps in short steps.
@@ -486,22 +500,8 @@ impl Task {
         let deadline = Instant::now() + timeout;
         let mut waiting: Option<WaitGuard<'_>> = None;
         loop {
-            match self.try_permit() {
-                Ok(p) => return Ok(p),
-                Err(e @ (PermitError::NotConcurrency | PermitError::TooManyHolders)) => {
-                    return Err(e);
-                }
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(match e {
-                        PermitError::Full | PermitError::NoLease => PermitError::Timeout,
-                        other => other,
-                    });
-                }
-                Err(_) => {}
-            }
-            if waiting.is_none() {
-                waiting = Some(WaitGuard::new(self));
-                self.shared.wake.notify_one();
+            if let Some(done) = self.wait_step(deadline, &mut waiting) {
+                return done;
             }
             std::thread::sleep(Duration::from_micros(500));
         }
