@@ -1775,4 +1775,33 @@ impl EtcdServer {
     }
 }
 
+/// A host's `NS:hosts` entry as the SDK writes it (a 1 ms round trip, no tasks): `seen_ms` and
+/// `offset_ms` (its clock's offset from Redis) as given.
+pub fn host_report_json(seen_ms: i64, offset_ms: f64) -> String {
+    serde_json::to_string(&sluice::protocol::HostReport {
+        offset_ms,
+        rtt_ms: 1.0,
+        seen_ms,
+        sdk: "test".into(),
+        tasks: Default::default(),
+        permits: Default::default(),
+    })
+    .expect("host report JSON")
+}
+
+/// Writes a fresh report of `host`, `offset_ms` off Redis's clock, into `NS:hosts` of `keys`.
+pub fn set_host_report(
+    conn: &mut redis::Connection,
+    keys: &sluice::protocol::Keys,
+    host: &str,
+    offset_ms: f64,
+) {
+    let _: () = redis::cmd("HSET")
+        .arg(keys.hosts())
+        .arg(host)
+        .arg(host_report_json(now_ms(), offset_ms))
+        .query(conn)
+        .expect("HSET NS:hosts");
+}
+
 pub mod soak;

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice::protocol::{HostReport, Keys};
+use sluice::protocol::Keys;
 use sluice_tests::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -58,25 +58,6 @@ async fn settings_are_validated_and_versioned() {
     assert_eq!(r.status(), 400);
 }
 
-/// Writes a host's report into `NS:hosts` as the SDK does (a fresh `seen_ms`, a 1 ms round trip).
-fn set_host(conn: &mut redis::Connection, keys: &Keys, host: &str, offset_ms: f64) {
-    let report = serde_json::to_string(&HostReport {
-        offset_ms,
-        rtt_ms: 1.0,
-        seen_ms: now_ms(),
-        sdk: "test".into(),
-        tasks: Default::default(),
-        permits: Default::default(),
-    })
-    .unwrap();
-    let _: () = redis::cmd("HSET")
-        .arg(keys.hosts())
-        .arg(host)
-        .arg(report)
-        .query(conn)
-        .unwrap();
-}
-
 fn firing_for(rx: &WebhookReceiver, host: &str, state: &str) -> Vec<Value> {
     rx.received()
         .into_iter()
@@ -99,8 +80,8 @@ async fn a_host_alert_reaches_the_webhook_once_across_a_failover_and_resolves() 
     assert_eq!(s, 200, "{v}");
 
     let mut conn = redis_conn(&redis_url);
-    set_host(&mut conn, &keys, "skewed-host", 1500.0);
-    set_host(&mut conn, &keys, "good-host", 3.0);
+    set_host_report(&mut conn, &keys, "skewed-host", 1500.0);
+    set_host_report(&mut conn, &keys, "good-host", 3.0);
 
     let fired = wait_until(
         "a firing host alert at the webhook",
@@ -147,7 +128,7 @@ async fn a_host_alert_reaches_the_webhook_once_across_a_failover_and_resolves() 
     let other = &ms[1 - leader];
     other.wait_leader().await;
     for _ in 0..20 {
-        set_host(&mut conn, &keys, "skewed-host", 1500.0);
+        set_host_report(&mut conn, &keys, "skewed-host", 1500.0);
         tokio::time::sleep(Duration::from_millis(150)).await;
     }
     assert_eq!(
@@ -157,7 +138,7 @@ async fn a_host_alert_reaches_the_webhook_once_across_a_failover_and_resolves() 
     );
 
     // The clock is fixed: one resolved alert for the same episode after the quiet period.
-    set_host(&mut conn, &keys, "skewed-host", 2.0);
+    set_host_report(&mut conn, &keys, "skewed-host", 2.0);
     let resolved = wait_until(
         "a resolved alert",
         Duration::from_secs(15),

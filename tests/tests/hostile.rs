@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice::protocol::{HostReport, Keys};
+use sluice::protocol::Keys;
 use sluice_tests::*;
 
 const ADMIN: &str = "adm1n-hostile-t0ken";
@@ -347,23 +347,8 @@ async fn hostile_inputs_are_refused_and_change_nothing() {
 
 /// Writes a host's report into `NS:hosts` as the SDK does, `offset_ms` off Redis's clock.
 fn skewed_host(ns: &str, host: &str, offset_ms: f64) {
-    let keys = Keys::new(ns).unwrap();
-    let report = serde_json::to_string(&HostReport {
-        offset_ms,
-        rtt_ms: 1.0,
-        seen_ms: now_ms(),
-        sdk: "test".into(),
-        tasks: Default::default(),
-        permits: Default::default(),
-    })
-    .unwrap();
     let mut c = redis_conn(&shared_redis());
-    let _: () = redis::cmd("HSET")
-        .arg(keys.hosts())
-        .arg(host)
-        .arg(report)
-        .query(&mut c)
-        .unwrap();
+    set_host_report(&mut c, &Keys::new(ns).unwrap(), host, offset_ms);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -9,7 +9,7 @@ use sluice::protocol::scripts::{
     self, AdjustOutcome, Fence, FenceRefusal, RecordOutcome, RetireOutcome, RingWrites,
     RollOutcome, RollRequest, SliceWrite,
 };
-use sluice::protocol::{Fallback, HostReport, Keys, Mode, OnFailure, TaskMeta, meta_field};
+use sluice::protocol::{Fallback, Keys, Mode, OnFailure, TaskMeta, meta_field};
 use sluice_tests::*;
 
 async fn conn() -> RedisConn {
@@ -358,27 +358,16 @@ async fn prune_hosts_deletes_only_entries_still_stale() {
     let keys = Keys::new(&ns).unwrap();
     let mut c = conn().await;
     let mut sync = redis_conn(&shared_redis());
-    let entry = |seen_ms: i64, offset_ms: f64| {
-        serde_json::to_string(&HostReport {
-            offset_ms,
-            rtt_ms: 1.0,
-            seen_ms,
-            sdk: "t".into(),
-            tasks: Default::default(),
-            permits: Default::default(),
-        })
-        .unwrap()
-    };
     let now = now_ms();
     let _: () = redis::cmd("HSET")
         .arg(keys.hosts())
         .arg("stale")
-        .arg(entry(now - 700_000, 0.0))
+        .arg(host_report_json(now - 700_000, 0.0))
         .arg("fresh")
-        .arg(entry(now - 1_000, 0.0))
+        .arg(host_report_json(now - 1_000, 0.0))
         // Its clock is 15 minutes behind: its own seen_ms looks old, but it reported just now.
         .arg("lagging-clock")
-        .arg(entry(now - 900_000, -900_000.0))
+        .arg(host_report_json(now - 900_000, -900_000.0))
         .arg("garbage")
         .arg("{")
         .query(&mut sync)

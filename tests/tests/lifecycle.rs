@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sluice::protocol::{HostReport, Keys, meta_field};
+use sluice::protocol::{Keys, meta_field};
 use sluice_tests::*;
 
 /// `--fence-stale-after` of every manager these tests start.
@@ -573,18 +573,6 @@ async fn invalid_specs_in_etcd_are_reported_and_skipped() {
     }
 }
 
-fn host_entry(seen_ms: i64) -> String {
-    serde_json::to_string(&HostReport {
-        offset_ms: 0.0,
-        rtt_ms: 1.0,
-        seen_ms,
-        sdk: "test".into(),
-        tasks: Default::default(),
-        permits: Default::default(),
-    })
-    .unwrap()
-}
-
 /// The leader prunes `NS:hosts` entries not seen for ten minutes (and unreadable ones); fresh
 /// ones stay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -597,11 +585,11 @@ async fn the_leader_prunes_hosts_not_seen_for_ten_minutes() {
     let _: () = redis::cmd("HSET")
         .arg(keys.hosts())
         .arg("gone")
-        .arg(host_entry(now - 11 * 60_000))
+        .arg(host_report_json(now - 11 * 60_000, 0.0))
         .arg("garbage")
         .arg("{not json")
         .arg("fresh")
-        .arg(host_entry(now))
+        .arg(host_report_json(now, 0.0))
         .query(&mut conn)
         .unwrap();
     let ms = start_replicas(&shared_etcd(), &redis_url, &ns, 1, &[]).await;

@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice::protocol::{HostReport, Keys};
+use sluice::protocol::Keys;
 use sluice_tests::*;
 
 const ADMIN: &str = "Adm1nT0ken-5ecret-9f2c";
@@ -124,22 +124,8 @@ async fn no_secret_is_ever_shown() {
     );
 
     // An alert: a host reports a clock 5 s ahead.
-    let report = serde_json::to_string(&HostReport {
-        offset_ms: 5_000.0,
-        rtt_ms: 1.0,
-        seen_ms: now_ms(),
-        sdk: "test".into(),
-        tasks: Default::default(),
-        permits: Default::default(),
-    })
-    .unwrap();
     let mut conn = redis_conn(&redis_url);
-    let _: () = redis::cmd("HSET")
-        .arg(keys.hosts())
-        .arg("far-ahead")
-        .arg(report)
-        .query(&mut conn)
-        .unwrap();
+    set_host_report(&mut conn, &keys, "far-ahead", 5_000.0);
     // Delivered to one; five failed attempts at the second; the third unreachable.
     wait_until(
         "deliveries that succeed and fail",
@@ -175,21 +161,7 @@ async fn no_secret_is_ever_shown() {
         .await;
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["webhooks"], shown["webhooks"]);
-    let report = serde_json::to_string(&HostReport {
-        offset_ms: -5_000.0,
-        rtt_ms: 1.0,
-        seen_ms: now_ms(),
-        sdk: "test".into(),
-        tasks: Default::default(),
-        permits: Default::default(),
-    })
-    .unwrap();
-    let _: () = redis::cmd("HSET")
-        .arg(keys.hosts())
-        .arg("far-behind")
-        .arg(report)
-        .query(&mut conn)
-        .unwrap();
+    set_host_report(&mut conn, &keys, "far-behind", -5_000.0);
     wait_until(
         "the second alert at the kept webhook",
         Duration::from_secs(15),
