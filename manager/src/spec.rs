@@ -5,10 +5,13 @@
 //! the exact field (`schedules[1].cron`, `dynamic.min`), which the API returns as
 //! `{"error": ..., "field": ...}` with status 400.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use sluice::protocol::{
-    Fallback, FallbackAlgorithm, MAX_SLICE_MS, MIN_SLICE_MS, Mode, OnFailure, TaskMeta,
+    Fallback, FallbackAlgorithm, MAX_KEY_OVERRIDES, MAX_SLICE_MS, MIN_SLICE_MS, Mode, OnFailure,
+    TaskMeta,
 };
 
 use crate::schedule::parse_cron;
@@ -93,6 +96,16 @@ pub struct TaskSpec {
     /// [`DEFAULT_LEASE_MS`] unless given; stored only for that mode.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub lease_ms: u64,
+    /// Every distinct key has its own limit of `threshold` permits per slice (mode `pooled`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub keyed: bool,
+    /// Keyed tasks: keys with a threshold of their own (at most [`MAX_KEY_OVERRIDES`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub key_overrides: BTreeMap<String, u64>,
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -145,6 +158,8 @@ const TOP_FIELDS: &[&str] = &[
     "dynamic",
     "description",
     "lease_ms",
+    "keyed",
+    "key_overrides",
     "name",
     "version",
     // Read-only (the live status `GET /tasks/{name}` adds): accepted and ignored, so a
@@ -387,6 +402,46 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
         0
     };
 
+    let keyed = match o.get("keyed") {
+        None => false,
+        Some(b) => b
+            .as_bool()
+            .ok_or_else(|| fe("keyed", "must be true or false"))?,
+    };
+    if keyed && mode != Mode::Pooled {
+        return Err(fe(
+            "keyed",
+            format!("keyed limits need mode pooled (got mode {mode})"),
+        ));
+    }
+    let mut key_overrides = BTreeMap::new();
+    if let Some(v) = o.get("key_overrides") {
+        let map = v
+            .as_object()
+            .ok_or_else(|| fe("key_overrides", "must be an object {\"<key>\": threshold}"))?;
+        if !keyed && !map.is_empty() {
+            return Err(fe(
+                "key_overrides",
+                "only for keyed tasks (\"keyed\": true)",
+            ));
+        }
+        if map.len() > MAX_KEY_OVERRIDES {
+            return Err(fe(
+                "key_overrides",
+                format!("at most {MAX_KEY_OVERRIDES} entries, got {}", map.len()),
+            ));
+        }
+        for (k, t) in map {
+            let f = format!("key_overrides[{}]", serde_json::Value::from(k.as_str()));
+            sluice::protocol::validate_key(k).map_err(|e| fe(&f, e.why))?;
+            let n = t
+                .as_u64()
+                .filter(|n| *n <= MAX_COUNT)
+                .ok_or_else(|| fe(&f, format!("must be a whole number from 0 to {MAX_COUNT}")))?;
+            key_overrides.insert(k.clone(), n);
+        }
+    }
+
     let description = o.string("description")?.unwrap_or_default().to_string();
     if description.chars().count() > MAX_DESCRIPTION {
         return Err(fe(
@@ -408,6 +463,8 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
             dynamic,
             description,
             lease_ms,
+            keyed,
+            key_overrides,
         },
         version,
     })
@@ -441,6 +498,12 @@ impl TaskSpec {
             } else {
                 0
             },
+            keyed: self.keyed,
+            key_overrides: self
+                .key_overrides
+                .iter()
+                .map(|(k, t)| (sluice::protocol::key_digest(k), *t))
+                .collect(),
         }
     }
 

@@ -84,7 +84,9 @@ pub const FENCE_LUA: &str = fence_preamble!();
 ///
 /// `KEYS[1]` meta, `KEYS[2..]` slices. `ARGV`: the fence (3), full (0/1), expected `rolled_to`,
 /// new `rolled_to`, spec version, force (0/1), refresh (0/1), number of meta pairs `n`, `2n`
-/// meta field/values, then per slice: cap, expire-at (Unix ms).
+/// meta field/values, then per slice: cap, expire-at (Unix ms). When `n > 0`, every existing
+/// key override field (`ko:*`) is deleted before the pairs are written (overrides are always
+/// sent whole with the meta).
 ///
 /// Returns
 /// * `{1, written}`;
@@ -125,6 +127,10 @@ if check and m[4] and tonumber(m[4]) > version then return {5, tonumber(m[4])} e
 local n = tonumber(ARGV[10])
 local i = 11
 if n > 0 then
+  -- Key overrides are replaced as a whole with the meta fields.
+  for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(f, 1, 3) == 'ko:' then redis.call('HDEL', KEYS[1], f) end
+  end
   local kv = {}
   for j = 0, 2 * n - 1 do kv[#kv + 1] = ARGV[i + j] end
   redis.call('HSET', KEYS[1], unpack(kv))
@@ -239,6 +245,74 @@ if #ARGV >= 11 then
   end
 end
 return {grant, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
+"#;
+
+/// Pulls up to `want` permits of one **key** of a keyed task, creating the key's slice hash
+/// from the task's state when it does not exist yet (the leader never pre-rolls keys).
+///
+/// `KEYS[1]` the task's meta, `KEYS[2]` the task's slice `s:<start>` (rolled by the leader:
+/// its `cap` is the per-key threshold of that slice, schedules and dynamic limiting included),
+/// `KEYS[3]` the key's slice `k:<digest>:<start>`. `ARGV`: want, slice start (Unix ms), slice
+/// length (ms), host id, request id, the caller's meta version, the key's digest, the key
+/// itself (stored as the slice's `key` field), all-or-nothing (0/1).
+///
+/// Creation (the key slice is missing): refused with `-1` unless the meta exists, is not
+/// retired, is keyed (`keyed = 1`) and the task slice exists; refused with `-3` (and the stored
+/// version as `remaining`) when the caller's meta version is older than the stored one, so a
+/// host that has not seen a spec change never creates a slice from it. The key's cap is the
+/// task slice's `cap`, or for an override `ko:<digest> = o`: `floor(o · cap / threshold)`
+/// (overrides follow schedules and dynamic limiting in proportion; `o` itself when the
+/// threshold is 0). The new hash gets `cap`, `rem = cap`, `key` and expires at
+/// `start + 2·len + 5 s`. Creation and the grant are one atomic step.
+///
+/// Then as [`PULL_LUA`] (same window, same idempotency by request id through `p:<host>`):
+/// `min(want, rem)` is granted, or with all-or-nothing `want` only if `rem ≥ want`, else 0.
+/// Returns `{granted, remaining, cap, time_s, time_us, replayed}`; `granted` is `-1` (cannot
+/// create), `-2` (outside the window) or `-3` (stale meta).
+pub const KPULL_LUA: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function out(g, rem, cap, rep) return {g, rem, cap, tonumber(t[1]), tonumber(t[2]), rep} end
+local pf = 'p:' .. ARGV[4]
+local h = redis.call('HMGET', KEYS[3], 'rem', 'cap', pf)
+if h[3] then
+  local id, g = string.match(h[3], '^(.*):(%-?%d+)$')
+  if id == ARGV[5] then return out(tonumber(g), tonumber(h[1]) or 0, tonumber(h[2]) or 0, 1) end
+end
+local start = tonumber(ARGV[2])
+local len = tonumber(ARGV[3])
+local grace = math.min(math.floor(len / 4), 250)
+if now < start - len or now > start + len + grace then
+  return out(-2, tonumber(h[1]) or 0, tonumber(h[2]) or 0, 0)
+end
+local rem, cap
+if not h[1] then
+  local m = redis.call('HMGET', KEYS[1], 'version', 'retired', 'keyed', 'threshold', 'ko:' .. ARGV[7])
+  if (not m[1]) or m[2] or m[3] ~= '1' then return out(-1, 0, 0, 0) end
+  if tonumber(ARGV[6]) < tonumber(m[1]) then return out(-3, tonumber(m[1]), 0, 0) end
+  local tc = redis.call('HGET', KEYS[2], 'cap')
+  if not tc then return out(-1, 0, 0, 0) end
+  cap = tonumber(tc)
+  if m[5] then
+    local base = tonumber(m[4]) or 0
+    local o = tonumber(m[5])
+    if base > 0 then cap = math.floor(o * cap / base) else cap = o end
+  end
+  rem = cap
+  redis.call('HSET', KEYS[3], 'cap', cap, 'rem', cap, 'key', ARGV[8])
+  redis.call('PEXPIREAT', KEYS[3], start + 2 * len + 5000)
+else
+  rem = tonumber(h[1])
+  cap = tonumber(h[2])
+end
+local want = tonumber(ARGV[1])
+local grant = 0
+if rem > 0 and want > 0 and (ARGV[9] ~= '1' or rem >= want) then
+  grant = math.min(want, rem)
+  rem = redis.call('HINCRBY', KEYS[3], 'rem', -grant)
+end
+redis.call('HSET', KEYS[3], pf, ARGV[5] .. ':' .. grant)
+return out(grant, rem, cap, 0)
 "#;
 
 /// Adds counters to slices that still exist (a missing slice is skipped, never created).
@@ -398,6 +472,7 @@ static READ_SLICES: LazyLock<Script> = LazyLock::new(|| Script::new(READ_SLICES_
 static ADJUST: LazyLock<Script> = LazyLock::new(|| Script::new(ADJUST_LUA));
 static RETIRE: LazyLock<Script> = LazyLock::new(|| Script::new(RETIRE_LUA));
 static PULL: LazyLock<Script> = LazyLock::new(|| Script::new(PULL_LUA));
+static KPULL: LazyLock<Script> = LazyLock::new(|| Script::new(KPULL_LUA));
 static FLUSH: LazyLock<Script> = LazyLock::new(|| Script::new(FLUSH_LUA));
 static TAKE: LazyLock<Script> = LazyLock::new(|| Script::new(TAKE_LUA));
 static SLIDE: LazyLock<Script> = LazyLock::new(|| Script::new(SLIDE_LUA));
@@ -591,8 +666,12 @@ where
     match req.meta {
         Some(meta) => {
             let pairs = meta.to_pairs();
-            inv.arg(pairs.len());
+            let overrides = meta.override_pairs();
+            inv.arg(pairs.len() + overrides.len());
             for (k, v) in pairs {
+                inv.arg(k).arg(v);
+            }
+            for (k, v) in overrides {
                 inv.arg(k).arg(v);
             }
         }
@@ -778,6 +857,109 @@ where
         -1 => PullReply::Missing { redis_time_us },
         g if g < 0 => PullReply::OutsideWindow { redis_time_us },
         g => PullReply::Granted {
+            granted: g as u64,
+            remaining,
+            cap: cap.max(0) as u64,
+            redis_time_us,
+            replayed: replayed == 1,
+        },
+    })
+}
+
+/// One KPULL ([`KPULL_LUA`]): permits of one key of a keyed task.
+#[derive(Debug, Clone)]
+pub struct KeyPullRequest<'a> {
+    /// The task.
+    pub task: &'a str,
+    /// The key.
+    pub key: &'a str,
+    /// Its digest ([`super::key_digest`]).
+    pub digest: &'a str,
+    /// Slice start (Unix ms).
+    pub start_ms: i64,
+    /// Slice length (ms).
+    pub slice_ms: u64,
+    /// Permits asked for.
+    pub want: u64,
+    /// This host.
+    pub host_id: &'a str,
+    /// Unique per call (a retry reuses it).
+    pub request_id: &'a str,
+    /// The meta version the caller decides under.
+    pub meta_version: i64,
+    /// Grant `want` or nothing.
+    pub all_or_nothing: bool,
+}
+
+/// What [`key_pull`] answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyPullReply {
+    /// Granted this many (0 = the key's slice is spent, or all-or-nothing could not be met).
+    Granted {
+        /// Permits granted.
+        granted: u64,
+        /// Left in the key's slice after the grant.
+        remaining: i64,
+        /// The key's cap for the slice.
+        cap: u64,
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+        /// A retry answered with the first attempt's grant.
+        replayed: bool,
+    },
+    /// The key's slice cannot be created: the task is missing, retired, not keyed, or its
+    /// slice is not rolled.
+    Missing {
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+    /// Redis time is outside the slice's window.
+    OutsideWindow {
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+    /// The caller's meta is older than the stored one: re-read it.
+    StaleMeta {
+        /// The stored version.
+        stored_version: i64,
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+}
+
+/// Runs [`KPULL_LUA`].
+pub async fn key_pull<C>(
+    conn: &mut C,
+    keys: &Keys,
+    req: &KeyPullRequest<'_>,
+) -> RedisResult<KeyPullReply>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let mut inv = KPULL.prepare_invoke();
+    inv.key(keys.meta(req.task))
+        .key(keys.slice(req.task, req.start_ms))
+        .key(keys.key_slice(req.task, req.digest, req.start_ms))
+        .arg(req.want)
+        .arg(req.start_ms)
+        .arg(req.slice_ms)
+        .arg(req.host_id)
+        .arg(req.request_id)
+        .arg(req.meta_version)
+        .arg(req.digest)
+        .arg(req.key)
+        .arg(u8::from(req.all_or_nothing));
+    let (granted, remaining, cap, secs, micros, replayed): (i64, i64, i64, i64, i64, i64) =
+        redis::from_redis_value(inv.invoke_async(conn).await?)?;
+    let redis_time_us = secs * 1_000_000 + micros;
+    Ok(match granted {
+        -1 => KeyPullReply::Missing { redis_time_us },
+        -3 => KeyPullReply::StaleMeta {
+            stored_version: remaining,
+            redis_time_us,
+        },
+        g if g < 0 => KeyPullReply::OutsideWindow { redis_time_us },
+        g => KeyPullReply::Granted {
             granted: g as u64,
             remaining,
             cap: cap.max(0) as u64,
