@@ -224,6 +224,24 @@ mod tests {
         assert_eq!(*plain.last().unwrap(), ms("2026-07-15T17:59:59Z"));
     }
 
+    /// An entry without a zone (as every spec stored before zones existed) is read in UTC, in
+    /// every season.
+    #[test]
+    fn an_entry_without_a_zone_is_read_in_utc() {
+        let spec = crate::spec::parse_request(
+            "t",
+            br#"{"threshold": 1, "schedules": [{"cron": "* * 9 * * *", "threshold": 5}]}"#,
+        )
+        .unwrap()
+        .spec;
+        let s = CompiledSchedule::new(&spec.schedules);
+        for day in ["2026-01-15", "2026-03-29", "2026-07-15", "2026-10-25"] {
+            let m = matching_seconds(&s, &format!("{day}T00:00:00Z"), &format!("{day}T23:59:59Z"));
+            assert_eq!(m.len(), 3_600, "{day}");
+            assert_eq!(m[0], ms(&format!("{day}T09:00:00Z")), "{day}");
+        }
+    }
+
     /// Spring forward in Europe/Berlin, 2026-03-29 01:00 UTC: 02:00 CET becomes 03:00 CEST.
     /// Local 02:00:00–02:59:59 exists on no slice, so nothing matches it (skipped, not moved);
     /// a window across the gap is an hour shorter; 03:00 starts right at the jump.
