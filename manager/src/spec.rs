@@ -14,7 +14,7 @@ use sluice::protocol::{
     TaskMeta,
 };
 
-use crate::schedule::parse_cron;
+use crate::schedule::{DEFAULT_TIMEZONE, parse_cron, parse_timezone};
 
 /// Largest threshold (permits per slice) and other counts.
 pub const MAX_COUNT: u64 = 1_000_000_000_000;
@@ -26,10 +26,26 @@ pub const MAX_DESCRIPTION: usize = 1024;
 /// One cron schedule entry: slices whose start matches `cron` get `threshold`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScheduleEntry {
-    /// Cron expression with a seconds field, evaluated in UTC.
+    /// Cron expression with a seconds field, evaluated on the wall clock of `timezone`.
     pub cron: String,
     /// Threshold for matching slices.
     pub threshold: u64,
+    /// IANA time zone of `cron` (`"Europe/Berlin"`), [`DEFAULT_TIMEZONE`] unless given. The
+    /// default is neither stored nor returned, so specs written before zones existed and
+    /// clients that do not know the field round-trip unchanged.
+    #[serde(
+        default = "default_timezone",
+        skip_serializing_if = "is_default_timezone"
+    )]
+    pub timezone: String,
+}
+
+fn default_timezone() -> String {
+    DEFAULT_TIMEZONE.to_string()
+}
+
+fn is_default_timezone(tz: &str) -> bool {
+    tz == DEFAULT_TIMEZONE
 }
 
 /// Dynamic limiting settings.
@@ -312,14 +328,23 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
         }
         for (i, e) in arr.iter().enumerate() {
             let path = format!("schedules[{i}]");
-            let so = Obj::new(&path, e, &["cron", "threshold"])?;
+            let so = Obj::new(&path, e, &["cron", "threshold", "timezone"])?;
             let cron = so
                 .string("cron")?
                 .ok_or_else(|| fe(so.field("cron"), "is required"))?;
             parse_cron(cron).map_err(|e| fe(so.field("cron"), e))?;
+            let threshold = so.count("threshold", None, 0, MAX_COUNT)?;
+            let timezone = match so.string("timezone")? {
+                None => default_timezone(),
+                Some(tz) => {
+                    parse_timezone(tz).map_err(|e| fe(so.field("timezone"), e))?;
+                    tz.trim().to_string()
+                }
+            };
             schedules.push(ScheduleEntry {
                 cron: cron.trim().to_string(),
-                threshold: so.count("threshold", None, 0, MAX_COUNT)?,
+                threshold,
+                timezone,
             });
         }
     }
@@ -696,6 +721,64 @@ mod tests {
         ] {
             let e = parse_stored("t", stored.as_bytes()).unwrap_err();
             assert_eq!(e.field, field, "{stored}: {e}");
+        }
+    }
+
+    #[test]
+    fn schedule_time_zones_are_validated_and_utc_is_not_stored() {
+        let r = parse(
+            r#"{"threshold": 10, "schedules": [
+                {"cron": "* * 9-17 * * *", "threshold": 1},
+                {"cron": "* * 9-17 * * *", "threshold": 2, "timezone": "UTC"},
+                {"cron": "* * 9-17 * * *", "threshold": 3, "timezone": "Europe/Berlin"}]}"#,
+        )
+        .unwrap();
+        let zones: Vec<&str> = r
+            .spec
+            .schedules
+            .iter()
+            .map(|e| e.timezone.as_str())
+            .collect();
+        assert_eq!(zones, ["UTC", "UTC", "Europe/Berlin"]);
+        // UTC (the default) is neither stored nor returned; a zone is, and round-trips.
+        let stored = serde_json::to_value(&r.spec).unwrap();
+        assert!(stored["schedules"][0].get("timezone").is_none());
+        assert!(stored["schedules"][1].get("timezone").is_none());
+        assert_eq!(stored["schedules"][2]["timezone"], "Europe/Berlin");
+        let bytes = serde_json::to_vec(&r.spec).unwrap();
+        assert_eq!(parse_stored("t", &bytes).unwrap(), r.spec);
+        // A spec stored before zones existed reads as UTC.
+        let old: TaskSpec = serde_json::from_str(
+            r#"{"threshold": 10, "slice_ms": 1000, "pull": 0, "local_limit": 10,
+                "on_failure": "local", "mode": "pooled",
+                "fallback": {"algorithm": "token_bucket", "burst": 0},
+                "schedules": [{"cron": "* * * * * *", "threshold": 1}], "description": ""}"#,
+        )
+        .unwrap();
+        assert_eq!(old.schedules[0].timezone, "UTC");
+
+        let e = parse(
+            r#"{"threshold": 10, "schedules": [
+                {"cron": "* * * * * *", "threshold": 1},
+                {"cron": "* * * * * *", "threshold": 1, "timezone": "America/New_York"},
+                {"cron": "* * * * * *", "threshold": 1, "timezone": "Europe/Berln"}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "schedules[2].timezone");
+        assert!(
+            e.to_string()
+                .starts_with(r#"schedules[2].timezone: unknown IANA time zone "Europe/Berln""#),
+            "{e}"
+        );
+        for (tz, field) in [
+            (r#""""#, "schedules[0].timezone"),
+            ("5", "schedules[0].timezone"),
+            (r#""+02:00""#, "schedules[0].timezone"),
+        ] {
+            let body = format!(
+                r#"{{"threshold": 10, "schedules": [{{"cron": "* * * * * *", "threshold": 1, "timezone": {tz}}}]}}"#
+            );
+            assert_eq!(parse(&body).unwrap_err().field, field, "{body}");
         }
     }
 
