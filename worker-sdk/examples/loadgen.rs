@@ -84,7 +84,8 @@
 //! every i < R to the JSON line, and `"key_latency_us"` (extra): p50/p99 of the decision
 //! time of calls that had to wait for Redis (`cold`) and of those that did not (`hot`).
 //!
-//! Other extra flags (not part of the pinned interface): `--probe-interval-ms`,
+//! Other extra flags (not part of the pinned interface): `--key-slots N` (key table entries),
+//! `--probe-interval-ms`,
 //! `--pull-timeout-ms`, `--clock host|redis`, and the Redis TLS / ACL flags of the manager:
 //! `--redis-ca`, `--redis-cert`, `--redis-key`, `--redis-insecure`, `--redis-user`,
 //! `--redis-password-file` (with a `rediss://` URL). The parent checks the link once before it
@@ -185,6 +186,9 @@ struct Args {
     /// Keyed tasks: report per-bucket counts of keys key-0 … key-{R-1}.
     #[arg(long, default_value_t = 100)]
     key_report: u64,
+    /// Keyed tasks: entries of the host's key table (extra; SDK default when absent).
+    #[arg(long)]
+    key_slots: Option<u32>,
     /// Internal: run as child number i.
     #[arg(long, hide = true)]
     child: Option<u32>,
@@ -751,6 +755,9 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     }
     if let Some(ms) = args.pull_timeout_ms {
         cfg.pull_timeout = Duration::from_millis(ms);
+    }
+    if let Some(n) = args.key_slots {
+        cfg.key_slots = n;
     }
     cfg.clock = match args.clock.as_str() {
         "redis" => ClockSource::Redis,

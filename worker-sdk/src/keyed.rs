@@ -53,7 +53,7 @@ use memmap2::MmapMut;
 
 use crate::background::{Retry, call};
 use crate::client::{Decision, Error, Shared, Task};
-use crate::protocol::scripts::{self, KeyPullReply, KeyPullRequest};
+use crate::protocol::scripts::{self, KeyPullBatchReply, KeyPullReply, KeyPullRequest};
 use crate::protocol::{Mode, OnFailure};
 use crate::shm::{FastMeta, LockAttempt, Slot, field, pack_quota, tag_of, unpack_quota};
 use crate::state::{Health, PullOutcome};
@@ -75,8 +75,10 @@ const BUSY: u64 = u64::MAX;
 const OWNED: u64 = 1 << 63;
 /// How often (host-wide) key counters are moved into the task counters and top keys reported.
 const REPORT_MS: i64 = 1_000;
-/// Pulls of keys in flight at once per process.
-const CONCURRENT_PULLS: usize = 128;
+/// KPULL calls in flight at once per process.
+const CONCURRENT_PULLS: usize = 64;
+/// Most keys in one KPULL call.
+const BATCH: usize = 64;
 
 #[repr(C, align(64))]
 struct TableHeader {
@@ -541,6 +543,9 @@ impl std::fmt::Debug for Key {
 /// Where a key's decision stands.
 enum KStep {
     Decided(Decision),
+    /// Not a keyed decision (the task is not keyed, or its meta is unknown): the task decides,
+    /// with the same flavour of call (try / async / blocking).
+    Task,
     /// Quota for the slice starting at `start_ms` is being pulled into entry `entry`.
     Pending {
         entry: usize,
@@ -597,6 +602,7 @@ impl Key {
         let now_us = self.task.now_us();
         match self.decide(n, now_us) {
             KStep::Decided(d) => d,
+            KStep::Task => self.task.try_acquire_at(n, now_us),
             KStep::Pending {
                 entry,
                 ident,
@@ -627,6 +633,7 @@ impl Key {
             let now_us = self.task.now_us();
             match self.decide(n, now_us) {
                 KStep::Decided(d) => return (d, now_us),
+                KStep::Task => return (self.task.acquire(n).await, now_us),
                 KStep::Direct { m, start_ms } => {
                     let fut = self.direct(m, start_ms, n);
                     let reply = self.task.shared.rt.spawn(fut).await.ok().flatten();
@@ -665,6 +672,7 @@ impl Key {
             let now_us = self.task.now_us();
             match self.decide(n, now_us) {
                 KStep::Decided(d) => return (d, now_us),
+                KStep::Task => return (self.task.acquire_blocking(n), now_us),
                 KStep::Direct { m, start_ms } => {
                     let (tx, rx) = std::sync::mpsc::channel();
                     let fut = self.direct(m, start_ms, n);
@@ -746,20 +754,20 @@ impl Key {
         }
         let r = self.task.inner.slot_ref();
         let Some((slot, m)) = self.task.slot_meta() else {
-            return KStep::Decided(self.task.try_acquire_at(n, now_us));
+            return KStep::Task;
         };
         let Some(table) = self.table() else {
-            return KStep::Decided(self.task.try_acquire_at(n, now_us));
+            return KStep::Task;
         };
         if !m.keyed || m.mode != Mode::Pooled {
             // Not keyed: the task as a whole decides.
-            return KStep::Decided(self.task.try_acquire_at(n, now_us));
+            return KStep::Task;
         }
         if r.index != self.slot {
             // The task moved to another slot (the identity hash covers the slot): re-made.
             return match self.rebuilt() {
                 Some(k) => k.decide(n, now_us),
-                None => KStep::Decided(self.task.try_acquire_at(n, now_us)),
+                None => KStep::Task,
             };
         }
         let slice_us = m.slice_ms * 1_000;
@@ -1136,6 +1144,7 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
             w.drain().collect()
         };
         let mut retry = Vec::new();
+        let mut groups: HashMap<(String, i64), Vec<(usize, Want, u64)>> = HashMap::new();
         if let Some(table) = sh.keyed.opened() {
             for (i, w) in wants {
                 let Some(e) = table.entry(i) else {
@@ -1158,18 +1167,22 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
                         continue;
                     }
                 };
+                groups
+                    .entry((w.task.name.clone(), w.start_ms))
+                    .or_default()
+                    .push((i, w, token));
+            }
+        }
+        for (_, mut items) in groups.drain() {
+            while !items.is_empty() {
+                let rest = items.split_off(items.len().min(BATCH));
+                let batch = std::mem::replace(&mut items, rest);
                 let Ok(permit) = permits.clone().acquire_owned().await else {
                     return;
                 };
                 let sh2 = sh.clone();
                 tokio::spawn(async move {
-                    if let Some(e) = sh2.keyed.opened().and_then(|t| t.entry(i)) {
-                        if low(e, &w) {
-                            pull(&sh2, e, &w).await;
-                        }
-                        sh2.seg.lock(&e.pull_lock).unlock(token);
-                    }
-                    drop(w); // wakes its waiters
+                    pull(&sh2, batch).await;
                     drop(permit);
                 });
             }
@@ -1241,96 +1254,139 @@ fn slot_meta_of<'a>(sh: &'a Shared, t: &crate::client::TaskInner) -> Option<(&'a
     (m.generation == r.generation).then_some((slot, m))
 }
 
-async fn pull(sh: &Shared, e: &KeyEntry, w: &Want) {
-    let Some((slot, m)) = slot_meta_of(sh, &w.task) else {
+/// One KPULL for wants of one task and slice (each holds its entry's pull lock, released here;
+/// the wants are dropped at the end, which wakes their waiters).
+async fn pull(sh: &Shared, items: Vec<(usize, Want, u64)>) {
+    let Some(table) = sh.keyed.opened() else {
         return;
     };
-    if !m.keyed {
+    let unlock = |i: usize, token: u64| {
+        if let Some(e) = table.entry(i) {
+            sh.seg.lock(&e.pull_lock).unlock(token);
+        }
+    };
+    let Some((_, first, _)) = items.first() else {
+        return;
+    };
+    let (start_ms, task) = (first.start_ms, first.task.clone());
+    let meta = slot_meta_of(sh, &task).filter(|(_, m)| m.keyed);
+    let over = |m: &FastMeta| start_ms + m.slice_ms as i64 <= sh.now_us() / 1_000;
+    let (slot, m) = match meta {
+        Some((slot, m)) if !over(&m) => (slot, m),
+        _ => {
+            for (i, _, token) in items {
+                unlock(i, token);
+            }
+            return;
+        }
+    };
+    // Another process of the host may have refilled an entry meanwhile.
+    let mut todo = Vec::with_capacity(items.len());
+    for (i, w, token) in items {
+        match table.entry(i) {
+            Some(e) if low(e, &w) => {
+                let want = chunk(
+                    e.grant.load(Ordering::Relaxed),
+                    start_ms,
+                    m.slice_ms,
+                    e.cap.load(Ordering::Relaxed),
+                    w.n,
+                );
+                let digest = crate::protocol::key_digest(&w.key);
+                todo.push((i, w, token, want, digest));
+            }
+            _ => unlock(i, token),
+        }
+    }
+    if todo.is_empty() {
         return;
     }
-    let now_us = sh.now_us();
-    if w.start_ms + m.slice_ms as i64 <= now_us / 1_000 {
-        return; // the slice is over
-    }
-    let cap = e.cap.load(Ordering::Relaxed);
-    let want = chunk(
-        e.grant.load(Ordering::Relaxed),
-        w.start_ms,
-        m.slice_ms,
-        cap,
-        w.n,
-    );
-    let digest = crate::protocol::key_digest(&w.key);
+    let wants: Vec<scripts::KeyWant<'_>> = todo
+        .iter()
+        .map(|(_, w, _, want, digest)| scripts::KeyWant {
+            key: &w.key,
+            digest,
+            want: *want,
+        })
+        .collect();
     let request_id = sh.request_id();
-    let req = KeyPullRequest {
-        task: &w.task.name,
-        key: &w.key,
-        digest: &digest,
-        start_ms: w.start_ms,
+    let req = scripts::KeyPullBatch {
+        task: &task.name,
+        start_ms,
         slice_ms: m.slice_ms,
-        want,
         host_id: &sh.cfg.host_id,
         request_id: &request_id,
         meta_version: slot.meta.version.load(Ordering::Relaxed),
         all_or_nothing: false,
+        keys: &wants,
     };
     let before = crate::clock::host_us();
     let res = call(sh, Retry::Idempotent, |mut c| {
         let req = req.clone();
-        async move { scripts::key_pull(&mut c, &sh.keys, &req).await }
+        async move { scripts::key_pull_batch(&mut c, &sh.keys, &req).await }
     })
     .await;
-    let now_ms = sh.now_us() / 1_000;
-    tracing::trace!(task = %w.task.name, want, waited_us = w.since.elapsed().as_micros() as u64,
-        rtt_us = crate::clock::host_us() - before, "key pull");
-    let outcome = match res {
-        Err(_) => PullOutcome::Timeout,
+    let after = crate::clock::host_us();
+    tracing::trace!(task = %task.name, keys = todo.len(), rtt_us = after - before, "key pull");
+    let failed = match res {
+        Err(_) => Some(PullOutcome::Timeout),
         Ok(Err(err)) => {
-            tracing::debug!(task = %w.task.name, error = %err, "key pull failed");
-            PullOutcome::Error
+            tracing::debug!(task = %task.name, error = %err, "key pull failed");
+            Some(PullOutcome::Error)
         }
-        Ok(Ok(KeyPullReply::Granted {
-            granted,
-            remaining,
-            cap,
+        Ok(Ok(KeyPullBatchReply::Granted {
+            grants,
             redis_time_us,
-            ..
         })) => {
-            crate::background::record_clock(sh, before, crate::clock::host_us(), redis_time_us);
-            e.cap.store(cap, Ordering::Relaxed);
-            e.grant.store(
-                ((tag_of(w.start_ms) as u64) << 32) | want.min(0xFFFF_FFFF),
-                Ordering::Relaxed,
-            );
-            let exhausted = remaining <= 0;
-            if granted > 0 || exhausted {
-                deposit(e, w.start_ms, m.slice_ms, granted, exhausted, sh.now_us());
+            crate::background::record_clock(sh, before, after, redis_time_us);
+            for ((i, _, _, want, _), g) in todo.iter().zip(grants) {
+                let Some(e) = table.entry(*i) else { continue };
+                e.cap.store(g.cap, Ordering::Relaxed);
+                e.grant.store(
+                    ((tag_of(start_ms) as u64) << 32) | (*want).min(0xFFFF_FFFF),
+                    Ordering::Relaxed,
+                );
+                let exhausted = g.remaining <= 0;
+                if g.granted > 0 || exhausted {
+                    deposit(e, start_ms, m.slice_ms, g.granted, exhausted, sh.now_us());
+                }
             }
-            PullOutcome::Granted { granted, remaining }
+            None
         }
-        Ok(Ok(KeyPullReply::OutsideWindow { redis_time_us })) => {
-            crate::background::record_clock(sh, before, crate::clock::host_us(), redis_time_us);
-            if redis_time_us / 1_000 > w.start_ms + m.slice_ms as i64 {
-                deposit(e, w.start_ms, m.slice_ms, 0, true, sh.now_us());
+        Ok(Ok(KeyPullBatchReply::OutsideWindow { redis_time_us })) => {
+            crate::background::record_clock(sh, before, after, redis_time_us);
+            if redis_time_us / 1_000 > start_ms + m.slice_ms as i64 {
+                for (i, ..) in &todo {
+                    if let Some(e) = table.entry(*i) {
+                        deposit(e, start_ms, m.slice_ms, 0, true, sh.now_us());
+                    }
+                }
             }
-            PullOutcome::OutsideWindow
+            None
         }
-        Ok(Ok(KeyPullReply::StaleMeta { .. })) => {
+        Ok(Ok(KeyPullBatchReply::StaleMeta { .. })) => {
             // Re-read the meta at once; the waiters re-decide (and want again).
             slot.meta.refreshed_ms.store(0, Ordering::Relaxed);
-            return;
+            None
         }
-        Ok(Ok(KeyPullReply::Missing { .. })) => {
-            w.event.missing.store(true, Ordering::Relaxed);
-            return;
+        Ok(Ok(KeyPullBatchReply::Missing { .. })) => {
+            for (_, w, ..) in &todo {
+                w.event.missing.store(true, Ordering::Relaxed);
+            }
+            None
         }
     };
-    if matches!(outcome, PullOutcome::Timeout | PullOutcome::Error) {
+    if let Some(outcome) = failed {
         let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
-        let tr = sh.machine.after_pull(health, outcome, now_ms);
+        let tr = sh.machine.after_pull(health, outcome, sh.now_us() / 1_000);
         if tr.health != health || tr.next_probe_ms.is_some() {
-            crate::background::apply_health(&w.task, slot, health, tr.health, tr.next_probe_ms);
+            crate::background::apply_health(&task, slot, health, tr.health, tr.next_probe_ms);
         }
+    }
+    drop(wants);
+    for (i, w, token, ..) in todo {
+        unlock(i, token);
+        drop(w); // wakes its waiters
     }
 }
 
