@@ -457,6 +457,9 @@ impl Drop for Want {
     }
 }
 
+/// A want whose entry's pull lock this process holds: entry, want, lock token.
+type Locked = (usize, Want, u64);
+
 /// A completed want wakes its waiters.
 #[derive(Default)]
 struct Event {
@@ -1144,7 +1147,7 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
             w.drain().collect()
         };
         let mut retry = Vec::new();
-        let mut groups: HashMap<(String, i64), Vec<(usize, Want, u64)>> = HashMap::new();
+        let mut groups: HashMap<(String, i64), Vec<Locked>> = HashMap::new();
         if let Some(table) = sh.keyed.opened() {
             for (i, w) in wants {
                 let Some(e) = table.entry(i) else {
@@ -1256,7 +1259,7 @@ fn slot_meta_of<'a>(sh: &'a Shared, t: &crate::client::TaskInner) -> Option<(&'a
 
 /// One KPULL for wants of one task and slice (each holds its entry's pull lock, released here;
 /// the wants are dropped at the end, which wakes their waiters).
-async fn pull(sh: &Shared, items: Vec<(usize, Want, u64)>) {
+async fn pull(sh: &Shared, items: Vec<Locked>) {
     let Some(table) = sh.keyed.opened() else {
         return;
     };
