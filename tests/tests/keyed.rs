@@ -579,3 +579,72 @@ async fn sdk_keys_decide_per_key_and_refuse_bad_input() {
 fn task_now(k: &sluice::Key) -> i64 {
     k.task().now_us()
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acquire_all_is_all_or_nothing_and_names_the_refusing_limit() {
+    use sluice::{Limit, acquire_all};
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("keyall");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    keyed_task(
+        &m,
+        "tenant",
+        r#"{"threshold":5,"slice_ms":5000,"keyed":true}"#,
+    )
+    .await;
+    keyed_task(&m, "global", r#"{"threshold":8,"slice_ms":5000}"#).await;
+    let host = format!("{ns}-h");
+    let _guard = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let client = sluice::Client::new(sdk_config(&redis, &ns, &host)).unwrap();
+    let (tenant, global) = (
+        client.task("tenant").unwrap(),
+        client.task("global").unwrap(),
+    );
+    assert!(
+        tenant.wait_ready(Duration::from_secs(10)) && global.wait_ready(Duration::from_secs(10))
+    );
+    let (a, b) = (tenant.key("a").unwrap(), tenant.key("b").unwrap());
+    let slice_us = 5_000_000i64;
+    // Within one slice (retried from a fresh slice if the run straddles a boundary).
+    loop {
+        if global.now_us() % slice_us > 1_500_000 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        let start = global.now_us() / slice_us;
+        // Global first, then the tenant: the tenant refuses after 5, and each refusal gives
+        // the global permit back.
+        let mut admitted_a = 0;
+        let mut refused_by = Vec::new();
+        for _ in 0..10 {
+            let d = acquire_all(&[Limit::Task(&global, 1), Limit::Key(&a, 1)]).await;
+            if d.is_allowed() {
+                admitted_a += 1;
+            } else {
+                refused_by.push(d.refused);
+            }
+        }
+        // Tenant b is under its limit: the global limit (8 − 5 used) refuses after 3.
+        let mut admitted_b = 0;
+        let mut refused_b = Vec::new();
+        for _ in 0..5 {
+            let d = acquire_all(&[Limit::Task(&global, 1), Limit::Key(&b, 1)]).await;
+            if d.is_allowed() {
+                admitted_b += 1;
+            } else {
+                refused_b.push(d.refused);
+            }
+        }
+        if global.now_us() / slice_us != start {
+            continue;
+        }
+        assert_eq!(admitted_a, 5, "tenant a's limit");
+        assert!(refused_by.iter().all(|r| *r == Some(1)), "{refused_by:?}");
+        assert_eq!(
+            admitted_b, 3,
+            "the global permits of a's refused requests were given back"
+        );
+        assert!(refused_b.iter().all(|r| *r == Some(0)), "{refused_b:?}");
+        break;
+    }
+}
