@@ -602,6 +602,35 @@ impl Key {
         &self.task
     }
 
+    /// Benchmarks and tests only: puts `n` permits of the current slice (exhausted after them
+    /// when `exhausted`) into this host's entry for the key, claiming one. False when the key
+    /// is not decided from the key table (not keyed, meta unknown, table full).
+    #[doc(hidden)]
+    pub fn fill_local(&self, n: u64, exhausted: bool) -> bool {
+        let Some((_, m)) = self.task.slot_meta() else {
+            return false;
+        };
+        let Some(table) = self.table() else {
+            return false;
+        };
+        let r = self.task.inner.slot_ref();
+        let now_us = self.task.now_us();
+        let Some((i, _)) = self.entry(
+            table,
+            owner(r.index, r.generation),
+            m.slice_ms,
+            now_us / 1_000,
+        ) else {
+            return false;
+        };
+        let Some(e) = table.entry(i) else {
+            return false;
+        };
+        let start = now_us.div_euclid(m.slice_ms as i64 * 1_000) * m.slice_ms as i64;
+        e.quota[crate::shm::parity(start, m.slice_ms)].store(0, Ordering::Relaxed);
+        deposit(e, start, m.slice_ms, n, exhausted, now_us)
+    }
+
     /// Decides `n` permits of this key now, from the host's local quota. Never waits: a key
     /// with no quota in hand on this host answers `Limited` with a 1 ms retry and starts a
     /// pull ([`Key::acquire`] waits for it instead); a key the table has no room for answers
