@@ -8,7 +8,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use sluice::protocol::{
-    Fallback, FallbackAlgorithm, MAX_SLICE_MS, MIN_SLICE_MS, Mode, OnFailure, TaskMeta,
+    Fallback, FallbackAlgorithm, MAX_SLICE_MS, MIN_SLICE_MS, Mode, OnFailure, Pacing, TaskMeta,
 };
 
 use crate::schedule::parse_cron;
@@ -93,6 +93,20 @@ pub struct TaskSpec {
     /// [`DEFAULT_LEASE_MS`] unless given; stored only for that mode.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub lease_ms: u64,
+    /// Shadow mode: decisions are counted as if enforced (`would_reject`) but always admit.
+    #[serde(default)]
+    pub shadow: bool,
+    /// Mode `pooled`: how a slice releases its quota (`none` = all at once, `smooth` = evenly
+    /// over the slice, plus `burst`).
+    #[serde(default = "default_pacing")]
+    pub pacing: Pacing,
+    /// Paced slices: permits released at a slice's start on top of the pace (≤ `threshold`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub burst: u64,
+}
+
+fn default_pacing() -> Pacing {
+    Pacing::None
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -145,6 +159,9 @@ const TOP_FIELDS: &[&str] = &[
     "dynamic",
     "description",
     "lease_ms",
+    "shadow",
+    "pacing",
+    "burst",
     "name",
     "version",
     // Read-only (the live status `GET /tasks/{name}` adds): accepted and ignored, so a
@@ -387,6 +404,32 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
         0
     };
 
+    let shadow = match o.get("shadow") {
+        None => false,
+        Some(b) => b
+            .as_bool()
+            .ok_or_else(|| fe("shadow", "must be true or false"))?,
+    };
+    let pacing: Pacing = o.choice("pacing", Pacing::None)?;
+    if pacing != Pacing::None && mode != Mode::Pooled {
+        return Err(fe(
+            "pacing",
+            format!(
+                "only for mode pooled (mode is {mode}): the other modes have no slices to pace"
+            ),
+        ));
+    }
+    let burst = o.count("burst", Some(0), 0, MAX_COUNT)?;
+    if burst > 0 && pacing == Pacing::None {
+        return Err(fe("burst", "only with \"pacing\": \"smooth\""));
+    }
+    if burst > threshold {
+        return Err(fe(
+            "burst",
+            format!("must be at most threshold ({threshold}), got {burst}"),
+        ));
+    }
+
     let description = o.string("description")?.unwrap_or_default().to_string();
     if description.chars().count() > MAX_DESCRIPTION {
         return Err(fe(
@@ -408,6 +451,9 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
             dynamic,
             description,
             lease_ms,
+            shadow,
+            pacing,
+            burst,
         },
         version,
     })
@@ -441,6 +487,9 @@ impl TaskSpec {
             } else {
                 0
             },
+            shadow: self.shadow,
+            pacing: self.pacing,
+            pace_burst: self.burst,
         }
     }
 
@@ -633,6 +682,70 @@ mod tests {
         ] {
             let e = parse_stored("t", stored.as_bytes()).unwrap_err();
             assert_eq!(e.field, field, "{stored}: {e}");
+        }
+    }
+
+    #[test]
+    fn shadow_and_pacing_are_validated() {
+        let r = parse(r#"{"threshold": 1000, "shadow": true, "pacing": "smooth", "burst": 50}"#)
+            .unwrap();
+        assert!(r.spec.shadow);
+        assert_eq!((r.spec.pacing, r.spec.burst), (Pacing::Smooth, 50));
+        let m = r.spec.meta(4);
+        assert_eq!(
+            (m.shadow, m.pacing, m.pace_burst),
+            (true, Pacing::Smooth, 50)
+        );
+        let stored = serde_json::to_vec(&r.spec).unwrap();
+        assert_eq!(parse_stored("t", &stored).unwrap(), r.spec);
+        // Defaults: not shadowed, not paced; an older stored spec (no fields) reads the same.
+        let d = parse(r#"{"threshold": 10}"#).unwrap().spec;
+        assert_eq!((d.shadow, d.pacing, d.burst), (false, Pacing::None, 0));
+        let old: TaskSpec = serde_json::from_str(
+            r#"{"threshold":10,"slice_ms":1000,"pull":0,"local_limit":10,"on_failure":"local",
+                "mode":"pooled","fallback":{"algorithm":"token_bucket","burst":0},
+                "schedules":[],"description":""}"#,
+        )
+        .unwrap();
+        assert_eq!(old, d);
+        // Shadow applies to every mode.
+        assert!(parse(r#"{"threshold": 5, "mode": "exact_fixed", "shadow": true}"#).is_ok());
+        for (body, field, says) in [
+            (
+                r#"{"threshold": 10, "shadow": "yes"}"#,
+                "shadow",
+                "true or false",
+            ),
+            (
+                r#"{"threshold": 10, "pacing": "jerky"}"#,
+                "pacing",
+                "none, smooth",
+            ),
+            (
+                r#"{"threshold": 10, "mode": "local", "pacing": "smooth"}"#,
+                "pacing",
+                "only for mode pooled",
+            ),
+            (
+                r#"{"threshold": 10, "mode": "exact_fixed", "pacing": "smooth"}"#,
+                "pacing",
+                "only for mode pooled",
+            ),
+            (
+                r#"{"threshold": 10, "pacing": "smooth", "burst": 11}"#,
+                "burst",
+                "at most threshold",
+            ),
+            (r#"{"threshold": 10, "burst": 3}"#, "burst", "only with"),
+            (
+                r#"{"threshold": 10, "pacing": "smooth", "burst": -1}"#,
+                "burst",
+                "",
+            ),
+        ] {
+            let e = parse(body).unwrap_err();
+            assert_eq!(e.field, field, "{body}");
+            assert!(e.error.contains(says), "{body}: {}", e.error);
         }
     }
 

@@ -28,6 +28,9 @@ fn conc_meta(threshold: u64, lease_ms: u64, version: i64) -> TaskMeta {
         fallback: Fallback::default(),
         version,
         lease_ms,
+        shadow: false,
+        pacing: sluice::protocol::Pacing::None,
+        pace_burst: 0,
     }
 }
 

@@ -31,6 +31,9 @@ fn meta(version: i64) -> TaskMeta {
         fallback: Fallback::default(),
         version,
         lease_ms: 0,
+        shadow: false,
+        pacing: sluice::protocol::Pacing::None,
+        pace_burst: 0,
     }
 }
 

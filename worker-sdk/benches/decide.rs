@@ -57,6 +57,9 @@ fn host(mode: Mode, clients: usize) -> Host {
             },
             version: 1,
             lease_ms: 0,
+            shadow: false,
+            pacing: sluice::protocol::Pacing::None,
+            pace_burst: 0,
         },
         sl.generation(),
     );

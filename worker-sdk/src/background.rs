@@ -529,7 +529,10 @@ async fn pull(
         rtt_ms: slot.ctl.rtt_us.load(Ordering::Relaxed) as f64 / 1_000.0,
         max_n: slot.ctl.max_n.load(Ordering::Relaxed),
     };
-    let plan = pull::plan(&input);
+    let mut plan = pull::plan(&input);
+    if m.paced {
+        plan = pull::paced(plan, cap, slice_ms, input.max_n);
+    }
     let want = if demand { plan.want } else { 0 };
     let request_id = sh.request_id();
     let req = PullRequest {
@@ -735,6 +738,7 @@ async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, now_us:
                             err: v[3],
                             lat_sum_us: v[4],
                             lat_n: v[5],
+                            would_reject: v[6],
                         },
                     )
                 })

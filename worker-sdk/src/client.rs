@@ -30,8 +30,8 @@ use crate::protocol::conn::{
 use crate::protocol::scripts::ExactReply;
 use crate::protocol::{Keys, Mode, NameError, OnFailure, TaskMeta, validate_task_name};
 use crate::shm::{
-    ClaimOptions, FastMeta, Opened, Segment, SegmentError, Slot, SlotRef, field, tag_of,
-    unpack_quota, word_generation,
+    ClaimOptions, FastMeta, Opened, QuotaEntry, Segment, SegmentError, Slot, SlotRef, field,
+    tag_of, unpack_quota, word_generation,
 };
 use crate::state::{Health, HostState, Machine, view};
 
@@ -189,6 +189,15 @@ pub enum Decision {
         /// When a retry may succeed.
         retry_after: Duration,
     },
+    /// Admitted by **shadow mode** (`"shadow": true`): enforced, this decision would have been
+    /// [`Decision::Limited`] or [`Decision::FallbackDenied`]. It is counted as a rejection
+    /// (`rej`) and as a would-reject (`wrej`) in the slice's counters, so the task's history
+    /// shows the limit as if enforced; the caller proceeds ([`Decision::is_allowed`] is true).
+    /// `retry_after` is the enforced decision's.
+    ShadowLimited {
+        /// When a retry would have succeeded, enforced.
+        retry_after: Duration,
+    },
     /// Not decided: this task is exact (`exact_fixed` / `exact_sliding`); its decision needs a
     /// Redis round trip, which [`Task::try_acquire`] never waits for. Call [`Task::acquire`] /
     /// [`Task::acquire_blocking`]. Never admitted, counted nowhere (it is not a decision).
@@ -199,7 +208,15 @@ impl Decision {
     /// True when the work may proceed.
     #[inline]
     pub fn is_allowed(&self) -> bool {
-        matches!(self, Decision::Allowed | Decision::FallbackAllowed)
+        matches!(
+            self,
+            Decision::Allowed | Decision::FallbackAllowed | Decision::ShadowLimited { .. }
+        )
+    }
+
+    /// True when shadow mode admitted what the limit would have rejected.
+    pub fn is_shadowed(&self) -> bool {
+        matches!(self, Decision::ShadowLimited { .. })
     }
 
     /// True when the global quota did not decide (FAILED, unknown task).
@@ -591,10 +608,39 @@ impl Task {
     /// [`Decision::WouldBlock`] (and logs a warning once per task per process): use
     /// [`Task::acquire`] / [`Task::acquire_blocking`].
     pub fn try_acquire_at(&self, n: u64, now_us: i64) -> Decision {
-        match self.decide(n, now_us) {
+        let d = match self.decide(n, now_us) {
             Step::Decided(d) => d,
             Step::Pending { start_ms, slice_ms } => self.pending_rejected(start_ms, slice_ms, n),
+        };
+        self.shadowed(n, now_us, d)
+    }
+
+    /// Shadow mode, applied at this one place to every final decision (`try_acquire*`,
+    /// `acquire`, `acquire_blocking`, and any other decision API: call it on the enforced
+    /// decision): a rejection of a task whose meta says `shadow` (FastMeta bit 61) becomes
+    /// [`Decision::ShadowLimited`], counted as a would-reject (`wrej`) on top of the rejection
+    /// the deciding code already counted. The quota is consumed exactly as if enforced (the
+    /// decision was made by the enforcing code). Costs one match on the admitted path.
+    #[inline]
+    pub(crate) fn shadowed(&self, n: u64, now_us: i64, d: Decision) -> Decision {
+        let retry_after = match d {
+            Decision::Limited { retry_after } | Decision::FallbackDenied { retry_after } => {
+                retry_after
+            }
+            _ => return d,
+        };
+        self.shadow_admit(n, now_us, retry_after).unwrap_or(d)
+    }
+
+    #[cold]
+    fn shadow_admit(&self, n: u64, now_us: i64, retry_after: Duration) -> Option<Decision> {
+        let (slot, m) = self.slot_meta()?;
+        if !m.shadow {
+            return None;
         }
+        let index = self.index(now_us, m.slice_ms * 1_000);
+        slot.count_at(index, (index * m.slice_ms) as i64, field::WOULD_REJECT, n);
+        Some(Decision::ShadowLimited { retry_after })
     }
 
     /// A decision that stays "refill pending" is final here: a rejection, counted as such.
@@ -622,7 +668,8 @@ impl Task {
                 let sh = self.shared.clone();
                 let fut = crate::background::exact(sh, self.inner.name.clone(), m, index, n);
                 let reply = self.shared.rt.spawn(fut).await.ok().flatten();
-                return self.exact_decision(reply, &m, index, n, now_us);
+                let d = self.exact_decision(reply, &m, index, n, now_us);
+                return self.shadowed(n, now_us, d);
             }
             let notified = self.inner.deposited.notified();
             match self.decide(n, self.shared.now_us()) {
@@ -632,9 +679,10 @@ impl Task {
                 {
                     continue;
                 }
-                Step::Decided(d) => return d,
+                Step::Decided(d) => return self.shadowed(n, self.shared.now_us(), d),
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
-                    return self.pending_rejected(start_ms, slice_ms, n);
+                    let d = self.pending_rejected(start_ms, slice_ms, n);
+                    return self.shadowed(n, self.shared.now_us(), d);
                 }
                 Step::Pending { .. } => {
                     self.inner.waiters.fetch_add(1, Ordering::AcqRel);
@@ -664,7 +712,8 @@ impl Task {
                 });
                 let wait = self.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
                 let reply = rx.recv_timeout(wait).ok().flatten();
-                return self.exact_decision(reply, &m, index, n, now_us);
+                let d = self.exact_decision(reply, &m, index, n, now_us);
+                return self.shadowed(n, now_us, d);
             }
             match self.decide(n, self.shared.now_us()) {
                 Step::Decided(Decision::WouldBlock)
@@ -672,9 +721,10 @@ impl Task {
                 {
                     continue;
                 }
-                Step::Decided(d) => return d,
+                Step::Decided(d) => return self.shadowed(n, self.shared.now_us(), d),
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
-                    return self.pending_rejected(start_ms, slice_ms, n);
+                    let d = self.pending_rejected(start_ms, slice_ms, n);
+                    return self.shadowed(n, self.shared.now_us(), d);
                 }
                 Step::Pending { .. } => std::thread::sleep(Duration::from_micros(200)),
             }
@@ -901,6 +951,12 @@ impl Task {
             if t != tag || (c as u64) < n {
                 break;
             }
+            if m.paced {
+                let wait_us = pace_wait_us(slot, e, c, start_ms, m.slice_ms, n, now_us);
+                if wait_us > 0 {
+                    return self.pace_limited(slot, e, c, index, start_ms, n, wait_us);
+                }
+            }
             match e
                 .word
                 .compare_exchange_weak(q, q - n, Ordering::AcqRel, Ordering::Acquire)
@@ -934,6 +990,29 @@ impl Task {
             start_ms,
             slice_ms: m.slice_ms,
         }
+    }
+
+    /// A paced slice's local quota is in hand but not released yet: rejected (counted), retry
+    /// when the pace releases `n` more; a refill is asked for as usual when the stock is low.
+    #[cold]
+    #[allow(clippy::too_many_arguments)]
+    fn pace_limited(
+        &self,
+        slot: &Slot,
+        e: &QuotaEntry,
+        c: u32,
+        index: u64,
+        start_ms: i64,
+        n: u64,
+        wait_us: u64,
+    ) -> Step {
+        if (c as u64) < e.low_water.load(Ordering::Relaxed) {
+            self.want(slot, start_ms, n);
+        }
+        slot.count_at(index, start_ms, field::REJECTED, n);
+        Step::Decided(Decision::Limited {
+            retry_after: Duration::from_micros(wait_us),
+        })
     }
 
     fn local(&self, slot: &Slot, m: &FastMeta, n: u64, now_us: i64) -> Verdict {
@@ -1007,6 +1086,44 @@ impl Task {
     }
 }
 
+/// Paced slices: µs until the slice's pace has released enough for this host to spend `n`
+/// more, 0 when it may now. The host's spending so far in the slice is `granted − count` of
+/// its quota entry; the release curve is the pull script's ([`crate::protocol::scripts::PACE_LUA`])
+/// without its look-ahead: `min(cap, floor(cap · elapsed / slice) + burst)`, with the last
+/// `cap` Redis reported. So one host never spends faster than the global pace, and the pull
+/// script keeps all hosts together within it (plus its look-ahead).
+///
+/// ```text
+///   released(elapsed) ≥ spent + n   ⇔   elapsed ≥ (spent + n − burst) · slice / cap
+/// ```
+#[inline]
+fn pace_wait_us(
+    slot: &Slot,
+    e: &QuotaEntry,
+    count: u32,
+    start_ms: i64,
+    slice_ms: u64,
+    n: u64,
+    now_us: i64,
+) -> u64 {
+    let cap = slot.ctl.cap.load(Ordering::Relaxed);
+    let burst = slot.ctl.pace_burst.load(Ordering::Relaxed);
+    let need = e
+        .granted
+        .load(Ordering::Relaxed)
+        .saturating_sub(count as u64)
+        .saturating_add(n);
+    if cap == 0 || need <= burst || need > cap {
+        // Nothing to pace against (no cap known yet), within the burst, or beyond the cap
+        // (the local quota and Redis decide that).
+        return 0;
+    }
+    let len_us = slice_ms.saturating_mul(1_000) as u128;
+    let at_us = ((need - burst) as u128 * len_us).div_ceil(cap as u128);
+    let elapsed_us = now_us.saturating_sub(start_ms.saturating_mul(1_000)).max(0) as u128;
+    at_us.saturating_sub(elapsed_us).min(u64::MAX as u128) as u64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1027,6 +1144,9 @@ mod tests {
             },
             version: 1,
             lease_ms: 0,
+            shadow: false,
+            pacing: crate::protocol::Pacing::None,
+            pace_burst: 0,
         }
     }
 

@@ -167,6 +167,9 @@ mod tests {
                 },
                 version: 1,
                 lease_ms: 0,
+                shadow: false,
+                pacing: crate::protocol::Pacing::None,
+                pace_burst: 0,
             },
             slot.generation(),
         );
