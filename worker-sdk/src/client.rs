@@ -1087,15 +1087,22 @@ impl Task {
 }
 
 /// Paced slices: µs until the slice's pace has released enough for this host to spend `n`
-/// more, 0 when it may now. The host's spending so far in the slice is `granted − count` of
-/// its quota entry; the release curve is the pull script's ([`crate::protocol::scripts::PACE_LUA`])
-/// without its look-ahead: `min(cap, floor(cap · elapsed / slice) + burst)`, with the last
-/// `cap` Redis reported. So one host never spends faster than the global pace, and the pull
-/// script keeps all hosts together within it (plus its look-ahead).
+/// more, 0 when it may now.
+///
+/// Permits of a paced slice are numbered in the order the pull script hands them out; permit
+/// `j` is released at `start + (j − burst) · slice / cap` (the script's curve,
+/// [`crate::protocol::scripts::PACE_LUA`], without its look-ahead). The host's stock of
+/// `count` is taken to be the top of everything granted so far (`pace_granted`, any host's
+/// grants and forfeits included, as Redis reported after this host's last pull), so its next
+/// permit is number `pace_granted − count + 1`, and `n` more may be spent once
 ///
 /// ```text
-///   released(elapsed) ≥ spent + n   ⇔   elapsed ≥ (spent + n − burst) · slice / cap
+///   pace_granted − count + n ≤ floor(cap · elapsed / slice) + burst
+///   ⇔  elapsed ≥ (pace_granted − count + n − burst) · slice / cap
 /// ```
+///
+/// With other hosts' grants in between, the numbers are over-estimated (the host waits a
+/// little longer than needed, never less), so no host spends a permit before its release.
 #[inline]
 fn pace_wait_us(
     slot: &Slot,
@@ -1106,10 +1113,10 @@ fn pace_wait_us(
     n: u64,
     now_us: i64,
 ) -> u64 {
-    let cap = slot.ctl.cap.load(Ordering::Relaxed);
+    let cap = e.pace_cap.load(Ordering::Relaxed);
     let burst = slot.ctl.pace_burst.load(Ordering::Relaxed);
     let need = e
-        .granted
+        .pace_granted
         .load(Ordering::Relaxed)
         .saturating_sub(count as u64)
         .saturating_add(n);

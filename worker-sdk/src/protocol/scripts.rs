@@ -78,29 +78,40 @@ end
 /// The pacing rule of paced slices, as a literal so every pull script can include it with
 /// `concat!` (the keyed pull script too).
 ///
-/// Defines `paced_allowance(h, rem, cap, now, start, len)`: `h` holds the slice's `pace` and
-/// `burst` fields (as `HMGET` returns them). For an unpaced slice it returns `rem`; for a paced
-/// one what may be granted now, `released − granted` with `granted = cap − rem` (a threshold
-/// change moves `cap` and `rem` together, so consumption is kept) and
+/// Defines `paced_allowance(h, rem, cap, now, start, len)` → `avail, forfeit`: `h` holds the
+/// slice's `pace` and `burst` fields (as `HMGET` returns them). For an unpaced slice it returns
+/// `rem, 0`. For a paced one, with `granted = cap − rem` (a threshold change moves `cap` and
+/// `rem` together, so consumption is kept):
 ///
 /// ```text
-///   released = min(cap, floor(cap · (now + ahead − start) / len) + burst),  ≥ 0
-///   ahead    = min(floor(len / 40), 1000)          (25 ms of a 1 s slice)
+///   paced(t) = clamp(floor(cap · (t − start) / len), 0, cap)
+///   ahead    = min(floor(len / 40), 1000)                  (25 ms of a 1 s slice)
+///   forfeit  = max(0, paced(now) − granted)                released, never pulled: lost
+///   avail    = min(rem − forfeit, min(cap, paced(now + ahead) + burst) − granted − forfeit)
 /// ```
 ///
-/// `ahead` lets a host hold a little stock (it spends it no faster than the pace itself, see
-/// `docs/sdk.md`), so its decisions do not wait for a pull at every permit.
+/// So what the pace released while nobody pulled is not saved up (a slice idle for 700 ms does
+/// not hand out 700 permits at once): at any pull at most `burst` plus `ahead`'s worth of the
+/// pace is available beyond the pace itself. The caller lowers `rem` by `forfeit` (when it
+/// grants) and by the grant. `ahead` lets a host hold a little stock, which it spends no
+/// faster than the pace (see `docs/sdk.md`), so its decisions do not wait for a pull at every
+/// permit.
 macro_rules! pace_snippet {
     () => {
         r#"
 local function paced_allowance(h, rem, cap, now, start, len)
-  if h[1] ~= '1' then return rem end
+  if h[1] ~= '1' then return rem, 0 end
   local burst = tonumber(h[2]) or 0
-  local ahead = math.min(math.floor(len / 40), 1000)
-  local released = math.floor(cap * (now + ahead - start) / len) + burst
-  if released > cap then released = cap end
-  if released < 0 then released = 0 end
-  return math.min(rem, released - (cap - rem))
+  local function paced(t)
+    local r = math.floor(cap * (t - start) / len)
+    if r > cap then return cap end
+    if r < 0 then return 0 end
+    return r
+  end
+  local granted = cap - rem
+  local forfeit = math.max(0, math.min(rem, paced(now) - granted))
+  local released = math.min(cap, paced(now + math.min(math.floor(len / 40), 1000)) + burst)
+  return math.min(rem - forfeit, released - granted - forfeit), forfeit
 end
 "#
     };
@@ -285,10 +296,10 @@ if now < start - len or now > start + len + grace then
 end
 local want = tonumber(ARGV[1])
 local grant = 0
-local avail = paced_allowance({h[4], h[5]}, rem, cap, now, start, len)
-if avail > 0 and want > 0 then
-  grant = math.min(want, avail)
-  rem = redis.call('HINCRBY', KEYS[1], 'rem', -grant)
+local avail, forfeit = paced_allowance({h[4], h[5]}, rem, cap, now, start, len)
+if want > 0 and (avail > 0 or forfeit > 0) then
+  grant = math.max(0, math.min(want, avail))
+  rem = redis.call('HINCRBY', KEYS[1], 'rem', -(grant + forfeit))
 end
 redis.call('HSET', KEYS[1], pf, ARGV[5] .. ':' .. grant)
 if #ARGV >= 11 then
