@@ -101,7 +101,7 @@ async fn shadow_mode_admits_everything_and_counts_as_if_enforced() {
     // The API: status of the current slice, history per slice, the traffic rates.
     let t = m.get_json("/api/v1/tasks/sh").await.unwrap();
     assert_eq!(t["shadow"], true);
-    assert!(t["status"]["would_reject"].is_u64(), "{t}");
+    assert!(t["status"]["last_slice"]["would_reject"].is_u64(), "{t}");
     let h = m
         .get_json("/api/v1/tasks/sh/history?seconds=60")
         .await
