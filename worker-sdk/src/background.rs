@@ -604,22 +604,22 @@ async fn pull(
     {
         // Never into a slot reclaimed for another task meanwhile; a fresh now decides whether
         // the slice has ended.
-        if slot.generation() != r.generation {
+        let own = slot.generation() == r.generation;
+        if own
+            && m.paced
+            && let PullOutcome::Granted { remaining, .. } = outcome
+        {
+            // Before the deposit, so no decision sees the new stock with an older (lower)
+            // number: a paced decision only ever errs towards waiting.
+            let cap = slot.ctl.cap.load(Ordering::Relaxed);
+            let e = slot.entry(start_ms, slice_ms);
+            e.pace_cap.store(cap, Ordering::Relaxed);
+            e.pace_granted
+                .store((cap as i64 - remaining).max(0) as u64, Ordering::Relaxed);
+        }
+        if !own {
             tracing::debug!(task = %t.name, "slot reclaimed during a pull; grant dropped");
-        } else if {
-            if m.paced
-                && let PullOutcome::Granted { remaining, .. } = outcome
-            {
-                // Before the deposit, so no decision sees the new stock with an older (lower)
-                // number: a paced decision only ever errs towards waiting.
-                let cap = slot.ctl.cap.load(Ordering::Relaxed);
-                let e = slot.entry(start_ms, slice_ms);
-                e.pace_cap.store(cap, Ordering::Relaxed);
-                e.pace_granted
-                    .store((cap as i64 - remaining).max(0) as u64, Ordering::Relaxed);
-            }
-            slot.deposit(start_ms, slice_ms, granted, tr.exhausted, sh.now_us())
-        } {
+        } else if slot.deposit(start_ms, slice_ms, granted, tr.exhausted, sh.now_us()) {
             slot.entry(start_ms, slice_ms)
                 .low_water
                 .store(plan.low_water, Ordering::Relaxed);

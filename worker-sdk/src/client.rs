@@ -1157,6 +1157,90 @@ mod tests {
         }
     }
 
+    fn offline_task(host: &str, dir: &std::path::Path) -> (Client, Task) {
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.to_path_buf();
+        cfg.host_id = host.into();
+        cfg.max_tasks = 1;
+        let client = Client::new(cfg).unwrap();
+        let task = client.task("t").unwrap();
+        (client, task)
+    }
+
+    /// Shadow mode: the enforced decision is made (quota spent, rejection counted), then a
+    /// rejection is admitted as `ShadowLimited` and counted as a would-reject too.
+    #[test]
+    fn shadow_mode_admits_rejections_and_counts_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, task) = offline_task("shadow", dir.path());
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let day = 86_400_000u64;
+        let m = TaskMeta {
+            shadow: true,
+            ..meta(day)
+        };
+        assert!(slot.store_meta(&m, slot.generation()));
+        let now_us = task.now_us();
+        let start = (now_us as u64 / (day * 1_000) * day) as i64;
+        assert!(slot.deposit(start, day, 2, true, now_us));
+        assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
+        assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
+        let d = task.try_acquire_at(1, now_us);
+        assert!(d.is_allowed() && d.is_shadowed(), "{d:?}");
+        assert_eq!(d.retry_after(), None);
+        let counted: Vec<_> = slot.drain_counters();
+        assert_eq!(counted, vec![(start, [0, 1, 0, 0, 0, 0, 1])]);
+        // Shadow off: the same rejection is enforced, and no would-reject is counted.
+        assert!(slot.store_meta(&meta(day), slot.generation()));
+        assert!(matches!(
+            task.try_acquire_at(1, now_us),
+            Decision::Limited { .. }
+        ));
+        assert_eq!(slot.drain_counters(), vec![(start, [0, 1, 0, 0, 0, 0, 0])]);
+    }
+
+    /// Paced slices: the host spends its stock no faster than the pace; a permit not released
+    /// yet is a rejection with the time until it is.
+    #[test]
+    fn paced_stock_is_spent_no_faster_than_the_pace() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, task) = offline_task("paced", dir.path());
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        // 1,000 per day: one permit per 86.4 s, so "now" does not release one during the test.
+        let day = 86_400_000u64;
+        let m = TaskMeta {
+            pacing: crate::protocol::Pacing::Smooth,
+            pace_burst: 2,
+            ..meta(day)
+        };
+        assert!(slot.store_meta(&m, slot.generation()));
+        let now_us = task.now_us();
+        let start = (now_us as u64 / (day * 1_000) * day) as i64;
+        let elapsed_us = (now_us - start * 1_000) as u64;
+        let released = 1_000 * elapsed_us / (day * 1_000) + 2;
+        // 10 in stock, the top of 7 + released granted: 3 of them are released.
+        let e = slot.entry(start, day);
+        e.pace_cap.store(1_000, Ordering::Relaxed);
+        e.pace_granted.store(released + 7, Ordering::Relaxed);
+        assert!(slot.deposit(start, day, 10, false, now_us));
+        for _ in 0..3 {
+            assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
+        }
+        match task.try_acquire_at(1, now_us) {
+            Decision::Limited { retry_after } => {
+                assert!(
+                    retry_after > Duration::ZERO && retry_after <= Duration::from_millis(86_400)
+                );
+            }
+            d => panic!("expected the pace to refuse, got {d:?}"),
+        }
+        // The pace refused: counted as a rejection, the stock left alone.
+        assert_eq!(slot.drain_counters(), vec![(start, [0, 1, 0, 0, 0, 0, 0])]);
+        assert_eq!(unpack_quota(e.word.load(Ordering::Relaxed)).2, 7);
+    }
+
     /// Issue 9 item 9: a handle whose slot was reclaimed for another task (its process kept
     /// the handle but stopped refreshing the slot) never decides from, nor counts into, the
     /// other task's slot: the generation in the meta word tells it.
