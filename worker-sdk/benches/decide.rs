@@ -3,6 +3,10 @@
 //! * `decide/allowed`: `try_acquire(1)` admitted from the local quota: the fast path.
 //! * `decide/limited`: the slice is exhausted (LIMITED): reject without Redis.
 //! * `decide/local_token_bucket`: mode `local`, the shared token bucket (the FAILED path).
+//! * `decide/allowed_paced`: `decide/allowed` on a paced slice (`"pacing": "smooth"`): the CAS
+//!   plus the local release check.
+//! * `decide/limited_shadow`: `decide/limited` in shadow mode: the rejection is admitted as
+//!   `ShadowLimited` and counted as a would-reject.
 //! * `host/N`: N threads, each with its own client (its own mapping of the same segment, like
 //!   N processes of one host), deciding against one shared quota: decisions/s of the host.
 //!
@@ -26,6 +30,10 @@ struct Host {
 }
 
 fn host(mode: Mode, clients: usize) -> Host {
+    host_with(mode, clients, false, false)
+}
+
+fn host_with(mode: Mode, clients: usize, shadow: bool, paced: bool) -> Host {
     let dir = tempfile::tempdir().expect("tempdir");
     let mk = || {
         // Nothing listens on port 1: the background thread fails quietly, decisions go on.
@@ -57,8 +65,12 @@ fn host(mode: Mode, clients: usize) -> Host {
             },
             version: 1,
             lease_ms: 0,
-            shadow: false,
-            pacing: sluice::protocol::Pacing::None,
+            shadow,
+            pacing: if paced {
+                sluice::protocol::Pacing::Smooth
+            } else {
+                sluice::protocol::Pacing::None
+            },
             pace_burst: 0,
         },
         sl.generation(),
@@ -89,6 +101,11 @@ impl Host {
         let e = s.entry(start, DAY_MS);
         e.word.store(0, std::sync::atomic::Ordering::Relaxed);
         let n = if exhausted { 0 } else { MAX_COUNT as u64 };
+        // Paced tasks: the whole stock is released (the check runs, and passes).
+        e.pace_cap
+            .store(u64::MAX / 2, std::sync::atomic::Ordering::Relaxed);
+        e.pace_granted
+            .store(n, std::sync::atomic::Ordering::Relaxed);
         s.deposit(start, DAY_MS, n, exhausted, now_us);
     }
 }
@@ -111,6 +128,24 @@ fn decide(c: &mut Criterion) {
     h.refill(true);
     g.bench_function("limited", |b| {
         b.iter(|| std::hint::black_box(task.try_acquire(std::hint::black_box(1))))
+    });
+    let p = host_with(Mode::Pooled, 1, false, true);
+    let ptask = p.clients[0].1.clone();
+    g.bench_function("allowed_paced", |b| {
+        b.iter_custom(|iters| {
+            p.refill(false);
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                std::hint::black_box(ptask.try_acquire(std::hint::black_box(1)));
+            }
+            t0.elapsed()
+        })
+    });
+    let sh = host_with(Mode::Pooled, 1, true, false);
+    sh.refill(true);
+    let stask = sh.clients[0].1.clone();
+    g.bench_function("limited_shadow", |b| {
+        b.iter(|| std::hint::black_box(stask.try_acquire(std::hint::black_box(1))))
     });
     let l = host(Mode::Local, 1);
     let ltask = l.clients[0].1.clone();
