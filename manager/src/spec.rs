@@ -410,6 +410,10 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
             .as_bool()
             .ok_or_else(|| fe("shadow", "must be true or false"))?,
     };
+    if shadow && mode == Mode::Concurrency {
+        // Permits are not decisions the shadow wrapper sees (a held permit is not undone).
+        return Err(fe("shadow", "not supported in mode concurrency"));
+    }
     let pacing: Pacing = o.choice("pacing", Pacing::None)?;
     if pacing != Pacing::None && mode != Mode::Pooled {
         return Err(fe(
@@ -708,13 +712,19 @@ mod tests {
         )
         .unwrap();
         assert_eq!(old, d);
-        // Shadow applies to every mode.
+        // Shadow applies to every mode but concurrency.
         assert!(parse(r#"{"threshold": 5, "mode": "exact_fixed", "shadow": true}"#).is_ok());
+        assert!(parse(r#"{"threshold": 5, "mode": "local", "shadow": true}"#).is_ok());
         for (body, field, says) in [
             (
                 r#"{"threshold": 10, "shadow": "yes"}"#,
                 "shadow",
                 "true or false",
+            ),
+            (
+                r#"{"threshold": 10, "mode": "concurrency", "shadow": true}"#,
+                "shadow",
+                "mode concurrency",
             ),
             (
                 r#"{"threshold": 10, "pacing": "jerky"}"#,
