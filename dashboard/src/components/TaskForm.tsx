@@ -371,7 +371,7 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
             aria-describedby={`${fieldId('shadow')}-hint`}
             onChange={(e) => set('shadow', e.currentTarget.checked)}
           />
-          <label for={fieldId('shadow')}>Shadow mode</label>
+          <label for={fieldId('shadow')}>Shadow: count, do not enforce</label>
           <p class="hint" id={`${fieldId('shadow')}-hint`}>
             admit everything, count what the limit would reject (to roll a limit out safely)
           </p>
