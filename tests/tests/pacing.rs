@@ -4,8 +4,9 @@
 //! With pacing, a slice releases its quota evenly (plus `burst` at its start), decided in the
 //! pull script on Redis time, and the SDK spends its local stock no faster than that pace. So
 //! no 100 ms window (the loadgen's 100 ms buckets, aligned with the slices) admits more than
-//! 100 + burst, merged over both processes, and the slice is still used (≥ 90 % of every full
-//! slice admitted). Without pacing the same demand would spend each slice in its first
+//! 100 + burst (+ 1: a permit released just before a window may be spent just inside it),
+//! merged over both processes, the first 100 ms of a slice at most 100 + burst, and the slice
+//! is still used (≥ 90 % of every full slice admitted). Without pacing the same demand would spend each slice in its first
 //! milliseconds.
 
 use std::collections::BTreeMap;
@@ -54,12 +55,23 @@ fn full_slices(buckets: &BTreeMap<i64, u64>) -> Vec<i64> {
     slices[1..slices.len().saturating_sub(1)].to_vec()
 }
 
+/// Permits released at integer ticks (one per ms here): a host may spend the one released
+/// last just after a window starts (a process descheduled across the boundary), so the
+/// guaranteed bound is one above `100 + burst` (see `pace_check` in worker-sdk/src/client.rs);
+/// what the runs show is printed.
+const TICK_SLACK: u64 = 1;
+
 fn check(task: &str, buckets: &BTreeMap<i64, u64>, burst: u64) {
     eprintln!("{task}: admitted per 100 ms bucket: {buckets:?}");
+    let max = buckets.values().max().copied().unwrap_or(0);
+    eprintln!(
+        "{task}: largest 100 ms window {max} (100 + burst = {})",
+        THRESHOLD / 10 + burst
+    );
     for (b, a) in buckets {
         assert!(
-            *a <= THRESHOLD / 10 + burst,
-            "{task}: window {b} admitted {a} > {} + burst {burst}",
+            *a <= THRESHOLD / 10 + burst + TICK_SLACK,
+            "{task}: window {b} admitted {a} > {} + burst {burst} + {TICK_SLACK}",
             THRESHOLD / 10
         );
     }
@@ -73,6 +85,7 @@ fn check(task: &str, buckets: &BTreeMap<i64, u64>, burst: u64) {
         );
         assert!(used <= THRESHOLD, "{task}: slice {s} over-admitted {used}");
         let first = buckets.get(s).copied().unwrap_or(0);
+        // The first window of a slice follows no lag of the same slice: exact.
         assert!(
             first <= THRESHOLD / 10 + burst,
             "{task}: first 100 ms of {s} admitted {first}"

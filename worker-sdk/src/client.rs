@@ -952,9 +952,27 @@ impl Task {
                 break;
             }
             if m.paced {
-                let wait_us = pace_wait_us(slot, e, c, start_ms, m.slice_ms, n, now_us);
-                if wait_us > 0 {
-                    return self.pace_limited(slot, e, c, index, start_ms, n, wait_us);
+                match pace_check(slot, e, c, start_ms, m.slice_ms, n, now_us) {
+                    Pace::Go => {}
+                    Pace::Wait(us) => return self.pace_limited(slot, e, c, index, start_ms, n, us),
+                    Pace::Skip(k) => {
+                        // Stale stock: drop it (from `granted` first, so the accounting never
+                        // counts it as admitted), then decide again.
+                        e.granted.fetch_sub(k, Ordering::AcqRel);
+                        match e.word.compare_exchange_weak(
+                            q,
+                            q - k,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        ) {
+                            Ok(_) => q -= k,
+                            Err(x) => {
+                                e.granted.fetch_add(k, Ordering::AcqRel);
+                                q = x;
+                            }
+                        }
+                        continue;
+                    }
                 }
             }
             match e
@@ -1086,25 +1104,43 @@ impl Task {
     }
 }
 
-/// Paced slices: µs until the slice's pace has released enough for this host to spend `n`
-/// more, 0 when it may now.
+/// What the pace says about spending `n` more of a paced slice's local stock now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pace {
+    /// Released: spend.
+    Go,
+    /// Not released yet: µs until it is.
+    Wait(u64),
+    /// This many permits of the stock were released before now and never spent: drop them.
+    Skip(u64),
+}
+
+/// Paced slices: may this host spend `n` more now?
 ///
 /// Permits of a paced slice are numbered in the order the pull script hands them out; permit
 /// `j` is released at `start + (j − burst) · slice / cap` (the script's curve,
 /// [`crate::protocol::scripts::PACE_LUA`], without its look-ahead). The host's stock of
 /// `count` is taken to be the top of everything granted so far (`pace_granted`, any host's
-/// grants and forfeits included, as Redis reported after this host's last pull), so its next
-/// permit is number `pace_granted − count + 1`, and `n` more may be spent once
+/// grants and forfeits included, as Redis reported after this host's last pull), so the
+/// permits it has spent are numbered up to `spent = pace_granted − count`. With
+/// `paced = floor(cap · elapsed / slice)`:
 ///
 /// ```text
-///   pace_granted − count + n ≤ floor(cap · elapsed / slice) + burst
-///   ⇔  elapsed ≥ (pace_granted − count + n − burst) · slice / cap
+///   spent + 1 < paced .......................... Skip(paced − 1 − spent): stock the pace
+///                                                released while this host did not decide (a
+///                                                paused or starved process) is dropped, as the
+///                                                script forfeits what nobody pulled; the one
+///                                                permit released last is kept (it is the next
+///                                                one to spend in normal operation)
+///   spent + n ≤ paced + burst .................. Go
+///   otherwise .................................. Wait until elapsed ≥ (spent + n − burst) · slice / cap
 /// ```
 ///
-/// With other hosts' grants in between, the numbers are over-estimated (the host waits a
+/// So whatever the host's scheduling, it never spends more than `burst + 1` beyond the pace
+/// at once: any window of the slice admits at most its share of the pace + `burst` + 1. With other hosts' grants in between, the numbers are over-estimated (the host waits a
 /// little longer than needed, never less), so no host spends a permit before its release.
 #[inline]
-fn pace_wait_us(
+fn pace_check(
     slot: &Slot,
     e: &QuotaEntry,
     count: u32,
@@ -1112,23 +1148,30 @@ fn pace_wait_us(
     slice_ms: u64,
     n: u64,
     now_us: i64,
-) -> u64 {
+) -> Pace {
     let cap = e.pace_cap.load(Ordering::Relaxed);
+    if cap == 0 {
+        // No cap known yet: nothing to pace against (Redis still does).
+        return Pace::Go;
+    }
     let burst = slot.ctl.pace_burst.load(Ordering::Relaxed);
-    let need = e
+    let spent = e
         .pace_granted
         .load(Ordering::Relaxed)
-        .saturating_sub(count as u64)
-        .saturating_add(n);
-    if cap == 0 || need <= burst || need > cap {
-        // Nothing to pace against (no cap known yet), within the burst, or beyond the cap
-        // (the local quota and Redis decide that).
-        return 0;
-    }
-    let len_us = slice_ms.saturating_mul(1_000) as u128;
-    let at_us = ((need - burst) as u128 * len_us).div_ceil(cap as u128);
+        .saturating_sub(count as u64);
+    let len_us = (slice_ms.saturating_mul(1_000) as u128).max(1);
     let elapsed_us = now_us.saturating_sub(start_ms.saturating_mul(1_000)).max(0) as u128;
-    at_us.saturating_sub(elapsed_us).min(u64::MAX as u128) as u64
+    let paced = (cap as u128 * elapsed_us / len_us).min(cap as u128) as u64;
+    if spent + 1 < paced && count > 0 {
+        return Pace::Skip((paced - 1 - spent).min(count as u64));
+    }
+    let need = spent.saturating_add(n);
+    if need <= paced.saturating_add(burst) || need > cap {
+        // Released, or beyond the cap (the local quota and Redis decide that).
+        return Pace::Go;
+    }
+    let at_us = ((need - burst) as u128 * len_us).div_ceil(cap as u128);
+    Pace::Wait(at_us.saturating_sub(elapsed_us).clamp(1, u64::MAX as u128) as u64)
 }
 
 #[cfg(test)]
@@ -1219,26 +1262,41 @@ mod tests {
         let now_us = task.now_us();
         let start = (now_us as u64 / (day * 1_000) * day) as i64;
         let elapsed_us = (now_us - start * 1_000) as u64;
-        let released = 1_000 * elapsed_us / (day * 1_000) + 2;
-        // 10 in stock, the top of 7 + released granted: 3 of them are released.
+        let paced = 1_000 * elapsed_us / (day * 1_000);
+        // 10 in stock, the top of `paced + 10` granted: what it spent is up to the pace, so
+        // the burst (2) may go now, then the pace refuses.
         let e = slot.entry(start, day);
         e.pace_cap.store(1_000, Ordering::Relaxed);
-        e.pace_granted.store(released + 7, Ordering::Relaxed);
+        e.pace_granted.store(paced + 10, Ordering::Relaxed);
         assert!(slot.deposit(start, day, 10, false, now_us));
-        for _ in 0..3 {
-            assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
-        }
-        match task.try_acquire_at(1, now_us) {
+        let refused = |d: Decision| match d {
             Decision::Limited { retry_after } => {
                 assert!(
                     retry_after > Duration::ZERO && retry_after <= Duration::from_millis(86_400)
                 );
             }
             d => panic!("expected the pace to refuse, got {d:?}"),
+        };
+        for _ in 0..2 {
+            assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
         }
-        // The pace refused: counted as a rejection, the stock left alone.
-        assert_eq!(slot.drain_counters(), vec![(start, [0, 1, 0, 0, 0, 0, 0])]);
-        assert_eq!(unpack_quota(e.word.load(Ordering::Relaxed)).2, 7);
+        refused(task.try_acquire_at(1, now_us));
+        assert_eq!(unpack_quota(e.word.load(Ordering::Relaxed)).2, 8);
+        // A paused host: its stock of 8 is numbered 4 below the pace. 3 of them are dropped
+        // (not admitted, not counted); the last one released and the burst go.
+        e.pace_granted.store(paced + 4, Ordering::Relaxed);
+        for _ in 0..3 {
+            assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
+        }
+        refused(task.try_acquire_at(1, now_us));
+        assert_eq!(unpack_quota(e.word.load(Ordering::Relaxed)).2, 2);
+        assert_eq!(
+            slot.consumed(start, day),
+            5,
+            "admitted: 2 + 3, the dropped 3 not"
+        );
+        // The pace refusals: counted as rejections.
+        assert_eq!(slot.drain_counters(), vec![(start, [0, 2, 0, 0, 0, 0, 0])]);
     }
 
     /// Issue 9 item 9: a handle whose slot was reclaimed for another task (its process kept
