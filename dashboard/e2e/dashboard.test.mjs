@@ -334,6 +334,69 @@ describe('dashboard', () => {
     }
   });
 
+  test('shadow mode and pacing through the form; would-rejects on the task page', T, async () => {
+    const ns = uniqueNs('uishadow');
+    const m = await manager({ ns, nodeId: 's1' });
+    const p = await page();
+    let lg;
+    try {
+      // Pacing shows its burst; a burst above the threshold is the API's 400 next to it.
+      await p.goto(`${m.url}/new`);
+      await p.getByLabel('Name').fill('rollout');
+      await p.getByLabel('Threshold (permits per slice)').fill('50');
+      assert.equal(await p.getByLabel('Burst (permits)').count(), 0);
+      await p.getByLabel('Pacing', { exact: true }).selectOption('smooth');
+      await p.getByLabel('Burst (permits)').fill('60');
+      await p.getByRole('checkbox', { name: /^Shadow/ }).check();
+      await p.getByRole('button', { name: 'Create task' }).click();
+      const err = p.locator('[data-testid="field-error"][data-field="burst"]');
+      await err.waitFor();
+      assert.match(await err.textContent(), /at most threshold/);
+      assert.equal(await p.getByLabel('Burst (permits)').getAttribute('aria-invalid'), 'true');
+      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/rollout')).status, 404);
+      await p.getByLabel('Burst (permits)').fill('10');
+      await p.getByLabel('Burst (permits)').press('Enter');
+      await p.waitForURL(`${m.url}/tasks/rollout`);
+      let spec = (await call(m.url, 'GET', '/api/v1/tasks/rollout')).body;
+      assert.equal(spec.shadow, true);
+      assert.equal(spec.pacing, 'smooth');
+      assert.equal(spec.burst, 10);
+
+      // 2 processes × 100/s against 50 per slice: nothing is rejected, the would-rejects show
+      // in the live chart and the shadow stat.
+      await waitFor('slices rolled', async () => (await call(m.url, 'GET', '/api/v1/tasks/rollout')).body.status?.effective_threshold === 50);
+      lg = startLoadgen({ ns, task: 'rollout', hostId: 'sh-1', procs: 2, durationMs: 20000, rate: 100 });
+      const chart = p.getByTestId('live-chart');
+      await waitFor(
+        'would-rejects in the live chart',
+        async () => Number(await chart.getAttribute('data-would-reject-total')) > 0,
+        { timeout: 30000, every: 250 },
+      );
+      const stat = p.getByTestId('would-reject').locator('.stat-value');
+      await waitFor('would-rejects in this slice', async () => Number((await stat.textContent()).replace(/,/g, '')) > 0, {
+        timeout: 15000,
+        every: 200,
+      });
+
+      // Shadow off, pacing off, from the edit form.
+      await p.getByRole('checkbox', { name: /^Shadow/ }).uncheck();
+      await p.getByLabel('Pacing', { exact: true }).selectOption('none');
+      assert.equal(await p.getByLabel('Burst (permits)').count(), 0);
+      await p.getByRole('button', { name: 'Save changes' }).click();
+      await p.getByTestId('form-status').getByText(/Saved/).waitFor();
+      spec = (await call(m.url, 'GET', '/api/v1/tasks/rollout')).body;
+      assert.equal(spec.shadow, false);
+      assert.equal(spec.pacing, 'none');
+      assert.equal(spec.burst, undefined);
+      // The page follows within its 2 s poll: no shadow stat any more.
+      await waitFor('the shadow stat gone', async () => (await p.getByTestId('would-reject').count()) === 0);
+      assert.deepEqual(p.errors, []);
+    } finally {
+      lg?.kill('SIGKILL');
+      await cleanup([m], [p]);
+    }
+  });
+
   test('a concurrency task: created through the form, in flight and per-host permits from a loadgen, a killed host expires', T, async () => {
     const ns = uniqueNs('uiconc');
     const m = await manager({ ns, nodeId: 'q1' });

@@ -26,6 +26,12 @@ export interface TaskSpec {
   description: string;
   /** Mode `concurrency`: the lease TTL (ms). */
   lease_ms?: number;
+  /** Shadow mode: counted as if enforced, everything admitted. */
+  shadow?: boolean;
+  /** Mode `pooled`: `none` | `smooth` (the quota released evenly over the slice). */
+  pacing?: string;
+  /** Paced slices: permits released at a slice's start on top of the pace. */
+  burst?: number;
 }
 
 /** One entry of a concurrency task's lease hash, as the task status shows it. */
@@ -50,6 +56,8 @@ export interface TaskStatus {
   lease_ms?: number;
   hosts?: LeaseHost[] | null;
   malformed_entries?: number;
+  /** The slice before the current one; `would_reject` is the part of `rejected` shadow mode admitted. */
+  last_slice?: { start_ms: number; admitted: number; rejected: number; would_reject: number };
   error?: string;
 }
 
@@ -78,6 +86,8 @@ export interface HistoryEntry {
   threshold: number;
   admitted: number;
   rejected: number;
+  /** Shadow mode: the part of `rejected` that was admitted. */
+  would_reject?: number;
   slice_count?: number;
 }
 
@@ -107,6 +117,8 @@ export interface TaskTraffic {
   threshold: number | null;
   admitted_per_s: number;
   rejected_per_s: number;
+  /** Shadow mode: rejections per second that were admitted (part of `rejected_per_s`). */
+  would_reject_per_s?: number;
   window_ms: number;
   horizon_until_ms?: number | null;
   hosts: Record<string, number>;

@@ -11,9 +11,12 @@ import type { History } from './api';
 export const FLUSH_LAG_MS = 2000;
 
 export interface Columns {
+  /** x, admitted, rejected, threshold, and would-reject when any record has one. */
   data: (number | null)[][];
   admitted: number;
   rejected: number;
+  /** Shadow mode: the part of `rejected` that was admitted. */
+  wouldReject: number;
   points: number;
 }
 
@@ -23,6 +26,8 @@ export function toColumns(h: History): Columns {
   const adm: (number | null)[] = [];
   const rej: (number | null)[] = [];
   const thr: (number | null)[] = [];
+  const wrej: (number | null)[] = [];
+  let wouldReject = 0;
   let admitted = 0;
   let rejected = 0;
   let last: number | null = null;
@@ -36,15 +41,19 @@ export function toColumns(h: History): Columns {
       adm.push(null);
       rej.push(null);
       thr.push(null);
+      wrej.push(null);
     }
     const covered = Math.max(1, e.slice_count ?? 1) * h.slice_ms;
     xs.push(e.start_ms / 1000);
     adm.push((e.admitted * 1000) / covered);
     rej.push((e.rejected * 1000) / covered);
     thr.push((e.threshold * 1000) / h.slice_ms);
+    wrej.push(((e.would_reject ?? 0) * 1000) / covered);
+    wouldReject += e.would_reject ?? 0;
     admitted += e.admitted;
     rejected += e.rejected;
     last = e.start_ms;
   }
-  return { data: [xs, adm, rej, thr], admitted, rejected, points: entries.length };
+  const data = wouldReject > 0 ? [xs, adm, rej, thr, wrej] : [xs, adm, rej, thr];
+  return { data, admitted, rejected, wouldReject, points: entries.length };
 }

@@ -5,21 +5,25 @@
 //! # Layout
 //!
 //! ```text
-//!  NS:{T}:hist:1s   string, 3 600 slots × 32 B = 115 KB: one record per second, kept 1 h
-//!  NS:{T}:hist:1m   string, 10 080 slots × 32 B = 323 KB: one record per minute, kept 7 days
+//!  NS:{T}:hist:1s   string, 3 600 slots × 40 B = 144 KB: one record per second, kept 1 h
+//!  NS:{T}:hist:1m   string, 10 080 slots × 40 B = 403 KB: one record per minute, kept 7 days
 //!
-//!  record, little-endian (32 bytes):
-//!  ┌──────────────────────┬────────────┬─────────────┬─────────────┬─────────────┐
-//!  │ tag u32 = start_ms/1000 │ slices u32 │ cap_sum u64 │ admitted u64│ rejected u64│
-//!  └──────────────────────┴────────────┴─────────────┴─────────────┴─────────────┘
-//!  slot = (start_ms / resolution) mod slots; byte offset = slot × 32
+//!  record, little-endian (40 bytes):
+//!  ┌──────────────────────┬────────────┬─────────────┬─────────────┬─────────────┬──────────────┐
+//!  │ tag u32 = start_ms/1000 │ slices u32 │ cap_sum u64 │ admitted u64│ rejected u64│ would_rej u64│
+//!  └──────────────────────┴────────────┴─────────────┴─────────────┴─────────────┴──────────────┘
+//!  slot = (start_ms / resolution) mod slots; byte offset = slot × 40
+//!
+//!  (Records were 32 bytes, without would_reject, before shadow mode: rings written by an
+//!  older manager read as empty after the upgrade, since the tags at the new offsets do not
+//!  match, and are rewritten within the settle time from the slices still in Redis.)
 //! ```
 //!
 //! A record sums the slices that *start* in its bucket: `slices` of them, whose caps add up to
 //! `cap_sum`. Only buckets that saw traffic (admitted or rejected) are written, so a task that
 //! never sees traffic has no history keys at all, and an idle stretch of a busy task reads as
 //! no records (the threshold of idle slices is not kept). A slot whose tag is not the bucket asked for holds an older lap of the ring (or
-//! nothing): it reads as empty. Memory per task is therefore bounded (438 KB at most, whatever
+//! nothing): it reads as empty. Memory per task is therefore bounded (547 KB at most, whatever
 //! the traffic; none for a task that never had traffic), writes are `SETRANGE` in place, reads are one or two `GETRANGE`s, and the
 //! history survives a leader failover because it lives in Redis. Both keys share the task's
 //! hash tag, so they sit in the task's Redis Cluster slot; they expire when no longer written,
@@ -61,7 +65,7 @@ use crate::metrics::Metrics;
 use crate::tasks::{TaskSnapshot, TaskStore};
 
 /// Size of one encoded [`Record`].
-pub const RECORD_BYTES: usize = 32;
+pub const RECORD_BYTES: usize = 40;
 
 /// Most slices read for one task in one tick (a new leader catching up on 100 ms slices reads
 /// its backlog over several ticks).
@@ -174,6 +178,8 @@ pub struct Record {
     pub admitted: u64,
     /// Rejected decisions.
     pub rejected: u64,
+    /// Shadow mode: the part of `rejected` that was admitted (`wrej`).
+    pub would_reject: u64,
 }
 
 impl Record {
@@ -181,7 +187,8 @@ impl Record {
     ///
     /// ```
     /// use sluice_manager::history::Record;
-    /// let r = Record { start_ms: 0, slices: 4, cap_sum: 402, admitted: 0, rejected: 0 };
+    /// let r = Record { start_ms: 0, slices: 4, cap_sum: 402, admitted: 0, rejected: 0,
+    ///                    would_reject: 0 };
     /// assert_eq!(r.threshold(), 101);
     /// ```
     pub fn threshold(&self) -> u64 {
@@ -198,6 +205,7 @@ impl Record {
         self.cap_sum = self.cap_sum.saturating_add(o.cap_sum);
         self.admitted = self.admitted.saturating_add(o.admitted);
         self.rejected = self.rejected.saturating_add(o.rejected);
+        self.would_reject = self.would_reject.saturating_add(o.would_reject);
     }
 
     /// The 32-byte encoding (see the module docs).
@@ -209,6 +217,7 @@ impl Record {
         b[8..16].copy_from_slice(&self.cap_sum.to_le_bytes());
         b[16..24].copy_from_slice(&self.admitted.to_le_bytes());
         b[24..32].copy_from_slice(&self.rejected.to_le_bytes());
+        b[32..40].copy_from_slice(&self.would_reject.to_le_bytes());
         b
     }
 
@@ -217,10 +226,10 @@ impl Record {
     ///
     /// ```
     /// use sluice_manager::history::Record;
-    /// let r = Record { start_ms: 1_700_000_000_000, slices: 1, cap_sum: 5, admitted: 3, rejected: 1 };
+    /// let r = Record { start_ms: 1_700_000_000_000, slices: 1, cap_sum: 5, admitted: 3, rejected: 1, would_reject: 1 };
     /// assert_eq!(Record::decode(&r.encode(), r.start_ms), Some(r));
     /// assert_eq!(Record::decode(&r.encode(), r.start_ms - 3_600_000), None);
-    /// assert_eq!(Record::decode(&[0; 32], r.start_ms), None);
+    /// assert_eq!(Record::decode(&[0; 40], r.start_ms), None);
     /// ```
     pub fn decode(b: &[u8], start_ms: i64) -> Option<Self> {
         let b: &[u8; RECORD_BYTES] = b.get(..RECORD_BYTES)?.try_into().ok()?;
@@ -241,6 +250,7 @@ impl Record {
             cap_sum: u64_at(8),
             admitted: u64_at(16),
             rejected: u64_at(24),
+            would_reject: u64_at(32),
         })
     }
 }
@@ -256,13 +266,16 @@ pub struct SliceSample {
     pub admitted: u64,
     /// Rejected decisions flushed into it.
     pub rejected: u64,
+    /// Shadow mode: the part of `rejected` that was admitted (`wrej`).
+    pub would_reject: u64,
 }
 
 /// Sums slices into the buckets of `series` (by slice start).
 ///
 /// ```
 /// use sluice_manager::history::{aggregate, SliceSample, SECONDS};
-/// let s = |start_ms, admitted| SliceSample { start_ms, cap: 10, admitted, rejected: 0 };
+/// let s = |start_ms, admitted| SliceSample { start_ms, cap: 10, admitted, rejected: 0,
+///                                           would_reject: 0 };
 /// let r = aggregate(&[s(1_000, 1), s(1_500, 2), s(2_000, 4)], SECONDS);
 /// assert_eq!(r[&1_000].admitted, 3);
 /// assert_eq!(r[&1_000].slices, 2);
@@ -283,6 +296,7 @@ pub fn aggregate(samples: &[SliceSample], series: Series) -> BTreeMap<i64, Recor
                 cap_sum: s.cap,
                 admitted: s.admitted,
                 rejected: s.rejected,
+                would_reject: s.would_reject,
             });
     }
     out
@@ -347,19 +361,21 @@ pub async fn read_slices(
             .arg(keys.slice(task, *s))
             .arg(slice_field::CAP)
             .arg(slice_field::ADMITTED)
-            .arg(slice_field::REJECTED);
+            .arg(slice_field::REJECTED)
+            .arg(slice_field::WOULD_REJECT);
     }
-    type Row = (Option<i64>, Option<i64>, Option<i64>);
+    type Row = (Option<i64>, Option<i64>, Option<i64>, Option<i64>);
     let rows: Vec<Row> = bounded("read slices", pipe.query_async(conn)).await?;
     Ok(starts
         .into_iter()
         .zip(rows)
-        .filter_map(|(start_ms, (cap, adm, rej))| {
+        .filter_map(|(start_ms, (cap, adm, rej, wrej))| {
             Some(SliceSample {
                 start_ms,
                 cap: cap?.max(0) as u64,
                 admitted: adm.unwrap_or(0).max(0) as u64,
                 rejected: rej.unwrap_or(0).max(0) as u64,
+                would_reject: wrej.unwrap_or(0).max(0) as u64,
             })
         })
         .collect())
@@ -542,9 +558,12 @@ impl Harvester {
         let mut stats = HarvestStats::default();
         for (name, r) in results {
             match r {
-                Ok((st, slices, records)) => {
+                Ok((st, slices, records, would_reject)) => {
                     stats.slices += slices;
                     stats.records += records;
+                    if would_reject > 0 {
+                        self.metrics.would_reject(&name, would_reject);
+                    }
                     self.state.insert(name, st);
                 }
                 Err(Error::NotLeader) => return Err(Error::NotLeader),
@@ -561,8 +580,8 @@ impl Harvester {
     }
 }
 
-/// A task's new harvest state, slices read and records written.
-type Harvested = (TaskHarvest, u64, u64);
+/// A task's new harvest state, slices read, records written and would-rejects harvested.
+type Harvested = (TaskHarvest, u64, u64, u64);
 
 /// Harvests one task: returns its new state, slices read and records written.
 #[allow(clippy::too_many_arguments)]
@@ -594,7 +613,7 @@ async fn harvest_task(
     };
     let until = settled_until(now, slice_ms, settle);
     if until <= st.done_to {
-        return Ok((st, 0, 0));
+        return Ok((st, 0, 0, 0));
     }
     // Bound the work of one tick, in whole buckets.
     let span = (MAX_SLICES_PER_TICK * slice_ms as i64).max(SECONDS.res_ms);
@@ -677,7 +696,8 @@ async fn harvest_task(
     st.done_to = until;
     let keep_from = MINUTES.bucket(st.done_to) - MINUTES.res_ms;
     st.recent = st.recent.split_off(&keep_from);
-    Ok((st, samples.len() as u64, written))
+    let would_reject = seconds.iter().map(|r| r.would_reject).sum();
+    Ok((st, samples.len() as u64, written, would_reject))
 }
 
 /// Reads the most recent slices of a task straight from their hashes, from `from_ms` to now
@@ -720,6 +740,7 @@ mod tests {
             cap,
             admitted,
             rejected,
+            would_reject: 0,
         }
     }
 
@@ -731,6 +752,7 @@ mod tests {
             cap_sum: 1_000_000_000_000 * 600,
             admitted: u64::MAX / 3,
             rejected: 7,
+            would_reject: 5,
         };
         assert_eq!(Record::decode(&r.encode(), r.start_ms), Some(r));
         assert_eq!(r.threshold(), 1_000_000_000_000);
@@ -826,7 +848,7 @@ mod tests {
         assert_eq!(w.len(), 3);
         assert_eq!(
             w[0],
-            (3_598 * 32, [recs[0].encode(), recs[1].encode()].concat())
+            (3_598 * 40, [recs[0].encode(), recs[1].encode()].concat())
         );
         assert_eq!(w[1].0, 0);
     }

@@ -75,6 +75,9 @@ pub struct Metrics {
     pub concurrency_lease_expiries: Family<TaskLabel, Counter>,
     /// Lease hash entries skipped because they do not parse (each read counts).
     pub concurrency_malformed_entries: Counter,
+    /// Shadow mode, by task: rejections that shadow mode admitted, counted by the history
+    /// harvest from the slices' `wrej` (leader only; a task shows up once it had one).
+    pub would_reject: Family<TaskLabel, Counter>,
 }
 
 /// Label of the per-task metrics of mode `concurrency` (task names only: bounded by the
@@ -128,6 +131,7 @@ impl Metrics {
             history_errors: Counter::default(),
             history_tick_seconds: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
             concurrency_permits_held: Family::default(),
+            would_reject: Family::default(),
             concurrency_hosts_holding: Family::default(),
             concurrency_hosts_waiting: Family::default(),
             concurrency_lease_expiries: Family::default(),
@@ -275,7 +279,21 @@ impl Metrics {
             "Lease hash entries skipped because they do not parse (each read counts)",
             m.concurrency_malformed_entries.clone(),
         );
+        registry.register(
+            "would_reject",
+            "Shadow mode: rejections that shadow mode admitted, by task (leader only, from the history harvest)",
+            m.would_reject.clone(),
+        );
         Self { registry, ..m }
+    }
+
+    /// Counts `n` would-rejects (shadow mode) of `task` harvested from its slices.
+    pub fn would_reject(&self, task: &str, n: u64) {
+        self.would_reject
+            .get_or_create(&TaskLabel {
+                task: task.to_string(),
+            })
+            .inc_by(n);
     }
 
     /// Sets the mode `concurrency` metrics of `task` from one read of its lease hash, with

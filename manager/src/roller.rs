@@ -186,7 +186,11 @@ pub fn plan(
         };
         // A concurrency task has meta and fence but no slices: its threshold is permits in
         // flight, leased from `NS:{T}:lease` against the meta's threshold.
-        if (full || known != Some(cap)) && entry.spec.mode != Mode::Concurrency {
+        // A new spec version resends every slice: the script copies the task's pacing
+        // (`pace`, `burst`) into each slice it is given, so a pacing change reaches slices
+        // already written (it leaves caps that did not change alone).
+        let respec = state.version != entry.version;
+        if (full || respec || known != Some(cap)) && entry.spec.mode != Mode::Concurrency {
             slices.push(SliceWrite {
                 start_ms: start,
                 cap,

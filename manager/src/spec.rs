@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use sluice::protocol::{
     Fallback, FallbackAlgorithm, MAX_KEY_OVERRIDES, MAX_SLICE_MS, MIN_SLICE_MS, Mode, OnFailure,
-    TaskMeta,
+    Pacing, TaskMeta,
 };
 
 use crate::schedule::{DEFAULT_TIMEZONE, parse_cron, parse_timezone};
@@ -118,6 +118,20 @@ pub struct TaskSpec {
     /// Keyed tasks: keys with a threshold of their own (at most [`MAX_KEY_OVERRIDES`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub key_overrides: BTreeMap<String, u64>,
+    /// Shadow mode: decisions are counted as if enforced (`would_reject`) but always admit.
+    #[serde(default)]
+    pub shadow: bool,
+    /// Mode `pooled`: how a slice releases its quota (`none` = all at once, `smooth` = evenly
+    /// over the slice, plus `burst`).
+    #[serde(default = "default_pacing")]
+    pub pacing: Pacing,
+    /// Paced slices: permits released at a slice's start on top of the pace (≤ `threshold`).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub burst: u64,
+}
+
+fn default_pacing() -> Pacing {
+    Pacing::None
 }
 
 fn is_false(v: &bool) -> bool {
@@ -176,6 +190,9 @@ const TOP_FIELDS: &[&str] = &[
     "lease_ms",
     "keyed",
     "key_overrides",
+    "shadow",
+    "pacing",
+    "burst",
     "name",
     "version",
     // Read-only (the live status `GET /tasks/{name}` adds): accepted and ignored, so a
@@ -467,6 +484,36 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
         }
     }
 
+    let shadow = match o.get("shadow") {
+        None => false,
+        Some(b) => b
+            .as_bool()
+            .ok_or_else(|| fe("shadow", "must be true or false"))?,
+    };
+    if shadow && mode == Mode::Concurrency {
+        // Permits are not decisions the shadow wrapper sees (a held permit is not undone).
+        return Err(fe("shadow", "not supported in mode concurrency"));
+    }
+    let pacing: Pacing = o.choice("pacing", Pacing::None)?;
+    if pacing != Pacing::None && mode != Mode::Pooled {
+        return Err(fe(
+            "pacing",
+            format!(
+                "only for mode pooled (mode is {mode}): the other modes have no slices to pace"
+            ),
+        ));
+    }
+    let burst = o.count("burst", Some(0), 0, MAX_COUNT)?;
+    if burst > 0 && pacing == Pacing::None {
+        return Err(fe("burst", "only with \"pacing\": \"smooth\""));
+    }
+    if burst > threshold {
+        return Err(fe(
+            "burst",
+            format!("must be at most threshold ({threshold}), got {burst}"),
+        ));
+    }
+
     let description = o.string("description")?.unwrap_or_default().to_string();
     if description.chars().count() > MAX_DESCRIPTION {
         return Err(fe(
@@ -490,6 +537,9 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
             lease_ms,
             keyed,
             key_overrides,
+            shadow,
+            pacing,
+            burst,
         },
         version,
     })
@@ -529,6 +579,9 @@ impl TaskSpec {
                 .iter()
                 .map(|(k, t)| (sluice::protocol::key_digest(k), *t))
                 .collect(),
+            shadow: self.shadow,
+            pacing: self.pacing,
+            pace_burst: self.burst,
         }
     }
 
@@ -779,6 +832,76 @@ mod tests {
                 r#"{{"threshold": 10, "schedules": [{{"cron": "* * * * * *", "threshold": 1, "timezone": {tz}}}]}}"#
             );
             assert_eq!(parse(&body).unwrap_err().field, field, "{body}");
+        }
+    }
+
+    #[test]
+    fn shadow_and_pacing_are_validated() {
+        let r = parse(r#"{"threshold": 1000, "shadow": true, "pacing": "smooth", "burst": 50}"#)
+            .unwrap();
+        assert!(r.spec.shadow);
+        assert_eq!((r.spec.pacing, r.spec.burst), (Pacing::Smooth, 50));
+        let m = r.spec.meta(4);
+        assert_eq!(
+            (m.shadow, m.pacing, m.pace_burst),
+            (true, Pacing::Smooth, 50)
+        );
+        let stored = serde_json::to_vec(&r.spec).unwrap();
+        assert_eq!(parse_stored("t", &stored).unwrap(), r.spec);
+        // Defaults: not shadowed, not paced; an older stored spec (no fields) reads the same.
+        let d = parse(r#"{"threshold": 10}"#).unwrap().spec;
+        assert_eq!((d.shadow, d.pacing, d.burst), (false, Pacing::None, 0));
+        let old: TaskSpec = serde_json::from_str(
+            r#"{"threshold":10,"slice_ms":1000,"pull":0,"local_limit":10,"on_failure":"local",
+                "mode":"pooled","fallback":{"algorithm":"token_bucket","burst":0},
+                "schedules":[],"description":""}"#,
+        )
+        .unwrap();
+        assert_eq!(old, d);
+        // Shadow applies to every mode but concurrency.
+        assert!(parse(r#"{"threshold": 5, "mode": "exact_fixed", "shadow": true}"#).is_ok());
+        assert!(parse(r#"{"threshold": 5, "mode": "local", "shadow": true}"#).is_ok());
+        for (body, field, says) in [
+            (
+                r#"{"threshold": 10, "shadow": "yes"}"#,
+                "shadow",
+                "true or false",
+            ),
+            (
+                r#"{"threshold": 10, "mode": "concurrency", "shadow": true}"#,
+                "shadow",
+                "mode concurrency",
+            ),
+            (
+                r#"{"threshold": 10, "pacing": "jerky"}"#,
+                "pacing",
+                "none, smooth",
+            ),
+            (
+                r#"{"threshold": 10, "mode": "local", "pacing": "smooth"}"#,
+                "pacing",
+                "only for mode pooled",
+            ),
+            (
+                r#"{"threshold": 10, "mode": "exact_fixed", "pacing": "smooth"}"#,
+                "pacing",
+                "only for mode pooled",
+            ),
+            (
+                r#"{"threshold": 10, "pacing": "smooth", "burst": 11}"#,
+                "burst",
+                "at most threshold",
+            ),
+            (r#"{"threshold": 10, "burst": 3}"#, "burst", "only with"),
+            (
+                r#"{"threshold": 10, "pacing": "smooth", "burst": -1}"#,
+                "burst",
+                "",
+            ),
+        ] {
+            let e = parse(body).unwrap_err();
+            assert_eq!(e.field, field, "{body}");
+            assert!(e.error.contains(says), "{body}: {}", e.error);
         }
     }
 

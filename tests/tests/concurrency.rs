@@ -30,6 +30,9 @@ fn conc_meta(threshold: u64, lease_ms: u64, version: i64) -> TaskMeta {
         lease_ms,
         keyed: false,
         key_overrides: Default::default(),
+        shadow: false,
+        pacing: sluice::protocol::Pacing::None,
+        pace_burst: 0,
     }
 }
 

@@ -33,6 +33,9 @@ fn meta(version: i64) -> TaskMeta {
         lease_ms: 0,
         keyed: false,
         key_overrides: Default::default(),
+        shadow: false,
+        pacing: sluice::protocol::Pacing::None,
+        pace_burst: 0,
     }
 }
 

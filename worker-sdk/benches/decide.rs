@@ -8,6 +8,10 @@
 //! * `decide/keyed_new_handle`: `task.key(k)` then `try_acquire(1)`: what a layer that makes a
 //!   handle per request pays (SipHash of the key + bucket lookup).
 //! * `decide/keyed_limited`: the key's slice is exhausted.
+//! * `decide/allowed_paced`: `decide/allowed` on a paced slice (`"pacing": "smooth"`): the CAS
+//!   plus the local release check.
+//! * `decide/limited_shadow`: `decide/limited` in shadow mode: the rejection is admitted as
+//!   `ShadowLimited` and counted as a would-reject.
 //! * `host/N`: N threads, each with its own client (its own mapping of the same segment, like
 //!   N processes of one host), deciding against one shared quota: decisions/s of the host.
 //!
@@ -31,10 +35,18 @@ struct Host {
 }
 
 fn host(mode: Mode, clients: usize) -> Host {
-    host_with(mode, clients, false)
+    host_with(mode, clients, false, false)
 }
 
-fn host_with(mode: Mode, clients: usize, keyed: bool) -> Host {
+fn keyed_host() -> Host {
+    host_opts(Mode::Pooled, 1, true, false, false)
+}
+
+fn host_with(mode: Mode, clients: usize, shadow: bool, paced: bool) -> Host {
+    host_opts(mode, clients, false, shadow, paced)
+}
+
+fn host_opts(mode: Mode, clients: usize, keyed: bool, shadow: bool, paced: bool) -> Host {
     let dir = tempfile::tempdir().expect("tempdir");
     let mk = || {
         // Nothing listens on port 1: the background thread fails quietly, decisions go on.
@@ -68,6 +80,13 @@ fn host_with(mode: Mode, clients: usize, keyed: bool) -> Host {
             lease_ms: 0,
             keyed,
             key_overrides: Default::default(),
+            shadow,
+            pacing: if paced {
+                sluice::protocol::Pacing::Smooth
+            } else {
+                sluice::protocol::Pacing::None
+            },
+            pace_burst: 0,
         },
         sl.generation(),
     );
@@ -97,6 +116,11 @@ impl Host {
         let e = s.entry(start, DAY_MS);
         e.word.store(0, std::sync::atomic::Ordering::Relaxed);
         let n = if exhausted { 0 } else { MAX_COUNT as u64 };
+        // Paced tasks: the whole stock is released (the check runs, and passes).
+        e.pace_cap
+            .store(u64::MAX / 2, std::sync::atomic::Ordering::Relaxed);
+        e.pace_granted
+            .store(n, std::sync::atomic::Ordering::Relaxed);
         s.deposit(start, DAY_MS, n, exhausted, now_us);
     }
 }
@@ -120,12 +144,30 @@ fn decide(c: &mut Criterion) {
     g.bench_function("limited", |b| {
         b.iter(|| std::hint::black_box(task.try_acquire(std::hint::black_box(1))))
     });
+    let p = host_with(Mode::Pooled, 1, false, true);
+    let ptask = p.clients[0].1.clone();
+    g.bench_function("allowed_paced", |b| {
+        b.iter_custom(|iters| {
+            p.refill(false);
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                std::hint::black_box(ptask.try_acquire(std::hint::black_box(1)));
+            }
+            t0.elapsed()
+        })
+    });
+    let sh = host_with(Mode::Pooled, 1, true, false);
+    sh.refill(true);
+    let stask = sh.clients[0].1.clone();
+    g.bench_function("limited_shadow", |b| {
+        b.iter(|| std::hint::black_box(stask.try_acquire(std::hint::black_box(1))))
+    });
     let l = host(Mode::Local, 1);
     let ltask = l.clients[0].1.clone();
     g.bench_function("local_token_bucket", |b| {
         b.iter(|| std::hint::black_box(ltask.try_acquire(std::hint::black_box(1))))
     });
-    let k = host_with(Mode::Pooled, 1, true);
+    let k = keyed_host();
     let ktask = k.clients[0].1.clone();
     let key = ktask.key("tenant-42").expect("key");
     assert!(key.fill_local(MAX_COUNT as u64, false), "key entry");

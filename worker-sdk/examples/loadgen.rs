@@ -25,6 +25,8 @@
 //! bucket is exactly a slice. `fallback_buckets` (additive to the pinned output) holds the
 //! fallback-admitted count of every bucket that has any, so safety can be checked on the
 //! globally decided admissions alone (`buckets[b][0] − fallback_buckets[b]`).
+//! `shadow_admitted` (additive) is the part of `admitted` that shadow mode admitted
+//! (`Decision::ShadowLimited`: enforced, it would have been rejected).
 //!
 //! # Which SDK call decides
 //!
@@ -217,6 +219,10 @@ struct Report {
     keys: BTreeMap<String, BTreeMap<String, [u64; 2]>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     key_latency_us: Option<KeyLatency>,
+    /// Shadow mode (additive): the part of `admitted` that was `Decision::ShadowLimited`
+    /// (rejected, had the limit been enforced).
+    #[serde(default)]
+    shadow_admitted: u64,
 }
 
 /// Decision latency of keyed decisions (µs): calls that waited for Redis and those that did not.
@@ -271,6 +277,7 @@ impl Report {
         self.admitted += r.admitted;
         self.rejected += r.rejected;
         self.fallback_admitted += r.fallback_admitted;
+        self.shadow_admitted += r.shadow_admitted;
         self.redis_calls += r.redis_calls;
         for (k, v) in r.buckets {
             let e = self.buckets.entry(k).or_insert([0, 0]);
@@ -859,6 +866,9 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
                 if d == Decision::FallbackAllowed {
                     r.fallback_admitted += 1;
                     cur[2] += 1;
+                }
+                if d.is_shadowed() {
+                    r.shadow_admitted += 1;
                 }
                 if let Some(b) = &backend {
                     let (outcome, latency) = if b.serve(now_ms) {

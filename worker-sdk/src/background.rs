@@ -549,7 +549,10 @@ async fn pull(
         rtt_ms: slot.ctl.rtt_us.load(Ordering::Relaxed) as f64 / 1_000.0,
         max_n: slot.ctl.max_n.load(Ordering::Relaxed),
     };
-    let plan = pull::plan(&input);
+    let mut plan = pull::plan(&input);
+    if m.paced {
+        plan = pull::paced(plan, cap, slice_ms, input.max_n);
+    }
     let want = if demand { plan.want } else { 0 };
     let request_id = sh.request_id();
     let req = PullRequest {
@@ -621,7 +624,20 @@ async fn pull(
     {
         // Never into a slot reclaimed for another task meanwhile; a fresh now decides whether
         // the slice has ended.
-        if slot.generation() != r.generation {
+        let own = slot.generation() == r.generation;
+        if own
+            && m.paced
+            && let PullOutcome::Granted { remaining, .. } = outcome
+        {
+            // Before the deposit, so no decision sees the new stock with an older (lower)
+            // number: a paced decision only ever errs towards waiting.
+            let cap = slot.ctl.cap.load(Ordering::Relaxed);
+            let e = slot.entry(start_ms, slice_ms);
+            e.pace_cap.store(cap, Ordering::Relaxed);
+            e.pace_granted
+                .store((cap as i64 - remaining).max(0) as u64, Ordering::Relaxed);
+        }
+        if !own {
             tracing::debug!(task = %t.name, "slot reclaimed during a pull; grant dropped");
         } else if slot.deposit(start_ms, slice_ms, granted, tr.exhausted, sh.now_us()) {
             slot.entry(start_ms, slice_ms)
@@ -755,6 +771,7 @@ async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, now_us:
                             err: v[3],
                             lat_sum_us: v[4],
                             lat_n: v[5],
+                            would_reject: v[6],
                         },
                     )
                 })

@@ -30,8 +30,8 @@ use crate::protocol::conn::{
 use crate::protocol::scripts::ExactReply;
 use crate::protocol::{Keys, Mode, NameError, OnFailure, TaskMeta, validate_task_name};
 use crate::shm::{
-    ClaimOptions, FastMeta, Opened, Segment, SegmentError, Slot, SlotRef, field, tag_of,
-    unpack_quota, word_generation,
+    ClaimOptions, FastMeta, Opened, QuotaEntry, Segment, SegmentError, Slot, SlotRef, field,
+    tag_of, unpack_quota, word_generation,
 };
 use crate::state::{Health, HostState, Machine, view};
 
@@ -198,6 +198,15 @@ pub enum Decision {
         /// When a retry may succeed.
         retry_after: Duration,
     },
+    /// Admitted by **shadow mode** (`"shadow": true`): enforced, this decision would have been
+    /// [`Decision::Limited`] or [`Decision::FallbackDenied`]. It is counted as a rejection
+    /// (`rej`) and as a would-reject (`wrej`) in the slice's counters, so the task's history
+    /// shows the limit as if enforced; the caller proceeds ([`Decision::is_allowed`] is true).
+    /// `retry_after` is the enforced decision's.
+    ShadowLimited {
+        /// When a retry would have succeeded, enforced.
+        retry_after: Duration,
+    },
     /// Not decided: this task is exact (`exact_fixed` / `exact_sliding`); its decision needs a
     /// Redis round trip, which [`Task::try_acquire`] never waits for. Call [`Task::acquire`] /
     /// [`Task::acquire_blocking`]. Never admitted, counted nowhere (it is not a decision).
@@ -208,7 +217,15 @@ impl Decision {
     /// True when the work may proceed.
     #[inline]
     pub fn is_allowed(&self) -> bool {
-        matches!(self, Decision::Allowed | Decision::FallbackAllowed)
+        matches!(
+            self,
+            Decision::Allowed | Decision::FallbackAllowed | Decision::ShadowLimited { .. }
+        )
+    }
+
+    /// True when shadow mode admitted what the limit would have rejected.
+    pub fn is_shadowed(&self) -> bool {
+        matches!(self, Decision::ShadowLimited { .. })
     }
 
     /// True when the global quota did not decide (FAILED, unknown task).
@@ -603,10 +620,39 @@ impl Task {
     /// [`Decision::WouldBlock`] (and logs a warning once per task per process): use
     /// [`Task::acquire`] / [`Task::acquire_blocking`].
     pub fn try_acquire_at(&self, n: u64, now_us: i64) -> Decision {
-        match self.decide(n, now_us) {
+        let d = match self.decide(n, now_us) {
             Step::Decided(d) => d,
             Step::Pending { start_ms, slice_ms } => self.pending_rejected(start_ms, slice_ms, n),
+        };
+        self.shadowed(n, now_us, d)
+    }
+
+    /// Shadow mode, applied at this one place to every final decision (`try_acquire*`,
+    /// `acquire`, `acquire_blocking`, and any other decision API: call it on the enforced
+    /// decision): a rejection of a task whose meta says `shadow` (FastMeta bit 61) becomes
+    /// [`Decision::ShadowLimited`], counted as a would-reject (`wrej`) on top of the rejection
+    /// the deciding code already counted. The quota is consumed exactly as if enforced (the
+    /// decision was made by the enforcing code). Costs one match on the admitted path.
+    #[inline]
+    pub(crate) fn shadowed(&self, n: u64, now_us: i64, d: Decision) -> Decision {
+        let retry_after = match d {
+            Decision::Limited { retry_after } | Decision::FallbackDenied { retry_after } => {
+                retry_after
+            }
+            _ => return d,
+        };
+        self.shadow_admit(n, now_us, retry_after).unwrap_or(d)
+    }
+
+    #[cold]
+    fn shadow_admit(&self, n: u64, now_us: i64, retry_after: Duration) -> Option<Decision> {
+        let (slot, m) = self.slot_meta()?;
+        if !m.shadow {
+            return None;
         }
+        let index = self.index(now_us, m.slice_ms * 1_000);
+        slot.count_at(index, (index * m.slice_ms) as i64, field::WOULD_REJECT, n);
+        Some(Decision::ShadowLimited { retry_after })
     }
 
     /// A decision that stays "refill pending" is final here: a rejection, counted as such.
@@ -634,7 +680,8 @@ impl Task {
                 let sh = self.shared.clone();
                 let fut = crate::background::exact(sh, self.inner.name.clone(), m, index, n);
                 let reply = self.shared.rt.spawn(fut).await.ok().flatten();
-                return self.exact_decision(reply, &m, index, n, now_us);
+                let d = self.exact_decision(reply, &m, index, n, now_us);
+                return self.shadowed(n, now_us, d);
             }
             let notified = self.inner.deposited.notified();
             match self.decide(n, self.shared.now_us()) {
@@ -644,9 +691,10 @@ impl Task {
                 {
                     continue;
                 }
-                Step::Decided(d) => return d,
+                Step::Decided(d) => return self.shadowed(n, self.shared.now_us(), d),
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
-                    return self.pending_rejected(start_ms, slice_ms, n);
+                    let d = self.pending_rejected(start_ms, slice_ms, n);
+                    return self.shadowed(n, self.shared.now_us(), d);
                 }
                 Step::Pending { .. } => {
                     self.inner.waiters.fetch_add(1, Ordering::AcqRel);
@@ -676,7 +724,8 @@ impl Task {
                 });
                 let wait = self.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
                 let reply = rx.recv_timeout(wait).ok().flatten();
-                return self.exact_decision(reply, &m, index, n, now_us);
+                let d = self.exact_decision(reply, &m, index, n, now_us);
+                return self.shadowed(n, now_us, d);
             }
             match self.decide(n, self.shared.now_us()) {
                 Step::Decided(Decision::WouldBlock)
@@ -684,9 +733,10 @@ impl Task {
                 {
                     continue;
                 }
-                Step::Decided(d) => return d,
+                Step::Decided(d) => return self.shadowed(n, self.shared.now_us(), d),
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
-                    return self.pending_rejected(start_ms, slice_ms, n);
+                    let d = self.pending_rejected(start_ms, slice_ms, n);
+                    return self.shadowed(n, self.shared.now_us(), d);
                 }
                 Step::Pending { .. } => std::thread::sleep(Duration::from_micros(200)),
             }
@@ -913,6 +963,30 @@ impl Task {
             if t != tag || (c as u64) < n {
                 break;
             }
+            if m.paced {
+                match pace_check(slot, e, c, start_ms, m.slice_ms, n, now_us) {
+                    Pace::Go => {}
+                    Pace::Wait(us) => return self.pace_limited(slot, e, c, index, start_ms, n, us),
+                    Pace::Skip(k) => {
+                        // Stale stock: drop it (from `granted` first, so the accounting never
+                        // counts it as admitted), then decide again.
+                        e.granted.fetch_sub(k, Ordering::AcqRel);
+                        match e.word.compare_exchange_weak(
+                            q,
+                            q - k,
+                            Ordering::AcqRel,
+                            Ordering::Acquire,
+                        ) {
+                            Ok(_) => q -= k,
+                            Err(x) => {
+                                e.granted.fetch_add(k, Ordering::AcqRel);
+                                q = x;
+                            }
+                        }
+                        continue;
+                    }
+                }
+            }
             match e
                 .word
                 .compare_exchange_weak(q, q - n, Ordering::AcqRel, Ordering::Acquire)
@@ -946,6 +1020,29 @@ impl Task {
             start_ms,
             slice_ms: m.slice_ms,
         }
+    }
+
+    /// A paced slice's local quota is in hand but not released yet: rejected (counted), retry
+    /// when the pace releases `n` more; a refill is asked for as usual when the stock is low.
+    #[cold]
+    #[allow(clippy::too_many_arguments)]
+    fn pace_limited(
+        &self,
+        slot: &Slot,
+        e: &QuotaEntry,
+        c: u32,
+        index: u64,
+        start_ms: i64,
+        n: u64,
+        wait_us: u64,
+    ) -> Step {
+        if (c as u64) < e.low_water.load(Ordering::Relaxed) {
+            self.want(slot, start_ms, n);
+        }
+        slot.count_at(index, start_ms, field::REJECTED, n);
+        Step::Decided(Decision::Limited {
+            retry_after: Duration::from_micros(wait_us),
+        })
     }
 
     fn local(&self, slot: &Slot, m: &FastMeta, n: u64, now_us: i64) -> Verdict {
@@ -1019,6 +1116,76 @@ impl Task {
     }
 }
 
+/// What the pace says about spending `n` more of a paced slice's local stock now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pace {
+    /// Released: spend.
+    Go,
+    /// Not released yet: µs until it is.
+    Wait(u64),
+    /// This many permits of the stock were released before now and never spent: drop them.
+    Skip(u64),
+}
+
+/// Paced slices: may this host spend `n` more now?
+///
+/// Permits of a paced slice are numbered in the order the pull script hands them out; permit
+/// `j` is released at `start + (j − burst) · slice / cap` (the script's curve,
+/// [`crate::protocol::scripts::PACE_LUA`], without its look-ahead). The host's stock of
+/// `count` is taken to be the top of everything granted so far (`pace_granted`, any host's
+/// grants and forfeits included, as Redis reported after this host's last pull), so the
+/// permits it has spent are numbered up to `spent = pace_granted − count`. With
+/// `paced = floor(cap · elapsed / slice)`:
+///
+/// ```text
+///   spent + 1 < paced .......................... Skip(paced − 1 − spent): stock the pace
+///                                                released while this host did not decide (a
+///                                                paused or starved process) is dropped, as the
+///                                                script forfeits what nobody pulled; the one
+///                                                permit released last is kept (it is the next
+///                                                one to spend in normal operation)
+///   spent + n ≤ paced + burst .................. Go
+///   otherwise .................................. Wait until elapsed ≥ (spent + n − burst) · slice / cap
+/// ```
+///
+/// So whatever the host's scheduling, it never spends more than `burst + 1` beyond the pace
+/// at once: any window of the slice admits at most its share of the pace + `burst` + 1. With other hosts' grants in between, the numbers are over-estimated (the host waits a
+/// little longer than needed, never less), so no host spends a permit before its release.
+#[inline]
+fn pace_check(
+    slot: &Slot,
+    e: &QuotaEntry,
+    count: u32,
+    start_ms: i64,
+    slice_ms: u64,
+    n: u64,
+    now_us: i64,
+) -> Pace {
+    let cap = e.pace_cap.load(Ordering::Relaxed);
+    if cap == 0 {
+        // No cap known yet: nothing to pace against (Redis still does).
+        return Pace::Go;
+    }
+    let burst = slot.ctl.pace_burst.load(Ordering::Relaxed);
+    let spent = e
+        .pace_granted
+        .load(Ordering::Relaxed)
+        .saturating_sub(count as u64);
+    let len_us = (slice_ms.saturating_mul(1_000) as u128).max(1);
+    let elapsed_us = now_us.saturating_sub(start_ms.saturating_mul(1_000)).max(0) as u128;
+    let paced = (cap as u128 * elapsed_us / len_us).min(cap as u128) as u64;
+    if spent + 1 < paced && count > 0 {
+        return Pace::Skip((paced - 1 - spent).min(count as u64));
+    }
+    let need = spent.saturating_add(n);
+    if need <= paced.saturating_add(burst) || need > cap {
+        // Released, or beyond the cap (the local quota and Redis decide that).
+        return Pace::Go;
+    }
+    let at_us = ((need - burst) as u128 * len_us).div_ceil(cap as u128);
+    Pace::Wait(at_us.saturating_sub(elapsed_us).clamp(1, u64::MAX as u128) as u64)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1041,7 +1208,109 @@ mod tests {
             lease_ms: 0,
             keyed: false,
             key_overrides: Default::default(),
+            shadow: false,
+            pacing: crate::protocol::Pacing::None,
+            pace_burst: 0,
         }
+    }
+
+    fn offline_task(host: &str, dir: &std::path::Path) -> (Client, Task) {
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.to_path_buf();
+        cfg.host_id = host.into();
+        cfg.max_tasks = 1;
+        let client = Client::new(cfg).unwrap();
+        let task = client.task("t").unwrap();
+        (client, task)
+    }
+
+    /// Shadow mode: the enforced decision is made (quota spent, rejection counted), then a
+    /// rejection is admitted as `ShadowLimited` and counted as a would-reject too.
+    #[test]
+    fn shadow_mode_admits_rejections_and_counts_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, task) = offline_task("shadow", dir.path());
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let day = 86_400_000u64;
+        let m = TaskMeta {
+            shadow: true,
+            ..meta(day)
+        };
+        assert!(slot.store_meta(&m, slot.generation()));
+        let now_us = task.now_us();
+        let start = (now_us as u64 / (day * 1_000) * day) as i64;
+        assert!(slot.deposit(start, day, 2, true, now_us));
+        assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
+        assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
+        let d = task.try_acquire_at(1, now_us);
+        assert!(d.is_allowed() && d.is_shadowed(), "{d:?}");
+        assert_eq!(d.retry_after(), None);
+        let counted: Vec<_> = slot.drain_counters();
+        assert_eq!(counted, vec![(start, [0, 1, 0, 0, 0, 0, 1])]);
+        // Shadow off: the same rejection is enforced, and no would-reject is counted.
+        assert!(slot.store_meta(&meta(day), slot.generation()));
+        assert!(matches!(
+            task.try_acquire_at(1, now_us),
+            Decision::Limited { .. }
+        ));
+        assert_eq!(slot.drain_counters(), vec![(start, [0, 1, 0, 0, 0, 0, 0])]);
+    }
+
+    /// Paced slices: the host spends its stock no faster than the pace; a permit not released
+    /// yet is a rejection with the time until it is.
+    #[test]
+    fn paced_stock_is_spent_no_faster_than_the_pace() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, task) = offline_task("paced", dir.path());
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        // 1,000 per day: one permit per 86.4 s, so "now" does not release one during the test.
+        let day = 86_400_000u64;
+        let m = TaskMeta {
+            pacing: crate::protocol::Pacing::Smooth,
+            pace_burst: 2,
+            ..meta(day)
+        };
+        assert!(slot.store_meta(&m, slot.generation()));
+        let now_us = task.now_us();
+        let start = (now_us as u64 / (day * 1_000) * day) as i64;
+        let elapsed_us = (now_us - start * 1_000) as u64;
+        let paced = 1_000 * elapsed_us / (day * 1_000);
+        // 10 in stock, the top of `paced + 10` granted: what it spent is up to the pace, so
+        // the burst (2) may go now, then the pace refuses.
+        let e = slot.entry(start, day);
+        e.pace_cap.store(1_000, Ordering::Relaxed);
+        e.pace_granted.store(paced + 10, Ordering::Relaxed);
+        assert!(slot.deposit(start, day, 10, false, now_us));
+        let refused = |d: Decision| match d {
+            Decision::Limited { retry_after } => {
+                assert!(
+                    retry_after > Duration::ZERO && retry_after <= Duration::from_millis(86_400)
+                );
+            }
+            d => panic!("expected the pace to refuse, got {d:?}"),
+        };
+        for _ in 0..2 {
+            assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
+        }
+        refused(task.try_acquire_at(1, now_us));
+        assert_eq!(unpack_quota(e.word.load(Ordering::Relaxed)).2, 8);
+        // A paused host: its stock of 8 is numbered 4 below the pace. 3 of them are dropped
+        // (not admitted, not counted); the last one released and the burst go.
+        e.pace_granted.store(paced + 4, Ordering::Relaxed);
+        for _ in 0..3 {
+            assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
+        }
+        refused(task.try_acquire_at(1, now_us));
+        assert_eq!(unpack_quota(e.word.load(Ordering::Relaxed)).2, 2);
+        assert_eq!(
+            slot.consumed(start, day),
+            5,
+            "admitted: 2 + 3, the dropped 3 not"
+        );
+        // The pace refusals: counted as rejections.
+        assert_eq!(slot.drain_counters(), vec![(start, [0, 2, 0, 0, 0, 0, 0])]);
     }
 
     /// Issue 9 item 9: a handle whose slot was reclaimed for another task (its process kept

@@ -663,7 +663,7 @@ impl Key {
             }
             KStep::Direct { .. } => Decision::WouldBlock,
         };
-        (d, None)
+        (self.task.shadowed(n, now_us, d), None)
     }
 
     /// Like [`Key::try_acquire`], but waits for a pull of the key (at most
@@ -708,17 +708,19 @@ impl Key {
                 } => {
                     if Instant::now() >= deadline {
                         self.count_rejected(entry, n);
-                        return (Self::pending_limited(), now_us, None);
+                        let d = self.task.shadowed(n, now_us, Self::pending_limited());
+                        return (d, now_us, None);
                     }
                     let ev = self.want(entry, ident, start_ms, n);
                     ev.wait().await;
                     if ev.missing.load(Ordering::Relaxed) {
-                        return (self.missing(n), now_us, None);
+                        let d = self.task.shadowed(n, now_us, self.missing(n));
+                        return (d, now_us, None);
                     }
                     continue;
                 }
             };
-            return (d, at, None);
+            return (self.task.shadowed(n, at, d), at, None);
         }
     }
 
@@ -768,17 +770,19 @@ impl Key {
                 } => {
                     if Instant::now() >= deadline {
                         self.count_rejected(entry, n);
-                        return (Self::pending_limited(), now_us, None);
+                        let d = self.task.shadowed(n, now_us, Self::pending_limited());
+                        return (d, now_us, None);
                     }
                     let ev = self.want(entry, ident, start_ms, n);
                     ev.wait_blocking(deadline);
                     if ev.missing.load(Ordering::Relaxed) {
-                        return (self.missing(n), now_us, None);
+                        let d = self.task.shadowed(n, now_us, self.missing(n));
+                        return (d, now_us, None);
                     }
                     continue;
                 }
             };
-            return (d, at, None);
+            return (self.task.shadowed(n, at, d), at, None);
         }
     }
 

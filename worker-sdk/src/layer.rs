@@ -169,6 +169,9 @@ mod tests {
                 lease_ms: 0,
                 keyed: false,
                 key_overrides: Default::default(),
+                shadow: false,
+                pacing: crate::protocol::Pacing::None,
+                pace_burst: 0,
             },
             slot.generation(),
         );

@@ -111,6 +111,34 @@ pub fn plan(i: &PullInput) -> PullPlan {
     PullPlan { want, low_water }
 }
 
+/// Sizes the pulls of a paced slice (`"pacing": "smooth"`), from [`plan`]'s answer.
+///
+/// The pull script grants at most what the pace has released, looking ahead by
+/// `ahead = min(slice / 40, 1 s)` (see `PACE_LUA`), and the decision path spends the stock no
+/// faster than the pace. So a host's useful stock is about `ahead`'s worth of the pace
+/// (`cap / 40` permits): the chunk is at least that, and the low-water mark at most half of it,
+/// so the refill is asked for with half the look-ahead (12 ms of a 1 s slice) still in hand.
+/// A host at the full pace pulls about 80 times per slice.
+///
+/// ```
+/// use sluice::pull::{paced, PullPlan};
+/// // 1,000 per 1 s slice: 25 permits of look-ahead, refill below 12.
+/// let p = paced(PullPlan { want: 80, low_water: 40 }, 1_000, 1_000, 1);
+/// assert_eq!((p.want, p.low_water), (80, 12));
+/// ```
+pub fn paced(p: PullPlan, cap: u64, slice_ms: u64, max_n: u64) -> PullPlan {
+    let slice_ms = slice_ms.max(1);
+    let ahead_ms = (slice_ms / 40).min(1_000);
+    let ahead = (cap as u128 * ahead_ms as u128 / slice_ms as u128) as u64;
+    let want = p.want.max(ahead).max(max_n.max(1));
+    let low_water = p
+        .low_water
+        .min((ahead / 2).max(1))
+        .max(max_n.min(want))
+        .max(1);
+    PullPlan { want, low_water }
+}
+
 /// How long before a slice ends its successor's first chunk is prefetched.
 ///
 /// ```

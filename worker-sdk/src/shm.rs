@@ -94,7 +94,7 @@ use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use memmap2::MmapMut;
 
 use crate::protocol::{
-    Fallback, FallbackAlgorithm, MAX_TASK_NAME_LEN, Mode, OnFailure, TaskMeta, slice_field,
+    Fallback, FallbackAlgorithm, MAX_TASK_NAME_LEN, Mode, OnFailure, Pacing, TaskMeta, slice_field,
 };
 
 /// `"SLUICE"` + 2 bytes of format family.
@@ -106,7 +106,9 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"SLUICE\x00\x01");
 /// * 2: slices named by start (Unix ms), participant table and OFD-lock liveness, slot
 ///   generations and reclamation, flush lock.
 /// * 3: [`ConcCells`] at the end of each slot (mode `concurrency`).
-pub const LAYOUT_VERSION: u64 = 3;
+/// * 4: shadow (bit 61) and pacing (bit 62) in the meta fast word, `Control::pace_burst`, a
+///   seventh counter (`wrej`, would-reject) in each [`CounterEntry`].
+pub const LAYOUT_VERSION: u64 = 4;
 
 /// Slots per segment unless configured otherwise.
 pub const DEFAULT_SLOTS: u32 = 64;
@@ -188,8 +190,9 @@ pub struct Ident {
 #[repr(C, align(64))]
 #[derive(Debug)]
 pub struct MetaCells {
-    /// `known:1 | generation:16 (bits 44–59) | mode:3 | on_failure:3 | algorithm:4 |
-    /// slice_ms:32` (see [`FastMeta`]); the generation is set even while unknown.
+    /// `known:1 | paced:1 (bit 62) | shadow:1 (bit 61) | keyed (bit 60) | generation:16
+    /// (bits 44–59) | mode:3 | on_failure:3 | algorithm:4 | slice_ms:32` (see [`FastMeta`]);
+    /// the generation is set even while unknown.
     pub fast: AtomicU64,
     /// Spec version (etcd mod revision).
     pub version: AtomicI64,
@@ -238,7 +241,9 @@ pub struct Control {
     pub early_start: AtomicI64,
     /// No pull for `early_start` before this host time (Unix ms).
     pub early_until_ms: AtomicI64,
-    _pad: [AtomicU64; 3],
+    /// Paced slices: permits released at a slice's start on top of the pace (meta `pace_burst`).
+    pub pace_burst: AtomicU64,
+    _pad: [AtomicU64; 2],
 }
 
 /// The local quota of one slice (parity) and its accounting.
@@ -257,7 +262,12 @@ pub struct QuotaEntry {
     pub first_grant_us: AtomicI64,
     /// Slice length of the word's slice (its grid), ms.
     pub slice_ms: AtomicU64,
-    _pad: [AtomicU64; 2],
+    /// Paced slices: `cap − remaining` Redis reported after the last pull for the word's slice
+    /// (everything granted to any host, forfeits included), written before the deposit. The
+    /// host's stock is taken to be the top of that range (see `docs/sdk.md`).
+    pub pace_granted: AtomicU64,
+    /// Paced slices: the `cap` Redis reported on that pull.
+    pub pace_cap: AtomicU64,
 }
 
 /// Counters of one slice, waiting to be flushed into its slice hash.
@@ -266,9 +276,8 @@ pub struct QuotaEntry {
 pub struct CounterEntry {
     /// Start (Unix ms) of the slice this entry counts for (`u64::MAX` or 0 before first use).
     pub tag: AtomicU64,
-    /// `adm, rej, ok, err, lat_sum_us, lat_n` in [`slice_field::COUNTERS`] order.
-    pub values: [AtomicU64; 6],
-    _pad: AtomicU64,
+    /// `adm, rej, ok, err, lat_sum_us, lat_n, wrej` in [`slice_field::WIRE_COUNTERS`] order.
+    pub values: [AtomicU64; 7],
 }
 
 /// State of the local limiter (fallback and mode `local`).
@@ -463,9 +472,15 @@ pub struct FastMeta {
     pub generation: u16,
     /// Keyed task (bit 60).
     pub keyed: bool,
+    /// Shadow mode (bit 61): rejections are counted, then admitted.
+    pub shadow: bool,
+    /// Paced slices (bit 62): the local quota is spent no faster than the slice's pace.
+    pub paced: bool,
 }
 
 const KEYED_BIT: u64 = 1 << 60;
+const SHADOW_BIT: u64 = 1 << 61;
+const PACED_BIT: u64 = 1 << 62;
 
 const MODES: [Mode; 5] = [
     Mode::Pooled,
@@ -491,7 +506,7 @@ impl FastMeta {
     /// use sluice::shm::{FastMeta, word_generation};
     /// let m = FastMeta { slice_ms: 1_000, mode: Mode::ExactFixed, on_failure: OnFailure::Deny,
     ///                    algorithm: FallbackAlgorithm::SlidingLog, generation: 513,
-    ///                    keyed: true };
+    ///                    keyed: true, shadow: true, paced: false };
     /// assert_eq!(FastMeta::decode(m.encode()), Some(m));
     /// assert_eq!(word_generation(m.encode()), 513);
     /// ```
@@ -507,6 +522,8 @@ impl FastMeta {
             .unwrap_or(0) as u64;
         (1 << 63)
             | if self.keyed { KEYED_BIT } else { 0 }
+            | if self.paced { PACED_BIT } else { 0 }
+            | if self.shadow { SHADOW_BIT } else { 0 }
             | ((self.generation as u64) << GEN_SHIFT)
             | (mode << 40)
             | (onf << 36)
@@ -531,6 +548,8 @@ impl FastMeta {
             algorithm: *ALGORITHMS.get(((w >> 32) & 0xF) as usize)?,
             generation: word_generation(w),
             keyed: w & KEYED_BIT != 0,
+            shadow: w & SHADOW_BIT != 0,
+            paced: w & PACED_BIT != 0,
         })
     }
 }
@@ -605,6 +624,13 @@ impl Slot {
             lease_ms: self.conc.lease_ms.load(Ordering::Relaxed),
             keyed: fast.keyed,
             key_overrides: Default::default(),
+            shadow: fast.shadow,
+            pacing: if fast.paced {
+                Pacing::Smooth
+            } else {
+                Pacing::None
+            },
+            pace_burst: self.ctl.pace_burst.load(Ordering::Relaxed),
         })
     }
 
@@ -621,6 +647,9 @@ impl Slot {
         m.local_limit.store(meta.local_limit, Ordering::Relaxed);
         m.burst.store(meta.fallback.burst, Ordering::Relaxed);
         m.version.store(meta.version, Ordering::Relaxed);
+        self.ctl
+            .pace_burst
+            .store(meta.pace_burst, Ordering::Relaxed);
         if meta.lease_ms > 0 {
             self.conc.lease_ms.store(meta.lease_ms, Ordering::Relaxed);
         }
@@ -631,6 +660,8 @@ impl Slot {
             algorithm: meta.fallback.algorithm,
             generation,
             keyed: meta.keyed,
+            shadow: meta.shadow,
+            paced: meta.pacing == Pacing::Smooth && meta.mode == Mode::Pooled,
         }
         .encode();
         let mut cur = m.fast.load(Ordering::Acquire);
@@ -849,14 +880,14 @@ impl Slot {
     }
 
     /// Takes (and zeroes) every non-zero counter entry: `(slice start in Unix ms, counters)`.
-    pub fn drain_counters(&self) -> Vec<(i64, [u64; 6])> {
+    pub fn drain_counters(&self) -> Vec<(i64, [u64; 7])> {
         let mut out = Vec::new();
         for e in &self.ring {
             let start = e.tag.load(Ordering::Acquire);
             if start == EMPTY_TAG || start == 0 || start == RING_BUSY {
                 continue;
             }
-            let mut vals = [0u64; 6];
+            let mut vals = [0u64; 7];
             for (v, x) in vals.iter_mut().zip(&e.values) {
                 *v = x.swap(0, Ordering::AcqRel);
             }
@@ -992,7 +1023,10 @@ pub mod field {
     pub const LAT_SUM_US: usize = 4;
     /// Latency count.
     pub const LAT_N: usize = 5;
+    /// Shadow mode: rejections that were admitted (`wrej`).
+    pub const WOULD_REJECT: usize = 6;
     const _: () = assert!(super::slice_field::COUNTERS.len() == 6);
+    const _: () = assert!(super::slice_field::WIRE_COUNTERS.len() == 7);
 }
 
 /// A participant of a segment and its generation: who holds a lock.
@@ -1718,7 +1752,10 @@ mod tests {
         // The old slice's 3 admitted went to its own key, whatever the grid is now.
         s.account(now_us / 1_000);
         let drained = s.drain_counters();
-        assert!(drained.contains(&(old, [3, 0, 0, 0, 0, 0])), "{drained:?}");
+        assert!(
+            drained.contains(&(old, [3, 0, 0, 0, 0, 0, 0])),
+            "{drained:?}"
+        );
     }
 
     #[test]
@@ -1735,7 +1772,7 @@ mod tests {
         let t6 = T0 + 6_000;
         s.deposit(t6, S, 1, false, t6 * 1_000); // closes t4: 5 admitted in all
         let drained = s.drain_counters();
-        assert_eq!(drained, vec![(t4, [5, 7, 0, 0, 0, 0])]);
+        assert_eq!(drained, vec![(t4, [5, 7, 0, 0, 0, 0, 0])]);
         assert_eq!(s.ctl.demand_prev.load(Ordering::Relaxed), 12);
         assert!(s.drain_counters().is_empty());
     }
@@ -1751,10 +1788,10 @@ mod tests {
         let b = 4_000i64; // 2 s grid: index 2 → position 2
         // Not drained yet: the older-start count is dropped rather than wiping `a`.
         s.count(b, 2_000, field::REJECTED, 1);
-        assert_eq!(s.drain_counters(), vec![(a, [0, 4, 0, 0, 0, 0])]);
+        assert_eq!(s.drain_counters(), vec![(a, [0, 4, 0, 0, 0, 0, 0])]);
         // Drained: `b` takes the entry.
         s.count(b, 2_000, field::REJECTED, 2);
-        assert_eq!(s.drain_counters(), vec![(b, [0, 2, 0, 0, 0, 0])]);
+        assert_eq!(s.drain_counters(), vec![(b, [0, 2, 0, 0, 0, 0, 0])]);
     }
 
     #[test]
@@ -1849,6 +1886,9 @@ mod tests {
             lease_ms: 0,
             keyed: false,
             key_overrides: Default::default(),
+            shadow: false,
+            pacing: Pacing::None,
+            pace_burst: 0,
         }
     }
 

@@ -117,6 +117,9 @@ export function Chart({ data, series, height = 240, yLabel, label, testId, attrs
 }
 
 /** Colours of the three traffic series (shared by every chart and legend). */
+/** Shadow mode: rejections that were admitted (added to the traffic series when present). */
+export const WOULD_REJECT_SERIES: SeriesDef = { label: 'would-reject/s (shadow)', stroke: '#b36b00', dash: [2, 3] };
+
 export const TRAFFIC_SERIES: SeriesDef[] = [
   { label: 'admitted/s', stroke: '#2e9d5b', fill: 'rgba(46,157,91,0.12)' },
   { label: 'rejected/s', stroke: '#d64545', fill: 'rgba(214,69,69,0.12)' },

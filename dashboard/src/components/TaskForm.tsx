@@ -15,6 +15,11 @@ const MODE_HINTS: Record<string, string> = {
   concurrency: 'concurrency: at most threshold permits in flight, cluster-wide',
 };
 const ON_FAILURE = ['local', 'allow', 'deny'];
+const PACINGS = ['none', 'smooth'];
+const PACING_HINTS: Record<string, string> = {
+  none: 'none: a slice\'s whole quota is available from its start',
+  smooth: 'smooth: the quota is released evenly over the slice',
+};
 const ALGORITHMS = ['token_bucket', 'fixed_window', 'sliding_window', 'sliding_log', 'leaky_bucket'];
 
 /** A schedule entry's zone when it names none (the API neither stores nor returns it). */
@@ -49,6 +54,9 @@ interface Model {
   dynErr: string;
   dynLat: string;
   lease_ms: string;
+  shadow: boolean;
+  pacing: string;
+  paceBurst: string;
 }
 
 function fromSpec(s?: TaskSpec): Model {
@@ -75,6 +83,9 @@ function fromSpec(s?: TaskSpec): Model {
     dynErr: str(s?.dynamic?.target_error_rate),
     dynLat: str(s?.dynamic?.target_latency_ms),
     lease_ms: str(s?.lease_ms),
+    shadow: s?.shadow ?? false,
+    pacing: s?.pacing ?? 'none',
+    paceBurst: s?.burst ? String(s.burst) : '',
   };
 }
 
@@ -113,6 +124,10 @@ function toBody(m: Model, version: number) {
         }
       : undefined,
     description: m.description,
+    shadow: m.shadow,
+    // Only mode pooled has slices to pace (the API names `pacing` for another mode).
+    pacing: m.mode === 'pooled' || m.pacing !== 'none' ? m.pacing : undefined,
+    burst: m.pacing === 'smooth' ? numOrText(m.paceBurst) : undefined,
     version,
   };
 }
@@ -368,6 +383,35 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
           {conc ? null : text('fallback.burst', 'Local burst', m.burst, (v) => set('burst', v), { numeric: true, hint: '0 = local limit' })}
         </div>
         {groupError('fallback')}
+      </fieldset>
+
+      <fieldset>
+        <legend>Rollout and pacing</legend>
+        <div class="field checkbox">
+          <input
+            id={fieldId('shadow')}
+            type="checkbox"
+            checked={m.shadow}
+            aria-describedby={`${fieldId('shadow')}-hint`}
+            onChange={(e) => set('shadow', e.currentTarget.checked)}
+          />
+          <label for={fieldId('shadow')}>Shadow: count, do not enforce</label>
+          <p class="hint" id={`${fieldId('shadow')}-hint`}>
+            admit everything, count what the limit would reject (to roll a limit out safely)
+          </p>
+          {groupError('shadow')}
+        </div>
+        {m.mode === 'pooled' || m.pacing !== 'none' ? (
+          <div class="grid">
+            {select('pacing', 'Pacing', m.pacing, PACINGS, (v) => set('pacing', v), PACING_HINTS[m.pacing])}
+            {m.pacing === 'smooth'
+              ? text('burst', 'Burst (permits)', m.paceBurst, (v) => set('paceBurst', v), {
+                  numeric: true,
+                  hint: 'released at each slice start on top of the pace; at most the threshold',
+                })
+              : null}
+          </div>
+        ) : null}
       </fieldset>
 
       {showSchedules ? (

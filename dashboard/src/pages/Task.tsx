@@ -14,7 +14,7 @@ import {
   type TaskSpec,
   type TaskWithStatus,
 } from '../api';
-import { Chart, TRAFFIC_SERIES } from '../components/Chart';
+import { Chart, TRAFFIC_SERIES, WOULD_REJECT_SERIES } from '../components/Chart';
 import { TaskForm } from '../components/TaskForm';
 import { ErrorNote, NotAvailable, Section, Stat, StateBadge } from '../components/ui';
 import { ago, dateTime, duration, num, num2, sliceLen } from '../format';
@@ -50,19 +50,24 @@ function TrafficChart({ name, seconds, resolution, every, testId, label }: {
         <>
           <Chart
             data={cols.data}
-            series={TRAFFIC_SERIES}
+            series={cols.data.length > 4 ? [...TRAFFIC_SERIES, WOULD_REJECT_SERIES] : TRAFFIC_SERIES}
             yLabel="per second"
-            label={`${label}: ${num(cols.admitted)} admitted and ${num(cols.rejected)} rejected`}
+            label={`${label}: ${num(cols.admitted)} admitted and ${num(cols.rejected)} rejected${
+              cols.wouldReject > 0 ? ` (${num(cols.wouldReject)} of them admitted by shadow mode)` : ''
+            }`}
             testId={testId}
             xRange={data ? [data.from_ms / 1000, (data.now_ms - FLUSH_LAG_MS) / 1000] : undefined}
             attrs={{
               'data-admitted-total': cols.admitted,
               'data-rejected-total': cols.rejected,
+              'data-would-reject-total': cols.wouldReject,
               'data-points': cols.points,
             }}
           />
           <p class="muted small chart-foot">
-            {num(cols.admitted)} admitted · {num(cols.rejected)} rejected in {duration(seconds * 1000)}
+            {num(cols.admitted)} admitted · {num(cols.rejected)} rejected
+            {cols.wouldReject > 0 ? ` (${num(cols.wouldReject)} would-reject, admitted by shadow mode)` : ''} in{' '}
+            {duration(seconds * 1000)}
             {cols.points === 0 ? ' — no slices in this range yet.' : ''}
             {data && data.resolution_ms !== data.slice_ms ? ` · ${sliceLen(data.resolution_ms)} buckets of ${sliceLen(data.slice_ms)} slices` : ''}
           </p>
@@ -248,7 +253,19 @@ function Summary({ t }: { t: TaskWithStatus }) {
       />
       <Stat label="Remaining in this slice" value={num(st.remaining ?? null)} hint="not yet pulled by hosts" />
       <Stat label="Written ahead" value={ahead === null ? '—' : duration(ahead)} hint="slices ready in Redis" />
-      <Stat label="Mode" value={t.mode} hint={`on Redis failure: ${t.on_failure}`} />
+      <Stat
+        label="Mode"
+        value={t.mode}
+        hint={`on Redis failure: ${t.on_failure}${t.pacing === 'smooth' ? ` · paced, burst ${num(t.burst ?? 0)}` : ''}`}
+      />
+      {t.shadow ? (
+        <Stat
+          label="Shadow mode"
+          testId="would-reject"
+          value={num(st.last_slice?.would_reject ?? null)}
+          hint="would-rejects in the last slice: admitted, counted as if enforced"
+        />
+      ) : null}
     </div>
   );
 }

@@ -171,15 +171,33 @@ async fn status(s: &AppState, t: &TaskEntry) -> Value {
             .arg(slice_field::REM)
             .query_async(&mut c)
             .await?;
+        let last = current - t.spec.slice_ms as i64;
+        let last_slice: (Option<i64>, Option<i64>, Option<i64>) = redis::cmd("HMGET")
+            .arg(s.keys.slice(&t.name, last))
+            .arg(slice_field::ADMITTED)
+            .arg(slice_field::REJECTED)
+            .arg(slice_field::WOULD_REJECT)
+            .query_async(&mut c)
+            .await?;
         let rolled: Option<i64> = c.hget(s.keys.meta(&t.name), meta_field::ROLLED_TO).await?;
-        Ok::<_, redis::RedisError>((cap, rem, rolled))
+        Ok::<_, redis::RedisError>((cap, rem, last, last_slice, rolled))
     };
+    let n = |v: Option<i64>| v.unwrap_or(0).max(0);
     match tokio::time::timeout(std::time::Duration::from_secs(1), read).await {
-        Ok(Ok((cap, rem, rolled))) => json!({
+        Ok(Ok((cap, rem, last, (adm, rej, wrej), rolled))) => json!({
             "effective_threshold": cap,
             "current_slice_ms": current,
             "remaining": rem,
             "horizon_until_ms": rolled,
+            // The slice before the current one, as its workers flushed it (about a second
+            // after it ended they all have): `would_reject` is the part of `rejected` that
+            // shadow mode admitted.
+            "last_slice": {
+                "start_ms": last,
+                "admitted": n(adm),
+                "rejected": n(rej),
+                "would_reject": n(wrej),
+            },
         }),
         other => json!({
             "effective_threshold": null,

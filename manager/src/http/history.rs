@@ -166,6 +166,7 @@ fn record_json(r: &Record) -> Value {
         "threshold": r.threshold(),
         "admitted": r.admitted,
         "rejected": r.rejected,
+        "would_reject": r.would_reject,
         "slice_count": r.slices,
     })
 }
@@ -300,7 +301,8 @@ async fn hosts(State(s): State<AppState>, Query(q): Query<HashMap<String, String
 /// ```
 /// use sluice_manager::history::SliceSample;
 /// use sluice_manager::http::history::rates;
-/// let s = |start_ms, admitted| SliceSample { start_ms, cap: 100, admitted, rejected: 0 };
+/// let s = |start_ms, admitted| SliceSample { start_ms, cap: 100, admitted, rejected: 0,
+///                                           would_reject: 0 };
 /// // Two settled 1 s slices (50 and 70 admitted); the one that just ended and the current
 /// // one are still being flushed: 60/s.
 /// let v = [s(1_000, 50), s(2_000, 70), s(3_000, 20), s(4_000, 5)];
@@ -331,6 +333,19 @@ pub fn rates(samples: &[SliceSample], slice_ms: u64, now_ms: i64) -> (f64, f64, 
     let rej: u64 = used.iter().map(|x| x.rejected).sum();
     let per_s = |n: u64| (n as f64 * 1000.0 / span as f64 * 100.0).round() / 100.0;
     (per_s(adm), per_s(rej), span)
+}
+
+/// Shadow mode: the would-reject rate over the same slices as [`rates`] (its `rejected` rate
+/// of the `wrej` counters), so `would_reject_per_s ≤ rejected_per_s`.
+fn would_reject_rate(samples: &[SliceSample], slice_ms: u64, now_ms: i64) -> f64 {
+    let as_rejected: Vec<SliceSample> = samples
+        .iter()
+        .map(|x| SliceSample {
+            rejected: x.would_reject,
+            ..*x
+        })
+        .collect();
+    rates(&as_rejected, slice_ms, now_ms).1
 }
 
 async fn task_traffic(
@@ -364,10 +379,12 @@ async fn task_traffic(
         .find(|x| x.start_ms == current)
         .map(|x| x.cap);
     let (adm, rej, window) = rates(&samples, slice_ms, now);
+    let would_reject_per_s = would_reject_rate(&samples, slice_ms, now);
     Ok(json!({
         "threshold": threshold,
         "admitted_per_s": adm,
         "rejected_per_s": rej,
+        "would_reject_per_s": would_reject_per_s,
         "window_ms": window,
         "horizon_until_ms": horizon_until_ms,
     }))
@@ -398,6 +415,7 @@ async fn concurrency_traffic(mut conn: RedisConn, s: &AppState, name: &str) -> C
         "threshold": cap,
         "admitted_per_s": 0.0,
         "rejected_per_s": 0.0,
+        "would_reject_per_s": 0.0,
         "window_ms": 0,
         "in_flight": view.held(),
         "hosts_waiting": view.hosts_waiting(),

@@ -43,7 +43,13 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 /// Version of this protocol, written into every task's meta hash as `proto`.
-pub const PROTOCOL_VERSION: u32 = 2;
+///
+/// * 3: shadow mode (`shadow` meta field, `wrej` slice counter: PULL and FLUSH take 6 or 7
+///   counters per slice) and paced slices (`pacing`/`pace_burst` meta fields, `pace`/`burst`
+///   slice fields written by ROLL, honoured by PULL). Additive: a v2 SDK keeps working
+///   against v3 data (it enforces, never sees shadow, and a paced slice's pulls are paced by
+///   the script whatever the SDK).
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The default namespace.
 pub const DEFAULT_NAMESPACE: &str = "sluice";
@@ -427,6 +433,17 @@ string_enum! {
     }
 }
 
+string_enum! {
+    /// How a slice releases its quota (mode `pooled`).
+    Pacing {
+        /// The whole quota is available from the slice's start (default).
+        None = "none",
+        /// The quota is released evenly over the slice, plus `burst` permits at its start:
+        /// `released(now) = min(cap, floor(cap · (now − start) / slice_ms) + burst)`.
+        Smooth = "smooth",
+    }
+}
+
 /// The local limiter settings of a task.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fallback {
@@ -473,6 +490,12 @@ pub struct TaskMeta {
     /// Keyed task: thresholds of overridden keys, by [`key_digest`] (meta fields `ko:<digest>`).
     /// The SDK does not need them (the KPULL script reads them); the manager writes them.
     pub key_overrides: std::collections::BTreeMap<String, u64>,
+    /// Shadow mode: decisions are counted as if enforced but always admit (absent = false).
+    pub shadow: bool,
+    /// How slices release their quota (absent = none).
+    pub pacing: Pacing,
+    /// Paced slices: permits released at a slice's start on top of the pace (absent = 0).
+    pub pace_burst: u64,
 }
 
 /// Meta hash field names written by the manager and read by workers.
@@ -503,6 +526,12 @@ pub mod meta_field {
     pub const KEYED: &str = "keyed";
     /// Prefix of key overrides: `ko:<digest>` = the key's threshold (keyed tasks).
     pub const KEY_OVERRIDE_PREFIX: &str = "ko:";
+    /// Shadow mode: `1` or `0` (absent = `0`).
+    pub const SHADOW: &str = "shadow";
+    /// Slice pacing: `none` | `smooth` (absent = `none`); ROLL copies it into each slice.
+    pub const PACING: &str = "pacing";
+    /// Burst of paced slices (permits at a slice's start; absent = 0).
+    pub const PACE_BURST: &str = "pace_burst";
     /// Term of the leader that last wrote this task: the fence (with [`EPOCH`]).
     pub const TERM: &str = "term";
     /// The etcd cluster id of that leader's election (decimal string): terms of different
@@ -540,6 +569,15 @@ pub mod slice_field {
     pub const LAT_N: &str = "lat_n";
     /// The counter fields, in the order [`crate::protocol::scripts::SliceCounters`] uses.
     pub const COUNTERS: [&str; 6] = [ADMITTED, REJECTED, OK, ERR, LAT_SUM_US, LAT_N];
+    /// Shadow mode: rejections (also counted in [`REJECTED`]) that shadow mode admitted.
+    pub const WOULD_REJECT: &str = "wrej";
+    /// The counters PULL and FLUSH carry since protocol 3: [`COUNTERS`] then [`WOULD_REJECT`].
+    pub const WIRE_COUNTERS: [&str; 7] =
+        [ADMITTED, REJECTED, OK, ERR, LAT_SUM_US, LAT_N, WOULD_REJECT];
+    /// `1` when the slice is paced (written by ROLL from the meta's `pacing`; absent = not).
+    pub const PACE: &str = "pace";
+    /// Burst of a paced slice (permits released at its start).
+    pub const BURST: &str = "burst";
 }
 
 /// Why a meta hash could not be read.
@@ -575,6 +613,9 @@ impl TaskMeta {
             (VERSION, self.version.to_string()),
             (LEASE_MS, self.lease_ms.to_string()),
             (KEYED, u8::from(self.keyed).to_string()),
+            (SHADOW, if self.shadow { "1" } else { "0" }.to_string()),
+            (PACING, self.pacing.as_str().to_string()),
+            (PACE_BURST, self.pace_burst.to_string()),
         ]
     }
 
@@ -663,6 +704,24 @@ impl TaskMeta {
                 }
                 o
             },
+            shadow: match map.get(SHADOW) {
+                None | Some(&"0") => false,
+                Some(&"1") => true,
+                Some(v) => {
+                    return Err(MetaError::Field {
+                        field: SHADOW,
+                        why: format!("{v:?}: must be 0 or 1"),
+                    });
+                }
+            },
+            pacing: match map.get(PACING) {
+                None => Pacing::None,
+                Some(_) => get(&map, PACING)?,
+            },
+            pace_burst: match map.get(PACE_BURST) {
+                None => 0,
+                Some(_) => get(&map, PACE_BURST)?,
+            },
         })
     }
 }
@@ -739,6 +798,9 @@ mod tests {
             lease_ms: 0,
             keyed: false,
             key_overrides: Default::default(),
+            shadow: true,
+            pacing: Pacing::Smooth,
+            pace_burst: 30,
         };
         let pairs = meta.to_pairs();
         let back = TaskMeta::from_pairs(pairs.iter().map(|(k, v)| (*k, v.as_str()))).unwrap();
@@ -754,5 +816,29 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(err, MetaError::Field { field: "mode", .. }));
+        // A v2 meta (no shadow/pacing fields) reads as unshadowed and unpaced.
+        let old = TaskMeta::from_pairs(
+            pairs
+                .iter()
+                .filter(|(k, _)| !["shadow", "pacing", "pace_burst"].contains(k))
+                .map(|(k, v)| (*k, v.as_str())),
+        )
+        .unwrap();
+        assert_eq!(
+            (old.shadow, old.pacing, old.pace_burst),
+            (false, Pacing::None, 0)
+        );
+        for (field, bad) in [("shadow", "yes"), ("pacing", "jerky"), ("pace_burst", "-1")] {
+            let err = TaskMeta::from_pairs(
+                pairs
+                    .iter()
+                    .map(|(k, v)| (*k, if *k == field { bad } else { v.as_str() })),
+            )
+            .unwrap_err();
+            assert!(
+                matches!(err, MetaError::Field { field: f, .. } if f == field),
+                "{field}"
+            );
+        }
     }
 }

@@ -75,6 +75,51 @@ end
     };
 }
 
+/// The pacing rule of paced slices, as a literal so every pull script can include it with
+/// `concat!` (the keyed pull script too).
+///
+/// Defines `paced_allowance(h, rem, cap, now, start, len)` → `avail, forfeit`: `h` holds the
+/// slice's `pace` and `burst` fields (as `HMGET` returns them). For an unpaced slice it returns
+/// `rem, 0`. For a paced one, with `granted = cap − rem` (a threshold change moves `cap` and
+/// `rem` together, so consumption is kept):
+///
+/// ```text
+///   paced(t) = clamp(floor(cap · (t − start) / len), 0, cap)
+///   ahead    = min(floor(len / 40), 1000)                  (25 ms of a 1 s slice)
+///   forfeit  = max(0, paced(now) − granted)                released, never pulled: lost
+///   avail    = min(rem − forfeit, min(cap, paced(now + ahead) + burst) − granted − forfeit)
+/// ```
+///
+/// So what the pace released while nobody pulled is not saved up (a slice idle for 700 ms does
+/// not hand out 700 permits at once): at any pull at most `burst` plus `ahead`'s worth of the
+/// pace is available beyond the pace itself. The caller lowers `rem` by `forfeit` (when it
+/// grants) and by the grant. `ahead` lets a host hold a little stock, which it spends no
+/// faster than the pace (see `docs/sdk.md`), so its decisions do not wait for a pull at every
+/// permit.
+macro_rules! pace_snippet {
+    () => {
+        r#"
+local function paced_allowance(h, rem, cap, now, start, len)
+  if h[1] ~= '1' then return rem, 0 end
+  local burst = tonumber(h[2]) or 0
+  local function paced(t)
+    local r = math.floor(cap * (t - start) / len)
+    if r > cap then return cap end
+    if r < 0 then return 0 end
+    return r
+  end
+  local granted = cap - rem
+  local forfeit = math.max(0, math.min(rem, paced(now) - granted))
+  local released = math.min(cap, paced(now + math.min(math.floor(len / 40), 1000)) + burst)
+  return math.min(rem - forfeit, released - granted - forfeit), forfeit
+end
+"#
+    };
+}
+
+/// See [`pace_snippet!`]: `paced_allowance(h, rem, cap, now, start, len)`.
+pub const PACE_LUA: &str = pace_snippet!();
+
 /// The fence shared by every leader script (see the module docs). `ARGV[1..3]`: term, epoch
 /// (the etcd cluster id, a decimal string: it does not fit a Lua number), stale_after (ms).
 /// Defines `now` (Redis `TIME`, ms), `fence(meta)` and `claim(meta)`.
@@ -103,6 +148,10 @@ pub const FENCE_LUA: &str = fence_preamble!();
 /// The version and deletion checks apply only within one epoch and without a takeover, and
 /// `force = 1` skips them (the writer found the stored numbers to come from another etcd
 /// history). `refresh = 1` rewrites `fenced_ms` even when `rolled_to` does not move.
+///
+/// Every slice written or passed gets the task's pacing from the meta hash (after this call's
+/// meta pairs): `pace = 1` and `burst` when `pacing` is `smooth` and `mode` is `pooled`, else
+/// no `pace`/`burst` fields (see [`PACE_LUA`]).
 ///
 /// A slice that exists with another cap gets `rem += new_cap - old_cap` (consumption is kept);
 /// one with the same cap is left alone, so replays are harmless. An existing slice whose key
@@ -137,6 +186,13 @@ if n > 0 then
   i = i + 2 * n
 end
 if full then redis.call('HDEL', KEYS[1], 'retired') end
+local pm = redis.call('HMGET', KEYS[1], 'pacing', 'pace_burst', 'mode')
+local pace = '0'
+local burst = 0
+if pm[1] == 'smooth' and ((not pm[3]) or pm[3] == 'pooled') then
+  pace = '1'
+  burst = tonumber(pm[2]) or 0
+end
 local new_rolled = tonumber(ARGV[6])
 local advanced = full or new_rolled > tonumber(m[2] or '0')
 if advanced then redis.call('HSET', KEYS[1], 'rolled_to', new_rolled) end
@@ -146,12 +202,19 @@ for k = 2, #KEYS do
   local cap = tonumber(ARGV[i])
   local exp = tonumber(ARGV[i + 1])
   i = i + 2
-  local old = redis.call('HGET', KEYS[k], 'cap')
+  local cur = redis.call('HMGET', KEYS[k], 'cap', 'pace', 'burst')
+  local old = cur[1]
   if not old then
     redis.call('HSET', KEYS[k], 'cap', cap, 'rem', cap, 'term', term)
+    if pace == '1' then redis.call('HSET', KEYS[k], 'pace', 1, 'burst', burst) end
     redis.call('PEXPIREAT', KEYS[k], exp)
     written = written + 1
   else
+    if pace == '1' and (cur[2] ~= '1' or tonumber(cur[3]) ~= burst) then
+      redis.call('HSET', KEYS[k], 'pace', 1, 'burst', burst)
+    elseif pace == '0' and cur[2] then
+      redis.call('HDEL', KEYS[k], 'pace', 'burst')
+    end
     if tonumber(old) ~= cap then
       redis.call('HINCRBY', KEYS[k], 'rem', cap - tonumber(old))
       redis.call('HSET', KEYS[k], 'cap', cap, 'term', term)
@@ -206,16 +269,23 @@ return {1, 0}
 ///   slice has not started, beyond the one-slice prefetch allowance) or after
 ///   `end + grace` with `grace = min(slice_ms / 4, 250 ms)` (the slice is over); nothing is
 ///   granted or counted;
-/// * otherwise `min(want, rem)` (0 when `rem ≤ 0`) is granted and `rem` lowered.
+/// * otherwise `min(want, rem)` (0 when `rem ≤ 0`) is granted and `rem` lowered; on a paced
+///   slice (`pace = 1`) at most what the pace has released so far ([`PACE_LUA`]), so a grant
+///   of 0 with `remaining > 0` means "wait for the pace", not "exhausted".
+///
+/// The optional counters (since protocol 3: six or seven, the seventh being `wrej`) are added
+/// to this slice (a grant retry never adds them twice: it returns before).
 ///
 /// **Idempotent by request id**: the host's last pull of the slice is recorded in the slice
 /// hash as `p:<host id> = <request id>:<granted>`; a pull with the same request id (a retry)
 /// returns that grant again with `replayed = 1` and changes nothing. A host's pulls are
 /// exclusive (its pull lock), so the last one is the only one a retry can repeat.
-pub const PULL_LUA: &str = r#"
+pub const PULL_LUA: &str = concat!(
+    pace_snippet!(),
+    r#"
 local t = redis.call('TIME')
 local pf = 'p:' .. ARGV[4]
-local h = redis.call('HMGET', KEYS[1], 'rem', 'cap', pf)
+local h = redis.call('HMGET', KEYS[1], 'rem', 'cap', pf, 'pace', 'burst')
 if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
 local rem = tonumber(h[1])
 local cap = tonumber(h[2])
@@ -232,20 +302,22 @@ if now < start - len or now > start + len + grace then
 end
 local want = tonumber(ARGV[1])
 local grant = 0
-if rem > 0 and want > 0 then
-  grant = math.min(want, rem)
-  rem = redis.call('HINCRBY', KEYS[1], 'rem', -grant)
+local avail, forfeit = paced_allowance({h[4], h[5]}, rem, cap, now, start, len)
+if want > 0 and (avail > 0 or forfeit > 0) then
+  grant = math.max(0, math.min(want, avail))
+  rem = redis.call('HINCRBY', KEYS[1], 'rem', -(grant + forfeit))
 end
 redis.call('HSET', KEYS[1], pf, ARGV[5] .. ':' .. grant)
 if #ARGV >= 11 then
-  local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n'}
-  for j = 1, 6 do
+  local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n', 'wrej'}
+  for j = 1, math.min(#ARGV - 5, 7) do
     local d = tonumber(ARGV[j + 5])
     if d and d ~= 0 then redis.call('HINCRBY', KEYS[1], f[j], d) end
   end
 end
 return {grant, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
-"#;
+"#
+);
 
 /// Pulls permits for one or more **keys** of a keyed task in one call (one slice, one task:
 /// one hash tag), creating a key's slice hash from the task's state when it does not exist yet
@@ -341,24 +413,28 @@ return out
 
 /// Adds counters to slices that still exist (a missing slice is skipped, never created).
 ///
-/// `KEYS` slices; `ARGV`: host id, flush sequence number, then six deltas per key (adm, rej,
-/// ok, err, lat_sum_us, lat_n). Returns how many of the slices exist.
+/// `KEYS` slices; `ARGV`: host id, flush sequence number, then six or seven deltas per key
+/// (adm, rej, ok, err, lat_sum_us, lat_n, and since protocol 3 optionally wrej; the count per
+/// key is `(#ARGV − 2) / #KEYS`, which is unambiguous, so a protocol-2 caller's six still
+/// work). Returns how many of the slices exist.
 ///
 /// **Idempotent by sequence number**: each slice records the host's last applied flush as
 /// `f:<host id> = <seq>`, and a flush whose `seq` is not above it is skipped for that slice.
 /// A host's flushes are exclusive (its flush lock) and numbered in increasing order, so a
 /// retry (same `seq`) never counts twice, nor does a late duplicate of an older flush.
 pub const FLUSH_LUA: &str = r#"
-local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n'}
+local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n', 'wrej'}
 local ff = 'f:' .. ARGV[1]
 local seq = tonumber(ARGV[2])
+local per = 6
+if #KEYS > 0 and #ARGV - 2 == 7 * #KEYS then per = 7 end
 local n = 0
 for k = 1, #KEYS do
   if redis.call('EXISTS', KEYS[k]) == 1 then
     local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
     if seq > last then
-      for j = 1, 6 do
-        local d = tonumber(ARGV[2 + (k - 1) * 6 + j])
+      for j = 1, per do
+        local d = tonumber(ARGV[2 + (k - 1) * per + j])
         if d and d ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], d) end
       end
       redis.call('HSET', KEYS[k], ff, ARGV[2])
@@ -787,6 +863,8 @@ pub struct SliceCounters {
     pub lat_sum_us: u64,
     /// Number of latencies.
     pub lat_n: u64,
+    /// Shadow mode: rejections (counted in `rejected` too) that were admitted.
+    pub would_reject: u64,
 }
 
 impl SliceCounters {
@@ -802,9 +880,15 @@ impl SliceCounters {
         ]
     }
 
+    /// The counters PULL and FLUSH send, in [`super::slice_field::WIRE_COUNTERS`] order.
+    pub fn as_wire(&self) -> [u64; 7] {
+        let a = self.as_array();
+        [a[0], a[1], a[2], a[3], a[4], a[5], self.would_reject]
+    }
+
     /// True when every counter is zero.
     pub fn is_zero(&self) -> bool {
-        self.as_array().iter().all(|v| *v == 0)
+        self.as_wire().iter().all(|v| *v == 0)
     }
 }
 
@@ -870,7 +954,7 @@ where
         .arg(req.host_id)
         .arg(req.request_id);
     if let Some(c) = req.counters {
-        for v in c.as_array() {
+        for v in c.as_wire() {
             inv.arg(v);
         }
     }
@@ -1155,7 +1239,7 @@ where
     inv.arg(host_id).arg(seq);
     for (start, c) in batch {
         inv.key(keys.slice(task, *start));
-        for v in c.as_array() {
+        for v in c.as_wire() {
             inv.arg(v);
         }
     }
