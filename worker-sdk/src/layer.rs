@@ -495,6 +495,18 @@ mod tests {
         assert_eq!(t.permit_stats().unwrap().in_use, 0);
         let third = svc.oneshot(Request::new(String::new())).await.unwrap();
         assert_eq!(third.status(), StatusCode::OK);
+        // Permits in flight: a unit, no window, no reset.
+        assert_eq!(
+            third.headers()[fields::RATELIMIT_POLICY],
+            r#""api";q=1;qu="concurrent-requests""#
+        );
+        let limit = third.headers()[fields::RATELIMIT].to_str().unwrap();
+        assert!(
+            limit.starts_with(r#""api";r="#) && !limit.contains(";t="),
+            "{limit}"
+        );
+        assert_eq!(second.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(second.headers()[fields::RATELIMIT], r#""api";r=0"#);
     }
 
     #[tokio::test]
@@ -522,7 +534,17 @@ mod tests {
                     .unwrap();
                 assert!((1..=60).contains(&secs), "{secs}");
                 assert_eq!(r.body(), "");
+                let limit = r.headers()[fields::RATELIMIT].to_str().unwrap();
+                assert!(
+                    limit.starts_with(&format!(r#""api";r=0;t={secs};sluice-reset-ms="#)),
+                    "{limit}"
+                );
+            } else {
+                // Mode local holds no countable pooled quota: r = 0.
+                let limit = r.headers()[fields::RATELIMIT].to_str().unwrap();
+                assert!(limit.starts_with(r#""api";r=0;t="#), "{limit}");
             }
+            assert_eq!(r.headers()[fields::RATELIMIT_POLICY], r#""api";q=1;w=60"#);
         }
         assert_eq!(
             statuses,

@@ -137,7 +137,7 @@ impl LimitInfo {
         );
         match self.unit {
             QuotaUnit::ConcurrentRequests => v.push_str(";qu=\"concurrent-requests\""),
-            QuotaUnit::Requests if self.window_ms > 0 && self.window_ms % 1_000 == 0 => {
+            QuotaUnit::Requests if self.window_ms > 0 && self.window_ms.is_multiple_of(1_000) => {
                 v.push_str(&format!(";w={}", (self.window_ms / 1_000).min(SF_INT_MAX)));
             }
             QuotaUnit::Requests if self.window_ms > 0 => {
