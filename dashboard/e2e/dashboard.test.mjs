@@ -130,12 +130,37 @@ describe('dashboard', () => {
       await cronErr.waitFor();
       assert.equal((await call(m.url, 'GET', '/api/v1/tasks/bad-task')).status, 404);
 
+      // A misspelt time zone: the error is on that row's zone field, which offers the zone
+      // names; nothing is written.
+      const tz = p.getByLabel('Schedule 1 time zone');
+      assert.equal(await tz.inputValue(), 'UTC', 'a new row starts in UTC');
+      assert.equal(await tz.getAttribute('list'), 'tz-names');
+      assert.equal(await p.locator('datalist#tz-names option[value="Europe/Berlin"]').count(), 1);
+      await p.getByLabel('Schedule 1 cron').fill('* * 9-17 * * Mon-Fri');
+      await tz.fill('Europe/Berln');
+      await p.getByRole('button', { name: 'Create task' }).click();
+      const tzErr = p.locator('[data-testid="field-error"][data-field="schedules[0].timezone"]');
+      await tzErr.waitFor();
+      assert.match(await tzErr.textContent(), /unknown IANA time zone "Europe\/Berln"/);
+      assert.equal(await tz.getAttribute('aria-invalid'), 'true');
+      assert.equal(await p.evaluate(() => document.activeElement?.id), 'f-schedules-0-timezone');
+      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/bad-task')).status, 404);
+
       // Editing: a bad value leaves the stored spec (and its version) untouched.
-      const created = await call(m.url, 'PUT', '/api/v1/tasks/good', { threshold: 40 });
+      const created = await call(m.url, 'PUT', '/api/v1/tasks/good', {
+        threshold: 40,
+        schedules: [
+          { cron: '* * 9-17 * * Mon-Fri', threshold: 80, timezone: 'America/New_York' },
+          { cron: '* * 0-5 * * *', threshold: 20 },
+        ],
+      });
       assert.equal(created.status, 201);
       await p.goto(`${m.url}/tasks/good`);
       const thr = p.getByLabel('Threshold (permits per slice)');
       await waitFor('the form to load', async () => (await thr.inputValue()) === '40');
+      // Each schedule row shows its zone; one stored without a zone shows UTC.
+      assert.equal(await p.getByLabel('Schedule 1 time zone').inputValue(), 'America/New_York');
+      assert.equal(await p.getByLabel('Schedule 2 time zone').inputValue(), 'UTC');
       await thr.fill('-3');
       await thr.press('Enter');
       await p.locator('[data-testid="field-error"][data-field="threshold"]').waitFor();
@@ -147,7 +172,20 @@ describe('dashboard', () => {
       await thr.fill('45');
       await thr.press('Enter');
       await p.getByTestId('form-status').getByText('Saved').waitFor();
-      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/good')).body.threshold, 45);
+      const saved = (await call(m.url, 'GET', '/api/v1/tasks/good')).body;
+      assert.equal(saved.threshold, 45);
+      // Saving through the form kept the zones (UTC still not stored).
+      assert.deepEqual(saved.schedules, created.body.schedules);
+
+      // A zone changed in the form is saved.
+      await p.getByLabel('Schedule 1 time zone').fill('Europe/Berlin');
+      await p.getByRole('button', { name: /^Save/ }).click();
+      await waitFor('the zone to be saved', async () => {
+        const r = await call(m.url, 'GET', '/api/v1/tasks/good');
+        return r.body.schedules?.[0]?.timezone === 'Europe/Berlin';
+      });
+      const zoned = (await call(m.url, 'GET', '/api/v1/tasks/good')).body;
+      assert.equal(zoned.schedules[1].timezone, undefined);
       assert.deepEqual(p.errors, []);
     } finally {
       await cleanup([m], [p]);

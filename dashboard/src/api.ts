@@ -14,7 +14,8 @@ export interface TaskSpec {
   on_failure: string;
   mode: string;
   fallback: { algorithm: string; burst: number };
-  schedules: { cron: string; threshold: number }[];
+  /** `timezone`: an IANA zone; absent = UTC. */
+  schedules: { cron: string; threshold: number; timezone?: string }[];
   dynamic?: {
     enabled: boolean;
     min: number;

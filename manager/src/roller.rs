@@ -852,6 +852,7 @@ mod tests {
         e.schedule = Arc::new(CompiledSchedule::new(&[ScheduleEntry {
             cron: "* * * * * *".into(),
             threshold: 300,
+            timezone: "UTC".into(),
         }]));
         assert_eq!(effective_threshold(&e, None, 0), 300);
         assert_eq!(effective_threshold(&e, Some(42), 0), 42);
@@ -859,6 +860,36 @@ mod tests {
         let q = plan(&p.next, &e, Some(42), 100, &cfg(), false);
         assert!(q.slices.iter().all(|s| s.cap == 42));
         assert!(!q.write_meta);
+    }
+
+    /// The caps the roller writes follow the schedule's wall clock across a DST change: a
+    /// Europe/Berlin `03` hour begins with the slice at the jump (01:00 UTC on 2026-03-29),
+    /// not an hour later as UTC would have it.
+    #[test]
+    fn caps_follow_a_zoned_schedule_across_a_dst_change() {
+        let e = entry(
+            r#"{"threshold": 100, "schedules": [
+                {"cron": "* * 3 * * *", "threshold": 300, "timezone": "Europe/Berlin"}]}"#,
+            1,
+        );
+        let jump = chrono::DateTime::parse_from_rfc3339("2026-03-29T01:00:00Z")
+            .unwrap()
+            .timestamp_millis();
+        let p = plan(
+            &TaskRollState::default(),
+            &e,
+            None,
+            jump - 2_500,
+            &cfg(),
+            true,
+        );
+        assert!(!p.slices.is_empty());
+        for s in &p.slices {
+            let want = if s.start_ms >= jump { 300 } else { 100 };
+            assert_eq!(s.cap, want, "slice {}", s.start_ms);
+            assert_eq!(s.cap, effective_threshold(&e, None, s.start_ms));
+        }
+        assert!(p.slices.iter().any(|s| s.cap == 100) && p.slices.iter().any(|s| s.cap == 300));
     }
 
     #[test]

@@ -5,13 +5,16 @@
 //! the exact field (`schedules[1].cron`, `dynamic.min`), which the API returns as
 //! `{"error": ..., "field": ...}` with status 400.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use sluice::protocol::{
-    Fallback, FallbackAlgorithm, MAX_SLICE_MS, MIN_SLICE_MS, Mode, OnFailure, TaskMeta,
+    Fallback, FallbackAlgorithm, MAX_KEY_OVERRIDES, MAX_SLICE_MS, MIN_SLICE_MS, Mode, OnFailure,
+    TaskMeta,
 };
 
-use crate::schedule::parse_cron;
+use crate::schedule::{DEFAULT_TIMEZONE, parse_cron, parse_timezone};
 
 /// Largest threshold (permits per slice) and other counts.
 pub const MAX_COUNT: u64 = 1_000_000_000_000;
@@ -23,10 +26,26 @@ pub const MAX_DESCRIPTION: usize = 1024;
 /// One cron schedule entry: slices whose start matches `cron` get `threshold`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ScheduleEntry {
-    /// Cron expression with a seconds field, evaluated in UTC.
+    /// Cron expression with a seconds field, evaluated on the wall clock of `timezone`.
     pub cron: String,
     /// Threshold for matching slices.
     pub threshold: u64,
+    /// IANA time zone of `cron` (`"Europe/Berlin"`), [`DEFAULT_TIMEZONE`] unless given. The
+    /// default is neither stored nor returned, so specs written before zones existed and
+    /// clients that do not know the field round-trip unchanged.
+    #[serde(
+        default = "default_timezone",
+        skip_serializing_if = "is_default_timezone"
+    )]
+    pub timezone: String,
+}
+
+fn default_timezone() -> String {
+    DEFAULT_TIMEZONE.to_string()
+}
+
+fn is_default_timezone(tz: &str) -> bool {
+    tz == DEFAULT_TIMEZONE
 }
 
 /// Dynamic limiting settings.
@@ -93,6 +112,16 @@ pub struct TaskSpec {
     /// [`DEFAULT_LEASE_MS`] unless given; stored only for that mode.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub lease_ms: u64,
+    /// Every distinct key has its own limit of `threshold` permits per slice (mode `pooled`).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub keyed: bool,
+    /// Keyed tasks: keys with a threshold of their own (at most [`MAX_KEY_OVERRIDES`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub key_overrides: BTreeMap<String, u64>,
+}
+
+fn is_false(v: &bool) -> bool {
+    !*v
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -145,6 +174,8 @@ const TOP_FIELDS: &[&str] = &[
     "dynamic",
     "description",
     "lease_ms",
+    "keyed",
+    "key_overrides",
     "name",
     "version",
     // Read-only (the live status `GET /tasks/{name}` adds): accepted and ignored, so a
@@ -297,14 +328,23 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
         }
         for (i, e) in arr.iter().enumerate() {
             let path = format!("schedules[{i}]");
-            let so = Obj::new(&path, e, &["cron", "threshold"])?;
+            let so = Obj::new(&path, e, &["cron", "threshold", "timezone"])?;
             let cron = so
                 .string("cron")?
                 .ok_or_else(|| fe(so.field("cron"), "is required"))?;
             parse_cron(cron).map_err(|e| fe(so.field("cron"), e))?;
+            let threshold = so.count("threshold", None, 0, MAX_COUNT)?;
+            let timezone = match so.string("timezone")? {
+                None => default_timezone(),
+                Some(tz) => {
+                    parse_timezone(tz).map_err(|e| fe(so.field("timezone"), e))?;
+                    tz.trim().to_string()
+                }
+            };
             schedules.push(ScheduleEntry {
                 cron: cron.trim().to_string(),
-                threshold: so.count("threshold", None, 0, MAX_COUNT)?,
+                threshold,
+                timezone,
             });
         }
     }
@@ -387,6 +427,46 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
         0
     };
 
+    let keyed = match o.get("keyed") {
+        None => false,
+        Some(b) => b
+            .as_bool()
+            .ok_or_else(|| fe("keyed", "must be true or false"))?,
+    };
+    if keyed && mode != Mode::Pooled {
+        return Err(fe(
+            "keyed",
+            format!("keyed limits need mode pooled (got mode {mode})"),
+        ));
+    }
+    let mut key_overrides = BTreeMap::new();
+    if let Some(v) = o.get("key_overrides") {
+        let map = v
+            .as_object()
+            .ok_or_else(|| fe("key_overrides", "must be an object {\"<key>\": threshold}"))?;
+        if !keyed && !map.is_empty() {
+            return Err(fe(
+                "key_overrides",
+                "only for keyed tasks (\"keyed\": true)",
+            ));
+        }
+        if map.len() > MAX_KEY_OVERRIDES {
+            return Err(fe(
+                "key_overrides",
+                format!("at most {MAX_KEY_OVERRIDES} entries, got {}", map.len()),
+            ));
+        }
+        for (k, t) in map {
+            let f = format!("key_overrides[{}]", serde_json::Value::from(k.as_str()));
+            sluice::protocol::validate_key(k).map_err(|e| fe(&f, e.why))?;
+            let n = t
+                .as_u64()
+                .filter(|n| *n <= MAX_COUNT)
+                .ok_or_else(|| fe(&f, format!("must be a whole number from 0 to {MAX_COUNT}")))?;
+            key_overrides.insert(k.clone(), n);
+        }
+    }
+
     let description = o.string("description")?.unwrap_or_default().to_string();
     if description.chars().count() > MAX_DESCRIPTION {
         return Err(fe(
@@ -408,6 +488,8 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
             dynamic,
             description,
             lease_ms,
+            keyed,
+            key_overrides,
         },
         version,
     })
@@ -441,6 +523,12 @@ impl TaskSpec {
             } else {
                 0
             },
+            keyed: self.keyed,
+            key_overrides: self
+                .key_overrides
+                .iter()
+                .map(|(k, t)| (sluice::protocol::key_digest(k), *t))
+                .collect(),
         }
     }
 
@@ -633,6 +721,64 @@ mod tests {
         ] {
             let e = parse_stored("t", stored.as_bytes()).unwrap_err();
             assert_eq!(e.field, field, "{stored}: {e}");
+        }
+    }
+
+    #[test]
+    fn schedule_time_zones_are_validated_and_utc_is_not_stored() {
+        let r = parse(
+            r#"{"threshold": 10, "schedules": [
+                {"cron": "* * 9-17 * * *", "threshold": 1},
+                {"cron": "* * 9-17 * * *", "threshold": 2, "timezone": "UTC"},
+                {"cron": "* * 9-17 * * *", "threshold": 3, "timezone": "Europe/Berlin"}]}"#,
+        )
+        .unwrap();
+        let zones: Vec<&str> = r
+            .spec
+            .schedules
+            .iter()
+            .map(|e| e.timezone.as_str())
+            .collect();
+        assert_eq!(zones, ["UTC", "UTC", "Europe/Berlin"]);
+        // UTC (the default) is neither stored nor returned; a zone is, and round-trips.
+        let stored = serde_json::to_value(&r.spec).unwrap();
+        assert!(stored["schedules"][0].get("timezone").is_none());
+        assert!(stored["schedules"][1].get("timezone").is_none());
+        assert_eq!(stored["schedules"][2]["timezone"], "Europe/Berlin");
+        let bytes = serde_json::to_vec(&r.spec).unwrap();
+        assert_eq!(parse_stored("t", &bytes).unwrap(), r.spec);
+        // A spec stored before zones existed reads as UTC.
+        let old: TaskSpec = serde_json::from_str(
+            r#"{"threshold": 10, "slice_ms": 1000, "pull": 0, "local_limit": 10,
+                "on_failure": "local", "mode": "pooled",
+                "fallback": {"algorithm": "token_bucket", "burst": 0},
+                "schedules": [{"cron": "* * * * * *", "threshold": 1}], "description": ""}"#,
+        )
+        .unwrap();
+        assert_eq!(old.schedules[0].timezone, "UTC");
+
+        let e = parse(
+            r#"{"threshold": 10, "schedules": [
+                {"cron": "* * * * * *", "threshold": 1},
+                {"cron": "* * * * * *", "threshold": 1, "timezone": "America/New_York"},
+                {"cron": "* * * * * *", "threshold": 1, "timezone": "Europe/Berln"}]}"#,
+        )
+        .unwrap_err();
+        assert_eq!(e.field, "schedules[2].timezone");
+        assert!(
+            e.to_string()
+                .starts_with(r#"schedules[2].timezone: unknown IANA time zone "Europe/Berln""#),
+            "{e}"
+        );
+        for (tz, field) in [
+            (r#""""#, "schedules[0].timezone"),
+            ("5", "schedules[0].timezone"),
+            (r#""+02:00""#, "schedules[0].timezone"),
+        ] {
+            let body = format!(
+                r#"{{"threshold": 10, "schedules": [{{"cron": "* * * * * *", "threshold": 1, "timezone": {tz}}}]}}"#
+            );
+            assert_eq!(parse(&body).unwrap_err().field, field, "{body}");
         }
     }
 

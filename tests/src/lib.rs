@@ -1442,9 +1442,30 @@ impl Drop for SegmentGuard {
 pub fn remove_segment(namespace: &str, host_id: &str) {
     let path = sluice::shm::Segment::path_for(Path::new("/dev/shm"), namespace, host_id);
     let _ = std::fs::remove_file(&path);
-    let mut lock = path.into_os_string();
-    lock.push(".lock");
-    let _ = std::fs::remove_file(lock);
+    for suffix in [".lock", ".keys", ".keys.lock"] {
+        let mut p = path.clone().into_os_string();
+        p.push(suffix);
+        let _ = std::fs::remove_file(p);
+    }
+}
+
+/// Per key, per bucket `(admitted, rejected)` of a loadgen report's `keys` (keyed tasks).
+pub fn loadgen_key_buckets(
+    report: &Value,
+) -> std::collections::BTreeMap<String, std::collections::BTreeMap<i64, (u64, u64)>> {
+    let mut out = std::collections::BTreeMap::new();
+    if let Some(keys) = report["keys"].as_object() {
+        for (k, b) in keys {
+            let e: &mut std::collections::BTreeMap<i64, (u64, u64)> =
+                out.entry(k.clone()).or_default();
+            for (s, v) in b.as_object().into_iter().flatten() {
+                let x = e.entry(s.parse().expect("bucket key")).or_default();
+                x.0 += v[0].as_u64().unwrap_or(0);
+                x.1 += v[1].as_u64().unwrap_or(0);
+            }
+        }
+    }
+    out
 }
 
 // ---------------------------------------------------------------------------------------------

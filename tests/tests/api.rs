@@ -99,6 +99,11 @@ async fn bad_inputs_are_400_with_the_field_and_change_nothing() {
         ),
         (
             "t",
+            r#"{"threshold": 1, "schedules": [{"cron": "* * * * * *", "threshold": 1, "timezone": "Mars/Olympus"}]}"#,
+            "schedules[0].timezone",
+        ),
+        (
+            "t",
             r#"{"threshold": 1, "dynamic": {"enabled": true, "min": 10, "max": 5}}"#,
             "dynamic.min",
         ),

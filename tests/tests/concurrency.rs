@@ -28,6 +28,8 @@ fn conc_meta(threshold: u64, lease_ms: u64, version: i64) -> TaskMeta {
         fallback: Fallback::default(),
         version,
         lease_ms,
+        keyed: false,
+        key_overrides: Default::default(),
     }
 }
 

@@ -31,6 +31,8 @@ fn meta(version: i64) -> TaskMeta {
         fallback: Fallback::default(),
         version,
         lease_ms: 0,
+        keyed: false,
+        key_overrides: Default::default(),
     }
 }
 

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use serde_json::json;
 use sluice::protocol::conn::{ConnOptions, Redis, RedisTarget};
 use sluice::protocol::scripts::PullReply;
 use sluice::protocol::{Keys, meta_field, slice, slice_field};
@@ -240,6 +241,112 @@ async fn cron_schedules_set_the_threshold_of_matching_slices() {
         };
         assert_eq!(cap, Some(want), "slice {start} (second {sec})");
     }
+}
+
+/// A schedule entry in a time zone: its window is read on that zone's wall clock. Asia/Kathmandu
+/// is UTC+05:45 all year (no DST since 1986), so the test computes the local hour by hand,
+/// independently of the manager's tz database, and the same cron read in UTC would not match.
+/// A bad zone is a 400 naming the field that changes nothing; a GET answer PUT back keeps the
+/// zone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zoned_schedule_sets_the_threshold_on_that_zones_clock() {
+    const OFFSET_MS: i64 = (5 * 60 + 45) * 60_000;
+    let ns = unique_ns("tz");
+    let redis_url = shared_redis();
+    let m = Manager::start(ManagerOpts::new(&shared_etcd(), &redis_url, &ns, "n0")).await;
+    m.wait_leader().await;
+    // The current local hour and the next: the window lasts at least an hour from now.
+    let hour = (now_ms() + OFFSET_MS).rem_euclid(86_400_000) / 3_600_000;
+    let next = (hour + 1) % 24;
+    let cron = format!("* * {hour},{next} * * *");
+    let utc_hour = now_ms().rem_euclid(86_400_000) / 3_600_000;
+    assert!(
+        utc_hour != hour && utc_hour != next,
+        "read in UTC the window would not match"
+    );
+    eprintln!("Asia/Kathmandu hours {hour},{next}; UTC hour {utc_hour}");
+    let body = json!({"threshold": 10, "schedules": [
+        {"cron": cron, "threshold": 20, "timezone": "Asia/Kathmandu"},
+        {"cron": cron, "threshold": 30}]})
+    .to_string();
+    let (s, v) = m.put("/api/v1/tasks/z", &body).await;
+    assert_eq!(s, 201, "{v}");
+    let mut conn = redis_conn(&redis_url);
+    let all_at = |conn: &mut redis::Connection, cap: u64| {
+        let now = now_ms();
+        let caps = slice_caps(conn, &ns, "z", 1000, now, now + 30_000);
+        caps.iter().all(|(_, c)| *c == Some(cap)).then_some(caps)
+    };
+    let caps = wait_until(
+        "zoned slices at 20",
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || {
+            let r = all_at(&mut conn, 20);
+            async move { r }
+        },
+    )
+    .await;
+    assert!(caps.len() >= 30, "{caps:?}");
+    let got = m.get_json("/api/v1/tasks/z").await.unwrap();
+    assert_eq!(got["schedules"][0]["timezone"], "Asia/Kathmandu");
+    assert!(
+        got["schedules"][1].get("timezone").is_none(),
+        "UTC is not returned: {got}"
+    );
+    let version = got["version"].as_i64().unwrap();
+
+    // A bad zone: 400 naming the field, the spec and the slices unchanged.
+    let bad = json!({"threshold": 10, "version": version, "schedules": [
+        {"cron": cron, "threshold": 20, "timezone": "Asia/Kathmandu"},
+        {"cron": "* * * * * *", "threshold": 40, "timezone": "Europe/Berln"}]})
+    .to_string();
+    let (s, v) = m.put("/api/v1/tasks/z", &bad).await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["field"], "schedules[1].timezone", "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains(r#"unknown IANA time zone "Europe/Berln""#),
+        "{v}"
+    );
+    let after = m.get_json("/api/v1/tasks/z").await.unwrap();
+    assert_eq!(after["version"], version);
+    assert_eq!(after["schedules"], got["schedules"]);
+    // The leader has rolled since (a slice past the last one written at the 400 exists) and
+    // still writes 20.
+    let last_written = |conn: &mut redis::Connection| {
+        let now = now_ms();
+        slice_caps(conn, &ns, "z", 1000, now, now + 600_000)
+            .iter()
+            .filter(|(_, c)| c.is_some())
+            .map(|(start, _)| *start)
+            .max()
+            .unwrap()
+    };
+    let at_400 = last_written(&mut conn);
+    wait_until(
+        "the leader to roll past the refused PUT",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            let r = (last_written(&mut conn) > at_400).then_some(());
+            async move { r }
+        },
+    )
+    .await;
+    assert!(
+        all_at(&mut conn, 20).is_some(),
+        "slices changed after a 400"
+    );
+
+    // The GET answer PUT back as it is: accepted, the zone kept, the slices unchanged.
+    let (s, v) = m.put("/api/v1/tasks/z", &got.to_string()).await;
+    assert_eq!(s, 200, "{v}");
+    let again = m.get_json("/api/v1/tasks/z").await.unwrap();
+    assert_eq!(again["schedules"], got["schedules"]);
+    assert!(all_at(&mut conn, 20).is_some());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

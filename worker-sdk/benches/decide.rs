@@ -57,6 +57,8 @@ fn host(mode: Mode, clients: usize) -> Host {
             },
             version: 1,
             lease_ms: 0,
+            keyed: false,
+            key_overrides: Default::default(),
         },
         sl.generation(),
     );

@@ -72,7 +72,20 @@
 //! `O_APPEND` descriptor. Buckets count permits by their start; `fallback_admitted` counts
 //! permits handed out while FAILED. `--rate` does not apply (the workers are the demand).
 //!
-//! Other extra flags (not part of the pinned interface): `--probe-interval-ms`,
+//! # Keyed tasks
+//!
+//! `--keys K` (📌) spreads the decisions over the keys `key-0 … key-{K-1}` of a keyed task:
+//! uniformly, or with `--key-skew S` (📌) by a Zipf law of exponent S (key-0 the hottest).
+//! Every process runs `--workers W` (default 16) concurrent loops on one Tokio runtime,
+//! each deciding with `Key::acquire` (which waits for a pull of a key with no quota in hand,
+//! as an async service would); `--rate` is per process, shared by its loops. Decisions are
+//! bucketed by the time the SDK decided them (the slice it charged). `--key-report R` (📌,
+//! default 100) adds `"keys": {"key-i": {"<bucket_start_ms>": [admitted, rejected]}}` for
+//! every i < R to the JSON line, and `"key_latency_us"` (extra): p50/p99 of the decision
+//! time of calls that had to wait for Redis (`cold`) and of those that did not (`hot`).
+//!
+//! Other extra flags (not part of the pinned interface): `--key-slots N` (key table entries),
+//! `--probe-interval-ms`,
 //! `--pull-timeout-ms`, `--clock host|redis`, and the Redis TLS / ACL flags of the manager:
 //! `--redis-ca`, `--redis-cert`, `--redis-key`, `--redis-insecure`, `--redis-user`,
 //! `--redis-password-file` (with a `rediss://` URL). The parent checks the link once before it
@@ -164,6 +177,18 @@ struct Args {
     /// Concurrency tasks: concurrent permit loops per process (extra).
     #[arg(long, default_value_t = 16)]
     workers: u32,
+    /// Keyed tasks: spread decisions over keys key-0 … key-{K-1} (0 = the task itself).
+    #[arg(long, default_value_t = 0)]
+    keys: u64,
+    /// Keyed tasks: Zipf exponent of the key choice (0 = uniform).
+    #[arg(long, default_value_t = 0.0)]
+    key_skew: f64,
+    /// Keyed tasks: report per-bucket counts of keys key-0 … key-{R-1}.
+    #[arg(long, default_value_t = 100)]
+    key_report: u64,
+    /// Keyed tasks: entries of the host's key table (extra; SDK default when absent).
+    #[arg(long)]
+    key_slots: Option<u32>,
     /// Internal: run as child number i.
     #[arg(long, hide = true)]
     child: Option<u32>,
@@ -188,6 +213,35 @@ struct Report {
     redis_calls: u64,
     buckets: BTreeMap<String, [u64; 2]>,
     fallback_buckets: BTreeMap<String, u64>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    keys: BTreeMap<String, BTreeMap<String, [u64; 2]>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    key_latency_us: Option<KeyLatency>,
+}
+
+/// Decision latency of keyed decisions (µs): calls that waited for Redis and those that did not.
+#[derive(Debug, Default, Clone, Serialize, Deserialize)]
+struct KeyLatency {
+    cold_n: u64,
+    cold_p50: f64,
+    cold_p99: f64,
+    hot_n: u64,
+    hot_p50: f64,
+    hot_p99: f64,
+    /// Raw samples (children → parent only).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    cold_samples: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    hot_samples: Vec<u32>,
+}
+
+fn percentile(v: &mut [u32], p: f64) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_unstable();
+    let i = ((v.len() - 1) as f64 * p).round() as usize;
+    v[i.min(v.len() - 1)] as f64
 }
 
 impl Report {
@@ -225,6 +279,33 @@ impl Report {
         }
         for (k, n) in r.fallback_buckets {
             *self.fallback_buckets.entry(k).or_insert(0) += n;
+        }
+        for (k, b) in r.keys {
+            let e = self.keys.entry(k).or_default();
+            for (bucket, v) in b {
+                let x = e.entry(bucket).or_insert([0, 0]);
+                x[0] += v[0];
+                x[1] += v[1];
+            }
+        }
+        if let Some(l) = r.key_latency_us {
+            let t = self.key_latency_us.get_or_insert_with(KeyLatency::default);
+            t.cold_samples.extend(l.cold_samples);
+            t.hot_samples.extend(l.hot_samples);
+        }
+    }
+
+    /// Turns merged latency samples into percentiles.
+    fn finish_latency(&mut self) {
+        if let Some(l) = &mut self.key_latency_us {
+            l.cold_n = l.cold_samples.len() as u64;
+            l.hot_n = l.hot_samples.len() as u64;
+            l.cold_p50 = percentile(&mut l.cold_samples, 0.5);
+            l.cold_p99 = percentile(&mut l.cold_samples, 0.99);
+            l.hot_p50 = percentile(&mut l.hot_samples, 0.5);
+            l.hot_p99 = percentile(&mut l.hot_samples, 0.99);
+            l.cold_samples.clear();
+            l.hot_samples.clear();
         }
     }
 }
@@ -552,6 +633,7 @@ fn parent(args: &Args) -> Result<(), String> {
     // Over the time the children ran: the whole duration, or less when stopped early.
     let ran_ms = (now_ms() - start_at).clamp(1, args.duration_ms.max(1) as i64);
     total.decisions_per_sec = (total.admitted + total.rejected) as f64 / (ran_ms as f64 / 1_000.0);
+    total.finish_latency();
     let line = serde_json::to_string(&total).map_err(|e| e.to_string())?;
     // A closed stdout (the reader went away) is not worth a panic.
     let _ = writeln!(std::io::stdout(), "{line}");
@@ -674,6 +756,9 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     if let Some(ms) = args.pull_timeout_ms {
         cfg.pull_timeout = Duration::from_millis(ms);
     }
+    if let Some(n) = args.key_slots {
+        cfg.key_slots = n;
+    }
     cfg.clock = match args.clock.as_str() {
         "redis" => ClockSource::Redis,
         _ => ClockSource::Host,
@@ -700,6 +785,18 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     let wait = start_at - now_ms();
     if wait > 0 {
         sleep_unless_stopped(Duration::from_millis(wait as u64));
+    }
+    if args.keys > 0 {
+        let r = keyed_child(args, &task, &mut progress)?;
+        drop(task);
+        drop(client);
+        let r = Report {
+            redis_calls: calls.get(),
+            ..r
+        };
+        let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
+        let _ = writeln!(std::io::stdout(), "{line}");
+        return Ok(());
     }
     if task.meta().is_some_and(|m| m.mode == Mode::Concurrency) {
         let r = concurrency_child(args, &task, &mut progress)?;
@@ -883,6 +980,199 @@ fn concurrency_child(args: &Args, task: &Task, progress: &mut Progress) -> Resul
             }
         }
     }
+    for (b, v) in merged {
+        r.admitted += v[0];
+        r.rejected += v[1];
+        r.fallback_admitted += v[2];
+        r.add_bucket(b, v);
+        progress.bucket(b, v);
+    }
+    let secs = started.elapsed().as_secs_f64().max(1e-9);
+    r.decisions_per_sec = (r.admitted + r.rejected) as f64 / secs;
+    Ok(r)
+}
+
+/// A small xorshift generator (per loop; seeded from the clock, the process and the loop).
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Self(seed | 1)
+    }
+
+    fn next_f64(&mut self) -> f64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Key choice: uniform, or Zipf with exponent `s` by inverse CDF (binary search).
+enum KeyChoice {
+    Uniform(u64),
+    Zipf(Vec<f64>),
+}
+
+impl KeyChoice {
+    fn new(keys: u64, s: f64) -> Self {
+        if s <= 0.0 {
+            return Self::Uniform(keys);
+        }
+        let mut cdf = Vec::with_capacity(keys as usize);
+        let mut sum = 0.0;
+        for k in 1..=keys {
+            sum += 1.0 / (k as f64).powf(s);
+            cdf.push(sum);
+        }
+        for c in &mut cdf {
+            *c /= sum;
+        }
+        Self::Zipf(cdf)
+    }
+
+    fn pick(&self, rng: &mut Rng) -> usize {
+        match self {
+            Self::Uniform(k) => ((rng.next_f64() * *k as f64) as u64).min(k - 1) as usize,
+            Self::Zipf(cdf) => {
+                let u = rng.next_f64();
+                cdf.partition_point(|c| *c < u).min(cdf.len() - 1)
+            }
+        }
+    }
+}
+
+/// Per-loop counts: totals by bucket `[admitted, rejected, fallback]`, reported keys by bucket,
+/// latency samples (µs) of cold and hot decisions.
+#[derive(Default)]
+struct KeyedCounts {
+    buckets: Counts,
+    keys: BTreeMap<(usize, i64), [u64; 2]>,
+    cold: Vec<u32>,
+    hot: Vec<u32>,
+}
+
+/// Most latency samples kept per loop (a uniform thinning keeps the percentiles honest).
+const MAX_SAMPLES: usize = 20_000;
+
+/// A keyed task: `--workers` loops per process deciding on `--keys` keys.
+fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Report, String> {
+    if args.workers == 0 || args.workers > 10_000 {
+        return Err("--workers must be 1..=10000".into());
+    }
+    if args.keys > 10_000_000 {
+        return Err("--keys must be at most 10000000".into());
+    }
+    if !(0.0..=10.0).contains(&args.key_skew) {
+        return Err("--key-skew must be from 0 to 10".into());
+    }
+    let handles: Vec<sluice::Key> = (0..args.keys)
+        .map(|i| task.key(&format!("key-{i}")))
+        .collect::<Result<_, _>>()
+        .map_err(|e| e.to_string())?;
+    let handles = std::sync::Arc::new(handles);
+    let choice = std::sync::Arc::new(KeyChoice::new(args.keys, args.key_skew));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let duration = Duration::from_millis(args.duration_ms);
+    let bucket_ms = args.bucket_ms;
+    let report_keys = args.key_report as usize;
+    let workers = args.workers;
+    let per_loop_rate = args.rate / workers as f64;
+    let seed = sluice::clock::host_us() as u64 ^ ((std::process::id() as u64) << 32);
+    let counts: Vec<KeyedCounts> = rt.block_on(async {
+        let loops = (0..workers).map(|w| {
+            let handles = handles.clone();
+            let choice = choice.clone();
+            async move {
+                let mut c = KeyedCounts::default();
+                let mut rng = Rng::new(
+                    seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+                        .wrapping_add(w as u64),
+                );
+                let mut done: u64 = 0;
+                let max: u64 = if per_loop_rate > 0.0 {
+                    (per_loop_rate * duration.as_secs_f64()).ceil() as u64 + 1
+                } else {
+                    100_000_000_000
+                };
+                let mut seen: u64 = 0;
+                // Bounded in time and count (and by the stop flag).
+                while done < max && started.elapsed() < duration && !signals::stop_requested() {
+                    if per_loop_rate > 0.0 {
+                        let due = (started.elapsed().as_secs_f64() * per_loop_rate) as u64 + 1;
+                        if due <= done {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                            continue;
+                        }
+                    } else if done % 256 == 255 {
+                        tokio::task::yield_now().await;
+                    }
+                    let k = choice.pick(&mut rng);
+                    let t0 = Instant::now();
+                    let (d, now_us) = handles[k].acquire_stamped(1).await;
+                    let took = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
+                    seen += 1;
+                    // Cold = it waited for Redis (a pull or a direct call): over 20 µs.
+                    let v = if took > 20 { &mut c.cold } else { &mut c.hot };
+                    if v.len() < MAX_SAMPLES {
+                        v.push(took);
+                    } else {
+                        let j = (rng.next_f64() * seen as f64) as usize;
+                        if j < MAX_SAMPLES {
+                            v[j] = took;
+                        }
+                    }
+                    let ms = now_us.div_euclid(1_000);
+                    let b = ms - ms.rem_euclid(bucket_ms);
+                    let e = c.buckets.entry(b).or_insert([0; 3]);
+                    let allowed = d.is_allowed();
+                    if allowed {
+                        e[0] += 1;
+                        if d == Decision::FallbackAllowed {
+                            e[2] += 1;
+                        }
+                    } else {
+                        e[1] += 1;
+                    }
+                    if k < report_keys {
+                        let ke = c.keys.entry((k, b)).or_insert([0, 0]);
+                        ke[usize::from(!allowed)] += 1;
+                    }
+                    done += 1;
+                }
+                c
+            }
+        });
+        futures::future::join_all(loops).await
+    });
+    let mut r = Report::new(args, 1);
+    let mut merged = Counts::new();
+    let mut lat = KeyLatency::default();
+    for c in counts {
+        for (b, v) in c.buckets {
+            let e = merged.entry(b).or_insert([0; 3]);
+            for i in 0..3 {
+                e[i] += v[i];
+            }
+        }
+        for ((k, b), v) in c.keys {
+            let e = r
+                .keys
+                .entry(format!("key-{k}"))
+                .or_default()
+                .entry(b.to_string())
+                .or_insert([0, 0]);
+            e[0] += v[0];
+            e[1] += v[1];
+        }
+        lat.cold_samples.extend(c.cold);
+        lat.hot_samples.extend(c.hot);
+    }
+    r.key_latency_us = Some(lat);
     for (b, v) in merged {
         r.admitted += v[0];
         r.rejected += v[1];

@@ -142,6 +142,7 @@ pub(crate) fn spawn(
 }
 
 async fn run(sh: Arc<Shared>) {
+    tokio::spawn(crate::keyed::pump(sh.clone()));
     loop {
         let stopping = sh.stop.load(Ordering::Acquire);
         let (tasks, unused) = {
@@ -163,12 +164,23 @@ async fn run(sh: Arc<Shared>) {
             tracing::debug!(task = %t.name, "no handle left; dropped the task's state");
         }
         drop(unused);
-        let busy = futures::future::join_all(tasks.iter().map(|t| step(&sh, t, stopping))).await;
+        let (busy, keys_busy) = futures::future::join(
+            futures::future::join_all(tasks.iter().map(|t| step(&sh, t, stopping))),
+            async {
+                if stopping {
+                    false
+                } else {
+                    crate::keyed::step(&sh).await
+                }
+            },
+        )
+        .await;
         if stopping {
             return;
         }
         report_host(&sh).await;
         let busy = busy.into_iter().any(|b| b)
+            || keys_busy
             || tasks.iter().any(|t| t.waiters.load(Ordering::Acquire) > 0);
         drop(tasks);
         let tick = if busy { BUSY_TICK } else { IDLE_TICK };
@@ -294,7 +306,9 @@ async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, 
                 }
             } else {
                 match TaskMeta::from_pairs(pairs.iter().map(|(k, v)| (k.as_str(), v.as_str()))) {
-                    Ok(meta) => {
+                    Ok(mut meta) => {
+                        // Key overrides are read by the KPULL script, not kept in the segment.
+                        meta.key_overrides.clear();
                         cells.missing_since_ms.store(0, Ordering::Relaxed);
                         if slot.meta().as_ref() != Some(&meta) {
                             tracing::info!(task = %t.name, version = meta.version,
@@ -326,7 +340,13 @@ async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, 
     }
 }
 
-fn apply_health(t: &TaskInner, slot: &Slot, old: Health, new: Health, next_probe: Option<i64>) {
+pub(crate) fn apply_health(
+    t: &TaskInner,
+    slot: &Slot,
+    old: Health,
+    new: Health,
+    next_probe: Option<i64>,
+) {
     if let Some(p) = next_probe {
         slot.ctl.next_probe_ms.store(p, Ordering::Release);
     }

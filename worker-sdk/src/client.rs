@@ -97,6 +97,11 @@ pub struct Config {
     pub acquire_timeout: Duration,
     /// Which clock slices follow.
     pub clock: ClockSource,
+    /// Entries of the host's key table for keyed tasks (default
+    /// [`crate::keyed::DEFAULT_KEY_SLOTS`] = 16,384, 6 MiB; at most
+    /// [`crate::keyed::MAX_KEY_SLOTS`] = 262,144). Like the segment, a table with fewer entries
+    /// is replaced by a larger one.
+    pub key_slots: u32,
     /// What to answer for a task whose meta is not known yet (never read by any process of
     /// this host): `true` (default) admits ([`Decision::FallbackAllowed`]), `false` rejects.
     pub allow_unknown: bool,
@@ -122,6 +127,7 @@ impl Config {
             lock_timeout: Duration::from_secs(3),
             acquire_timeout: Duration::from_secs(1),
             clock: ClockSource::Host,
+            key_slots: crate::keyed::DEFAULT_KEY_SLOTS,
             allow_unknown: true,
         }
     }
@@ -154,6 +160,9 @@ pub enum Error {
     /// The background thread could not be started.
     #[error("cannot start the background thread: {0}")]
     Spawn(#[source] std::io::Error),
+    /// The host's key table (keyed tasks) could not be opened.
+    #[error("{0}")]
+    KeyTable(String),
 }
 
 /// `Config::redis_security.<field>: …`, or `Config::redis: …` for the URL itself.
@@ -251,6 +260,8 @@ pub(crate) struct Shared {
     pub(crate) requests: AtomicU64,
     /// When the client was created.
     pub(crate) started: Instant,
+    /// Keyed tasks: the key table and pending key pulls.
+    pub(crate) keyed: crate::keyed::KeyState,
 }
 
 impl Shared {
@@ -283,7 +294,7 @@ impl Shared {
 }
 
 /// 64 random bits (`getrandom`; the clock and pid if that fails).
-fn random_u64() -> u64 {
+pub(crate) fn random_u64() -> u64 {
     let mut b = [0u8; 8];
     // SAFETY: getrandom writes at most `b.len()` bytes into the buffer we pass.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
@@ -435,6 +446,7 @@ impl Client {
             wake: Notify::new(),
             redis_calls: Arc::new(AtomicU64::new(0)),
             stop: AtomicBool::new(false),
+            keyed: Default::default(),
         });
         let thread = crate::background::spawn(shared.clone(), rt).map_err(Error::Spawn)?;
         Ok(Self {
@@ -715,7 +727,7 @@ impl Task {
     }
 
     /// The slot and its known meta, when the slot is still this task's.
-    fn slot_meta(&self) -> Option<(&Slot, FastMeta)> {
+    pub(crate) fn slot_meta(&self) -> Option<(&Slot, FastMeta)> {
         let r = self.inner.slot_ref();
         let slot = self.shared.seg.slot(r.index)?;
         let m = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire))?;
@@ -1027,6 +1039,8 @@ mod tests {
             },
             version: 1,
             lease_ms: 0,
+            keyed: false,
+            key_overrides: Default::default(),
         }
     }
 

@@ -449,6 +449,8 @@ mod tests {
                 },
                 version: 1,
                 lease_ms: 0,
+                keyed: false,
+                key_overrides: Default::default(),
             },
             slot.generation(),
         );

@@ -21,6 +21,7 @@
 //!   their locks, slot reclamation.
 //! * [`client`]: the public API ([`Client`], [`Task`], [`Decision`]).
 //! * [`concurrency`]: mode `concurrency`: permits in flight ([`Permit`]) from a leased block.
+//! * [`keyed`]: keyed tasks: a limit per key ([`Key`]) from a host-shared key table.
 //! * [`lock`]: distributed locks with fencing tokens ([`Client::lock`]).
 //! * [`state`]: the NORMAL / LIMITED / FAILED state machine (pure).
 //! * [`pull`]: pull sizing and prefetch policy (pure).
@@ -37,6 +38,7 @@ pub mod client;
 pub mod clock;
 pub mod concurrency;
 pub mod health;
+pub mod keyed;
 pub mod layer;
 pub mod limiter;
 pub mod lock;
@@ -48,5 +50,6 @@ pub mod state;
 pub use client::{Client, ClockSource, Config, Decision, Error, Task};
 pub use concurrency::{Permit, PermitError};
 pub use health::Outcome;
+pub use keyed::Key;
 pub use lock::{LockError, LockGuard};
 pub use state::HostState;

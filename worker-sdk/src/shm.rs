@@ -461,7 +461,11 @@ pub struct FastMeta {
     pub algorithm: FallbackAlgorithm,
     /// The slot generation the meta was written for.
     pub generation: u16,
+    /// Keyed task (bit 60).
+    pub keyed: bool,
 }
+
+const KEYED_BIT: u64 = 1 << 60;
 
 const MODES: [Mode; 5] = [
     Mode::Pooled,
@@ -486,7 +490,8 @@ impl FastMeta {
     /// use sluice::protocol::{FallbackAlgorithm, Mode, OnFailure};
     /// use sluice::shm::{FastMeta, word_generation};
     /// let m = FastMeta { slice_ms: 1_000, mode: Mode::ExactFixed, on_failure: OnFailure::Deny,
-    ///                    algorithm: FallbackAlgorithm::SlidingLog, generation: 513 };
+    ///                    algorithm: FallbackAlgorithm::SlidingLog, generation: 513,
+    ///                    keyed: true };
     /// assert_eq!(FastMeta::decode(m.encode()), Some(m));
     /// assert_eq!(word_generation(m.encode()), 513);
     /// ```
@@ -501,6 +506,7 @@ impl FastMeta {
             .position(|m| *m == self.algorithm)
             .unwrap_or(0) as u64;
         (1 << 63)
+            | if self.keyed { KEYED_BIT } else { 0 }
             | ((self.generation as u64) << GEN_SHIFT)
             | (mode << 40)
             | (onf << 36)
@@ -524,6 +530,7 @@ impl FastMeta {
             on_failure: *ON_FAILURE.get(((w >> 36) & 0x7) as usize)?,
             algorithm: *ALGORITHMS.get(((w >> 32) & 0xF) as usize)?,
             generation: word_generation(w),
+            keyed: w & KEYED_BIT != 0,
         })
     }
 }
@@ -596,6 +603,8 @@ impl Slot {
             },
             version: self.meta.version.load(Ordering::Relaxed),
             lease_ms: self.conc.lease_ms.load(Ordering::Relaxed),
+            keyed: fast.keyed,
+            key_overrides: Default::default(),
         })
     }
 
@@ -621,6 +630,7 @@ impl Slot {
             on_failure: meta.on_failure,
             algorithm: meta.fallback.algorithm,
             generation,
+            keyed: meta.keyed,
         }
         .encode();
         let mut cur = m.fast.load(Ordering::Acquire);
@@ -1615,16 +1625,16 @@ impl Segment {
 }
 
 /// `path` with `suffix` appended to its file name.
-fn sibling(path: &Path, suffix: &str) -> PathBuf {
+pub(crate) fn sibling(path: &Path, suffix: &str) -> PathBuf {
     let mut s = path.as_os_str().to_os_string();
     s.push(suffix);
     PathBuf::from(s)
 }
 
-struct Flock<'a>(&'a File);
+pub(crate) struct Flock<'a>(&'a File);
 
 impl<'a> Flock<'a> {
-    fn lock(f: &'a File) -> std::io::Result<Self> {
+    pub(crate) fn lock(f: &'a File) -> std::io::Result<Self> {
         loop {
             // SAFETY: flock on an open descriptor.
             let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) };
@@ -1837,6 +1847,8 @@ mod tests {
             },
             version: 3,
             lease_ms: 0,
+            keyed: false,
+            key_overrides: Default::default(),
         }
     }
 

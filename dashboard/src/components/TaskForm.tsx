@@ -17,6 +17,20 @@ const MODE_HINTS: Record<string, string> = {
 const ON_FAILURE = ['local', 'allow', 'deny'];
 const ALGORITHMS = ['token_bucket', 'fixed_window', 'sliding_window', 'sliding_log', 'leaky_bucket'];
 
+/** A schedule entry's zone when it names none (the API neither stores nor returns it). */
+const DEFAULT_TIMEZONE = 'UTC';
+
+/** IANA zone names the browser knows, for the schedule rows' datalist (the API validates). */
+function zoneNames(): string[] {
+  let names: string[] = [];
+  try {
+    names = Intl.supportedValuesOf('timeZone');
+  } catch {
+    // An old browser: the field is free text all the same.
+  }
+  return [DEFAULT_TIMEZONE, ...names.filter((n) => n !== DEFAULT_TIMEZONE)];
+}
+
 interface Model {
   name: string;
   threshold: string;
@@ -28,7 +42,7 @@ interface Model {
   algorithm: string;
   burst: string;
   description: string;
-  schedules: { cron: string; threshold: string }[];
+  schedules: { cron: string; threshold: string; timezone: string }[];
   dynEnabled: boolean;
   dynMin: string;
   dynMax: string;
@@ -50,7 +64,11 @@ function fromSpec(s?: TaskSpec): Model {
     algorithm: s?.fallback?.algorithm ?? 'token_bucket',
     burst: s ? str(s.fallback?.burst) : '',
     description: s?.description ?? '',
-    schedules: (s?.schedules ?? []).map((e) => ({ cron: e.cron, threshold: String(e.threshold) })),
+    schedules: (s?.schedules ?? []).map((e) => ({
+      cron: e.cron,
+      threshold: String(e.threshold),
+      timezone: e.timezone ?? DEFAULT_TIMEZONE,
+    })),
     dynEnabled: s?.dynamic?.enabled ?? false,
     dynMin: str(s?.dynamic?.min),
     dynMax: str(s?.dynamic?.max),
@@ -79,7 +97,12 @@ function toBody(m: Model, version: number) {
     // Only for mode concurrency (the API refuses it for the others, naming `lease_ms`).
     lease_ms: m.mode === 'concurrency' ? numOrText(m.lease_ms) : undefined,
     fallback: { algorithm: m.algorithm, burst: numOrText(m.burst) },
-    schedules: m.schedules.map((s) => ({ cron: s.cron, threshold: numOrText(s.threshold) })),
+    schedules: m.schedules.map((s) => ({
+      cron: s.cron,
+      threshold: numOrText(s.threshold),
+      // Empty = the API's default, UTC.
+      timezone: s.timezone.trim() === '' ? undefined : s.timezone,
+    })),
     dynamic: dynTouched
       ? {
           enabled: m.dynEnabled,
@@ -130,7 +153,7 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
     setDirty(true);
     setSaved(null);
   };
-  const setSchedule = (i: number, k: 'cron' | 'threshold', v: string) => {
+  const setSchedule = (i: number, k: 'cron' | 'threshold' | 'timezone', v: string) => {
     setM((old) => ({ ...old, schedules: old.schedules.map((s, j) => (j === i ? { ...s, [k]: v } : s)) }));
     setDirty(true);
     setSaved(null);
@@ -183,7 +206,7 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
     label: string,
     value: string,
     onInput: (v: string) => void,
-    opts: { hint?: string; numeric?: boolean; placeholder?: string; required?: boolean } = {},
+    opts: { hint?: string; numeric?: boolean; placeholder?: string; required?: boolean; list?: string } = {},
   ) => {
     const id = fieldId(field);
     const msg = errFor(field);
@@ -201,6 +224,7 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
           inputMode={opts.numeric ? 'decimal' : undefined}
           autoComplete="off"
           placeholder={opts.placeholder}
+          list={opts.list}
           value={value}
           aria-invalid={msg ? 'true' : undefined}
           aria-describedby={describedBy}
@@ -349,7 +373,18 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
       {showSchedules ? (
       <fieldset id={`${fieldId('schedules')}-group`} tabIndex={-1}>
         <legend>Schedules</legend>
-        <p class="hint">Cron with seconds, in UTC; slices starting at a match get that threshold (later rows win).</p>
+        <p class="hint">
+          Cron with seconds, read on the clock of the row's time zone (an IANA name; empty = UTC); slices starting at a
+          match get that threshold (later rows win). On daylight-saving days a skipped local time matches nothing and a
+          repeated one matches both times.
+        </p>
+        {m.schedules.length > 0 ? (
+          <datalist id="tz-names">
+            {zoneNames().map((z) => (
+              <option value={z} />
+            ))}
+          </datalist>
+        ) : null}
         {groupError('schedules')}
         {m.schedules.length === 0 ? <p class="muted small">No schedules.</p> : null}
         {m.schedules.map((s, i) => (
@@ -359,6 +394,10 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
             })}
             {text(`schedules[${i}].threshold`, `Schedule ${i + 1} threshold`, s.threshold, (v) => setSchedule(i, 'threshold', v), {
               numeric: true,
+            })}
+            {text(`schedules[${i}].timezone`, `Schedule ${i + 1} time zone`, s.timezone, (v) => setSchedule(i, 'timezone', v), {
+              placeholder: DEFAULT_TIMEZONE,
+              list: 'tz-names',
             })}
             <button
               type="button"
@@ -377,7 +416,7 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
           type="button"
           class="secondary small"
           onClick={() => {
-            setM((old) => ({ ...old, schedules: [...old.schedules, { cron: '', threshold: '' }] }));
+            setM((old) => ({ ...old, schedules: [...old.schedules, { cron: '', threshold: '', timezone: DEFAULT_TIMEZONE }] }));
             setDirty(true);
             setTimeout(() => document.getElementById(fieldId(`schedules[${m.schedules.length}].cron`))?.focus(), 0);
           }}

@@ -57,6 +57,42 @@ pub const MIN_SLICE_MS: u64 = 100;
 /// Longest slice (one day), in milliseconds.
 pub const MAX_SLICE_MS: u64 = 86_400_000;
 
+/// Longest key of a keyed task, in bytes (any UTF-8).
+pub const MAX_KEY_LEN: usize = 256;
+
+/// Most `key_overrides` one keyed task may have.
+pub const MAX_KEY_OVERRIDES: usize = 1_000;
+
+/// The digest that names a key of a keyed task in Redis: the first 16 bytes of the SHA-256 of
+/// the key's UTF-8 bytes, as 32 lowercase hex digits. Key slices are
+/// `NS:{T}:k:<digest>:<start_ms>` and overrides are the meta fields `ko:<digest>`.
+///
+/// ```
+/// assert_eq!(sluice::protocol::key_digest("").len(), 32);
+/// // SHA-256("abc") = ba7816bf8f01cfea414140de5dae2223…
+/// assert_eq!(sluice::protocol::key_digest("abc"), "ba7816bf8f01cfea414140de5dae2223");
+/// ```
+pub fn key_digest(key: &str) -> String {
+    let d = ring::digest::digest(&ring::digest::SHA256, key.as_bytes());
+    let mut out = String::with_capacity(32);
+    for b in &d.as_ref()[..16] {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
+}
+
+/// Checks a key of a keyed task: at most [`MAX_KEY_LEN`] bytes (any UTF-8, empty allowed).
+pub fn validate_key(key: &str) -> Result<(), NameError> {
+    if key.len() > MAX_KEY_LEN {
+        return Err(NameError {
+            what: "key",
+            name: key.chars().take(32).collect::<String>() + "…",
+            why: "must be at most 256 bytes",
+        });
+    }
+    Ok(())
+}
+
 /// A name was not acceptable as a namespace or task name.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid {what} {name:?}: {why}")]
@@ -140,6 +176,23 @@ impl Keys {
     /// `NS:{T}:s:<start_ms>`: the hash of the slice starting at `start_ms`.
     pub fn slice(&self, task: &str, start_ms: i64) -> String {
         format!("{}:{{{task}}}:s:{start_ms}", self.ns)
+    }
+
+    /// `NS:{T}:k:<digest>:<start_ms>`: the slice hash of one key of a keyed task (`digest` from
+    /// [`key_digest`]); created by the first pull that needs it (KPULL), never by the leader.
+    pub fn key_slice(&self, task: &str, digest: &str, start_ms: i64) -> String {
+        format!("{}:{{{task}}}:k:{digest}:{start_ms}", self.ns)
+    }
+
+    /// `NS:{T}:top:<minute_start_ms>`: sorted set of a keyed task's keys by permits admitted in
+    /// that minute (hosts add their busiest keys), for the API and dashboard.
+    pub fn top_keys(&self, task: &str, minute_ms: i64) -> String {
+        format!("{}:{{{task}}}:top:{minute_ms}", self.ns)
+    }
+
+    /// `NS:{T}:topr:<minute_start_ms>`: the same by permits rejected.
+    pub fn top_rejected_keys(&self, task: &str, minute_ms: i64) -> String {
+        format!("{}:{{{task}}}:topr:{minute_ms}", self.ns)
     }
 
     /// `NS:{T}:hist:<resolution>`: compact per-task traffic history (harvested by the leader).
@@ -415,6 +468,11 @@ pub struct TaskMeta {
     pub version: i64,
     /// Mode `concurrency`: the lease TTL in ms (0 for other modes; an absent field reads as 0).
     pub lease_ms: u64,
+    /// Keyed task: every key has its own limit (`threshold` unless overridden). Absent = false.
+    pub keyed: bool,
+    /// Keyed task: thresholds of overridden keys, by [`key_digest`] (meta fields `ko:<digest>`).
+    /// The SDK does not need them (the KPULL script reads them); the manager writes them.
+    pub key_overrides: std::collections::BTreeMap<String, u64>,
 }
 
 /// Meta hash field names written by the manager and read by workers.
@@ -441,6 +499,10 @@ pub mod meta_field {
     pub const VERSION: &str = "version";
     /// Lease TTL (ms) of a `concurrency` task.
     pub const LEASE_MS: &str = "lease_ms";
+    /// `1` for a keyed task (absent or `0` otherwise).
+    pub const KEYED: &str = "keyed";
+    /// Prefix of key overrides: `ko:<digest>` = the key's threshold (keyed tasks).
+    pub const KEY_OVERRIDE_PREFIX: &str = "ko:";
     /// Term of the leader that last wrote this task: the fence (with [`EPOCH`]).
     pub const TERM: &str = "term";
     /// The etcd cluster id of that leader's election (decimal string): terms of different
@@ -512,7 +574,22 @@ impl TaskMeta {
             (FALLBACK_BURST, self.fallback.burst.to_string()),
             (VERSION, self.version.to_string()),
             (LEASE_MS, self.lease_ms.to_string()),
+            (KEYED, u8::from(self.keyed).to_string()),
         ]
+    }
+
+    /// The key override fields (`ko:<digest>`, threshold) the manager writes with the meta; the
+    /// ROLL script replaces all `ko:` fields whenever meta fields are written.
+    pub fn override_pairs(&self) -> Vec<(String, String)> {
+        self.key_overrides
+            .iter()
+            .map(|(d, t)| {
+                (
+                    format!("{}{d}", meta_field::KEY_OVERRIDE_PREFIX),
+                    t.to_string(),
+                )
+            })
+            .collect()
     }
 
     /// Parses the result of `HGETALL NS:{T}:meta`.
@@ -562,6 +639,29 @@ impl TaskMeta {
             lease_ms: match map.get(LEASE_MS) {
                 None => 0,
                 Some(_) => get(&map, LEASE_MS)?,
+            },
+            keyed: match map.get(KEYED) {
+                None | Some(&"0") => false,
+                Some(&"1") => true,
+                Some(v) => {
+                    return Err(MetaError::Field {
+                        field: KEYED,
+                        why: format!("{v:?}: expected 0 or 1"),
+                    });
+                }
+            },
+            key_overrides: {
+                let mut o = std::collections::BTreeMap::new();
+                for (k, v) in &map {
+                    if let Some(d) = k.strip_prefix(KEY_OVERRIDE_PREFIX) {
+                        let t = v.parse().map_err(|e| MetaError::Field {
+                            field: KEY_OVERRIDE_PREFIX,
+                            why: format!("{k}={v:?}: {e}"),
+                        })?;
+                        o.insert(d.to_string(), t);
+                    }
+                }
+                o
             },
         })
     }
@@ -637,6 +737,8 @@ mod tests {
             fallback: Fallback::default(),
             version: 7,
             lease_ms: 0,
+            keyed: false,
+            key_overrides: Default::default(),
         };
         let pairs = meta.to_pairs();
         let back = TaskMeta::from_pairs(pairs.iter().map(|(k, v)| (*k, v.as_str()))).unwrap();

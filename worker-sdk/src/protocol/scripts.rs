@@ -84,7 +84,9 @@ pub const FENCE_LUA: &str = fence_preamble!();
 ///
 /// `KEYS[1]` meta, `KEYS[2..]` slices. `ARGV`: the fence (3), full (0/1), expected `rolled_to`,
 /// new `rolled_to`, spec version, force (0/1), refresh (0/1), number of meta pairs `n`, `2n`
-/// meta field/values, then per slice: cap, expire-at (Unix ms).
+/// meta field/values, then per slice: cap, expire-at (Unix ms). When `n > 0`, every existing
+/// key override field (`ko:*`) is deleted before the pairs are written (overrides are always
+/// sent whole with the meta).
 ///
 /// Returns
 /// * `{1, written}`;
@@ -125,6 +127,10 @@ if check and m[4] and tonumber(m[4]) > version then return {5, tonumber(m[4])} e
 local n = tonumber(ARGV[10])
 local i = 11
 if n > 0 then
+  -- Key overrides are replaced as a whole with the meta fields.
+  for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(f, 1, 3) == 'ko:' then redis.call('HDEL', KEYS[1], f) end
+  end
   local kv = {}
   for j = 0, 2 * n - 1 do kv[#kv + 1] = ARGV[i + j] end
   redis.call('HSET', KEYS[1], unpack(kv))
@@ -239,6 +245,98 @@ if #ARGV >= 11 then
   end
 end
 return {grant, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
+"#;
+
+/// Pulls permits for one or more **keys** of a keyed task in one call (one slice, one task:
+/// one hash tag), creating a key's slice hash from the task's state when it does not exist yet
+/// (the leader never pre-rolls keys).
+///
+/// `KEYS[1]` the task's meta, `KEYS[2]` the task's slice `s:<start>` (rolled by the leader:
+/// its `cap` is the per-key threshold of that slice, schedules and dynamic limiting included),
+/// `KEYS[3..]` the keys' slices `k:<digest>:<start>`. `ARGV`: slice start (Unix ms), slice
+/// length (ms), host id, request id, the caller's meta version, all-or-nothing (0/1), then per
+/// key: want, digest, the key itself (stored as the slice's `key` field).
+///
+/// Returns `{status, time_s, time_us, stored_version, then per key: granted, remaining, cap,
+/// replayed}`:
+///
+/// * status `1`: the per-key fields are valid;
+/// * `-2`: Redis time is outside the slice's window (as [`PULL_LUA`]); nothing done;
+/// * `-1`: a key slice had to be created but cannot be: the meta is missing, retired or not
+///   keyed (`keyed` ≠ `1`), or the task slice does not exist; nothing done;
+/// * `-3`: a key slice had to be created and the caller's meta version is older than the stored
+///   one (`stored_version`): a host that has not seen a spec change never creates a slice from
+///   it; nothing done.
+///
+/// A new key slice gets `cap` = the task slice's `cap`, or for an override `ko:<digest> = o`
+/// `floor(o · cap / threshold)` (overrides follow schedules and dynamic limiting in
+/// proportion; `o` itself when the threshold is 0), `rem = cap`, `key`, and expires at
+/// `start + 2·len + 5 s`. Then, per key, `min(want, rem)` is granted (with all-or-nothing:
+/// `want` if `rem ≥ want`, else 0). **Idempotent by request id** per key: the grant is recorded
+/// as `p:<host> = <request id>:<granted>` and a retry is answered with it (`replayed = 1`).
+pub const KPULL_LUA: &str = r#"
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local start = tonumber(ARGV[1])
+local len = tonumber(ARGV[2])
+local grace = math.min(math.floor(len / 4), 250)
+if now < start - len or now > start + len + grace then return {-2, tonumber(t[1]), tonumber(t[2]), 0} end
+local pf = 'p:' .. ARGV[3]
+local rid = ARGV[4]
+local n = #KEYS - 2
+local h = {}
+local missing = false
+for i = 1, n do
+  h[i] = redis.call('HMGET', KEYS[i + 2], 'rem', 'cap', pf)
+  if not h[i][1] then missing = true end
+end
+local tcap, base
+if missing then
+  local m = redis.call('HMGET', KEYS[1], 'version', 'retired', 'keyed', 'threshold')
+  if (not m[1]) or m[2] or m[3] ~= '1' then return {-1, tonumber(t[1]), tonumber(t[2]), 0} end
+  if tonumber(ARGV[5]) < tonumber(m[1]) then return {-3, tonumber(t[1]), tonumber(t[2]), tonumber(m[1])} end
+  tcap = tonumber(redis.call('HGET', KEYS[2], 'cap'))
+  if not tcap then return {-1, tonumber(t[1]), tonumber(t[2]), 0} end
+  base = tonumber(m[4]) or 0
+end
+local out = {1, tonumber(t[1]), tonumber(t[2]), 0}
+for i = 1, n do
+  local want = tonumber(ARGV[4 + 3 * i])
+  local k = KEYS[i + 2]
+  local rem, cap
+  local done = false
+  if h[i][3] then
+    local id, g = string.match(h[i][3], '^(.*):(%-?%d+)$')
+    if id == rid then
+      out[#out + 1] = tonumber(g); out[#out + 1] = tonumber(h[i][1]) or 0
+      out[#out + 1] = tonumber(h[i][2]) or 0; out[#out + 1] = 1
+      done = true
+    end
+  end
+  if not done then
+    if not h[i][1] then
+      cap = tcap
+      local o = tonumber(redis.call('HGET', KEYS[1], 'ko:' .. ARGV[5 + 3 * i]))
+      if o then
+        if base > 0 then cap = math.floor(o * tcap / base) else cap = o end
+      end
+      rem = cap
+      redis.call('HSET', k, 'cap', cap, 'rem', cap, 'key', ARGV[6 + 3 * i])
+      redis.call('PEXPIREAT', k, start + 2 * len + 5000)
+    else
+      rem = tonumber(h[i][1])
+      cap = tonumber(h[i][2])
+    end
+    local grant = 0
+    if rem > 0 and want > 0 and (ARGV[6] ~= '1' or rem >= want) then
+      grant = math.min(want, rem)
+      rem = redis.call('HINCRBY', k, 'rem', -grant)
+    end
+    redis.call('HSET', k, pf, rid .. ':' .. grant)
+    out[#out + 1] = grant; out[#out + 1] = rem; out[#out + 1] = cap; out[#out + 1] = 0
+  end
+end
+return out
 "#;
 
 /// Adds counters to slices that still exist (a missing slice is skipped, never created).
@@ -398,6 +496,7 @@ static READ_SLICES: LazyLock<Script> = LazyLock::new(|| Script::new(READ_SLICES_
 static ADJUST: LazyLock<Script> = LazyLock::new(|| Script::new(ADJUST_LUA));
 static RETIRE: LazyLock<Script> = LazyLock::new(|| Script::new(RETIRE_LUA));
 static PULL: LazyLock<Script> = LazyLock::new(|| Script::new(PULL_LUA));
+static KPULL: LazyLock<Script> = LazyLock::new(|| Script::new(KPULL_LUA));
 static FLUSH: LazyLock<Script> = LazyLock::new(|| Script::new(FLUSH_LUA));
 static TAKE: LazyLock<Script> = LazyLock::new(|| Script::new(TAKE_LUA));
 static SLIDE: LazyLock<Script> = LazyLock::new(|| Script::new(SLIDE_LUA));
@@ -591,8 +690,12 @@ where
     match req.meta {
         Some(meta) => {
             let pairs = meta.to_pairs();
-            inv.arg(pairs.len());
+            let overrides = meta.override_pairs();
+            inv.arg(pairs.len() + overrides.len());
             for (k, v) in pairs {
+                inv.arg(k).arg(v);
+            }
+            for (k, v) in overrides {
                 inv.arg(k).arg(v);
             }
         }
@@ -783,6 +886,251 @@ where
             cap: cap.max(0) as u64,
             redis_time_us,
             replayed: replayed == 1,
+        },
+    })
+}
+
+/// One key of a [`KeyPullBatch`].
+#[derive(Debug, Clone, Copy)]
+pub struct KeyWant<'a> {
+    /// The key.
+    pub key: &'a str,
+    /// Its digest ([`super::key_digest`]).
+    pub digest: &'a str,
+    /// Permits asked for.
+    pub want: u64,
+}
+
+/// One KPULL ([`KPULL_LUA`]): permits for keys of one keyed task in one slice.
+#[derive(Debug, Clone)]
+pub struct KeyPullBatch<'a> {
+    /// The task.
+    pub task: &'a str,
+    /// Slice start (Unix ms).
+    pub start_ms: i64,
+    /// Slice length (ms).
+    pub slice_ms: u64,
+    /// This host.
+    pub host_id: &'a str,
+    /// Unique per call (a retry reuses it).
+    pub request_id: &'a str,
+    /// The meta version the caller decides under.
+    pub meta_version: i64,
+    /// Grant each key `want` or nothing.
+    pub all_or_nothing: bool,
+    /// The keys.
+    pub keys: &'a [KeyWant<'a>],
+}
+
+/// One key's answer in a [`KeyPullBatchReply::Granted`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeyGrant {
+    /// Permits granted (0 = the key's slice is spent, or all-or-nothing could not be met).
+    pub granted: u64,
+    /// Left in the key's slice after the grant.
+    pub remaining: i64,
+    /// The key's cap for the slice.
+    pub cap: u64,
+    /// A retry answered with the first attempt's grant.
+    pub replayed: bool,
+}
+
+/// What [`key_pull_batch`] answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyPullBatchReply {
+    /// One grant per key, in order.
+    Granted {
+        /// The grants.
+        grants: Vec<KeyGrant>,
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+    /// A key slice cannot be created: the task is missing, retired, not keyed, or its slice is
+    /// not rolled. Nothing was done.
+    Missing {
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+    /// Redis time is outside the slice's window. Nothing was done.
+    OutsideWindow {
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+    /// The caller's meta is older than the stored one: re-read it. Nothing was done.
+    StaleMeta {
+        /// The stored version.
+        stored_version: i64,
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+}
+
+/// Runs [`KPULL_LUA`] for the keys of `req`.
+pub async fn key_pull_batch<C>(
+    conn: &mut C,
+    keys: &Keys,
+    req: &KeyPullBatch<'_>,
+) -> RedisResult<KeyPullBatchReply>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let mut inv = KPULL.prepare_invoke();
+    inv.key(keys.meta(req.task))
+        .key(keys.slice(req.task, req.start_ms));
+    for k in req.keys {
+        inv.key(keys.key_slice(req.task, k.digest, req.start_ms));
+    }
+    inv.arg(req.start_ms)
+        .arg(req.slice_ms)
+        .arg(req.host_id)
+        .arg(req.request_id)
+        .arg(req.meta_version)
+        .arg(u8::from(req.all_or_nothing));
+    for k in req.keys {
+        inv.arg(k.want).arg(k.digest).arg(k.key);
+    }
+    let v: Vec<i64> = redis::from_redis_value(inv.invoke_async(conn).await?)?;
+    let int = |i: usize| v.get(i).copied().unwrap_or(0);
+    let redis_time_us = int(1) * 1_000_000 + int(2);
+    Ok(match int(0) {
+        1 => {
+            let grants: Vec<KeyGrant> = v[4.min(v.len())..]
+                .chunks_exact(4)
+                .map(|c| KeyGrant {
+                    granted: c[0].max(0) as u64,
+                    remaining: c[1],
+                    cap: c[2].max(0) as u64,
+                    replayed: c[3] == 1,
+                })
+                .collect();
+            if grants.len() != req.keys.len() {
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "KPULL answered the wrong number of grants",
+                )));
+            }
+            KeyPullBatchReply::Granted {
+                grants,
+                redis_time_us,
+            }
+        }
+        -3 => KeyPullBatchReply::StaleMeta {
+            stored_version: int(3),
+            redis_time_us,
+        },
+        -2 => KeyPullBatchReply::OutsideWindow { redis_time_us },
+        _ => KeyPullBatchReply::Missing { redis_time_us },
+    })
+}
+
+/// One key's KPULL ([`KPULL_LUA`] with one key).
+#[derive(Debug, Clone)]
+pub struct KeyPullRequest<'a> {
+    /// The task.
+    pub task: &'a str,
+    /// The key.
+    pub key: &'a str,
+    /// Its digest ([`super::key_digest`]).
+    pub digest: &'a str,
+    /// Slice start (Unix ms).
+    pub start_ms: i64,
+    /// Slice length (ms).
+    pub slice_ms: u64,
+    /// Permits asked for.
+    pub want: u64,
+    /// This host.
+    pub host_id: &'a str,
+    /// Unique per call (a retry reuses it).
+    pub request_id: &'a str,
+    /// The meta version the caller decides under.
+    pub meta_version: i64,
+    /// Grant `want` or nothing.
+    pub all_or_nothing: bool,
+}
+
+/// What [`key_pull`] answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyPullReply {
+    /// Granted this many (0 = the key's slice is spent, or all-or-nothing could not be met).
+    Granted {
+        /// Permits granted.
+        granted: u64,
+        /// Left in the key's slice after the grant.
+        remaining: i64,
+        /// The key's cap for the slice.
+        cap: u64,
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+        /// A retry answered with the first attempt's grant.
+        replayed: bool,
+    },
+    /// See [`KeyPullBatchReply::Missing`].
+    Missing {
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+    /// See [`KeyPullBatchReply::OutsideWindow`].
+    OutsideWindow {
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+    /// See [`KeyPullBatchReply::StaleMeta`].
+    StaleMeta {
+        /// The stored version.
+        stored_version: i64,
+        /// Redis `TIME` (µs).
+        redis_time_us: i64,
+    },
+}
+
+/// Runs [`KPULL_LUA`] for one key.
+pub async fn key_pull<C>(
+    conn: &mut C,
+    keys: &Keys,
+    req: &KeyPullRequest<'_>,
+) -> RedisResult<KeyPullReply>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let one = [KeyWant {
+        key: req.key,
+        digest: req.digest,
+        want: req.want,
+    }];
+    let batch = KeyPullBatch {
+        task: req.task,
+        start_ms: req.start_ms,
+        slice_ms: req.slice_ms,
+        host_id: req.host_id,
+        request_id: req.request_id,
+        meta_version: req.meta_version,
+        all_or_nothing: req.all_or_nothing,
+        keys: &one,
+    };
+    Ok(match key_pull_batch(conn, keys, &batch).await? {
+        KeyPullBatchReply::Granted {
+            grants,
+            redis_time_us,
+        } => {
+            let g = grants[0];
+            KeyPullReply::Granted {
+                granted: g.granted,
+                remaining: g.remaining,
+                cap: g.cap,
+                redis_time_us,
+                replayed: g.replayed,
+            }
+        }
+        KeyPullBatchReply::Missing { redis_time_us } => KeyPullReply::Missing { redis_time_us },
+        KeyPullBatchReply::OutsideWindow { redis_time_us } => {
+            KeyPullReply::OutsideWindow { redis_time_us }
+        }
+        KeyPullBatchReply::StaleMeta {
+            stored_version,
+            redis_time_us,
+        } => KeyPullReply::StaleMeta {
+            stored_version,
+            redis_time_us,
         },
     })
 }

@@ -1,0 +1,1572 @@
+//! Keyed tasks: one task, a limit per key (tenant, user, route), decided from a host-shared
+//! key table.
+//!
+//! A keyed task (`"keyed": true` in its spec) gives every distinct key its own limit of
+//! `threshold` permits per slice (or its `key_overrides` entry). The leader rolls only the
+//! task's meta and slices; a key's slice hash `NS:{T}:k:<digest>:<start>` is created by the
+//! first pull that needs it ([`crate::protocol::scripts::KPULL_LUA`]), from the task's state in
+//! the same atomic call.
+//!
+//! # The key table
+//!
+//! A second shared file next to the host segment, `<segment>.keys`, holds a fixed number of
+//! entries ([`crate::Config::key_slots`], default [`DEFAULT_KEY_SLOTS`], at most
+//! [`MAX_KEY_SLOTS`]), grouped in buckets of [`WAYS`]. A key's bucket and identity come from a
+//! 128-bit SipHash of `(task slot, key)` keyed with a random secret of the file, so keys chosen
+//! by an attacker cannot be made to collide. Each entry holds two packed quota words (the
+//! same `tag | exhausted | count` words as a task's, see [`crate::shm`]), so a decision on a
+//! key with quota in hand is one lookup and one compare-and-swap, lock-free.
+//!
+//! An entry is claimed by compare-and-swap of its identity word. An entry whose key has been
+//! idle for two slices (or whose task slot was reclaimed) may be reclaimed for another key of
+//! the same bucket; a stale decision that raced with a reclaim notices (the identity word
+//! changed after its compare-and-swap) and gives the permits back. When the bucket has no
+//! free or reclaimable entry the table is full for that key: the decision is made by one
+//! all-or-nothing Redis call ([`Key::acquire`]) and nothing is cached, so a full table costs
+//! Redis calls, never accuracy.
+//!
+//! # Chunks from 1 to N
+//!
+//! A key's first pull in a slice asks for exactly what the decision needs; each further pull
+//! of the same slice doubles the previous one, up to `max(1, cap / CHUNK_DIVISOR)`. A cold key
+//! therefore costs about one Redis call per decision (like an exact limiter) and a hot key is
+//! decided from shared memory like a pooled task. At most one pull per key per host is in
+//! flight (the entry's pull lock), so one host holds at most `cap / 16` unspent permits of a
+//! key beyond what it is about to spend.
+//!
+//! # Failure
+//!
+//! Keys share the task's state machine (Redis reachability is the task's): while the task is
+//! FAILED, each key is decided by the task's `on_failure` with `local_limit` per key per slice
+//! (a fixed window in the entry) for `local`.
+
+use std::collections::HashMap;
+use std::fs::{File, OpenOptions};
+use std::hash::Hasher;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use memmap2::MmapMut;
+
+use crate::background::{Retry, call};
+use crate::client::{Decision, Error, Shared, Task};
+use crate::protocol::scripts::{self, KeyPullBatchReply, KeyPullReply, KeyPullRequest};
+use crate::protocol::{Mode, OnFailure};
+use crate::shm::{FastMeta, LockAttempt, Slot, field, pack_quota, tag_of, unpack_quota};
+use crate::state::{Health, PullOutcome};
+
+/// Key table entries unless configured otherwise (6 MiB).
+pub const DEFAULT_KEY_SLOTS: u32 = 16_384;
+/// Most key table entries (96 MiB).
+pub const MAX_KEY_SLOTS: u32 = 262_144;
+/// Entries per bucket.
+pub const WAYS: usize = 8;
+/// A key's pull is at most `cap / CHUNK_DIVISOR` (and at least what the decision needs).
+pub const CHUNK_DIVISOR: u64 = 16;
+/// Keys whose busiest are reported per task and host per report.
+pub const TOP_KEYS: usize = 10;
+
+const MAGIC: u64 = u64::from_le_bytes(*b"SLUKEYS\x01");
+const VERSION: u64 = 1;
+const BUSY: u64 = u64::MAX;
+const OWNED: u64 = 1 << 63;
+/// How often (host-wide) key counters are moved into the task counters and top keys reported.
+const REPORT_MS: i64 = 1_000;
+/// KPULL calls in flight at once per process.
+const CONCURRENT_PULLS: usize = 64;
+/// Most keys in one KPULL call.
+const BATCH: usize = 64;
+
+#[repr(C, align(64))]
+struct TableHeader {
+    magic: AtomicU64,
+    version: AtomicU64,
+    entries: AtomicU64,
+    entry_size: AtomicU64,
+    checksum: AtomicU64,
+    secret0: AtomicU64,
+    secret1: AtomicU64,
+    /// When key counters were last reported (host Unix ms), claimed by CAS.
+    report_ms: AtomicI64,
+}
+
+/// One key's entry in the table.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct KeyEntry {
+    /// 0 = free, `BUSY` = being claimed, else `1:1 | slot:15 | slot generation:16 | entry
+    /// generation:32`.
+    ident: AtomicU64,
+    h0: AtomicU64,
+    h1: AtomicU64,
+    /// Last decision (host Unix ms).
+    used_ms: AtomicI64,
+    /// Reclaimable after this long idle (two slices, ms).
+    idle_ms: AtomicU64,
+    /// [`crate::shm::ShmLock`] word: one pull per key per host.
+    pull_lock: AtomicU64,
+    /// `tag:32 | size:32`: the last pull's size and the slice it was for.
+    grant: AtomicU64,
+    /// The key's cap as last seen (0 = unknown).
+    cap: AtomicU64,
+    /// Packed quota words by slice parity.
+    quota: [AtomicU64; 2],
+    /// FAILED fallback: `tag:32 | count:32`, a fixed window of `local_limit` per slice.
+    local: AtomicU64,
+    /// Permits admitted since the last report.
+    adm: AtomicU64,
+    /// Permits rejected since the last report.
+    rej: AtomicU64,
+    key_len: AtomicU64,
+    _pad: [AtomicU64; 2],
+    key: [AtomicU64; 32],
+}
+
+const ENTRY_SIZE: usize = std::mem::size_of::<KeyEntry>();
+const HEADER_SIZE: usize = 128;
+const _: () = assert!(ENTRY_SIZE == 384);
+const _: () = assert!(std::mem::size_of::<TableHeader>() <= HEADER_SIZE);
+
+impl KeyEntry {
+    fn key_string(&self) -> Option<String> {
+        let len = self.key_len.load(Ordering::Acquire) as usize;
+        if len > crate::protocol::MAX_KEY_LEN {
+            return None;
+        }
+        let mut b = Vec::with_capacity(len);
+        for w in &self.key {
+            b.extend_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        }
+        b.truncate(len);
+        String::from_utf8(b).ok()
+    }
+}
+
+/// The host's key table (a shared file next to the segment).
+pub struct KeyTable {
+    map: MmapMut,
+    entries: usize,
+    secret: (u64, u64),
+    path: PathBuf,
+}
+
+// The mapping is only ever accessed through atomics.
+unsafe impl Send for KeyTable {}
+unsafe impl Sync for KeyTable {}
+
+impl std::fmt::Debug for KeyTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyTable")
+            .field("path", &self.path)
+            .field("entries", &self.entries)
+            .finish()
+    }
+}
+
+fn checksum(entries: u64) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for w in [MAGIC, VERSION, entries, ENTRY_SIZE as u64] {
+        for b in w.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+impl KeyTable {
+    /// Size in bytes of a table of `entries` entries.
+    pub fn size(entries: u32) -> u64 {
+        (HEADER_SIZE + ENTRY_SIZE * entries as usize) as u64
+    }
+
+    /// Opens (creating or replacing when incompatible or smaller) the key table at `path` with
+    /// at least `entries` entries (rounded up to whole buckets, within [`MAX_KEY_SLOTS`]).
+    pub fn open(path: &Path, entries: u32) -> std::io::Result<Self> {
+        let entries = entries
+            .clamp(WAYS as u32, MAX_KEY_SLOTS)
+            .div_ceil(WAYS as u32)
+            * WAYS as u32;
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o660)
+            .open(crate::shm::sibling(path, ".lock"))?;
+        let _guard = crate::shm::Flock::lock(&lock)?;
+        if path.exists() {
+            match Self::map(path) {
+                Ok(t) if t.entries >= entries as usize => return Ok(t),
+                Ok(t) => tracing::warn!(path = %path.display(), from = t.entries, to = entries,
+                    "key table smaller than configured; replacing it"),
+                Err(why) => tracing::warn!(path = %path.display(), %why,
+                    "key table incompatible or corrupt; replacing it"),
+            }
+        }
+        Self::create(path, entries)?;
+        Self::map(path).map_err(std::io::Error::other)
+    }
+
+    fn map(path: &Path) -> Result<Self, String> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| e.to_string())?;
+        let len = file.metadata().map_err(|e| e.to_string())?.len();
+        if len < HEADER_SIZE as u64 {
+            return Err(format!("{len} bytes, shorter than the header"));
+        }
+        // SAFETY: a regular file we keep mapped; every access goes through atomics.
+        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| format!("mmap: {e}"))?;
+        // SAFETY: at least HEADER_SIZE bytes, page aligned, atomics only.
+        let h = unsafe { &*(map.as_ptr() as *const TableHeader) };
+        let entries = h.entries.load(Ordering::Acquire);
+        if h.magic.load(Ordering::Acquire) != MAGIC
+            || h.version.load(Ordering::Acquire) != VERSION
+            || h.entry_size.load(Ordering::Acquire) != ENTRY_SIZE as u64
+            || h.checksum.load(Ordering::Acquire) != checksum(entries)
+            || entries == 0
+            || !(entries as usize).is_multiple_of(WAYS)
+            || len < Self::size(entries as u32)
+        {
+            return Err("bad header".into());
+        }
+        let secret = (
+            h.secret0.load(Ordering::Acquire),
+            h.secret1.load(Ordering::Acquire),
+        );
+        drop(file);
+        Ok(Self {
+            map,
+            entries: entries as usize,
+            secret,
+            path: path.to_path_buf(),
+        })
+    }
+
+    fn create(path: &Path, entries: u32) -> std::io::Result<()> {
+        let tmp = crate::shm::sibling(
+            path,
+            &format!(".tmp.{}.{}", std::process::id(), crate::clock::host_us()),
+        );
+        let result = (|| {
+            let file: File = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o660)
+                .open(&tmp)?;
+            file.set_len(Self::size(entries))?;
+            // SAFETY: a file only this process knows about yet, sized above.
+            let map = unsafe { MmapMut::map_mut(&file)? };
+            // SAFETY: page aligned, atomics only.
+            let h = unsafe { &*(map.as_ptr() as *const TableHeader) };
+            h.version.store(VERSION, Ordering::Relaxed);
+            h.entries.store(entries as u64, Ordering::Relaxed);
+            h.entry_size.store(ENTRY_SIZE as u64, Ordering::Relaxed);
+            h.checksum
+                .store(checksum(entries as u64), Ordering::Relaxed);
+            h.secret0
+                .store(crate::client::random_u64(), Ordering::Relaxed);
+            h.secret1
+                .store(crate::client::random_u64(), Ordering::Relaxed);
+            h.magic.store(MAGIC, Ordering::Release);
+            map.flush()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result
+    }
+
+    /// Number of entries.
+    pub fn entries(&self) -> usize {
+        self.entries
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn header(&self) -> &TableHeader {
+        // SAFETY: checked on open: at least HEADER_SIZE bytes; atomics only.
+        unsafe { &*(self.map.as_ptr() as *const TableHeader) }
+    }
+
+    /// Entry `i`.
+    #[inline]
+    pub fn entry(&self, i: usize) -> Option<&KeyEntry> {
+        if i >= self.entries {
+            return None;
+        }
+        // SAFETY: in bounds (size checked on open), 64-byte aligned (header and entries are
+        // multiples of 64), atomics only.
+        Some(unsafe { &*(self.map.as_ptr().add(HEADER_SIZE + i * ENTRY_SIZE) as *const KeyEntry) })
+    }
+
+    /// The identity hash of `key` of the task in slot `slot`.
+    pub fn hash(&self, slot: usize, key: &str) -> (u64, u64) {
+        let mut s = siphasher::sip128::SipHasher13::new_with_keys(self.secret.0, self.secret.1);
+        s.write_u64(slot as u64);
+        s.write(key.as_bytes());
+        let h = siphasher::sip128::Hasher128::finish128(&s);
+        (h.h1, h.h2 | 1)
+    }
+
+    fn bucket(&self, h: (u64, u64)) -> usize {
+        (h.0 as usize % (self.entries / WAYS)) * WAYS
+    }
+
+    /// The live entry of a key: its index and identity word.
+    #[inline]
+    fn lookup(&self, h: (u64, u64), owner: u64) -> Option<(usize, u64)> {
+        let b = self.bucket(h);
+        for i in b..b + WAYS {
+            let e = self.entry(i)?;
+            let id = e.ident.load(Ordering::Acquire);
+            if id != BUSY
+                && id & OWNED != 0
+                && owner_of(id) == owner
+                && e.h0.load(Ordering::Acquire) == h.0
+                && e.h1.load(Ordering::Acquire) == h.1
+                && e.ident.load(Ordering::Acquire) == id
+            {
+                return Some((i, id));
+            }
+        }
+        None
+    }
+
+    /// Claims an entry for a key: a free one of its bucket, else one idle for two of its
+    /// slices or of a reclaimed task slot. `None`: the bucket is full.
+    fn claim(
+        &self,
+        seg: &crate::shm::Segment,
+        h: (u64, u64),
+        owner: u64,
+        key: &str,
+        slice_ms: u64,
+        now_ms: i64,
+    ) -> Option<(usize, u64)> {
+        let b = self.bucket(h);
+        for i in b..b + WAYS {
+            let e = self.entry(i)?;
+            let id = e.ident.load(Ordering::Acquire);
+            let free = id == 0
+                || (id != BUSY
+                    && (now_ms - e.used_ms.load(Ordering::Acquire)
+                        >= e.idle_ms.load(Ordering::Relaxed) as i64
+                        || !owner_alive(seg, id)));
+            if !free
+                || e.ident
+                    .compare_exchange(id, BUSY, Ordering::AcqRel, Ordering::Acquire)
+                    .is_err()
+            {
+                continue;
+            }
+            e.h0.store(h.0, Ordering::Relaxed);
+            e.h1.store(h.1, Ordering::Relaxed);
+            e.used_ms.store(now_ms, Ordering::Relaxed);
+            e.idle_ms
+                .store(slice_ms.saturating_mul(2).max(1_000), Ordering::Relaxed);
+            e.grant.store(0, Ordering::Relaxed);
+            e.cap.store(0, Ordering::Relaxed);
+            for q in &e.quota {
+                q.store(0, Ordering::Relaxed);
+            }
+            e.local.store(0, Ordering::Relaxed);
+            e.adm.store(0, Ordering::Relaxed);
+            e.rej.store(0, Ordering::Relaxed);
+            e.pull_lock.store(0, Ordering::Relaxed);
+            let bytes = key.as_bytes();
+            for (j, w) in e.key.iter().enumerate() {
+                let mut b8 = [0u8; 8];
+                let from = (j * 8).min(bytes.len());
+                let to = (from + 8).min(bytes.len());
+                b8[..to - from].copy_from_slice(&bytes[from..to]);
+                w.store(u64::from_le_bytes(b8), Ordering::Relaxed);
+            }
+            e.key_len.store(bytes.len() as u64, Ordering::Relaxed);
+            let generation = if id == 0 { 1 } else { (id & 0x7FFF_FFFF) + 1 } & 0x7FFF_FFFF;
+            let new = OWNED | owner | generation.max(1);
+            e.ident.store(new, Ordering::Release);
+            // Another process may have claimed the same key in another way of the bucket at
+            // the same time: keep the first, give ours back (both would stay correct, as both
+            // pull from the same Redis key; one keeps the host's quota in one place).
+            if let Some((j, other)) = self.lookup(h, owner)
+                && j != i
+            {
+                let _ = e
+                    .ident
+                    .compare_exchange(new, 0, Ordering::AcqRel, Ordering::Acquire);
+                return Some((j, other));
+            }
+            return Some((i, new));
+        }
+        None
+    }
+}
+
+/// `slot:15 | slot generation:16` shifted into place (bits 32–62).
+fn owner(slot: usize, generation: u16) -> u64 {
+    ((slot as u64 & 0x7FFF) << 48) | ((generation as u64) << 32)
+}
+
+fn owner_of(id: u64) -> u64 {
+    id & 0x7FFF_FFFF_0000_0000
+}
+
+fn owner_alive(seg: &crate::shm::Segment, id: u64) -> bool {
+    let slot = ((id >> 48) & 0x7FFF) as usize;
+    let generation = ((id >> 32) & 0xFFFF) as u16;
+    seg.slot(slot).is_some_and(|s| s.generation() == generation)
+}
+
+/// Per-process state of keyed tasks (the table is opened on first use).
+#[derive(Default)]
+pub(crate) struct KeyState {
+    table: OnceLock<Result<KeyTable, String>>,
+    wants: Mutex<HashMap<usize, Want>>,
+    /// Wakes the [`pump`].
+    wake: tokio::sync::Notify,
+}
+
+struct Want {
+    /// The task (never a `Task`: the background thread must not hold the client's guard).
+    task: Arc<crate::client::TaskInner>,
+    key: Arc<str>,
+    ident: u64,
+    start_ms: i64,
+    n: u64,
+    since: Instant,
+    event: Arc<Event>,
+}
+
+impl Drop for Want {
+    /// A want that is dropped, however (done, replaced, merged), wakes its waiters: they
+    /// re-decide, and want again if they still need to.
+    fn drop(&mut self) {
+        self.event.complete();
+    }
+}
+
+/// A want whose entry's pull lock this process holds: entry, want, lock token.
+type Locked = (usize, Want, u64);
+
+/// A completed want wakes its waiters.
+#[derive(Default)]
+struct Event {
+    done: AtomicBool,
+    /// What the pull found for the waiter when it was not a deposit.
+    missing: AtomicBool,
+    notify: tokio::sync::Notify,
+    lock: Mutex<()>,
+    cv: Condvar,
+}
+
+impl Event {
+    fn complete(&self) {
+        self.done.store(true, Ordering::Release);
+        self.notify.notify_waiters();
+        let _g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.cv.notify_all();
+    }
+
+    async fn wait(&self) {
+        let n = self.notify.notified();
+        if self.done.load(Ordering::Acquire) {
+            return;
+        }
+        n.await;
+    }
+
+    fn wait_blocking(&self, until: Instant) {
+        let mut g = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        while !self.done.load(Ordering::Acquire) {
+            let now = Instant::now();
+            if now >= until {
+                return;
+            }
+            g = match self.cv.wait_timeout(g, until - now) {
+                Ok((g, _)) => g,
+                Err(e) => e.into_inner().0,
+            };
+        }
+    }
+}
+
+impl KeyState {
+    pub(crate) fn table(&self, sh: &Shared) -> Result<&KeyTable, Error> {
+        let t = self.table.get_or_init(|| {
+            let path = crate::shm::sibling(sh.seg.path(), ".keys");
+            KeyTable::open(&path, sh.cfg.key_slots)
+                .inspect(|t| {
+                    tracing::debug!(path = %t.path.display(), entries = t.entries, "key table open");
+                })
+                .map_err(|e| format!("key table {}: {e}", path.display()))
+        });
+        t.as_ref().map_err(|e| Error::KeyTable(e.clone()))
+    }
+
+    fn opened(&self) -> Option<&KeyTable> {
+        self.table.get().and_then(|t| t.as_ref().ok())
+    }
+}
+
+/// A handle to one key of a keyed task ([`Task::key`]). Cheap to create and clone.
+///
+/// On a task whose spec is not keyed (or not known yet), a key decides on the task as a whole.
+#[derive(Clone)]
+pub struct Key {
+    task: Task,
+    key: Arc<str>,
+    /// Identity hash (for the task's slot at creation).
+    h: (u64, u64),
+    slot: usize,
+    /// Last entry found: `index + 1` (0 = none) and its identity word.
+    cached: Arc<(AtomicU64, AtomicU64)>,
+}
+
+impl std::fmt::Debug for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Key")
+            .field("task", &self.task.name())
+            .field("key", &self.key)
+            .finish()
+    }
+}
+
+/// Where a key's decision stands.
+enum KStep {
+    Decided(Decision),
+    /// Not a keyed decision (the task is not keyed, or its meta is unknown): the task decides,
+    /// with the same flavour of call (try / async / blocking).
+    Task,
+    /// Quota for the slice starting at `start_ms` is being pulled into entry `entry`.
+    Pending {
+        entry: usize,
+        ident: u64,
+        start_ms: i64,
+    },
+    /// The table has no entry for the key: one all-or-nothing Redis call decides.
+    Direct {
+        m: FastMeta,
+        start_ms: i64,
+    },
+}
+
+impl Task {
+    /// A handle to key `key` of this keyed task (any UTF-8 up to 256 bytes).
+    ///
+    /// ```no_run
+    /// # let client = sluice::Client::new(sluice::Config::new("redis://127.0.0.1:6379"))?;
+    /// let api = client.task("api-per-tenant")?;
+    /// if api.key("tenant-42")?.try_acquire(1).is_allowed() { /* serve */ }
+    /// # Ok::<(), sluice::Error>(())
+    /// ```
+    pub fn key(&self, key: &str) -> Result<Key, Error> {
+        crate::protocol::validate_key(key)?;
+        let table = self.shared.keyed.table(&self.shared)?;
+        let slot = self.inner.slot_ref().index;
+        Ok(Key {
+            task: self.clone(),
+            h: table.hash(slot, key),
+            key: Arc::from(key),
+            slot,
+            cached: Arc::new((AtomicU64::new(0), AtomicU64::new(0))),
+        })
+    }
+}
+
+impl Key {
+    /// The key.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// The task.
+    pub fn task(&self) -> &Task {
+        &self.task
+    }
+
+    /// Decides `n` permits of this key now, from the host's local quota. Never waits: a key
+    /// with no quota in hand on this host answers `Limited` with a 1 ms retry and starts a
+    /// pull ([`Key::acquire`] waits for it instead); a key the table has no room for answers
+    /// [`Decision::WouldBlock`] (call [`Key::acquire`]).
+    #[inline]
+    pub fn try_acquire(&self, n: u64) -> Decision {
+        let now_us = self.task.now_us();
+        match self.decide(n, now_us) {
+            KStep::Decided(d) => d,
+            KStep::Task => self.task.try_acquire_at(n, now_us),
+            KStep::Pending {
+                entry,
+                ident,
+                start_ms,
+            } => {
+                self.want(entry, ident, start_ms, n);
+                self.count_rejected(entry, n);
+                Decision::Limited {
+                    retry_after: Duration::from_millis(1),
+                }
+            }
+            KStep::Direct { .. } => Decision::WouldBlock,
+        }
+    }
+
+    /// Like [`Key::try_acquire`], but waits for a pull of the key (at most
+    /// [`crate::Config::acquire_timeout`]); with a full table, one Redis call decides.
+    pub async fn acquire(&self, n: u64) -> Decision {
+        self.acquire_stamped(n).await.0
+    }
+
+    /// [`Key::acquire`] that also says when the decision was made (Unix µs on the slice
+    /// clock): the slice it was charged to. For load generators and tests.
+    #[doc(hidden)]
+    pub async fn acquire_stamped(&self, n: u64) -> (Decision, i64) {
+        let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
+        loop {
+            let now_us = self.task.now_us();
+            match self.decide(n, now_us) {
+                KStep::Decided(d) => return (d, now_us),
+                KStep::Task => return (self.task.acquire(n).await, now_us),
+                KStep::Direct { m, start_ms } => {
+                    let fut = self.direct(m, start_ms, n);
+                    let reply = self.task.shared.rt.spawn(fut).await.ok().flatten();
+                    return (self.direct_decision(reply, &m, start_ms, n), now_us);
+                }
+                KStep::Pending {
+                    entry,
+                    ident,
+                    start_ms,
+                } => {
+                    if Instant::now() >= deadline {
+                        self.count_rejected(entry, n);
+                        return (Self::pending_limited(), now_us);
+                    }
+                    let ev = self.want(entry, ident, start_ms, n);
+                    ev.wait().await;
+                    if ev.missing.load(Ordering::Relaxed) {
+                        return (self.missing(n), now_us);
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`Key::acquire`] for programs without an async runtime.
+    pub fn acquire_blocking(&self, n: u64) -> Decision {
+        self.acquire_blocking_stamped(n).0
+    }
+
+    /// [`Key::acquire_blocking`] that also says when the decision was made (see
+    /// [`Key::acquire_stamped`]).
+    #[doc(hidden)]
+    pub fn acquire_blocking_stamped(&self, n: u64) -> (Decision, i64) {
+        let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
+        loop {
+            let now_us = self.task.now_us();
+            match self.decide(n, now_us) {
+                KStep::Decided(d) => return (d, now_us),
+                KStep::Task => return (self.task.acquire_blocking(n), now_us),
+                KStep::Direct { m, start_ms } => {
+                    let (tx, rx) = std::sync::mpsc::channel();
+                    let fut = self.direct(m, start_ms, n);
+                    self.task.shared.rt.spawn(async move {
+                        let _ = tx.send(fut.await);
+                    });
+                    let wait = self.task.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
+                    let reply = rx.recv_timeout(wait).ok().flatten();
+                    return (self.direct_decision(reply, &m, start_ms, n), now_us);
+                }
+                KStep::Pending {
+                    entry,
+                    ident,
+                    start_ms,
+                } => {
+                    if Instant::now() >= deadline {
+                        self.count_rejected(entry, n);
+                        return (Self::pending_limited(), now_us);
+                    }
+                    let ev = self.want(entry, ident, start_ms, n);
+                    ev.wait_blocking(deadline);
+                    if ev.missing.load(Ordering::Relaxed) {
+                        return (self.missing(n), now_us);
+                    }
+                }
+            }
+        }
+    }
+
+    fn pending_limited() -> Decision {
+        Decision::Limited {
+            retry_after: Duration::from_millis(1),
+        }
+    }
+
+    fn table(&self) -> Option<&KeyTable> {
+        self.task.shared.keyed.opened()
+    }
+
+    /// The key's entry: cached, looked up, or claimed.
+    #[inline]
+    fn entry(
+        &self,
+        table: &KeyTable,
+        owner: u64,
+        slice_ms: u64,
+        now_ms: i64,
+    ) -> Option<(usize, u64)> {
+        let c = self.cached.0.load(Ordering::Relaxed);
+        if c != 0 {
+            let i = (c - 1) as usize;
+            let id = self.cached.1.load(Ordering::Relaxed);
+            if let Some(e) = table.entry(i)
+                && e.ident.load(Ordering::Acquire) == id
+                && owner_of(id) == owner
+            {
+                return Some((i, id));
+            }
+        }
+        let found = table.lookup(self.h, owner).or_else(|| {
+            table.claim(
+                &self.task.shared.seg,
+                self.h,
+                owner,
+                &self.key,
+                slice_ms,
+                now_ms,
+            )
+        })?;
+        self.cached.0.store(found.0 as u64 + 1, Ordering::Relaxed);
+        self.cached.1.store(found.1, Ordering::Relaxed);
+        Some(found)
+    }
+
+    #[inline]
+    fn decide(&self, n: u64, now_us: i64) -> KStep {
+        if n == 0 {
+            return KStep::Decided(Decision::Allowed);
+        }
+        let r = self.task.inner.slot_ref();
+        let Some((slot, m)) = self.task.slot_meta() else {
+            return KStep::Task;
+        };
+        let Some(table) = self.table() else {
+            return KStep::Task;
+        };
+        if !m.keyed || m.mode != Mode::Pooled {
+            // Not keyed: the task as a whole decides.
+            return KStep::Task;
+        }
+        if r.index != self.slot {
+            // The task moved to another slot (the identity hash covers the slot): re-made.
+            return match self.rebuilt() {
+                Some(k) => k.decide(n, now_us),
+                None => KStep::Task,
+            };
+        }
+        let slice_us = m.slice_ms * 1_000;
+        let index = now_us.max(0) as u64 / slice_us.max(1);
+        let start_ms = (index * m.slice_ms) as i64;
+        let now_ms = now_us / 1_000;
+        let own = owner(r.index, r.generation);
+        let Some((i, id)) = self.entry(table, own, m.slice_ms, now_ms) else {
+            if let Health::Failed { .. } = Health::decode(slot.ctl.state.load(Ordering::Acquire)) {
+                return KStep::Decided(self.fallback(slot, &m, None, start_ms, n, now_us));
+            }
+            return KStep::Direct { m, start_ms };
+        };
+        let Some(e) = table.entry(i) else {
+            return KStep::Direct { m, start_ms };
+        };
+        if now_ms - e.used_ms.load(Ordering::Relaxed) >= 50 {
+            e.used_ms.store(now_ms, Ordering::Relaxed);
+        }
+        let tag = tag_of(start_ms);
+        let q = &e.quota[(index & 1) as usize];
+        let mut w = q.load(Ordering::Acquire);
+        loop {
+            let (t, _, c) = unpack_quota(w);
+            if t != tag || w == 0 || (c as u64) < n {
+                break;
+            }
+            match q.compare_exchange_weak(w, w - n, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => {
+                    if e.ident.load(Ordering::Acquire) != id {
+                        // Reclaimed for another key meanwhile: give the permits back.
+                        give_back(q, tag, n);
+                        self.cached.0.store(0, Ordering::Relaxed);
+                        return self.decide(n, now_us);
+                    }
+                    e.adm.fetch_add(n, Ordering::Relaxed);
+                    let left = c as u64 - n;
+                    let last = e.grant.load(Ordering::Relaxed);
+                    if (last >> 32) as u32 == tag && left < (last & 0xFFFF_FFFF) / 2 {
+                        // Running low: the next chunk is on its way before it is needed.
+                        self.want_quiet(i, id, start_ms, n);
+                    }
+                    return KStep::Decided(Decision::Allowed);
+                }
+                Err(x) => w = x,
+            }
+        }
+        if let Health::Failed { .. } = Health::decode(slot.ctl.state.load(Ordering::Acquire)) {
+            return KStep::Decided(self.fallback(slot, &m, Some(e), start_ms, n, now_us));
+        }
+        let (t, exhausted, _) = unpack_quota(w);
+        if (t == tag && exhausted && w != 0) || n > crate::shm::MAX_COUNT as u64 {
+            e.rej.fetch_add(n, Ordering::Relaxed);
+            let end_us = (start_ms + m.slice_ms as i64) * 1_000;
+            return KStep::Decided(Decision::Limited {
+                retry_after: Duration::from_micros((end_us - now_us).max(1) as u64),
+            });
+        }
+        KStep::Pending {
+            entry: i,
+            ident: id,
+            start_ms,
+        }
+    }
+
+    /// A fresh handle for the task's current slot (the slot was re-claimed elsewhere).
+    #[cold]
+    fn rebuilt(&self) -> Option<Key> {
+        let k = self.task.key(&self.key).ok()?;
+        (k.slot != self.slot).then_some(k)
+    }
+
+    fn count_rejected(&self, entry: usize, n: u64) {
+        if let Some(e) = self.table().and_then(|t| t.entry(entry)) {
+            e.rej.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// FAILED: the task's `on_failure`, `local` with `local_limit` per key per slice.
+    fn fallback(
+        &self,
+        slot: &Slot,
+        m: &FastMeta,
+        e: Option<&KeyEntry>,
+        start_ms: i64,
+        n: u64,
+        now_us: i64,
+    ) -> Decision {
+        let end_us = (start_ms + m.slice_ms as i64) * 1_000;
+        let denied = |until_us: i64| Decision::FallbackDenied {
+            retry_after: Duration::from_micros((until_us - now_us).max(1_000) as u64),
+        };
+        let d = match m.on_failure {
+            OnFailure::Allow => Decision::FallbackAllowed,
+            OnFailure::Deny => denied(slot.ctl.next_probe_ms.load(Ordering::Relaxed) * 1_000),
+            OnFailure::Local => {
+                let limit = slot.meta.local_limit.load(Ordering::Relaxed);
+                match e {
+                    None => denied(end_us),
+                    Some(e) => {
+                        let tag = tag_of(start_ms) as u64;
+                        let mut w = e.local.load(Ordering::Acquire);
+                        loop {
+                            let used = if w >> 32 == tag { w & 0xFFFF_FFFF } else { 0 };
+                            if used + n > limit {
+                                break denied(end_us);
+                            }
+                            let next = (tag << 32) | (used + n).min(0xFFFF_FFFF);
+                            match e.local.compare_exchange_weak(
+                                w,
+                                next,
+                                Ordering::AcqRel,
+                                Ordering::Acquire,
+                            ) {
+                                Ok(_) => break Decision::FallbackAllowed,
+                                Err(x) => w = x,
+                            }
+                        }
+                    }
+                }
+            }
+        };
+        if let Some(e) = e {
+            let c = if d.is_allowed() { &e.adm } else { &e.rej };
+            c.fetch_add(n, Ordering::Relaxed);
+        }
+        d
+    }
+
+    /// The key's slice could not be created (task missing, not keyed in Redis, slice not
+    /// rolled): answered like an unknown task.
+    fn missing(&self, n: u64) -> Decision {
+        match self.task.slot_meta() {
+            Some((slot, m)) => {
+                let now_us = self.task.now_us();
+                let start = now_us.div_euclid(m.slice_ms as i64 * 1_000) * m.slice_ms as i64;
+                let d = match m.on_failure {
+                    OnFailure::Allow => Decision::FallbackAllowed,
+                    _ => Decision::FallbackDenied {
+                        retry_after: Duration::from_millis(100),
+                    },
+                };
+                slot.count(
+                    start,
+                    m.slice_ms,
+                    if d.is_allowed() {
+                        field::ADMITTED
+                    } else {
+                        field::REJECTED
+                    },
+                    n,
+                );
+                d
+            }
+            None => self.task.try_acquire(n),
+        }
+    }
+
+    /// Registers (or joins) a pull of entry `entry` for slice `start_ms`.
+    fn want(&self, entry: usize, ident: u64, start_ms: i64, n: u64) -> Arc<Event> {
+        let sh = &self.task.shared;
+        let ev = {
+            let mut wants = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
+            let w = wants.entry(entry).or_insert_with(|| Want {
+                task: self.task.inner.clone(),
+                key: self.key.clone(),
+                ident,
+                start_ms,
+                n,
+                since: Instant::now(),
+                event: Arc::new(Event::default()),
+            });
+            if w.start_ms != start_ms || w.ident != ident {
+                // A want of an older slice (or key) is replaced; its waiters re-decide.
+                let old = std::mem::replace(
+                    w,
+                    Want {
+                        task: self.task.inner.clone(),
+                        key: self.key.clone(),
+                        ident,
+                        start_ms,
+                        n,
+                        since: Instant::now(),
+                        event: Arc::new(Event::default()),
+                    },
+                );
+                old.event.complete();
+            }
+            w.n = w.n.max(n);
+            w.event.clone()
+        };
+        sh.keyed.wake.notify_one();
+        ev
+    }
+
+    /// A prefetch want: nobody waits for it.
+    fn want_quiet(&self, entry: usize, ident: u64, start_ms: i64, n: u64) {
+        let sh = &self.task.shared;
+        let fresh = {
+            let mut wants = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
+            match wants.entry(entry) {
+                std::collections::hash_map::Entry::Occupied(_) => false,
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    v.insert(Want {
+                        task: self.task.inner.clone(),
+                        key: self.key.clone(),
+                        ident,
+                        start_ms,
+                        n,
+                        since: Instant::now(),
+                        event: Arc::new(Event::default()),
+                    });
+                    true
+                }
+            }
+        };
+        if fresh {
+            sh.keyed.wake.notify_one();
+        }
+    }
+
+    /// One all-or-nothing KPULL of `n` (the table has no entry for the key). The future
+    /// holds no `Task` (it runs on the background thread, which must not own the client).
+    fn direct(
+        &self,
+        m: FastMeta,
+        start_ms: i64,
+        n: u64,
+    ) -> impl std::future::Future<Output = Option<KeyPullReply>> + Send + 'static {
+        let sh = self.task.shared.clone();
+        let task = self.task.inner.clone();
+        let key = self.key.clone();
+        async move {
+            let digest = crate::protocol::key_digest(&key);
+            let request_id = sh.request_id();
+            let version = slot_meta_of(&sh, &task)
+                .map(|(s, _)| s.meta.version.load(Ordering::Relaxed))
+                .unwrap_or(0);
+            let req = KeyPullRequest {
+                task: &task.name,
+                key: &key,
+                digest: &digest,
+                start_ms,
+                slice_ms: m.slice_ms,
+                want: n,
+                host_id: &sh.cfg.host_id,
+                request_id: &request_id,
+                meta_version: version,
+                all_or_nothing: true,
+            };
+            let shr = &*sh;
+            match call(shr, Retry::Idempotent, |mut c| {
+                let req = req.clone();
+                async move { scripts::key_pull(&mut c, &shr.keys, &req).await }
+            })
+            .await
+            {
+                Ok(Ok(r)) => Some(r),
+                _ => None,
+            }
+        }
+    }
+
+    fn direct_decision(
+        &self,
+        reply: Option<KeyPullReply>,
+        m: &FastMeta,
+        start_ms: i64,
+        n: u64,
+    ) -> Decision {
+        let Some((slot, _)) = self.task.slot_meta() else {
+            return self.task.try_acquire(n);
+        };
+        let now_us = self.task.now_us();
+        let end_us = (start_ms + m.slice_ms as i64) * 1_000;
+        let (f, d) = match reply {
+            Some(KeyPullReply::Granted { granted, .. }) if granted >= n => {
+                (field::ADMITTED, Decision::Allowed)
+            }
+            Some(KeyPullReply::Granted { .. }) | Some(KeyPullReply::OutsideWindow { .. }) => (
+                field::REJECTED,
+                Decision::Limited {
+                    retry_after: Duration::from_micros((end_us - now_us).max(1) as u64),
+                },
+            ),
+            Some(KeyPullReply::StaleMeta { .. }) => {
+                slot.meta.refreshed_ms.store(0, Ordering::Relaxed);
+                self.task.shared.wake.notify_one();
+                (
+                    field::REJECTED,
+                    Decision::Limited {
+                        retry_after: Duration::from_millis(1),
+                    },
+                )
+            }
+            Some(KeyPullReply::Missing { .. }) => return self.missing(n),
+            None => return self.fallback(slot, m, None, start_ms, n, now_us),
+        };
+        slot.count(start_ms, m.slice_ms, f, n);
+        d
+    }
+}
+
+fn give_back(q: &AtomicU64, tag: u32, n: u64) {
+    let mut w = q.load(Ordering::Acquire);
+    loop {
+        let (t, ex, c) = unpack_quota(w);
+        if t != tag || w == 0 {
+            return;
+        }
+        let next = pack_quota(
+            t,
+            ex,
+            (c as u64 + n).min(crate::shm::MAX_COUNT as u64) as u32,
+        );
+        match q.compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return,
+            Err(x) => w = x,
+        }
+    }
+}
+
+/// Adds `granted` permits of the slice `start_ms` to an entry's quota word.
+fn deposit(
+    e: &KeyEntry,
+    start_ms: i64,
+    slice_ms: u64,
+    granted: u64,
+    exhausted: bool,
+    now_us: i64,
+) -> bool {
+    if start_ms.saturating_add(slice_ms as i64) <= now_us.div_euclid(1_000) {
+        return false;
+    }
+    let tag = tag_of(start_ms);
+    let q = &e.quota[crate::shm::parity(start_ms, slice_ms)];
+    let add = granted.min(crate::shm::MAX_COUNT as u64) as u32;
+    let mut cur = q.load(Ordering::Acquire);
+    loop {
+        let (t, ex, c) = unpack_quota(cur);
+        let next = if t == tag && cur != 0 {
+            pack_quota(tag, ex || exhausted, c.saturating_add(add))
+        } else {
+            pack_quota(tag, exhausted, add)
+        };
+        match q.compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return true,
+            Err(x) => cur = x,
+        }
+    }
+}
+
+/// The background thread's round for keys (host-wide, every second): key counters into the
+/// task counters, and the busiest keys reported. Pulls are the [`pump`]'s.
+pub(crate) async fn step(sh: &Shared) -> bool {
+    if let Some(table) = sh.keyed.opened() {
+        report(sh, table).await;
+    }
+    false
+}
+
+/// Runs on the background runtime beside the rounds: takes the wants as they come and pulls
+/// each on its own task (at most [`CONCURRENT_PULLS`] at once), so a cold key waits one Redis
+/// round trip, not a round of the background thread.
+pub(crate) async fn pump(sh: Arc<Shared>) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_PULLS));
+    loop {
+        if sh.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let notified = sh.keyed.wake.notified();
+        let wants: Vec<(usize, Want)> = {
+            let mut w = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
+            w.drain().collect()
+        };
+        let mut retry = Vec::new();
+        let mut groups: HashMap<(String, i64), Vec<Locked>> = HashMap::new();
+        if let Some(table) = sh.keyed.opened() {
+            for (i, w) in wants {
+                let Some(e) = table.entry(i) else {
+                    continue; // dropped: wakes its waiters
+                };
+                if e.ident.load(Ordering::Acquire) != w.ident
+                    || w.since.elapsed() > sh.cfg.acquire_timeout + sh.cfg.pull_timeout
+                {
+                    continue;
+                }
+                let timeout = sh.cfg.lock_timeout.as_millis() as u64;
+                let token = match sh
+                    .seg
+                    .lock(&e.pull_lock)
+                    .try_lock(crate::clock::host_ms(), timeout)
+                {
+                    LockAttempt::Acquired { token, .. } => token,
+                    LockAttempt::Busy { .. } => {
+                        retry.push((i, w));
+                        continue;
+                    }
+                };
+                groups
+                    .entry((w.task.name.clone(), w.start_ms))
+                    .or_default()
+                    .push((i, w, token));
+            }
+        }
+        for (_, mut items) in groups.drain() {
+            while !items.is_empty() {
+                let rest = items.split_off(items.len().min(BATCH));
+                let batch = std::mem::replace(&mut items, rest);
+                let Ok(permit) = permits.clone().acquire_owned().await else {
+                    return;
+                };
+                let sh2 = sh.clone();
+                tokio::spawn(async move {
+                    pull(&sh2, batch).await;
+                    drop(permit);
+                });
+            }
+        }
+        let again = !retry.is_empty();
+        if again {
+            let mut map = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, w) in retry {
+                // A newer want of the entry may have come in meanwhile: it wins; this one is
+                // dropped, which wakes its waiters (they join the newer one).
+                map.entry(i).or_insert(w);
+            }
+        }
+        let wait = if again {
+            Duration::from_millis(1)
+        } else {
+            Duration::from_millis(10)
+        };
+        tokio::select! {
+            _ = notified => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// The entry holds fewer permits of the want's slice than half its last chunk.
+fn low(e: &KeyEntry, w: &Want) -> bool {
+    let tag = tag_of(w.start_ms);
+    let last = e.grant.load(Ordering::Relaxed);
+    let held: u64 = e
+        .quota
+        .iter()
+        .map(|q| q.load(Ordering::Acquire))
+        .filter(|q| *q != 0 && unpack_quota(*q).0 == tag)
+        .map(|q| {
+            let (_, ex, c) = unpack_quota(q);
+            if ex { u64::MAX } else { c as u64 }
+        })
+        .max()
+        .unwrap_or(0);
+    held < w.n || ((last >> 32) as u32 == tag && held < (last & 0xFFFF_FFFF) / 2)
+}
+
+/// The size of the next pull of a key for slice `start_ms`: what is needed first, then
+/// doubling within the slice, up to `max(need, cap / CHUNK_DIVISOR)`.
+pub fn chunk(last: u64, start_ms: i64, slice_ms: u64, cap: u64, need: u64) -> u64 {
+    let tag = tag_of(start_ms);
+    let size = last & 0xFFFF_FFFF;
+    let t = (last >> 32) as u32;
+    let max = (cap / CHUNK_DIVISOR).max(1);
+    let next = if last == 0 {
+        1
+    } else if t == tag {
+        size.saturating_mul(2)
+    } else if t == tag_of(start_ms - slice_ms as i64) {
+        // Hot in the previous slice: start the new one at half its last chunk.
+        (size / 2).max(1)
+    } else {
+        1
+    };
+    next.min(max).max(need)
+}
+
+/// The task's slot and meta, when the slot is still the task's.
+fn slot_meta_of<'a>(sh: &'a Shared, t: &crate::client::TaskInner) -> Option<(&'a Slot, FastMeta)> {
+    let r = t.slot_ref();
+    let slot = sh.seg.slot(r.index)?;
+    let m = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire))?;
+    (m.generation == r.generation).then_some((slot, m))
+}
+
+/// One KPULL for wants of one task and slice (each holds its entry's pull lock, released here;
+/// the wants are dropped at the end, which wakes their waiters).
+async fn pull(sh: &Shared, items: Vec<Locked>) {
+    let Some(table) = sh.keyed.opened() else {
+        return;
+    };
+    let unlock = |i: usize, token: u64| {
+        if let Some(e) = table.entry(i) {
+            sh.seg.lock(&e.pull_lock).unlock(token);
+        }
+    };
+    let Some((_, first, _)) = items.first() else {
+        return;
+    };
+    let (start_ms, task) = (first.start_ms, first.task.clone());
+    let meta = slot_meta_of(sh, &task).filter(|(_, m)| m.keyed);
+    let over = |m: &FastMeta| start_ms + m.slice_ms as i64 <= sh.now_us() / 1_000;
+    let (slot, m) = match meta {
+        Some((slot, m)) if !over(&m) => (slot, m),
+        _ => {
+            for (i, _, token) in items {
+                unlock(i, token);
+            }
+            return;
+        }
+    };
+    // Another process of the host may have refilled an entry meanwhile.
+    let mut todo = Vec::with_capacity(items.len());
+    for (i, w, token) in items {
+        match table.entry(i) {
+            Some(e) if low(e, &w) => {
+                let want = chunk(
+                    e.grant.load(Ordering::Relaxed),
+                    start_ms,
+                    m.slice_ms,
+                    e.cap.load(Ordering::Relaxed),
+                    w.n,
+                );
+                let digest = crate::protocol::key_digest(&w.key);
+                todo.push((i, w, token, want, digest));
+            }
+            _ => unlock(i, token),
+        }
+    }
+    if todo.is_empty() {
+        return;
+    }
+    let wants: Vec<scripts::KeyWant<'_>> = todo
+        .iter()
+        .map(|(_, w, _, want, digest)| scripts::KeyWant {
+            key: &w.key,
+            digest,
+            want: *want,
+        })
+        .collect();
+    let request_id = sh.request_id();
+    let req = scripts::KeyPullBatch {
+        task: &task.name,
+        start_ms,
+        slice_ms: m.slice_ms,
+        host_id: &sh.cfg.host_id,
+        request_id: &request_id,
+        meta_version: slot.meta.version.load(Ordering::Relaxed),
+        all_or_nothing: false,
+        keys: &wants,
+    };
+    let before = crate::clock::host_us();
+    let res = call(sh, Retry::Idempotent, |mut c| {
+        let req = req.clone();
+        async move { scripts::key_pull_batch(&mut c, &sh.keys, &req).await }
+    })
+    .await;
+    let after = crate::clock::host_us();
+    tracing::trace!(task = %task.name, keys = todo.len(), rtt_us = after - before, "key pull");
+    let failed = match res {
+        Err(_) => Some(PullOutcome::Timeout),
+        Ok(Err(err)) => {
+            tracing::debug!(task = %task.name, error = %err, "key pull failed");
+            Some(PullOutcome::Error)
+        }
+        Ok(Ok(KeyPullBatchReply::Granted {
+            grants,
+            redis_time_us,
+        })) => {
+            crate::background::record_clock(sh, before, after, redis_time_us);
+            for ((i, _, _, want, _), g) in todo.iter().zip(grants) {
+                let Some(e) = table.entry(*i) else { continue };
+                e.cap.store(g.cap, Ordering::Relaxed);
+                e.grant.store(
+                    ((tag_of(start_ms) as u64) << 32) | (*want).min(0xFFFF_FFFF),
+                    Ordering::Relaxed,
+                );
+                let exhausted = g.remaining <= 0;
+                if g.granted > 0 || exhausted {
+                    deposit(e, start_ms, m.slice_ms, g.granted, exhausted, sh.now_us());
+                }
+            }
+            None
+        }
+        Ok(Ok(KeyPullBatchReply::OutsideWindow { redis_time_us })) => {
+            crate::background::record_clock(sh, before, after, redis_time_us);
+            if redis_time_us / 1_000 > start_ms + m.slice_ms as i64 {
+                for (i, ..) in &todo {
+                    if let Some(e) = table.entry(*i) {
+                        deposit(e, start_ms, m.slice_ms, 0, true, sh.now_us());
+                    }
+                }
+            }
+            None
+        }
+        Ok(Ok(KeyPullBatchReply::StaleMeta { .. })) => {
+            // Re-read the meta at once; the waiters re-decide (and want again).
+            slot.meta.refreshed_ms.store(0, Ordering::Relaxed);
+            None
+        }
+        Ok(Ok(KeyPullBatchReply::Missing { .. })) => {
+            for (_, w, ..) in &todo {
+                w.event.missing.store(true, Ordering::Relaxed);
+            }
+            None
+        }
+    };
+    if let Some(outcome) = failed {
+        let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
+        let tr = sh.machine.after_pull(health, outcome, sh.now_us() / 1_000);
+        if tr.health != health || tr.next_probe_ms.is_some() {
+            crate::background::apply_health(&task, slot, health, tr.health, tr.next_probe_ms);
+        }
+    }
+    drop(wants);
+    for (i, w, token, ..) in todo {
+        unlock(i, token);
+        drop(w); // wakes its waiters
+    }
+}
+
+/// Host-wide, every second: key counters into the task's counters (charged to the current
+/// slice) and the busiest keys into `NS:{T}:top:<minute>` / `topr:<minute>`.
+async fn report(sh: &Shared, table: &KeyTable) {
+    let h = table.header();
+    let now_ms = crate::clock::host_ms();
+    let last = h.report_ms.load(Ordering::Acquire);
+    if now_ms - last < REPORT_MS
+        || h.report_ms
+            .compare_exchange(last, now_ms, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+    {
+        return;
+    }
+    // slot index → (adm, rej, [(key, adm, rej)])
+    type PerTask = (u64, u64, Vec<(String, u64, u64)>);
+    let mut per: HashMap<usize, PerTask> = HashMap::new();
+    for i in 0..table.entries {
+        let Some(e) = table.entry(i) else { break };
+        let id = e.ident.load(Ordering::Acquire);
+        if id == 0 || id == BUSY {
+            continue;
+        }
+        let a = e.adm.swap(0, Ordering::AcqRel);
+        let r = e.rej.swap(0, Ordering::AcqRel);
+        if a == 0 && r == 0 {
+            continue;
+        }
+        let slot = ((id >> 48) & 0x7FFF) as usize;
+        let p = per.entry(slot).or_default();
+        p.0 += a;
+        p.1 += r;
+        if let Some(k) = e.key_string() {
+            p.2.push((k, a, r));
+        }
+    }
+    let minute = now_ms - now_ms.rem_euclid(60_000);
+    for (slot_i, (a, r, mut keys)) in per {
+        let Some(slot) = sh.seg.slot(slot_i) else {
+            continue;
+        };
+        let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
+            continue;
+        };
+        let Some(name) = slot.name() else { continue };
+        let now = sh.now_us() / 1_000;
+        let start = now - now.rem_euclid(m.slice_ms as i64);
+        slot.count(start, m.slice_ms, field::ADMITTED, a);
+        slot.count(start, m.slice_ms, field::REJECTED, r);
+        let mut pipe = redis::pipe();
+        let ka = sh.keys.top_keys(&name, minute);
+        let kr = sh.keys.top_rejected_keys(&name, minute);
+        keys.sort_by_key(|x| std::cmp::Reverse(x.1));
+        for (k, a, _) in keys.iter().take(TOP_KEYS).filter(|x| x.1 > 0) {
+            pipe.zincr(&ka, k, *a).ignore();
+        }
+        keys.sort_by_key(|x| std::cmp::Reverse(x.2));
+        for (k, _, r) in keys.iter().take(TOP_KEYS).filter(|x| x.2 > 0) {
+            pipe.zincr(&kr, k, *r).ignore();
+        }
+        pipe.pexpire(&ka, 600_000).ignore();
+        pipe.pexpire(&kr, 600_000).ignore();
+        let _ = call(sh, Retry::OnlyUnsent, |mut c| {
+            let pipe = pipe.clone();
+            async move { pipe.query_async::<()>(&mut c).await }
+        })
+        .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_grow_from_one_by_doubling_up_to_a_sixteenth() {
+        let s = 10_000;
+        let tag = (tag_of(s) as u64) << 32;
+        assert_eq!(chunk(0, s, 1_000, 0, 1), 1);
+        assert_eq!(chunk(0, s, 1_000, 1_000, 3), 3);
+        assert_eq!(chunk(tag | 1, s, 1_000, 1_000, 1), 2);
+        assert_eq!(chunk(tag | 32, s, 1_000, 1_000, 1), 62);
+        assert_eq!(chunk(tag | 62, s, 1_000, 1_000, 1), 62);
+        assert_eq!(chunk(tag | 62, s, 1_000, 1_000, 100), 100);
+        // The previous slice was hot: start at half its last chunk.
+        let prev = (tag_of(s - 1_000) as u64) << 32;
+        assert_eq!(chunk(prev | 40, s, 1_000, 1_000, 1), 20);
+        // Older: cold again.
+        let old = (tag_of(s - 5_000) as u64) << 32;
+        assert_eq!(chunk(old | 40, s, 1_000, 1_000, 1), 1);
+        // A small cap: never more than one at a time.
+        assert_eq!(chunk(tag | 1, s, 1_000, 10, 1), 1);
+    }
+
+    fn table(entries: u32) -> (tempfile::TempDir, KeyTable, crate::shm::Segment) {
+        let d = tempfile::tempdir().unwrap();
+        let t = KeyTable::open(&d.path().join("t.keys"), entries).unwrap();
+        let (seg, _) = crate::shm::Segment::open(&d.path().join("seg"), 4).unwrap();
+        (d, t, seg)
+    }
+
+    #[test]
+    fn claims_lookups_and_reclaim_after_two_idle_slices() {
+        let (_d, t, seg) = table(8);
+        let r = seg
+            .claim(
+                "t",
+                crate::shm::ClaimOptions {
+                    now_ms: 0,
+                    lock_timeout_ms: 1_000,
+                    reclaim_idle_ms: 60_000,
+                },
+            )
+            .unwrap();
+        let own = owner(r.index, r.generation);
+        let mut ids = Vec::new();
+        for k in 0..WAYS {
+            let key = format!("key-{k}");
+            let h = t.hash(r.index, &key);
+            let (i, id) = t.claim(&seg, h, own, &key, 1_000, 1_000).unwrap();
+            assert_eq!(t.lookup(h, own), Some((i, id)));
+            assert_eq!(
+                t.entry(i).unwrap().key_string().as_deref(),
+                Some(key.as_str())
+            );
+            ids.push(id);
+        }
+        // One bucket of 8, all busy: the table is full for a ninth key …
+        let h9 = t.hash(r.index, "key-9");
+        assert_eq!(t.claim(&seg, h9, own, "key-9", 1_000, 1_500), None);
+        // … until one has been idle for two slices.
+        let (i, id) = t.claim(&seg, h9, own, "key-9", 1_000, 3_000).unwrap();
+        assert!(!ids.contains(&id), "a reclaimed entry gets a new identity");
+        assert_eq!(t.lookup(h9, own), Some((i, id)));
+        // Keys are told apart by task slot too.
+        assert_ne!(t.hash(0, "a"), t.hash(1, "a"));
+    }
+
+    #[test]
+    fn a_too_small_table_is_replaced_a_larger_one_kept() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.keys");
+        let a = KeyTable::open(&p, 64).unwrap();
+        assert_eq!(a.entries(), 64);
+        let b = KeyTable::open(&p, 16).unwrap();
+        assert_eq!(b.entries(), 64);
+        assert_eq!(b.secret, a.secret, "same file, same secret");
+        let c = KeyTable::open(&p, 128).unwrap();
+        assert_eq!(c.entries(), 128);
+        // Rounded up to whole buckets.
+        let e = KeyTable::open(&d.path().join("u.keys"), 10).unwrap();
+        assert_eq!(e.entries(), 16);
+    }
+
+    #[test]
+    fn deposits_and_give_back_follow_the_tag() {
+        let (_d, t, _seg) = table(8);
+        let e = t.entry(0).unwrap();
+        assert!(deposit(e, 10_000, 1_000, 5, false, 10_000_000));
+        let q = &e.quota[crate::shm::parity(10_000, 1_000)];
+        assert_eq!(
+            unpack_quota(q.load(Ordering::Relaxed)),
+            (tag_of(10_000), false, 5)
+        );
+        give_back(q, tag_of(10_000), 2);
+        assert_eq!(unpack_quota(q.load(Ordering::Relaxed)).2, 7);
+        give_back(q, tag_of(12_000), 2);
+        assert_eq!(
+            unpack_quota(q.load(Ordering::Relaxed)).2,
+            7,
+            "another slice: dropped"
+        );
+        assert!(
+            !deposit(e, 10_000, 1_000, 5, false, 11_000_000),
+            "ended slice"
+        );
+    }
+}
