@@ -584,3 +584,87 @@ async fn custom_rejections_show_each_extractor_and_the_missing_key_policies() {
     assert_eq!(r.headers()["grpc-status"], "8");
     assert!(r.headers().contains_key("ratelimit"));
 }
+
+/// A keyed task of 2 per 2 s slice behind a header extractor: inside one slice key `a` is
+/// admitted twice then refused (429), while key `b` is still admitted, and an overridden key
+/// `vip` (4) gets four; costs count per key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_limits_refuse_only_the_exhausted_key() {
+    let env = Env::start(
+        "lykeyd",
+        &[(
+            "per",
+            r#"{"threshold":2,"slice_ms":2000,"keyed":true,"key_overrides":{"vip":4},"local_limit":2,"on_failure":"deny"}"#,
+        )],
+    )
+    .await;
+    let task = env.task("per");
+    let layer = SluiceLayer::new(task.clone())
+        .key(KeyExtractor::header("x-api-key"))
+        .cost(|p| {
+            p.headers
+                .get("x-cost")
+                .and_then(|v| v.to_str().ok()?.parse().ok())
+                .unwrap_or(1)
+        });
+    let url = serve(hello().layer(layer)).await;
+    let http = http();
+    for attempt in 0.. {
+        assert!(attempt < 3, "never stayed inside one slice");
+        align(&task, 2_000, 50).await;
+        let slice = task.now_us() / 2_000_000;
+        let mut got = Vec::new();
+        for (key, cost) in [
+            ("a", 1),
+            ("a", 1),
+            ("a", 1),
+            ("b", 1),
+            ("vip", 3),
+            ("vip", 1),
+            ("vip", 1),
+            ("b", 1),
+            ("b", 1),
+        ] {
+            let r = http
+                .get(&url)
+                .header("x-api-key", key)
+                .header("x-cost", cost.to_string())
+                .send()
+                .await
+                .unwrap();
+            let h = r.headers().clone();
+            got.push((key, r.status().as_u16(), h));
+        }
+        if task.now_us() / 2_000_000 != slice {
+            continue;
+        }
+        let statuses: Vec<(&str, u16)> = got.iter().map(|g| (g.0, g.1)).collect();
+        assert_eq!(
+            statuses,
+            [
+                ("a", 200),
+                ("a", 200),
+                ("a", 429),
+                ("b", 200),
+                ("vip", 200),
+                ("vip", 200),
+                ("vip", 429),
+                ("b", 200),
+                ("b", 429),
+            ]
+        );
+        for (key, status, h) in &got {
+            let f = Fields::read(h);
+            assert_eq!(f.policy.0, "per");
+            assert_eq!(f.p("w"), Some(2), "{key}");
+            if *status == 429 {
+                assert_eq!(f.l("r"), Some(0));
+                assert_eq!(
+                    h["retry-after"].to_str().unwrap().parse::<i64>().ok(),
+                    f.l("t")
+                );
+            }
+        }
+        break;
+    }
+}

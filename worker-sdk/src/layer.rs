@@ -49,7 +49,7 @@ pub mod reject;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -202,20 +202,33 @@ pub fn too_many_requests<B: Default>(retry_after: Option<Duration>) -> Response<
 /// Why a request could not be decided under a key.
 #[derive(Debug)]
 enum KeyRefused {
-    /// The task refused the key (too long).
+    /// The task refused the key (longer than 256 bytes).
     Bad,
 }
 
-/// The one place the layer decides. `key = None`: on the task as a whole.
-// KEYED: switch to task.key(k)
+/// The one place the layer decides. `key = None`: on the task as a whole; a key decides with
+/// `task.key(k)` (on a task that is not keyed, a key decides on the task as a whole).
 async fn decide(task: &Task, key: Option<&str>, cost: u64) -> Result<Decision, KeyRefused> {
     if cost == 0 {
         return Ok(Decision::Allowed);
     }
-    if key.is_some_and(|k| k.len() > 256) {
-        return Err(KeyRefused::Bad);
+    let Some(k) = key else {
+        return Ok(task.acquire(cost).await);
+    };
+    match task.key(k) {
+        Ok(h) => Ok(h.acquire(cost).await),
+        Err(crate::Error::Name(_)) => Err(KeyRefused::Bad),
+        Err(e) => {
+            // The host's key table cannot be opened: not the caller's fault, and it stays so
+            // (the error is kept). The task's own limit still applies.
+            static WARNED: AtomicBool = AtomicBool::new(false);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(task = %task.name(), error = %e,
+                    "layer: no key table, deciding keyed requests on the task as a whole");
+            }
+            Ok(task.acquire(cost).await)
+        }
     }
-    Ok(task.acquire(cost).await)
 }
 
 impl<S, R, ReqB, ResB> Service<Request<ReqB>> for SluiceService<S, R>
@@ -253,7 +266,7 @@ where
                     Err(e) => {
                         let r = Rejection {
                             reason: RejectReason::NoPermit(e),
-                            limit: task.layer_limit(policy, None, false),
+                            limit: task.layer_limit(policy, None, false, false),
                             retry_after: Some(Duration::from_secs(1)),
                             key: None,
                             cost: 1,
@@ -262,7 +275,7 @@ where
                         return Ok(reject.reject(&r));
                     }
                 };
-                let limit = task.layer_limit(policy, None, true);
+                let limit = task.layer_limit(policy, None, true, false);
                 let mut res = inner.call(req).await;
                 drop(permit);
                 if let (Ok(res), Some(l)) = (&mut res, limit) {
@@ -294,7 +307,7 @@ where
                 let retry = d.retry_after().unwrap_or(Duration::from_secs(1));
                 let r = Rejection {
                     reason: RejectReason::Limited(d),
-                    limit: task.layer_limit(policy, Some(retry), false),
+                    limit: task.layer_limit(policy, Some(retry), false, key.is_some()),
                     retry_after: Some(retry),
                     key,
                     cost,
@@ -302,7 +315,7 @@ where
                 };
                 return Ok(reject.reject(&r));
             }
-            let limit = task.layer_limit(policy, None, true);
+            let limit = task.layer_limit(policy, None, true, key.is_some());
             let started = Instant::now();
             let mut res = inner.call(Request::from_parts(parts, body)).await;
             let failed = match &mut res {
@@ -342,8 +355,12 @@ impl Task {
         policy: &str,
         reset: Option<Duration>,
         admitted: bool,
+        keyed: bool,
     ) -> Option<LimitInfo> {
         let m = self.meta()?;
+        // A key of a keyed task: its quota and override live in the key table, which has no
+        // read accessor for the layer yet, so `q` is the task's threshold and `r` is 0.
+        let per_key = keyed && m.keyed;
         if m.mode == Mode::Concurrency {
             let remaining = match (admitted, self.permit_stats()) {
                 (true, Some(s)) => s.limit.saturating_sub(s.in_use),
@@ -367,7 +384,7 @@ impl Task {
             policy: policy.to_string(),
             limit: m.threshold,
             window_ms: m.slice_ms,
-            remaining: if admitted {
+            remaining: if admitted && !per_key {
                 self.held_quota(start_ms)
             } else {
                 0
