@@ -44,8 +44,9 @@ pub struct LimitInfo {
     /// The policy's name: the task's name unless [`super::SluiceLayer::policy_name`] says
     /// otherwise.
     pub policy: String,
-    /// The threshold (`q`): permits per slice from the task's spec (the key's threshold for a
-    /// keyed task), or permits in flight for mode `concurrency`. Schedules and dynamic limiting
+    /// The threshold (`q`): permits per slice from the task's spec (also for a key of a keyed
+    /// task, even one with an override: the layer cannot read a key's override locally yet),
+    /// or permits in flight for mode `concurrency`. Schedules and dynamic limiting
     /// change the effective threshold of a slice; `q` stays the spec's, as the draft wants
     /// the policy field to stay consistent.
     pub limit: u64,
@@ -54,7 +55,8 @@ pub struct LimitInfo {
     /// What Sluice can say locally about what is left (`r`): the permits this host holds in
     /// shared memory for the current slice (or, for mode `concurrency`, the permits this host
     /// may still hand out), 0 after a rejection and when the host holds no countable local
-    /// quota (modes `local` and `exact_*`, FAILED). Not the cluster's remaining quota: other
+    /// quota (modes `local` and `exact_*`, FAILED) or cannot read it (a key of a keyed task:
+    /// the key table has no read accessor for the layer yet). Not the cluster's remaining quota: other
     /// hosts and Redis may hold more, so a client that stops at `r = 0` is merely careful.
     pub remaining: u64,
     /// Until more quota is made available: the end of the current slice for an admitted
