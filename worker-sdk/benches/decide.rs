@@ -3,6 +3,11 @@
 //! * `decide/allowed`: `try_acquire(1)` admitted from the local quota: the fast path.
 //! * `decide/limited`: the slice is exhausted (LIMITED): reject without Redis.
 //! * `decide/local_token_bucket`: mode `local`, the shared token bucket (the FAILED path).
+//! * `decide/keyed_allowed`: `key.try_acquire(1)` of a keyed task, admitted from the key
+//!   table (a cached handle).
+//! * `decide/keyed_new_handle`: `task.key(k)` then `try_acquire(1)`: what a layer that makes a
+//!   handle per request pays (SipHash of the key + bucket lookup).
+//! * `decide/keyed_limited`: the key's slice is exhausted.
 //! * `host/N`: N threads, each with its own client (its own mapping of the same segment, like
 //!   N processes of one host), deciding against one shared quota: decisions/s of the host.
 //!
@@ -26,6 +31,10 @@ struct Host {
 }
 
 fn host(mode: Mode, clients: usize) -> Host {
+    host_with(mode, clients, false)
+}
+
+fn host_with(mode: Mode, clients: usize, keyed: bool) -> Host {
     let dir = tempfile::tempdir().expect("tempdir");
     let mk = || {
         // Nothing listens on port 1: the background thread fails quietly, decisions go on.
@@ -57,7 +66,7 @@ fn host(mode: Mode, clients: usize) -> Host {
             },
             version: 1,
             lease_ms: 0,
-            keyed: false,
+            keyed,
             key_overrides: Default::default(),
         },
         sl.generation(),
@@ -115,6 +124,35 @@ fn decide(c: &mut Criterion) {
     let ltask = l.clients[0].1.clone();
     g.bench_function("local_token_bucket", |b| {
         b.iter(|| std::hint::black_box(ltask.try_acquire(std::hint::black_box(1))))
+    });
+    let k = host_with(Mode::Pooled, 1, true);
+    let ktask = k.clients[0].1.clone();
+    let key = ktask.key("tenant-42").expect("key");
+    assert!(key.fill_local(MAX_COUNT as u64, false), "key entry");
+    g.bench_function("keyed_allowed", |b| {
+        b.iter_custom(|iters| {
+            key.fill_local(MAX_COUNT as u64, false);
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                std::hint::black_box(key.try_acquire(std::hint::black_box(1)));
+            }
+            t0.elapsed()
+        })
+    });
+    g.bench_function("keyed_new_handle", |b| {
+        b.iter_custom(|iters| {
+            key.fill_local(MAX_COUNT as u64, false);
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                let h = ktask.key(std::hint::black_box("tenant-42")).expect("key");
+                std::hint::black_box(h.try_acquire(1));
+            }
+            t0.elapsed()
+        })
+    });
+    key.fill_local(0, true);
+    g.bench_function("keyed_limited", |b| {
+        b.iter(|| std::hint::black_box(key.try_acquire(std::hint::black_box(1))))
     });
     g.finish();
 }

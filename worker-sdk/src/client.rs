@@ -611,7 +611,7 @@ impl Task {
 
     /// A decision that stays "refill pending" is final here: a rejection, counted as such.
     #[cold]
-    fn pending_rejected(&self, start_ms: i64, slice_ms: u64, n: u64) -> Decision {
+    pub(crate) fn pending_rejected(&self, start_ms: i64, slice_ms: u64, n: u64) -> Decision {
         if let Some(slot) = self.slot() {
             slot.count(start_ms, slice_ms, field::REJECTED, n);
         }
@@ -817,7 +817,7 @@ impl Task {
     }
 
     #[inline]
-    fn decide(&self, n: u64, now_us: i64) -> Step {
+    pub(crate) fn decide(&self, n: u64, now_us: i64) -> Step {
         if n == 0 {
             return Step::Decided(Decision::Allowed);
         }

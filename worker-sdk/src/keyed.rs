@@ -546,6 +546,12 @@ impl std::fmt::Debug for Key {
 /// Where a key's decision stands.
 enum KStep {
     Decided(Decision),
+    /// Admitted from the entry's quota word `parity` of slice tag `tag` (refundable).
+    Admitted {
+        entry: usize,
+        parity: usize,
+        tag: u32,
+    },
     /// Not a keyed decision (the task is not keyed, or its meta is unknown): the task decides,
     /// with the same flavour of call (try / async / blocking).
     Task,
@@ -596,16 +602,54 @@ impl Key {
         &self.task
     }
 
+    /// Benchmarks and tests only: puts `n` permits of the current slice (exhausted after them
+    /// when `exhausted`) into this host's entry for the key, claiming one. False when the key
+    /// is not decided from the key table (not keyed, meta unknown, table full).
+    #[doc(hidden)]
+    pub fn fill_local(&self, n: u64, exhausted: bool) -> bool {
+        let Some((_, m)) = self.task.slot_meta() else {
+            return false;
+        };
+        let Some(table) = self.table() else {
+            return false;
+        };
+        let r = self.task.inner.slot_ref();
+        let now_us = self.task.now_us();
+        let Some((i, _)) = self.entry(
+            table,
+            owner(r.index, r.generation),
+            m.slice_ms,
+            now_us / 1_000,
+        ) else {
+            return false;
+        };
+        let Some(e) = table.entry(i) else {
+            return false;
+        };
+        let start = now_us.div_euclid(m.slice_ms as i64 * 1_000) * m.slice_ms as i64;
+        e.quota[crate::shm::parity(start, m.slice_ms)].store(0, Ordering::Relaxed);
+        deposit(e, start, m.slice_ms, n, exhausted, now_us)
+    }
+
     /// Decides `n` permits of this key now, from the host's local quota. Never waits: a key
     /// with no quota in hand on this host answers `Limited` with a 1 ms retry and starts a
     /// pull ([`Key::acquire`] waits for it instead); a key the table has no room for answers
     /// [`Decision::WouldBlock`] (call [`Key::acquire`]).
     #[inline]
     pub fn try_acquire(&self, n: u64) -> Decision {
+        self.try_refundable(n).0
+    }
+
+    /// [`Key::try_acquire`], with how to give the permits back.
+    #[inline]
+    pub(crate) fn try_refundable(&self, n: u64) -> (Decision, Option<Refund>) {
         let now_us = self.task.now_us();
-        match self.decide(n, now_us) {
+        let d = match self.decide(n, now_us) {
             KStep::Decided(d) => d,
-            KStep::Task => self.task.try_acquire_at(n, now_us),
+            KStep::Admitted { entry, parity, tag } => {
+                return (Decision::Allowed, Some(Refund::Key { entry, parity, tag }));
+            }
+            KStep::Task => return self.task.try_refundable(n, now_us),
             KStep::Pending {
                 entry,
                 ident,
@@ -618,7 +662,8 @@ impl Key {
                 }
             }
             KStep::Direct { .. } => Decision::WouldBlock,
-        }
+        };
+        (d, None)
     }
 
     /// Like [`Key::try_acquire`], but waits for a pull of the key (at most
@@ -631,16 +676,30 @@ impl Key {
     /// clock): the slice it was charged to. For load generators and tests.
     #[doc(hidden)]
     pub async fn acquire_stamped(&self, n: u64) -> (Decision, i64) {
+        let (d, at, _) = self.acquire_refundable(n).await;
+        (d, at)
+    }
+
+    /// [`Key::acquire_stamped`], with how to give the permits back.
+    pub(crate) async fn acquire_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
         let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
         loop {
             let now_us = self.task.now_us();
-            match self.decide(n, now_us) {
-                KStep::Decided(d) => return (d, now_us),
-                KStep::Task => return (self.task.acquire(n).await, now_us),
+            let (d, at) = match self.decide(n, now_us) {
+                KStep::Decided(d) => (d, now_us),
+                KStep::Admitted { entry, parity, tag } => {
+                    let r = Refund::Key { entry, parity, tag };
+                    return (Decision::Allowed, now_us, Some(r));
+                }
+                KStep::Task => {
+                    let d = self.task.acquire(n).await;
+                    let at = self.task.now_us();
+                    return (d, at, self.task.refund_of(d, at));
+                }
                 KStep::Direct { m, start_ms } => {
                     let fut = self.direct(m, start_ms, n);
                     let reply = self.task.shared.rt.spawn(fut).await.ok().flatten();
-                    return (self.direct_decision(reply, &m, start_ms, n), now_us);
+                    (self.direct_decision(reply, &m, start_ms, n), now_us)
                 }
                 KStep::Pending {
                     entry,
@@ -649,15 +708,17 @@ impl Key {
                 } => {
                     if Instant::now() >= deadline {
                         self.count_rejected(entry, n);
-                        return (Self::pending_limited(), now_us);
+                        return (Self::pending_limited(), now_us, None);
                     }
                     let ev = self.want(entry, ident, start_ms, n);
                     ev.wait().await;
                     if ev.missing.load(Ordering::Relaxed) {
-                        return (self.missing(n), now_us);
+                        return (self.missing(n), now_us, None);
                     }
+                    continue;
                 }
-            }
+            };
+            return (d, at, None);
         }
     }
 
@@ -670,12 +731,26 @@ impl Key {
     /// [`Key::acquire_stamped`]).
     #[doc(hidden)]
     pub fn acquire_blocking_stamped(&self, n: u64) -> (Decision, i64) {
+        let (d, at, _) = self.acquire_blocking_refundable(n);
+        (d, at)
+    }
+
+    /// [`Key::acquire_blocking_stamped`], with how to give the permits back.
+    pub(crate) fn acquire_blocking_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
         let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
         loop {
             let now_us = self.task.now_us();
-            match self.decide(n, now_us) {
-                KStep::Decided(d) => return (d, now_us),
-                KStep::Task => return (self.task.acquire_blocking(n), now_us),
+            let (d, at) = match self.decide(n, now_us) {
+                KStep::Decided(d) => (d, now_us),
+                KStep::Admitted { entry, parity, tag } => {
+                    let r = Refund::Key { entry, parity, tag };
+                    return (Decision::Allowed, now_us, Some(r));
+                }
+                KStep::Task => {
+                    let d = self.task.acquire_blocking(n);
+                    let at = self.task.now_us();
+                    return (d, at, self.task.refund_of(d, at));
+                }
                 KStep::Direct { m, start_ms } => {
                     let (tx, rx) = std::sync::mpsc::channel();
                     let fut = self.direct(m, start_ms, n);
@@ -684,7 +759,7 @@ impl Key {
                     });
                     let wait = self.task.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
                     let reply = rx.recv_timeout(wait).ok().flatten();
-                    return (self.direct_decision(reply, &m, start_ms, n), now_us);
+                    (self.direct_decision(reply, &m, start_ms, n), now_us)
                 }
                 KStep::Pending {
                     entry,
@@ -693,15 +768,34 @@ impl Key {
                 } => {
                     if Instant::now() >= deadline {
                         self.count_rejected(entry, n);
-                        return (Self::pending_limited(), now_us);
+                        return (Self::pending_limited(), now_us, None);
                     }
                     let ev = self.want(entry, ident, start_ms, n);
                     ev.wait_blocking(deadline);
                     if ev.missing.load(Ordering::Relaxed) {
-                        return (self.missing(n), now_us);
+                        return (self.missing(n), now_us, None);
                     }
+                    continue;
+                }
+            };
+            return (d, at, None);
+        }
+    }
+
+    /// Gives back what [`Refund`] says this key's decision took (see [`crate::multi`]).
+    pub(crate) fn refund(&self, r: &Refund, n: u64) {
+        match *r {
+            Refund::Key { entry, parity, tag } => {
+                if let Some(e) = self.table().and_then(|t| t.entry(entry)) {
+                    give_back(&e.quota[parity], tag, n);
+                    let _ = e
+                        .adm
+                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |a| {
+                            Some(a.saturating_sub(n))
+                        });
                 }
             }
+            Refund::Task { .. } => self.task.refund(r, n),
         }
     }
 
@@ -813,7 +907,11 @@ impl Key {
                         // Running low: the next chunk is on its way before it is needed.
                         self.want_quiet(i, id, start_ms, n);
                     }
-                    return KStep::Decided(Decision::Allowed);
+                    return KStep::Admitted {
+                        entry: i,
+                        parity: (index & 1) as usize,
+                        tag,
+                    };
                 }
                 Err(x) => w = x,
             }
@@ -1074,7 +1172,27 @@ impl Key {
     }
 }
 
-fn give_back(q: &AtomicU64, tag: u32, n: u64) {
+/// How to give back the permits of an admitted decision (all-or-nothing decisions).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Refund {
+    /// Quota word `parity` of key table entry `entry`, slice tag `tag`.
+    Key {
+        entry: usize,
+        parity: usize,
+        tag: u32,
+    },
+    /// Quota word `parity` of task slot `slot` (generation `generation`), slice tag `tag`.
+    Task {
+        slot: usize,
+        generation: u16,
+        parity: usize,
+        tag: u32,
+    },
+}
+
+/// Adds `n` permits back to a quota word that still holds the slice `tag` (a word that moved
+/// on to another slice is left alone: those permits are lost, never moved to another slice).
+pub(crate) fn give_back(q: &AtomicU64, tag: u32, n: u64) {
     let mut w = q.load(Ordering::Acquire);
     loop {
         let (t, ex, c) = unpack_quota(w);

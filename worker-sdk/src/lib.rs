@@ -22,6 +22,7 @@
 //! * [`client`]: the public API ([`Client`], [`Task`], [`Decision`]).
 //! * [`concurrency`]: mode `concurrency`: permits in flight ([`Permit`]) from a leased block.
 //! * [`keyed`]: keyed tasks: a limit per key ([`Key`]) from a host-shared key table.
+//! * [`multi`]: several limits per request, all or nothing ([`try_acquire_all`]).
 //! * [`lock`]: distributed locks with fencing tokens ([`Client::lock`]).
 //! * [`state`]: the NORMAL / LIMITED / FAILED state machine (pure).
 //! * [`pull`]: pull sizing and prefetch policy (pure).
@@ -42,6 +43,7 @@ pub mod keyed;
 pub mod layer;
 pub mod limiter;
 pub mod lock;
+pub mod multi;
 pub mod protocol;
 pub mod pull;
 pub mod shm;
@@ -52,4 +54,5 @@ pub use concurrency::{Permit, PermitError};
 pub use health::Outcome;
 pub use keyed::Key;
 pub use lock::{LockError, LockGuard};
+pub use multi::{AllDecision, Limit, acquire_all, acquire_all_blocking, try_acquire_all};
 pub use state::HostState;
