@@ -2,72 +2,196 @@
 //!
 //! ```no_run
 //! # async fn demo(task: sluice::Task) {
+//! use sluice::layer::{KeyExtractor, SluiceLayer};
 //! use tower::ServiceBuilder;
 //! let svc = ServiceBuilder::new()
-//!     .layer(sluice::layer::SluiceLayer::new(task))
+//!     .layer(
+//!         SluiceLayer::new(task)
+//!             .key(KeyExtractor::header("x-api-key"))     // a limit per API key (keyed task)
+//!             .cost(|req| if req.method == http::Method::POST { 5 } else { 1 }),
+//!     )
 //!     .service(tower::service_fn(|_req: http::Request<String>| async {
 //!         Ok::<_, std::convert::Infallible>(http::Response::new(String::from("hello")))
 //!     }));
 //! # }
 //! ```
 //!
-//! Each request asks for one permit with [`Task::acquire`] (which may wait briefly for a
-//! refill). A rejected request never reaches the inner service: it is answered with
-//! `429 Too Many Requests` and a `Retry-After` header (whole seconds, at least 1). Admitted
-//! requests are reported to the task's health counters: a 5xx response or an inner error
-//! counts as a failure, with the inner service's latency.
+//! # What it does per request
+//!
+//! 1. The **key** ([`KeyExtractor`]: a header, a path segment, the peer IP, or a closure) picks
+//!    the limit: `task.key(k)` on a keyed task (on a task that is not keyed a key decides on
+//!    the task as a whole). Without an extractor every request decides on the task. A request
+//!    without a key gets [`MissingKey`] (default: rejected with 400, nothing charged).
+//! 2. The **cost** (a closure of the request head, default 1) is the number of permits asked
+//!    for, with `acquire` (which may wait briefly for a refill, at most the client's acquire
+//!    timeout). A cost of 0 is admitted without a decision.
+//! 3. **Rejected**: the inner service is not called; the answer is built by the rejection
+//!    builder from a [`Rejection`] (default [`DefaultReject`]: HTTP `429` with `Retry-After`,
+//!    `RateLimit-Policy` and `RateLimit`; a gRPC caller gets a trailers-only
+//!    `RESOURCE_EXHAUSTED` instead, see [`reject`]).
+//! 4. **Admitted**: the inner service answers; its response gets `RateLimit-Policy` and
+//!    `RateLimit` (see [`fields`] for the syntax, the rounding and what `r` means), and the
+//!    outcome is reported to the task's health counters (a 5xx response or an inner error is
+//!    a failure, with the inner service's latency).
+//!
+//! `Retry-After` is whole seconds rounded up (at least 1: a 100 ms slice answers
+//! `Retry-After: 1`); the precise time is in the `RateLimit` field's `sluice-reset-ms`.
 //!
 //! For a task in mode `concurrency` each request holds one permit ([`Task::permit`], waiting
 //! at most the client's acquire timeout) until the inner service's response future has
-//! resolved (a streamed body is not covered); no permit means `429` with `Retry-After: 1`.
+//! resolved (a streamed body is not covered); no permit means a rejection with
+//! `Retry-After: 1` (keys and costs do not apply: one request, one permit).
+
+pub mod fields;
+pub mod key;
+pub mod reject;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use http::{HeaderValue, Request, Response, StatusCode, header};
 use tower::{Layer, Service};
 
-use crate::Task;
-use crate::health::Outcome;
+pub use fields::{LimitInfo, QuotaUnit, ceil_secs, retry_after_secs};
+pub use key::{KeyExtractor, MissingKey};
+pub use reject::{DefaultReject, Reject, RejectReason, RejectWith, Rejection, is_grpc};
 
-/// Adds a Sluice task to a service.
+use crate::health::Outcome;
+use crate::protocol::Mode;
+use crate::shm::{FastMeta, tag_of, unpack_quota};
+use crate::state::Health;
+use crate::{Decision, Task};
+use key::Cost;
+
+/// Adds a Sluice task to a service (see the module docs). `R` builds rejections.
 #[derive(Debug, Clone)]
-pub struct SluiceLayer {
+pub struct SluiceLayer<R = DefaultReject> {
+    cfg: Arc<Settings>,
+    reject: R,
+}
+
+/// Everything but the rejection builder.
+#[derive(Debug)]
+struct Settings {
     task: Task,
+    key: Option<KeyExtractor>,
+    cost: Cost,
+    missing: MissingKey,
+    policy: Option<String>,
 }
 
 impl SluiceLayer {
-    /// Limits requests with `task`.
+    /// Limits requests with `task`: one permit per request, no key, default rejections.
     pub fn new(task: Task) -> Self {
-        Self { task }
+        Self {
+            cfg: Arc::new(Settings {
+                task,
+                key: None,
+                cost: Cost::default(),
+                missing: MissingKey::default(),
+                policy: None,
+            }),
+            reject: DefaultReject,
+        }
     }
 }
 
-impl<S> Layer<S> for SluiceLayer {
-    type Service = SluiceService<S>;
+impl<R> SluiceLayer<R> {
+    fn settings(&mut self) -> &mut Settings {
+        // Builders run before the layer is cloned into services; a clone made earlier keeps
+        // its settings.
+        if Arc::get_mut(&mut self.cfg).is_none() {
+            let c = &self.cfg;
+            self.cfg = Arc::new(Settings {
+                task: c.task.clone(),
+                key: c.key.clone(),
+                cost: c.cost.clone(),
+                missing: c.missing.clone(),
+                policy: c.policy.clone(),
+            });
+        }
+        Arc::get_mut(&mut self.cfg).expect("just made unique")
+    }
+
+    /// Decides each request under the key `extractor` finds in it.
+    pub fn key(mut self, extractor: KeyExtractor) -> Self {
+        self.settings().key = Some(extractor);
+        self
+    }
+
+    /// What a request without a key gets (default [`MissingKey::Reject`]: 400).
+    pub fn on_missing_key(mut self, m: MissingKey) -> Self {
+        self.settings().missing = m;
+        self
+    }
+
+    /// The permits a request costs, from its head (default: 1).
+    pub fn cost<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&http::request::Parts) -> u64 + Send + Sync + 'static,
+    {
+        self.settings().cost = Cost::from_fn(f);
+        self
+    }
+
+    /// The policy name in the RateLimit fields (default: the task's name).
+    pub fn policy_name(mut self, name: impl Into<String>) -> Self {
+        self.settings().policy = Some(name.into());
+        self
+    }
+
+    /// Builds rejections with `f` instead of [`DefaultReject`] (its body type must be the
+    /// inner service's). [`Rejection::default_response`] and [`Rejection::apply_headers`] help
+    /// to stay close to the default.
+    ///
+    /// ```
+    /// # fn demo(task: sluice::Task) {
+    /// let layer = sluice::layer::SluiceLayer::new(task).on_reject(|r: &sluice::layer::Rejection| {
+    ///     let mut res = http::Response::new(format!("{{\"error\":\"slow down\",\"cost\":{}}}", r.cost));
+    ///     *res.status_mut() = http::StatusCode::TOO_MANY_REQUESTS;
+    ///     r.apply_headers(res.headers_mut());
+    ///     res
+    /// });
+    /// # }
+    /// ```
+    pub fn on_reject<F, B>(self, f: F) -> SluiceLayer<RejectWith<F>>
+    where
+        F: Fn(&Rejection) -> Response<B> + Send + Sync + 'static,
+    {
+        SluiceLayer {
+            cfg: self.cfg,
+            reject: RejectWith(Arc::new(f)),
+        }
+    }
+}
+
+impl<S, R: Clone> Layer<S> for SluiceLayer<R> {
+    type Service = SluiceService<S, R>;
 
     fn layer(&self, inner: S) -> Self::Service {
         SluiceService {
             inner,
-            task: self.task.clone(),
+            cfg: self.cfg.clone(),
+            reject: self.reject.clone(),
         }
     }
 }
 
 /// The service made by [`SluiceLayer`].
 #[derive(Debug, Clone)]
-pub struct SluiceService<S> {
+pub struct SluiceService<S, R = DefaultReject> {
     inner: S,
-    task: Task,
+    cfg: Arc<Settings>,
+    reject: R,
 }
 
 /// A `429 Too Many Requests` with `Retry-After` (seconds, rounded up, at least 1).
-pub fn too_many_requests<B: Default>(retry_after: Option<std::time::Duration>) -> Response<B> {
-    let secs = retry_after
-        .map(|d| d.as_millis().div_ceil(1_000).max(1) as u64)
-        .unwrap_or(1);
+pub fn too_many_requests<B: Default>(retry_after: Option<Duration>) -> Response<B> {
+    let secs = retry_after_secs(retry_after.unwrap_or(Duration::from_secs(1)));
     let mut r = Response::new(B::default());
     *r.status_mut() = StatusCode::TOO_MANY_REQUESTS;
     r.headers_mut()
@@ -75,12 +199,45 @@ pub fn too_many_requests<B: Default>(retry_after: Option<std::time::Duration>) -
     r
 }
 
-impl<S, ReqB, ResB> Service<Request<ReqB>> for SluiceService<S>
+/// Why a request could not be decided under a key.
+#[derive(Debug)]
+enum KeyRefused {
+    /// The task refused the key (longer than 256 bytes).
+    Bad,
+}
+
+/// The one place the layer decides. `key = None`: on the task as a whole; a key decides with
+/// `task.key(k)` (on a task that is not keyed, a key decides on the task as a whole).
+async fn decide(task: &Task, key: Option<&str>, cost: u64) -> Result<Decision, KeyRefused> {
+    if cost == 0 {
+        return Ok(Decision::Allowed);
+    }
+    let Some(k) = key else {
+        return Ok(task.acquire(cost).await);
+    };
+    match task.key(k) {
+        Ok(h) => Ok(h.acquire(cost).await),
+        Err(crate::Error::Name(_)) => Err(KeyRefused::Bad),
+        Err(e) => {
+            // The host's key table cannot be opened: not the caller's fault, and it stays so
+            // (the error is kept). The task's own limit still applies.
+            static WARNED: AtomicBool = AtomicBool::new(false);
+            if !WARNED.swap(true, Ordering::Relaxed) {
+                tracing::warn!(task = %task.name(), error = %e,
+                    "layer: no key table, deciding keyed requests on the task as a whole");
+            }
+            Ok(task.acquire(cost).await)
+        }
+    }
+}
+
+impl<S, R, ReqB, ResB> Service<Request<ReqB>> for SluiceService<S, R>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
+    R: Reject<ResB>,
     ReqB: Send + 'static,
-    ResB: Default + Send + 'static,
+    ResB: Send + 'static,
 {
     type Response = Response<ResB>;
     type Error = S::Error;
@@ -94,33 +251,175 @@ where
         // The clone that was polled ready serves this request (the usual tower idiom).
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let task = self.task.clone();
+        let cfg = self.cfg.clone();
+        let reject = self.reject.clone();
         Box::pin(async move {
-            if task
-                .meta()
-                .is_some_and(|m| m.mode == crate::protocol::Mode::Concurrency)
-            {
-                let Ok(permit) = task.permit().await else {
-                    return Ok(too_many_requests(None));
+            let task = &cfg.task;
+            let (parts, body) = req.into_parts();
+            let grpc = is_grpc(&parts.headers);
+            let policy = cfg.policy.as_deref().unwrap_or(task.name());
+            let meta = task.meta();
+            if meta.as_ref().is_some_and(|m| m.mode == Mode::Concurrency) {
+                let req = Request::from_parts(parts, body);
+                let permit = match task.permit().await {
+                    Ok(p) => p,
+                    Err(e) => {
+                        let r = Rejection {
+                            reason: RejectReason::NoPermit(e),
+                            limit: task.layer_limit(policy, None, false, false),
+                            retry_after: Some(Duration::from_secs(1)),
+                            key: None,
+                            cost: 1,
+                            grpc,
+                        };
+                        return Ok(reject.reject(&r));
+                    }
                 };
-                let res = inner.call(req).await;
+                let limit = task.layer_limit(policy, None, true, false);
+                let mut res = inner.call(req).await;
                 drop(permit);
+                if let (Ok(res), Some(l)) = (&mut res, limit) {
+                    l.apply(res.headers_mut());
+                }
                 return res;
             }
-            let d = task.acquire(1).await;
+            let cost = cfg.cost.of(&parts);
+            let key = match &cfg.key {
+                None => None,
+                Some(x) => match (x.extract(&parts), &cfg.missing) {
+                    (Some(k), _) => Some(k),
+                    (None, MissingKey::WholeTask) => None,
+                    (None, MissingKey::Key(k)) => Some(k.clone()),
+                    (None, MissingKey::Reject) => {
+                        return Ok(reject.reject(&missing(cost, grpc)));
+                    }
+                },
+            };
+            let d = match decide(task, key.as_deref(), cost).await {
+                Ok(d) => d,
+                Err(KeyRefused::Bad) => {
+                    let mut r = missing(cost, grpc);
+                    r.key = key;
+                    return Ok(reject.reject(&r));
+                }
+            };
             if !d.is_allowed() {
-                return Ok(too_many_requests(d.retry_after()));
+                let retry = d.retry_after().unwrap_or(Duration::from_secs(1));
+                let r = Rejection {
+                    reason: RejectReason::Limited(d),
+                    limit: task.layer_limit(policy, Some(retry), false, key.is_some()),
+                    retry_after: Some(retry),
+                    key,
+                    cost,
+                    grpc,
+                };
+                return Ok(reject.reject(&r));
             }
+            let limit = task.layer_limit(policy, None, true, key.is_some());
             let started = Instant::now();
-            let res = inner.call(req).await;
-            let failed = match &res {
-                Ok(r) => r.status().is_server_error(),
+            let mut res = inner.call(Request::from_parts(parts, body)).await;
+            let failed = match &mut res {
+                Ok(r) => {
+                    if let Some(l) = limit {
+                        l.apply(r.headers_mut());
+                    }
+                    r.status().is_server_error()
+                }
                 Err(_) => true,
             };
             let outcome = if failed { Outcome::Err } else { Outcome::Ok };
             task.report(outcome, started.elapsed());
             res
         })
+    }
+}
+
+fn missing(cost: u64, grpc: bool) -> Rejection {
+    Rejection {
+        reason: RejectReason::MissingKey,
+        limit: None,
+        retry_after: None,
+        key: None,
+        cost,
+        grpc,
+    }
+}
+
+/// Read-only views the layer needs (kept here, beside their only user).
+impl Task {
+    /// The RateLimit fields for a decision just made: `reset` = `Some(retry)` after a
+    /// rejection, else the end of the current slice; `admitted` says whether `r` may be the
+    /// host's local quota (after a rejection it is 0). `None` while the meta is unknown.
+    fn layer_limit(
+        &self,
+        policy: &str,
+        reset: Option<Duration>,
+        admitted: bool,
+        keyed: bool,
+    ) -> Option<LimitInfo> {
+        let m = self.meta()?;
+        // A key of a keyed task: its quota and override live in the key table, which has no
+        // read accessor for the layer yet, so `q` is the task's threshold and `r` is 0.
+        let per_key = keyed && m.keyed;
+        if m.mode == Mode::Concurrency {
+            let remaining = match (admitted, self.permit_stats()) {
+                (true, Some(s)) => s.limit.saturating_sub(s.in_use),
+                _ => 0,
+            };
+            return Some(LimitInfo {
+                policy: policy.to_string(),
+                limit: m.threshold,
+                window_ms: 0,
+                remaining,
+                reset: None,
+                unit: QuotaUnit::ConcurrentRequests,
+            });
+        }
+        let now_us = self.now_us();
+        let slice_ms = m.slice_ms.max(1);
+        let start_ms = crate::protocol::slice::start(now_us.div_euclid(1_000), slice_ms);
+        let end_us = (start_ms + slice_ms as i64) * 1_000;
+        let reset = reset.unwrap_or(Duration::from_micros((end_us - now_us).max(0) as u64));
+        Some(LimitInfo {
+            policy: policy.to_string(),
+            limit: m.threshold,
+            window_ms: m.slice_ms,
+            remaining: if admitted && !per_key {
+                self.held_quota(start_ms)
+            } else {
+                0
+            },
+            reset: Some(reset),
+            unit: QuotaUnit::Requests,
+        })
+    }
+
+    /// The permits this host holds in shared memory for the pooled slice starting at
+    /// `start_ms` (0 when it holds none, is FAILED, or the task is not pooled).
+    fn held_quota(&self, start_ms: i64) -> u64 {
+        let r = self.inner.slot_ref();
+        let Some(slot) = self.shared.seg.slot(r.index) else {
+            return 0;
+        };
+        let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
+            return 0;
+        };
+        if m.generation != r.generation || m.mode != Mode::Pooled {
+            return 0;
+        }
+        if let Health::Failed { .. } = Health::decode(slot.ctl.state.load(Ordering::Acquire)) {
+            return 0;
+        }
+        let (tag, _, count) = unpack_quota(
+            slot.entry(start_ms, m.slice_ms)
+                .word
+                .load(Ordering::Acquire),
+        );
+        if tag == tag_of(start_ms) {
+            count as u64
+        } else {
+            0
+        }
     }
 }
 
@@ -218,6 +517,18 @@ mod tests {
         assert_eq!(t.permit_stats().unwrap().in_use, 0);
         let third = svc.oneshot(Request::new(String::new())).await.unwrap();
         assert_eq!(third.status(), StatusCode::OK);
+        // Permits in flight: a unit, no window, no reset.
+        assert_eq!(
+            third.headers()[fields::RATELIMIT_POLICY],
+            r#""api";q=1;qu="concurrent-requests""#
+        );
+        let limit = third.headers()[fields::RATELIMIT].to_str().unwrap();
+        assert!(
+            limit.starts_with(r#""api";r="#) && !limit.contains(";t="),
+            "{limit}"
+        );
+        assert_eq!(second.headers()[header::RETRY_AFTER], "1");
+        assert_eq!(second.headers()[fields::RATELIMIT], r#""api";r=0"#);
     }
 
     #[tokio::test]
@@ -245,7 +556,17 @@ mod tests {
                     .unwrap();
                 assert!((1..=60).contains(&secs), "{secs}");
                 assert_eq!(r.body(), "");
+                let limit = r.headers()[fields::RATELIMIT].to_str().unwrap();
+                assert!(
+                    limit.starts_with(&format!(r#""api";r=0;t={secs};sluice-reset-ms="#)),
+                    "{limit}"
+                );
+            } else {
+                // Mode local holds no countable pooled quota: r = 0.
+                let limit = r.headers()[fields::RATELIMIT].to_str().unwrap();
+                assert!(limit.starts_with(r#""api";r=0;t="#), "{limit}");
             }
+            assert_eq!(r.headers()[fields::RATELIMIT_POLICY], r#""api";q=1;w=60"#);
         }
         assert_eq!(
             statuses,

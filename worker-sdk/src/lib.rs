@@ -28,7 +28,8 @@
 //! * [`pull`]: pull sizing and prefetch policy (pure).
 //! * [`limiter`]: local limiters for FAILED and mode `local` (pure algorithms).
 //! * [`health`]: outcome reporting.
-//! * [`layer`]: a tower layer answering 429 with `Retry-After`.
+//! * [`layer`]: a tower layer: keys, costs, 429 / gRPC `RESOURCE_EXHAUSTED` with `Retry-After`
+//!   and the IETF RateLimit fields.
 //! * `background` (private): the client's thread that talks to Redis.
 //! * [`clock`]: the host clock read on the decision path.
 #![warn(missing_docs)]
