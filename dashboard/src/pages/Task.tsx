@@ -293,7 +293,7 @@ function TopKeysSection({ name, t }: { name: string; t: TaskWithStatus }) {
         {data ? ` Busiest keys of the last ${duration(data.window_ms)}, as hosts report them each second.` : ''}
       </p>
       {entries.length > 0 ? (
-        <div class="table-wrap">
+        <div class="table-wrap scroll-y">
           <table data-testid="key-overrides" aria-label="Key overrides">
             <thead>
               <tr>
