@@ -552,3 +552,77 @@ describe('dashboard', () => {
     }
   });
 });
+
+describe('keyed tasks', () => {
+  test('a keyed task with an override: created through the form, its top keys on the task page', T, async () => {
+    const ns = uniqueNs('uikeyed');
+    const m = await manager({ ns, nodeId: 'k1' });
+    const p = await page();
+    try {
+      await p.goto(`${m.url}/new`);
+      await p.getByLabel('Name').fill('tenants');
+      await p.getByLabel('Threshold (permits per slice)').fill('50');
+      // Keyed limits are offered for mode pooled only.
+      await p.getByLabel('Mode').selectOption('local');
+      assert.equal(await p.getByTestId('keys-fieldset').count(), 0, 'no keys for mode local');
+      await p.getByLabel('Mode').selectOption('pooled');
+      await p.getByLabel('A limit per key').check();
+      await p.getByRole('button', { name: 'Add override' }).click();
+      await p.getByLabel('Override 1 key').fill('vip');
+      await p.getByLabel('Override 1 threshold').fill('lots');
+      await p.getByRole('button', { name: 'Create task' }).click();
+      // The API's error names the key (`key_overrides["vip"]`): shown on that row.
+      const rowErr = p.locator('[data-testid="override-row"] [data-testid="field-error"]');
+      await rowErr.waitFor();
+      assert.equal(await rowErr.getAttribute('data-field'), 'key_overrides["vip"]');
+      assert.match(await rowErr.textContent(), /whole number/);
+      assert.equal(await p.getByTestId('form-error').count(), 0, 'the error is on its row, not the form');
+      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/tenants')).status, 404, 'nothing written');
+
+      // Two rows with one key: refused on the row, nothing sent.
+      await p.getByLabel('Override 1 threshold').fill('500');
+      await p.getByRole('button', { name: 'Add override' }).click();
+      await p.getByLabel('Override 2 key').fill('vip');
+      await p.getByLabel('Override 2 threshold').fill('5');
+      await p.getByRole('button', { name: 'Create task' }).click();
+      await p.locator('[data-testid="override-row"] [data-testid="field-error"]').getByText('two rows have this key').waitFor();
+      assert.equal((await call(m.url, 'GET', '/api/v1/tasks/tenants')).status, 404, 'nothing written');
+      await p.getByRole('button', { name: 'Remove override 2' }).click();
+
+      await p.getByRole('button', { name: 'Create task' }).click();
+      await p.waitForURL(`${m.url}/tasks/tenants`);
+      const r = await call(m.url, 'GET', '/api/v1/tasks/tenants');
+      assert.equal(r.status, 200);
+      assert.equal(r.body.keyed, true);
+      assert.deepEqual(r.body.key_overrides, { vip: 500 });
+
+      // The task page: the override, and no top keys yet.
+      await p.getByRole('heading', { name: 'Top keys' }).waitFor();
+      const ov = p.locator('[data-testid="key-overrides"] tr[data-key="vip"]');
+      await ov.waitFor();
+      assert.match(await ov.textContent(), /500/);
+      await p.locator('[data-testid="top-admitted"]').getByText('None in this window.').waitFor();
+      // The form edits it back: the checkbox is checked and the row is there.
+      assert.equal(await p.getByLabel('A limit per key').isChecked(), true);
+      assert.equal(await p.getByLabel('Override 1 key').inputValue(), 'vip');
+
+      // Hosts report their busiest keys into NS:{T}:top:<minute> / topr:<minute>; written by
+      // hand here. The page's poll brings them in without a reload.
+      const redis = need('SLUICE_TEST_REDIS');
+      const minute = Date.now() - (Date.now() % 60000);
+      redisCli(redis, 'ZADD', `${ns}:{tenants}:top:${minute}`, '42', 'key-7', '12', 'vip', '3', 'key-1');
+      redisCli(redis, 'ZADD', `${ns}:{tenants}:topr:${minute}`, '5', 'key-9');
+      const top = p.locator('[data-testid="top-admitted"] tbody tr');
+      await waitFor('top admitted keys on the task page', async () => (await top.count()) === 3);
+      assert.deepEqual(await top.evaluateAll((rows) => rows.map((r) => r.getAttribute('data-key'))), ['key-7', 'vip', 'key-1']);
+      assert.match(await top.nth(0).locator('[data-col="permits"]').textContent(), /^42$/);
+      assert.match(await top.nth(1).textContent(), /override 500/);
+      const rej = p.locator('[data-testid="top-rejected"] tr[data-key="key-9"]');
+      await rej.waitFor();
+      assert.match(await rej.locator('[data-col="permits"]').textContent(), /^5$/);
+      assert.deepEqual(p.errors, []);
+    } finally {
+      await cleanup([m], [p]);
+    }
+  });
+});

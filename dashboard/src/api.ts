@@ -32,6 +32,28 @@ export interface TaskSpec {
   pacing?: string;
   /** Paced slices: permits released at a slice's start on top of the pace. */
   burst?: number;
+  /** Every distinct key has its own limit of `threshold` (mode `pooled`); absent = false. */
+  keyed?: boolean;
+  /** Keyed tasks: keys with a threshold of their own; absent = none. */
+  key_overrides?: Record<string, number>;
+}
+
+/** One key of a keyed task's top keys, with the permits of the window. */
+export interface TopKey {
+  key: string;
+  permits: number;
+}
+
+/** A keyed task's busiest keys (GET /api/v1/tasks/{name}/keys). */
+export interface TopKeys {
+  task: string;
+  keyed: boolean;
+  minutes: number;
+  window_ms: number;
+  overrides: Record<string, number>;
+  top_admitted: TopKey[];
+  top_rejected: TopKey[];
+  malformed_entries?: number;
 }
 
 /** One entry of a concurrency task's lease hash, as the task status shows it. */

@@ -57,6 +57,9 @@ interface Model {
   shadow: boolean;
   pacing: string;
   paceBurst: string;
+  keyed: boolean;
+  /** Keyed tasks: rows of key + threshold, in the order shown. */
+  overrides: { key: string; threshold: string }[];
 }
 
 function fromSpec(s?: TaskSpec): Model {
@@ -86,7 +89,22 @@ function fromSpec(s?: TaskSpec): Model {
     shadow: s?.shadow ?? false,
     pacing: s?.pacing ?? 'none',
     paceBurst: s?.burst ? String(s.burst) : '',
+    keyed: s?.keyed ?? false,
+    overrides: Object.entries(s?.key_overrides ?? {}).map(([key, t]) => ({ key, threshold: String(t) })),
   };
+}
+
+/** The API's field of a key override: `key_overrides["<key>"]` (the key as a JSON string). */
+export const overrideField = (key: string) => `key_overrides[${JSON.stringify(key)}]`;
+
+/** The first row (index) whose key appears in an earlier row, or -1. */
+function duplicateOverride(rows: { key: string }[]): number {
+  const seen = new Set<string>();
+  for (let i = 0; i < rows.length; i++) {
+    if (seen.has(rows[i].key)) return i;
+    seen.add(rows[i].key);
+  }
+  return -1;
 }
 
 /** A typed number, or the raw text (so the API names what is wrong with it), or nothing. */
@@ -128,6 +146,10 @@ function toBody(m: Model, version: number) {
     // Only mode pooled has slices to pace (the API names `pacing` for another mode).
     pacing: m.mode === 'pooled' || m.pacing !== 'none' ? m.pacing : undefined,
     burst: m.pacing === 'smooth' ? numOrText(m.paceBurst) : undefined,
+    // Sent whenever set, so the API names `keyed` / `key_overrides` when they do not apply.
+    keyed: m.keyed ? true : undefined,
+    key_overrides:
+      m.overrides.length > 0 ? Object.fromEntries(m.overrides.map((o) => [o.key, numOrText(o.threshold) ?? ''])) : undefined,
     version,
   };
 }
@@ -135,7 +157,7 @@ function toBody(m: Model, version: number) {
 /** The element id of an API field path: `schedules[1].cron` → `f-schedules-1-cron`. */
 export const fieldId = (field: string) => `f-${field.replace(/[^A-Za-z0-9_]+/g, '-').replace(/-+$/, '')}`;
 
-const KNOWN_GROUPS = ['schedules', 'fallback', 'dynamic'];
+const KNOWN_GROUPS = ['schedules', 'fallback', 'dynamic', 'keyed', 'key_overrides'];
 
 interface Props {
   /** The task being edited; absent to create one. */
@@ -174,16 +196,29 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
     setSaved(null);
   };
 
+  const setOverride = (i: number, k: 'key' | 'threshold', v: string) => {
+    setM((old) => ({ ...old, overrides: old.overrides.map((o, j) => (j === i ? { ...o, [k]: v } : o)) }));
+    setDirty(true);
+    setSaved(null);
+  };
+
   const fieldErr = error && error.status === 400 && error.field !== undefined ? error.field : null;
   const errFor = (field: string) => (fieldErr === field ? error!.message : null);
+  // A key override's error names the key (`key_overrides["k"]`); its row shows it (the rows'
+  // ids are by index, since a key may be any text).
+  const overrideRow = fieldErr === null ? -1 : m.overrides.findIndex((o) => overrideField(o.key) === fieldErr);
   const placed =
     fieldErr !== null &&
     (formRef.current?.querySelector(`#${CSS.escape(fieldId(fieldErr))}`) !== null ||
-      KNOWN_GROUPS.includes(fieldErr));
+      KNOWN_GROUPS.includes(fieldErr) ||
+      overrideRow >= 0);
 
   useEffect(() => {
     if (fieldErr === null) return;
-    const el = document.getElementById(fieldId(fieldErr)) ?? document.getElementById(`${fieldId(fieldErr)}-group`);
+    const el =
+      (overrideRow >= 0 ? document.getElementById(fieldId(`key_overrides[${overrideRow}].threshold`)) : null) ??
+      document.getElementById(fieldId(fieldErr)) ??
+      document.getElementById(`${fieldId(fieldErr)}-group`);
     el?.focus();
   }, [error]);
 
@@ -193,6 +228,12 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
     const name = editing ? spec!.name : m.name.trim();
     if (!name) {
       setError(new ApiError(400, 'A task needs a name: 1–64 of A–Z a–z 0–9 _ . -', 'name'));
+      return;
+    }
+    // Two rows with one key would collapse into one JSON member: refused here, on the row.
+    const dup = duplicateOverride(m.overrides);
+    if (dup >= 0) {
+      setError(new ApiError(400, 'two rows have this key: keep one', overrideField(m.overrides[dup].key)));
       return;
     }
     setSaving(true);
@@ -306,6 +347,9 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
   const conc = m.mode === 'concurrency';
   const showSchedules = !conc || m.schedules.length > 0;
   const showDynamic = !conc || m.dynEnabled;
+  // Keyed limits are for mode pooled: shown for it, or for another mode while set (the API
+  // then names `keyed`).
+  const showKeys = m.mode === 'pooled' || m.keyed || m.overrides.length > 0;
 
   return (
     <form ref={formRef} class="task-form" onSubmit={submit} noValidate aria-label={editing ? 'Edit task' : 'New task'}>
@@ -413,6 +457,72 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
           </div>
         ) : null}
       </fieldset>
+      {showKeys ? (
+      <fieldset id={`${fieldId('key_overrides')}-group`} tabIndex={-1} data-testid="keys-fieldset">
+        <legend>Keys</legend>
+        <div class="field checkbox">
+          <input
+            id={fieldId('keyed')}
+            type="checkbox"
+            checked={m.keyed}
+            aria-describedby={`${fieldId('keyed')}-hint`}
+            onChange={(e) => set('keyed', e.currentTarget.checked)}
+          />
+          <label for={fieldId('keyed')}>A limit per key</label>
+          <p class="hint" id={`${fieldId('keyed')}-hint`}>
+            Every distinct key (tenant, user, route…) gets its own threshold per slice; callers name the key.
+          </p>
+          {groupError('keyed')}
+        </div>
+        {m.keyed || m.overrides.length > 0 ? (
+          <>
+            <p class="hint">Overrides: keys with a threshold of their own (any text up to 256 bytes; at most 1,000).</p>
+            {groupError('key_overrides')}
+            {m.overrides.length === 0 ? <p class="muted small">No overrides: every key gets the threshold.</p> : null}
+            {m.overrides.map((o, i) => {
+              const rowErr = overrideRow === i ? error!.message : null;
+              return (
+                <div class={`override-row${rowErr ? ' has-error' : ''}`} key={i} data-testid="override-row">
+                  {text(`key_overrides[${i}].key`, `Override ${i + 1} key`, o.key, (v) => setOverride(i, 'key', v), {
+                    placeholder: 'tenant-42',
+                  })}
+                  {text(`key_overrides[${i}].threshold`, `Override ${i + 1} threshold`, o.threshold, (v) => setOverride(i, 'threshold', v), {
+                    numeric: true,
+                  })}
+                  <button
+                    type="button"
+                    class="secondary small remove"
+                    aria-label={`Remove override ${i + 1}`}
+                    onClick={() => {
+                      setM((old) => ({ ...old, overrides: old.overrides.filter((_, j) => j !== i) }));
+                      setDirty(true);
+                    }}
+                  >
+                    Remove
+                  </button>
+                  {rowErr ? (
+                    <p class="field-error override-error" role="alert" data-testid="field-error" data-field={fieldErr ?? undefined}>
+                      {rowErr}
+                    </p>
+                  ) : null}
+                </div>
+              );
+            })}
+            <button
+              type="button"
+              class="secondary small"
+              onClick={() => {
+                setM((old) => ({ ...old, overrides: [...old.overrides, { key: '', threshold: '' }] }));
+                setDirty(true);
+                setTimeout(() => document.getElementById(fieldId(`key_overrides[${m.overrides.length}].key`))?.focus(), 0);
+              }}
+            >
+              Add override
+            </button>
+          </>
+        ) : null}
+      </fieldset>
+      ) : null}
 
       {showSchedules ? (
       <fieldset id={`${fieldId('schedules')}-group`} tabIndex={-1}>

@@ -13,6 +13,8 @@ import {
   type Settings,
   type TaskSpec,
   type TaskWithStatus,
+  type TopKey,
+  type TopKeys,
 } from '../api';
 import { Chart, TRAFFIC_SERIES, WOULD_REJECT_SERIES } from '../components/Chart';
 import { TaskForm } from '../components/TaskForm';
@@ -233,6 +235,103 @@ function Hosts({ name }: { name: string }) {
   );
 }
 
+/** How often the task page reads the task (and a keyed task's top keys). */
+const TASK_POLL_MS = 2000;
+
+function TopKeyTable({ rows, label, testId, overrides }: {
+  rows: TopKey[];
+  label: string;
+  testId: string;
+  overrides: Record<string, number>;
+}) {
+  return (
+    <div class="table-wrap">
+      <table data-testid={testId} aria-label={label}>
+        <caption class="small muted">{label}</caption>
+        <thead>
+          <tr>
+            <th scope="col">Key</th>
+            <th scope="col" class="num">
+              Permits
+            </th>
+          </tr>
+        </thead>
+        <tbody>
+          {rows.length === 0 ? (
+            <tr>
+              <td colSpan={2} class="muted">
+                None in this window.
+              </td>
+            </tr>
+          ) : (
+            rows.map((r) => (
+              <tr data-key={r.key}>
+                <td class="key-cell">
+                  {r.key}
+                  {Object.prototype.hasOwnProperty.call(overrides, r.key) ? (
+                    <span class="muted small"> (override {num(overrides[r.key])})</span>
+                  ) : null}
+                </td>
+                <td class="num" data-col="permits">
+                  {num(r.permits)}
+                </td>
+              </tr>
+            ))
+          )}
+        </tbody>
+      </table>
+    </div>
+  );
+}
+
+/** A keyed task: its overrides and busiest keys (by admitted and by rejected permits). */
+function TopKeysSection({ name, t }: { name: string; t: TaskWithStatus }) {
+  const { data, error } = usePoll((s) => get<TopKeys>(`${taskPath(name)}/keys`, s), TASK_POLL_MS, [name]);
+  const overrides = t.key_overrides ?? {};
+  const entries = Object.entries(overrides);
+  return (
+    <Section title="Top keys" id="top-keys">
+      {error?.missingEndpoint ? <NotAvailable>Top keys are not available on this manager.</NotAvailable> : <ErrorNote error={error} what="the top keys" />}
+      <p class="muted small">
+        Every key has {num(t.threshold)} permits per {sliceLen(t.slice_ms)} slice
+        {entries.length > 0 ? `, except ${entries.length} override${entries.length === 1 ? '' : 's'}` : ''}.
+        {data ? ` Busiest keys of the last ${duration(data.window_ms)}, as hosts report them each second.` : ''}
+      </p>
+      {entries.length > 0 ? (
+        <div class="table-wrap scroll-y">
+          <table data-testid="key-overrides" aria-label="Key overrides">
+            <thead>
+              <tr>
+                <th scope="col">Overridden key</th>
+                <th scope="col" class="num">
+                  Threshold
+                </th>
+              </tr>
+            </thead>
+            <tbody>
+              {entries.map(([k, n]) => (
+                <tr data-key={k}>
+                  <td class="key-cell">{k}</td>
+                  <td class="num">{num(n)}</td>
+                </tr>
+              ))}
+            </tbody>
+          </table>
+        </div>
+      ) : null}
+      {data ? (
+        <div class="keys-cols">
+          <TopKeyTable rows={data.top_admitted} label="By admitted" testId="top-admitted" overrides={overrides} />
+          <TopKeyTable rows={data.top_rejected} label="By rejected" testId="top-rejected" overrides={overrides} />
+        </div>
+      ) : null}
+      {data?.malformed_entries ? (
+        <p class="muted small">{num(data.malformed_entries)} entries in Redis could not be read and are ignored.</p>
+      ) : null}
+    </Section>
+  );
+}
+
 /** +3.25 ms, −120 ms, 0 ms. */
 function signedMs(ms: number): string {
   const r = Math.round(ms * 100) / 100;
@@ -395,7 +494,7 @@ function Leases({ name, t }: { name: string; t: TaskWithStatus }) {
 }
 
 export function TaskPage({ name }: { name: string }) {
-  const task = usePoll((s) => get<TaskWithStatus>(taskPath(name), s), 2000, [name]);
+  const task = usePoll((s) => get<TaskWithStatus>(taskPath(name), s), TASK_POLL_MS, [name]);
   const [deleting, setDeleting] = useState(false);
   const [delError, setDelError] = useState<ApiError | null>(null);
 
@@ -461,6 +560,8 @@ export function TaskPage({ name }: { name: string }) {
           <HistorySection name={name} />
         </>
       )}
+
+      {t?.keyed ? <TopKeysSection name={name} t={t} /> : null}
 
       <div class="two-col">
         <Section title="Settings" id="settings">

@@ -118,6 +118,7 @@ pub fn routes() -> Router<AppState> {
             get(get_task).put(put_task).delete(delete_task),
         )
         .merge(super::history::routes())
+        .merge(super::keys::routes())
         .merge(super::ops::routes())
         .fallback(|| async { ApiError::new(StatusCode::NOT_FOUND, "no such API endpoint") })
 }

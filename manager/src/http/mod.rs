@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod history;
+pub mod keys;
 pub mod ops;
 pub mod tls;
 pub mod ui;

@@ -813,8 +813,22 @@ pub fn task_state_keys(keys: &Keys, task: &str) -> Vec<String> {
     ]
 }
 
+/// The top-key sets of a keyed task ([`Keys::top_keys`], [`Keys::top_rejected_keys`]) that
+/// [`retire`] deletes at `now_ms`: those of the minute holding `now_ms`, the 11 before it and
+/// the one after it. Hosts write the set of their clock's minute and each expires 10 minutes
+/// after its last write, so this covers every live set (with a minute of margin each way for
+/// host clocks and a minute boundary passed between the two), and a task re-created under
+/// the same name never shows the old task's keys.
+pub fn top_key_sets(keys: &Keys, task: &str, now_ms: i64) -> Vec<String> {
+    let current = now_ms - now_ms.rem_euclid(60_000);
+    (-1..=11i64)
+        .map(|i| current - i * 60_000)
+        .flat_map(|m| [keys.top_keys(task, m), keys.top_rejected_keys(task, m)])
+        .collect()
+}
+
 /// Runs [`RETIRE_LUA`]: tombstones the meta of `task` (deleted at etcd revision
-/// `deleted_at_revision`) and deletes its [`task_state_keys`].
+/// `deleted_at_revision`) and deletes its [`task_state_keys`] and [`top_key_sets`].
 pub async fn retire<C>(
     conn: &mut C,
     keys: &Keys,
@@ -830,6 +844,9 @@ where
     let mut inv = RETIRE.prepare_invoke();
     inv.key(keys.meta(task));
     for k in task_state_keys(keys, task) {
+        inv.key(k);
+    }
+    for k in top_key_sets(keys, task, super::unix_ms()) {
         inv.key(k);
     }
     fence.push(&mut inv);
@@ -1567,4 +1584,31 @@ where
         inv.arg(h);
     }
     inv.invoke_async(conn).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retire_deletes_the_top_key_sets_of_thirteen_minutes() {
+        let keys = Keys::new("ns").unwrap();
+        let now = 20 * 60_000 + 59_999;
+        let sets = top_key_sets(&keys, "t", now);
+        assert_eq!(sets.len(), 26, "13 minutes × admitted and rejected");
+        assert!(
+            sets.contains(&keys.top_keys("t", 21 * 60_000)),
+            "a minute ahead"
+        );
+        assert!(sets.contains(&keys.top_rejected_keys("t", 20 * 60_000)));
+        assert!(
+            sets.contains(&keys.top_keys("t", 9 * 60_000)),
+            "11 minutes back"
+        );
+        assert!(!sets.contains(&keys.top_keys("t", 8 * 60_000)));
+        assert!(
+            sets.iter().all(|k| k.starts_with("ns:{t}:")),
+            "in the task's slot"
+        );
+    }
 }
