@@ -657,6 +657,9 @@ async fn keyed_limits_refuse_only_the_exhausted_key() {
             let f = Fields::read(h);
             assert_eq!(f.policy.0, "per");
             assert_eq!(f.p("w"), Some(2), "{key}");
+            // The key's own limit: the override's cap, as Redis answered the key's pull.
+            let q = if *key == "vip" { 4 } else { 2 };
+            assert_eq!(f.p("q"), Some(q), "{key}");
             if *status == 429 {
                 assert_eq!(f.l("r"), Some(0));
                 assert_eq!(

@@ -602,6 +602,29 @@ impl Key {
         &self.task
     }
 
+    /// This host's view of the key now: its cap for the slice as Redis last answered (0 when
+    /// not known yet) and the permits of the current slice held in the key table. `None`
+    /// when the key is not decided from the key table (not keyed, no entry).
+    pub(crate) fn local_view(&self, now_us: i64) -> Option<(u64, u64)> {
+        let (_, m) = self.task.slot_meta()?;
+        if !m.keyed {
+            return None;
+        }
+        let table = self.table()?;
+        let r = self.task.inner.slot_ref();
+        let (i, _) = table.lookup(self.h, owner(r.index, r.generation))?;
+        let e = table.entry(i)?;
+        let start = now_us.div_euclid(m.slice_ms as i64 * 1_000) * m.slice_ms as i64;
+        let w = e.quota[crate::shm::parity(start, m.slice_ms)].load(Ordering::Acquire);
+        let (t, _, c) = unpack_quota(w);
+        let held = if w != 0 && t == tag_of(start) {
+            c as u64
+        } else {
+            0
+        };
+        Some((e.cap.load(Ordering::Relaxed), held))
+    }
+
     /// Benchmarks and tests only: puts `n` permits of the current slice (exhausted after them
     /// when `exhausted`) into this host's entry for the key, claiming one. False when the key
     /// is not decided from the key table (not keyed, meta unknown, table full).

@@ -208,15 +208,19 @@ enum KeyRefused {
 
 /// The one place the layer decides. `key = None`: on the task as a whole; a key decides with
 /// `task.key(k)` (on a task that is not keyed, a key decides on the task as a whole).
-async fn decide(task: &Task, key: Option<&str>, cost: u64) -> Result<Decision, KeyRefused> {
+async fn decide(
+    task: &Task,
+    key: Option<&str>,
+    cost: u64,
+) -> Result<(Decision, Option<crate::Key>), KeyRefused> {
     if cost == 0 {
-        return Ok(Decision::Allowed);
+        return Ok((Decision::Allowed, None));
     }
     let Some(k) = key else {
-        return Ok(task.acquire(cost).await);
+        return Ok((task.acquire(cost).await, None));
     };
     match task.key(k) {
-        Ok(h) => Ok(h.acquire(cost).await),
+        Ok(h) => Ok((h.acquire(cost).await, Some(h))),
         Err(crate::Error::Name(_)) => Err(KeyRefused::Bad),
         Err(e) => {
             // The host's key table cannot be opened: not the caller's fault, and it stays so
@@ -226,7 +230,7 @@ async fn decide(task: &Task, key: Option<&str>, cost: u64) -> Result<Decision, K
                 tracing::warn!(task = %task.name(), error = %e,
                     "layer: no key table, deciding keyed requests on the task as a whole");
             }
-            Ok(task.acquire(cost).await)
+            Ok((task.acquire(cost).await, None))
         }
     }
 }
@@ -266,7 +270,7 @@ where
                     Err(e) => {
                         let r = Rejection {
                             reason: RejectReason::NoPermit(e),
-                            limit: task.layer_limit(policy, None, false, false),
+                            limit: task.layer_limit(policy, None, false, None),
                             retry_after: Some(Duration::from_secs(1)),
                             key: None,
                             cost: 1,
@@ -275,7 +279,7 @@ where
                         return Ok(reject.reject(&r));
                     }
                 };
-                let limit = task.layer_limit(policy, None, true, false);
+                let limit = task.layer_limit(policy, None, true, None);
                 let mut res = inner.call(req).await;
                 drop(permit);
                 if let (Ok(res), Some(l)) = (&mut res, limit) {
@@ -295,7 +299,7 @@ where
                     }
                 },
             };
-            let d = match decide(task, key.as_deref(), cost).await {
+            let (d, handle) = match decide(task, key.as_deref(), cost).await {
                 Ok(d) => d,
                 Err(KeyRefused::Bad) => {
                     let mut r = missing(cost, grpc);
@@ -307,7 +311,7 @@ where
                 let retry = d.retry_after().unwrap_or(Duration::from_secs(1));
                 let r = Rejection {
                     reason: RejectReason::Limited(d),
-                    limit: task.layer_limit(policy, Some(retry), false, key.is_some()),
+                    limit: task.layer_limit(policy, Some(retry), false, handle.as_ref()),
                     retry_after: Some(retry),
                     key,
                     cost,
@@ -315,7 +319,7 @@ where
                 };
                 return Ok(reject.reject(&r));
             }
-            let limit = task.layer_limit(policy, None, true, key.is_some());
+            let limit = task.layer_limit(policy, None, true, handle.as_ref());
             let started = Instant::now();
             let mut res = inner.call(Request::from_parts(parts, body)).await;
             let failed = match &mut res {
@@ -350,17 +354,22 @@ impl Task {
     /// The RateLimit fields for a decision just made: `reset` = `Some(retry)` after a
     /// rejection, else the end of the current slice; `admitted` says whether `r` may be the
     /// host's local quota (after a rejection it is 0). `None` while the meta is unknown.
+    ///
+    /// For a key of a keyed task, `q` is the key's cap as Redis last answered this host (its
+    /// override, schedules and dynamic limiting included; the task's threshold until known)
+    /// and `r` what the host holds of the key's slice.
     fn layer_limit(
         &self,
         policy: &str,
         reset: Option<Duration>,
         admitted: bool,
-        keyed: bool,
+        key: Option<&crate::Key>,
     ) -> Option<LimitInfo> {
         let m = self.meta()?;
-        // A key of a keyed task: its quota and override live in the key table, which has no
-        // read accessor for the layer yet, so `q` is the task's threshold and `r` is 0.
-        let per_key = keyed && m.keyed;
+        let view = key
+            .filter(|_| m.keyed)
+            .and_then(|k| k.local_view(self.now_us()));
+        let per_key = key.is_some() && m.keyed;
         if m.mode == Mode::Concurrency {
             let remaining = match (admitted, self.permit_stats()) {
                 (true, Some(s)) => s.limit.saturating_sub(s.in_use),
@@ -380,15 +389,26 @@ impl Task {
         let start_ms = crate::protocol::slice::start(now_us.div_euclid(1_000), slice_ms);
         let end_us = (start_ms + slice_ms as i64) * 1_000;
         let reset = reset.unwrap_or(Duration::from_micros((end_us - now_us).max(0) as u64));
+        let (limit, remaining) = match view {
+            Some((cap, held)) if per_key => (
+                if cap > 0 { cap } else { m.threshold },
+                if admitted { held } else { 0 },
+            ),
+            _ if per_key => (m.threshold, 0),
+            _ => (
+                m.threshold,
+                if admitted {
+                    self.held_quota(start_ms)
+                } else {
+                    0
+                },
+            ),
+        };
         Some(LimitInfo {
             policy: policy.to_string(),
-            limit: m.threshold,
+            limit,
             window_ms: m.slice_ms,
-            remaining: if admitted && !per_key {
-                self.held_quota(start_ms)
-            } else {
-                0
-            },
+            remaining,
             reset: Some(reset),
             unit: QuotaUnit::Requests,
         })
