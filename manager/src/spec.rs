@@ -503,6 +503,12 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
             ),
         ));
     }
+    if pacing != Pacing::None && keyed {
+        return Err(fe(
+            "pacing",
+            "not supported for keyed tasks yet (a key's slice is not paced)",
+        ));
+    }
     let burst = o.count("burst", Some(0), 0, MAX_COUNT)?;
     if burst > 0 && pacing == Pacing::None {
         return Err(fe("burst", "only with \"pacing\": \"smooth\""));
@@ -832,6 +838,65 @@ mod tests {
                 r#"{{"threshold": 10, "schedules": [{{"cron": "* * * * * *", "threshold": 1, "timezone": {tz}}}]}}"#
             );
             assert_eq!(parse(&body).unwrap_err().field, field, "{body}");
+        }
+    }
+
+    #[test]
+    fn keyed_tasks_are_validated() {
+        let r = parse(r#"{"threshold": 10, "keyed": true, "key_overrides": {"vip": 50, "": 1}}"#)
+            .unwrap();
+        assert!(r.spec.keyed);
+        assert_eq!(r.spec.key_overrides.len(), 2);
+        let m = r.spec.meta(3);
+        assert!(m.keyed);
+        assert_eq!(
+            m.key_overrides.get(&sluice::protocol::key_digest("vip")),
+            Some(&50)
+        );
+        let stored = serde_json::to_vec(&r.spec).unwrap();
+        assert_eq!(parse_stored("t", &stored).unwrap(), r.spec);
+        let long = "k".repeat(257);
+        let many: String = (0..1_001)
+            .map(|i| format!(r#""k{i}": 1"#))
+            .collect::<Vec<_>>()
+            .join(",");
+        for (body, field) in [
+            (r#"{"threshold": 10, "keyed": "yes"}"#.to_string(), "keyed"),
+            (
+                r#"{"threshold": 10, "keyed": true, "mode": "local"}"#.to_string(),
+                "keyed",
+            ),
+            (
+                r#"{"threshold": 10, "key_overrides": {"a": 1}}"#.to_string(),
+                "key_overrides",
+            ),
+            (
+                r#"{"threshold": 10, "keyed": true, "key_overrides": [1]}"#.to_string(),
+                "key_overrides",
+            ),
+            (
+                r#"{"threshold": 10, "keyed": true, "key_overrides": {"a": -1}}"#.to_string(),
+                r#"key_overrides["a"]"#,
+            ),
+            (
+                format!(r#"{{"threshold": 10, "keyed": true, "key_overrides": {{"{long}": 1}}}}"#),
+                "",
+            ),
+            (
+                format!(r#"{{"threshold": 10, "keyed": true, "key_overrides": {{{many}}}}}"#),
+                "key_overrides",
+            ),
+            (
+                r#"{"threshold": 10, "keyed": true, "pacing": "smooth"}"#.to_string(),
+                "pacing",
+            ),
+        ] {
+            let e = parse(&body).unwrap_err();
+            if field.is_empty() {
+                assert!(e.field.starts_with("key_overrides["), "{e}");
+            } else {
+                assert_eq!(e.field, field, "{body}: {e}");
+            }
         }
     }
 

@@ -758,3 +758,80 @@ async fn a_hundred_thousand_keys_stay_bounded() {
     // The manager's CPU is reported above, not bounded here (speed lives in benchmarks): the
     // leader does no work per key.
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_redis_is_down_each_key_gets_its_local_limit() {
+    let etcd = shared_etcd();
+    let mut redis = RedisServer::start();
+    let url = redis.url();
+    let ns = unique_ns("keyfail");
+    let m = Manager::start(ManagerOpts::new(&etcd, &url, &ns, "m1")).await;
+    keyed_task(
+        &m,
+        "kf",
+        r#"{"threshold":100,"slice_ms":5000,"keyed":true,"local_limit":3,"on_failure":"local",
+            "fallback":{"algorithm":"fixed_window"}}"#,
+    )
+    .await;
+    let host = format!("{ns}-h");
+    let _guard = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let mut cfg = sdk_config(&url, &ns, &host);
+    cfg.pull_timeout = Duration::from_millis(300);
+    cfg.probe_interval = Duration::from_millis(500);
+    let client = sluice::Client::new(cfg).unwrap();
+    let task = client.task("kf").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    assert!(task.key("warm").unwrap().acquire(1).await.is_allowed());
+    redis.kill();
+    wait_until(
+        "the task FAILED",
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || {
+            // Decisions on fresh keys need pulls, which fail.
+            let k = task.key(&format!("probe-{}", now_ms())).unwrap();
+            let d = k.try_acquire(1);
+            let failed = task.state() == sluice::HostState::Failed;
+            async move { (failed && d.is_fallback()).then_some(()) }
+        },
+    )
+    .await;
+    // Within one slice: each fresh key admits its own local_limit (3), then is refused.
+    let slice_us = 5_000_000i64;
+    loop {
+        if task.now_us() % slice_us > 3_000_000 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            continue;
+        }
+        let start = task.now_us() / slice_us;
+        let mut counts = Vec::new();
+        for name in ["c", "d"] {
+            let k = task.key(name).unwrap();
+            let mut n = 0;
+            for _ in 0..10 {
+                let d = k.try_acquire(1);
+                assert!(d.is_fallback(), "{d:?}");
+                if d.is_allowed() {
+                    n += 1;
+                }
+            }
+            counts.push(n);
+        }
+        if task.now_us() / slice_us == start {
+            assert_eq!(counts, [3, 3], "local_limit per key while FAILED");
+            break;
+        }
+    }
+    // Redis back: the task recovers and keys are decided from the global quota again.
+    redis.restart();
+    wait_until(
+        "keys decided globally again",
+        Duration::from_secs(20),
+        Duration::from_millis(50),
+        || {
+            let k = task.key("after").unwrap();
+            async move { (k.acquire(1).await == sluice::Decision::Allowed).then_some(()) }
+        },
+    )
+    .await;
+}

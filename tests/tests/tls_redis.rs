@@ -104,9 +104,22 @@ impl TlsWorld {
 
     /// Runs the loadgen on `task` for `ms` with `procs` processes; returns its report and log.
     async fn loadgen(&self, task: &str, host: &str, procs: u32, ms: u64) -> (Value, String) {
+        self.loadgen_with(task, host, procs, ms, &[]).await
+    }
+
+    /// [`TlsWorld::loadgen`] with more loadgen flags.
+    async fn loadgen_with(
+        &self,
+        task: &str,
+        host: &str,
+        procs: u32,
+        ms: u64,
+        more: &[&str],
+    ) -> (Value, String) {
         let flags = self.worker_flags();
         let mut extra: Vec<&str> = flags.iter().map(String::as_str).collect();
         extra.extend(["--bucket-ms", "1000"]);
+        extra.extend(more);
         let args = loadgen_args(&self.redis.url(), &self.ns, task, host, procs, ms, &extra);
         let mut lg = Loadgen::spawn(&args);
         let report = lg
@@ -246,9 +259,17 @@ async fn rolling_pulling_and_failover_over_mutual_tls_under_the_documented_acls(
         )
         .await;
     assert!(st == 200 || st == 201, "{st} {body}");
+    let (st, body) = ms[leader]
+        .put(
+            "/api/v1/tasks/keyed",
+            r#"{"threshold":20,"slice_ms":1000,"keyed":true,"key_overrides":{"key-0":30}}"#,
+        )
+        .await;
+    assert!(st == 200 || st == 201, "{st} {body}");
     assert_eq!(ms[leader].wait_rolled("pooled").await, T as i64);
     ms[leader].wait_rolled("exact").await;
     ms[leader].wait_rolled("sliding").await;
+    ms[leader].wait_rolled("keyed").await;
 
     // Pulling over TLS as the worker user: the threshold per slice, never more.
     let (r, log) = w.loadgen("pooled", "h1", 2, 3_500).await;
@@ -265,11 +286,40 @@ async fn rolling_pulling_and_failover_over_mutual_tls_under_the_documented_acls(
         assert_no_secret(&log, "loadgen");
     }
 
-    // The API's Redis reads (task status, history, alerts) as the manager user.
+    // Keyed tasks (KPULL creating key slices, the hosts' top-key reports) under the worker ACL.
+    let (r, log) = w
+        .loadgen_with(
+            "keyed",
+            "h2",
+            2,
+            2_500,
+            &["--keys", "20", "--key-report", "20", "--rate", "400"],
+        )
+        .await;
+    let denials = w.acl_denials();
+    assert!(
+        denials.is_empty(),
+        "ACL denials (keyed): {denials:#?}\n{log}"
+    );
+    assert_eq!(r["fallback_admitted"].as_u64(), Some(0), "keyed: {r}");
+    assert!(r["admitted"].as_u64().unwrap_or(0) > 0, "keyed: {r}");
+    for (k, b) in loadgen_key_buckets(&r) {
+        let limit = if k == "key-0" { 30 } else { 20 };
+        for (start, (adm, _)) in b {
+            assert!(
+                adm <= limit,
+                "keyed {k}: slice {start} over-admitted: {adm}"
+            );
+        }
+    }
+    assert_no_secret(&log, "loadgen");
+
+    // The API's Redis reads (task status, history, alerts, top keys) as the manager user.
     for path in [
         "/api/v1/tasks/pooled",
         "/api/v1/tasks/pooled/history",
         "/api/v1/alerts",
+        "/api/v1/tasks/keyed/keys",
     ] {
         assert!(
             ms[leader].get_json(path).await.is_some(),

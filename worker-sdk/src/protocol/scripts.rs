@@ -323,11 +323,17 @@ return {grant, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
 /// one hash tag), creating a key's slice hash from the task's state when it does not exist yet
 /// (the leader never pre-rolls keys).
 ///
-/// `KEYS[1]` the task's meta, `KEYS[2]` the task's slice `s:<start>` (rolled by the leader:
-/// its `cap` is the per-key threshold of that slice, schedules and dynamic limiting included),
-/// `KEYS[3..]` the keys' slices `k:<digest>:<start>`. `ARGV`: slice start (Unix ms), slice
-/// length (ms), host id, request id, the caller's meta version, all-or-nothing (0/1), then per
-/// key: want, digest, the key itself (stored as the slice's `key` field).
+/// `KEYS[1]` the task's slice `s:<start>` (rolled by the leader: its `cap` is the per-key
+/// threshold of that slice, schedules and dynamic limiting included), `KEYS[2..]` the keys'
+/// slices `k:<digest>:<start>`. `ARGV`: slice start (Unix ms), slice length (ms), host id,
+/// request id, the caller's meta version, all-or-nothing (0/1), the name of the task's meta
+/// hash `NS:{T}:meta`, then per key: want, digest, the key itself (stored as the slice's `key`
+/// field).
+///
+/// The meta hash is only read, and is named in `ARGV`, not declared in `KEYS`: Redis's ACLs
+/// treat every key an `EVALSHA` declares as written, and workers may only read meta (the
+/// fence). It shares the task's hash tag, so it is in the same Cluster slot as the declared
+/// keys and the script stays single-slot.
 ///
 /// Returns `{status, time_s, time_us, stored_version, then per key: granted, remaining, cap,
 /// replayed}`:
@@ -355,26 +361,27 @@ local grace = math.min(math.floor(len / 4), 250)
 if now < start - len or now > start + len + grace then return {-2, tonumber(t[1]), tonumber(t[2]), 0} end
 local pf = 'p:' .. ARGV[3]
 local rid = ARGV[4]
-local n = #KEYS - 2
+local n = #KEYS - 1
+local meta = ARGV[7]
 local h = {}
 local missing = false
 for i = 1, n do
-  h[i] = redis.call('HMGET', KEYS[i + 2], 'rem', 'cap', pf)
+  h[i] = redis.call('HMGET', KEYS[i + 1], 'rem', 'cap', pf)
   if not h[i][1] then missing = true end
 end
 local tcap, base
 if missing then
-  local m = redis.call('HMGET', KEYS[1], 'version', 'retired', 'keyed', 'threshold')
+  local m = redis.call('HMGET', meta, 'version', 'retired', 'keyed', 'threshold')
   if (not m[1]) or m[2] or m[3] ~= '1' then return {-1, tonumber(t[1]), tonumber(t[2]), 0} end
   if tonumber(ARGV[5]) < tonumber(m[1]) then return {-3, tonumber(t[1]), tonumber(t[2]), tonumber(m[1])} end
-  tcap = tonumber(redis.call('HGET', KEYS[2], 'cap'))
+  tcap = tonumber(redis.call('HGET', KEYS[1], 'cap'))
   if not tcap then return {-1, tonumber(t[1]), tonumber(t[2]), 0} end
   base = tonumber(m[4]) or 0
 end
 local out = {1, tonumber(t[1]), tonumber(t[2]), 0}
 for i = 1, n do
-  local want = tonumber(ARGV[4 + 3 * i])
-  local k = KEYS[i + 2]
+  local want = tonumber(ARGV[5 + 3 * i])
+  local k = KEYS[i + 1]
   local rem, cap
   local done = false
   if h[i][3] then
@@ -388,12 +395,12 @@ for i = 1, n do
   if not done then
     if not h[i][1] then
       cap = tcap
-      local o = tonumber(redis.call('HGET', KEYS[1], 'ko:' .. ARGV[5 + 3 * i]))
+      local o = tonumber(redis.call('HGET', meta, 'ko:' .. ARGV[6 + 3 * i]))
       if o then
         if base > 0 then cap = math.floor(o * tcap / base) else cap = o end
       end
       rem = cap
-      redis.call('HSET', k, 'cap', cap, 'rem', cap, 'key', ARGV[6 + 3 * i])
+      redis.call('HSET', k, 'cap', cap, 'rem', cap, 'key', ARGV[7 + 3 * i])
       redis.call('PEXPIREAT', k, start + 2 * len + 5000)
     else
       rem = tonumber(h[i][1])
@@ -1076,8 +1083,7 @@ where
     C: redis::aio::ConnectionLike,
 {
     let mut inv = KPULL.prepare_invoke();
-    inv.key(keys.meta(req.task))
-        .key(keys.slice(req.task, req.start_ms));
+    inv.key(keys.slice(req.task, req.start_ms));
     for k in req.keys {
         inv.key(keys.key_slice(req.task, k.digest, req.start_ms));
     }
@@ -1086,7 +1092,8 @@ where
         .arg(req.host_id)
         .arg(req.request_id)
         .arg(req.meta_version)
-        .arg(u8::from(req.all_or_nothing));
+        .arg(u8::from(req.all_or_nothing))
+        .arg(keys.meta(req.task));
     for k in req.keys {
         inv.arg(k.want).arg(k.digest).arg(k.key);
     }
