@@ -835,3 +835,107 @@ async fn while_redis_is_down_each_key_gets_its_local_limit() {
     )
     .await;
 }
+
+/// Transitions of a keyed task while keys are in use: keyed off (the key handle decides on the
+/// task as a whole), keyed on again, a changed slice length, delete and re-create.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keyed_tasks_survive_being_switched_edited_and_recreated() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("keyedit");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    keyed_task(&m, "e", r#"{"threshold":5,"slice_ms":5000,"keyed":true}"#).await;
+    let host = format!("{ns}-h");
+    let _guard = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let mut cfg = sdk_config(&redis, &ns, &host);
+    cfg.meta_refresh = Duration::from_millis(200);
+    let client = sluice::Client::new(cfg).unwrap();
+    let task = client.task("e").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    let key = task.key("a").unwrap();
+    // Admissions of `key` out of `tries`, within one slice of `slice_us` (retried otherwise).
+    async fn admitted(key: &sluice::Key, tries: u32, slice_us: i64) -> u32 {
+        loop {
+            let now = key.task().now_us();
+            if now % slice_us > slice_us * 6 / 10 {
+                tokio::time::sleep(Duration::from_micros(
+                    (slice_us - now % slice_us) as u64 + 1_000,
+                ))
+                .await;
+                continue;
+            }
+            let start = now / slice_us;
+            let mut n = 0;
+            for _ in 0..tries {
+                if key.acquire(1).await.is_allowed() {
+                    n += 1;
+                }
+            }
+            if key.task().now_us() / slice_us == start {
+                return n;
+            }
+        }
+    }
+    async fn wait_meta(
+        task: &sluice::Task,
+        what: &str,
+        ok: impl Fn(&sluice::protocol::TaskMeta) -> bool,
+    ) {
+        wait_until(
+            what,
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || {
+                let hit = task.meta().is_some_and(|m| ok(&m));
+                async move { hit.then_some(()) }
+            },
+        )
+        .await;
+    }
+    assert_eq!(admitted(&key, 8, 5_000_000).await, 5, "keyed: the key's 5");
+
+    // Keyed off: the same handle decides on the task as a whole (its threshold of 20).
+    let (st, body) = m
+        .put("/api/v1/tasks/e", r#"{"threshold":20,"slice_ms":5000}"#)
+        .await;
+    assert_eq!(st, 200, "{body}");
+    wait_meta(&task, "keyed off", |m| !m.keyed && m.threshold == 20).await;
+    assert_eq!(
+        admitted(&key, 30, 5_000_000).await,
+        20,
+        "the task's limit decides"
+    );
+
+    // Keyed on again, with a slice length change (5 s → 2 s): per key again, on the new grid.
+    let (st, body) = m
+        .put(
+            "/api/v1/tasks/e",
+            r#"{"threshold":4,"slice_ms":2000,"keyed":true}"#,
+        )
+        .await;
+    assert_eq!(st, 200, "{body}");
+    wait_meta(&task, "keyed on, 2 s", |m| m.keyed && m.slice_ms == 2000).await;
+    // The first 2 s slice on the new grid may still carry the old cap: wait for a fresh one.
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    assert_eq!(
+        admitted(&key, 8, 2_000_000).await,
+        4,
+        "per key on the new grid"
+    );
+    let other = task.key("b").unwrap();
+    assert_eq!(
+        admitted(&other, 8, 2_000_000).await,
+        4,
+        "another key, its own 4"
+    );
+
+    // Deleted and re-created with another threshold: the key follows the new spec.
+    assert_eq!(m.delete("/api/v1/tasks/e").await, 204);
+    keyed_task(&m, "e", r#"{"threshold":7,"slice_ms":2000,"keyed":true}"#).await;
+    wait_meta(&task, "re-created", |m| m.keyed && m.threshold == 7).await;
+    tokio::time::sleep(Duration::from_millis(4_200)).await;
+    assert_eq!(
+        admitted(&key, 10, 2_000_000).await,
+        7,
+        "the re-created task's limit"
+    );
+}
