@@ -374,6 +374,8 @@ impl KeyTable {
             e.h0.store(h.0, Ordering::Relaxed);
             e.h1.store(h.1, Ordering::Relaxed);
             e.used_ms.store(now_ms, Ordering::Relaxed);
+            // Two slices (at least 1 s). A pull still in flight for the old key when the entry
+            // is reclaimed finds the identity changed and drops its grant.
             e.idle_ms
                 .store(slice_ms.saturating_mul(2).max(1_000), Ordering::Relaxed);
             e.grant.store(0, Ordering::Relaxed);
@@ -1487,8 +1489,14 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
             redis_time_us,
         })) => {
             crate::background::record_clock(sh, before, after, redis_time_us);
-            for ((i, _, _, want, _), g) in todo.iter().zip(grants) {
+            for ((i, w, _, want, _), g) in todo.iter().zip(grants) {
                 let Some(e) = table.entry(*i) else { continue };
+                if e.ident.load(Ordering::Acquire) != w.ident {
+                    // Reclaimed for another key while the pull was in flight (a pull slower
+                    // than the idle bound): the grant is this key's, never the new one's.
+                    tracing::debug!(task = %task.name, "key entry reclaimed during a pull; grant dropped");
+                    continue;
+                }
                 e.cap.store(g.cap, Ordering::Relaxed);
                 e.grant.store(
                     ((tag_of(start_ms) as u64) << 32) | (*want).min(0xFFFF_FFFF),
@@ -1504,8 +1512,10 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
         Ok(Ok(KeyPullBatchReply::OutsideWindow { redis_time_us })) => {
             crate::background::record_clock(sh, before, after, redis_time_us);
             if redis_time_us / 1_000 > start_ms + m.slice_ms as i64 {
-                for (i, ..) in &todo {
-                    if let Some(e) = table.entry(*i) {
+                for (i, w, ..) in &todo {
+                    if let Some(e) = table.entry(*i)
+                        && e.ident.load(Ordering::Acquire) == w.ident
+                    {
                         deposit(e, start_ms, m.slice_ms, 0, true, sh.now_us());
                     }
                 }
