@@ -545,6 +545,18 @@ impl std::fmt::Debug for Key {
     }
 }
 
+/// What a waiting call does next ([`Key::wait_step`]).
+enum Next {
+    /// Decided (when, and how to give the permits back).
+    Done(Decision, i64, Option<Refund>),
+    /// The task as a whole decides (not keyed).
+    Task,
+    /// One all-or-nothing Redis call decides (no key table entry), decided at `at`.
+    Direct { m: FastMeta, start_ms: i64, at: i64 },
+    /// Wait for this want's pull, then step again.
+    Wait(Arc<Event>),
+}
+
 /// Where a key's decision stands.
 enum KStep {
     Decided(Decision),
@@ -708,44 +720,26 @@ impl Key {
     /// [`Key::acquire_stamped`], with how to give the permits back.
     pub(crate) async fn acquire_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
         let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
+        let mut waited = None;
         loop {
-            let now_us = self.task.now_us();
-            let (d, at) = match self.decide(n, now_us) {
-                KStep::Decided(d) => (d, now_us),
-                KStep::Admitted { entry, parity, tag } => {
-                    let r = Refund::Key { entry, parity, tag };
-                    return (Decision::Allowed, now_us, Some(r));
-                }
-                KStep::Task => {
+            match self.wait_step(n, deadline, waited.take()) {
+                Next::Done(d, at, r) => return (d, at, r),
+                Next::Task => {
                     let d = self.task.acquire(n).await;
                     let at = self.task.now_us();
                     return (d, at, self.task.refund_of(d, at));
                 }
-                KStep::Direct { m, start_ms } => {
+                Next::Direct { m, start_ms, at } => {
                     let fut = self.direct(m, start_ms, n);
                     let reply = self.task.shared.rt.spawn(fut).await.ok().flatten();
-                    (self.direct_decision(reply, &m, start_ms, n), now_us)
+                    let d = self.direct_decision(reply, &m, start_ms, n);
+                    return (self.task.shadowed(n, at, d), at, None);
                 }
-                KStep::Pending {
-                    entry,
-                    ident,
-                    start_ms,
-                } => {
-                    if Instant::now() >= deadline {
-                        self.count_rejected(entry, n);
-                        let d = self.task.shadowed(n, now_us, Self::pending_limited());
-                        return (d, now_us, None);
-                    }
-                    let ev = self.want(entry, ident, start_ms, n);
+                Next::Wait(ev) => {
                     ev.wait().await;
-                    if ev.missing.load(Ordering::Relaxed) {
-                        let d = self.task.shadowed(n, now_us, self.missing(n));
-                        return (d, now_us, None);
-                    }
-                    continue;
+                    waited = Some(ev);
                 }
-            };
-            return (self.task.shadowed(n, at, d), at, None);
+            }
         }
     }
 
@@ -765,20 +759,16 @@ impl Key {
     /// [`Key::acquire_blocking_stamped`], with how to give the permits back.
     pub(crate) fn acquire_blocking_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
         let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
+        let mut waited = None;
         loop {
-            let now_us = self.task.now_us();
-            let (d, at) = match self.decide(n, now_us) {
-                KStep::Decided(d) => (d, now_us),
-                KStep::Admitted { entry, parity, tag } => {
-                    let r = Refund::Key { entry, parity, tag };
-                    return (Decision::Allowed, now_us, Some(r));
-                }
-                KStep::Task => {
+            match self.wait_step(n, deadline, waited.take()) {
+                Next::Done(d, at, r) => return (d, at, r),
+                Next::Task => {
                     let d = self.task.acquire_blocking(n);
                     let at = self.task.now_us();
                     return (d, at, self.task.refund_of(d, at));
                 }
-                KStep::Direct { m, start_ms } => {
+                Next::Direct { m, start_ms, at } => {
                     let (tx, rx) = std::sync::mpsc::channel();
                     let fut = self.direct(m, start_ms, n);
                     self.task.shared.rt.spawn(async move {
@@ -786,28 +776,51 @@ impl Key {
                     });
                     let wait = self.task.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
                     let reply = rx.recv_timeout(wait).ok().flatten();
-                    (self.direct_decision(reply, &m, start_ms, n), now_us)
+                    let d = self.direct_decision(reply, &m, start_ms, n);
+                    return (self.task.shadowed(n, at, d), at, None);
                 }
-                KStep::Pending {
-                    entry,
-                    ident,
-                    start_ms,
-                } => {
-                    if Instant::now() >= deadline {
-                        self.count_rejected(entry, n);
-                        let d = self.task.shadowed(n, now_us, Self::pending_limited());
-                        return (d, now_us, None);
-                    }
-                    let ev = self.want(entry, ident, start_ms, n);
+                Next::Wait(ev) => {
                     ev.wait_blocking(deadline);
-                    if ev.missing.load(Ordering::Relaxed) {
-                        let d = self.task.shadowed(n, now_us, self.missing(n));
-                        return (d, now_us, None);
-                    }
-                    continue;
+                    waited = Some(ev);
                 }
-            };
-            return (self.task.shadowed(n, at, d), at, None);
+            }
+        }
+    }
+
+    /// One step of the waiting calls (`acquire`, `acquire_blocking`; only how they wait and
+    /// make a Redis call differs): decide; a pull still pending registers the wait, or at the
+    /// deadline is a rejection; a want whose pull found the key's slice cannot be created
+    /// (`waited`, missing) is answered as for an unknown task.
+    fn wait_step(&self, n: u64, deadline: Instant, waited: Option<Arc<Event>>) -> Next {
+        let now_us = self.task.now_us();
+        if waited.is_some_and(|ev| ev.missing.load(Ordering::Relaxed)) {
+            return Next::Done(self.task.shadowed(n, now_us, self.missing(n)), now_us, None);
+        }
+        match self.decide(n, now_us) {
+            KStep::Decided(d) => Next::Done(self.task.shadowed(n, now_us, d), now_us, None),
+            KStep::Admitted { entry, parity, tag } => Next::Done(
+                Decision::Allowed,
+                now_us,
+                Some(Refund::Key { entry, parity, tag }),
+            ),
+            KStep::Task => Next::Task,
+            KStep::Direct { m, start_ms } => Next::Direct {
+                m,
+                start_ms,
+                at: now_us,
+            },
+            KStep::Pending {
+                entry,
+                ident,
+                start_ms,
+            } => {
+                if Instant::now() >= deadline {
+                    self.count_rejected(entry, n);
+                    let d = self.task.shadowed(n, now_us, Self::pending_limited());
+                    return Next::Done(d, now_us, None);
+                }
+                Next::Wait(self.want(entry, ident, start_ms, n))
+            }
         }
     }
 

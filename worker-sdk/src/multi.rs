@@ -137,15 +137,15 @@ fn all_admitted(fallback: bool) -> AllDecision {
     }
 }
 
-/// Decides every part now from the host's local quotas (never waits), all or nothing.
-pub fn try_acquire_all(parts: &[Limit<'_>]) -> AllDecision {
+/// Decides the parts in order with `decide`, all or nothing (the synchronous calls).
+fn all_or_nothing(
+    parts: &[Limit<'_>],
+    mut decide: impl FnMut(&Limit<'_>) -> (Decision, Option<Refund>),
+) -> AllDecision {
     let mut taken = Vec::with_capacity(parts.len());
     let mut fallback = false;
     for (i, p) in parts.iter().enumerate() {
-        let (d, r) = match p {
-            Limit::Task(t, n) => t.try_refundable(*n, t.now_us()),
-            Limit::Key(k, n) => k.try_refundable(*n),
-        };
+        let (d, r) = decide(p);
         fallback |= d == Decision::FallbackAllowed;
         if !d.is_allowed() {
             return refused(parts, &taken, d, i);
@@ -153,6 +153,14 @@ pub fn try_acquire_all(parts: &[Limit<'_>]) -> AllDecision {
         taken.push(r);
     }
     all_admitted(fallback)
+}
+
+/// Decides every part now from the host's local quotas (never waits), all or nothing.
+pub fn try_acquire_all(parts: &[Limit<'_>]) -> AllDecision {
+    all_or_nothing(parts, |p| match p {
+        Limit::Task(t, n) => t.try_refundable(*n, t.now_us()),
+        Limit::Key(k, n) => k.try_refundable(*n),
+    })
 }
 
 /// [`try_acquire_all`], waiting for refills as [`Task::acquire`] / [`Key::acquire`] do (and
@@ -182,24 +190,14 @@ pub async fn acquire_all(parts: &[Limit<'_>]) -> AllDecision {
 
 /// [`acquire_all`] for programs without an async runtime.
 pub fn acquire_all_blocking(parts: &[Limit<'_>]) -> AllDecision {
-    let mut taken = Vec::with_capacity(parts.len());
-    let mut fallback = false;
-    for (i, p) in parts.iter().enumerate() {
-        let (d, r) = match p {
-            Limit::Task(t, n) => {
-                let d = t.acquire_blocking(*n);
-                (d, t.refund_of(d, t.now_us()))
-            }
-            Limit::Key(k, n) => {
-                let (d, _, r) = k.acquire_blocking_refundable(*n);
-                (d, r)
-            }
-        };
-        fallback |= d == Decision::FallbackAllowed;
-        if !d.is_allowed() {
-            return refused(parts, &taken, d, i);
+    all_or_nothing(parts, |p| match p {
+        Limit::Task(t, n) => {
+            let d = t.acquire_blocking(*n);
+            (d, t.refund_of(d, t.now_us()))
         }
-        taken.push(r);
-    }
-    all_admitted(fallback)
+        Limit::Key(k, n) => {
+            let (d, _, r) = k.acquire_blocking_refundable(*n);
+            (d, r)
+        }
+    })
 }
