@@ -112,7 +112,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> anyhow::Res
                 .add_service(rls)
                 .add_service(rlqs)
                 .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(grpc),
+                    tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
                     stop.clone().cancelled_owned(),
                 )
                 .await;
@@ -126,6 +126,10 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> anyhow::Res
         let stop = stop.clone();
         let app = http::router(state.clone());
         tokio::spawn(async move {
+            use axum::serve::ListenerExt;
+            let http = http.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             let r = axum::serve(http, app)
                 .with_graceful_shutdown(stop.clone().cancelled_owned())
                 .await;
