@@ -267,7 +267,13 @@ fn load_yaml(text: &str) -> Result<YNode, ImportError> {
             },
         }
     }
-    root.ok_or_else(|| ie("", 0, "empty document: expected `domain:` and `descriptors:`"))
+    root.ok_or_else(|| {
+        ie(
+            "",
+            0,
+            "empty document: expected `domain:` and `descriptors:`",
+        )
+    })
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -556,10 +562,7 @@ fn parse_list(
             ));
         }
         let d = parse_descriptor(&field, item, depth, count)?;
-        if let Some(prev) = out
-            .iter()
-            .find(|p| p.key == d.key && p.value == d.value)
-        {
+        if let Some(prev) = out.iter().find(|p| p.key == d.key && p.value == d.value) {
             return Err(ie(
                 &field,
                 d.line,
@@ -723,7 +726,11 @@ fn parse_rate_limit(field: &str, n: &YNode) -> Result<RateLimit, ImportError> {
         }
     } else {
         if unit.is_none() {
-            return Err(ie(o.field("unit"), o.line, "is required (unless unlimited: true)"));
+            return Err(ie(
+                o.field("unit"),
+                o.line,
+                "is required (unless unlimited: true)",
+            ));
         }
         if rpu.is_none() {
             return Err(ie(
@@ -877,8 +884,14 @@ pub fn compile(d: &Domain) -> Result<Compiled, ImportError> {
         names.insert(*node as *const Descriptor, name);
     }
     let mut tasks = Vec::new();
-    let descriptors =
-        compile_list(d, &d.descriptors, &mut Vec::new(), false, &names, &mut tasks)?;
+    let descriptors = compile_list(
+        d,
+        &d.descriptors,
+        &mut Vec::new(),
+        false,
+        &names,
+        &mut tasks,
+    )?;
     Ok(Compiled {
         domain: d.domain.clone(),
         descriptors,
@@ -924,10 +937,8 @@ fn compile_list(
                     .cloned()
                     .unwrap_or_default();
                 let path = path_text(&as_refs(prefix));
-                let mut description = format!(
-                    "envoy-ratelimit {}: {} (line {})",
-                    d.domain, path, n.line
-                );
+                let mut description =
+                    format!("envoy-ratelimit {}: {} (line {})", d.domain, path, n.line);
                 if description.chars().count() > MAX_DESCRIPTION {
                     description = description.chars().take(MAX_DESCRIPTION - 1).collect();
                     description.push('…');
@@ -1045,12 +1056,11 @@ async fn read_doc(client: &Client, key: &str) -> Result<(Option<DomainDoc>, i64)
     Ok(match resp.kvs().first() {
         None => (None, 0),
         Some(kv) => {
-            let doc = serde_json::from_slice::<DomainDoc>(kv.value()).map_err(|e| {
-                Error::Corrupt {
+            let doc =
+                serde_json::from_slice::<DomainDoc>(kv.value()).map_err(|e| Error::Corrupt {
                     what: format!("envoy domain document {key}"),
                     why: e.to_string(),
-                }
-            })?;
+                })?;
             (Some(doc), kv.mod_revision())
         }
     })
@@ -1070,7 +1080,12 @@ async fn read_tasks(
         .map(|n| TxnOp::get(keys.etcd_task(n), None))
         .collect();
     let mut c = client.clone();
-    let resp = etcd("read envoy tasks", ETCD_TIMEOUT, c.txn(Txn::new().and_then(ops))).await?;
+    let resp = etcd(
+        "read envoy tasks",
+        ETCD_TIMEOUT,
+        c.txn(Txn::new().and_then(ops)),
+    )
+    .await?;
     let mut out = HashMap::new();
     for (name, op) in names.iter().zip(resp.op_responses()) {
         if let TxnOpResponse::Get(g) = op
@@ -1094,7 +1109,11 @@ pub async fn apply(
     let doc_key = keys.etcd_envoy_domain(&compiled.domain);
     for attempt in 0..TXN_ATTEMPTS {
         let (old, doc_rev) = read_doc(client, &doc_key).await?;
-        let owned: BTreeSet<String> = old.map(|d| d.tasks).unwrap_or_default().into_iter().collect();
+        let owned: BTreeSet<String> = old
+            .map(|d| d.tasks)
+            .unwrap_or_default()
+            .into_iter()
+            .collect();
         let mut all: BTreeSet<String> = owned.clone();
         all.extend(compiled.tasks.iter().map(|t| t.name.clone()));
         let stored = read_tasks(client, keys, &all).await?;
@@ -1236,7 +1255,9 @@ pub async fn list(client: &Client, keys: &Keys) -> Result<(Vec<(DomainDoc, i64)>
                 d.domain = name.to_string();
                 out.push((d, kv.mod_revision()));
             }
-            Err(e) => warn!(domain = %name, %e, "stored envoy domain document is unreadable; skipped"),
+            Err(e) => {
+                warn!(domain = %name, %e, "stored envoy domain document is unreadable; skipped")
+            }
         }
     }
     Ok((out, resp.header().map_or(0, |h| h.revision())))
@@ -1294,7 +1315,10 @@ pub async fn mirror_once(
 ) -> Result<(usize, usize)> {
     let (docs, revision) = list(client, keys).await?;
     let hash = keys.envoy_routes();
-    let mut c = redis.conn().await.map_err(crate::error::redis("envoy mirror"))?;
+    let mut c = redis
+        .conn()
+        .await
+        .map_err(crate::error::redis("envoy mirror"))?;
     let stored: HashMap<String, String> = redis::cmd("HGETALL")
         .arg(&hash)
         .query_async(&mut c)
@@ -1348,7 +1372,13 @@ pub async fn mirror_once(
 
 /// Leader-only: mirrors etcd's domain documents into `NS:envoy` every `every` until the
 /// leadership ends (the same period as rolling; one etcd range read and one HGETALL a pass).
-pub async fn mirror(ctx: LeaderContext, client: Client, keys: Keys, redis: Arc<Redis>, every: Duration) {
+pub async fn mirror(
+    ctx: LeaderContext,
+    client: Client,
+    keys: Keys,
+    redis: Arc<Redis>,
+    every: Duration,
+) {
     let mut failing = false;
     loop {
         match mirror_once(&ctx, &client, &keys, &redis).await {
@@ -1518,19 +1548,9 @@ descriptors:
                 4,
                 "true or false",
             ),
-            (
-                "domain: d\n---\ndomain: e\n",
-                "",
-                2,
-                "one YAML document",
-            ),
+            ("domain: d\n---\ndomain: e\n", "", 2, "one YAML document"),
             ("domain: d\ndescriptors: [\n", "", 3, "malformed YAML"),
-            (
-                "domain: d\ndomain: e\n",
-                "domain",
-                2,
-                "duplicate key",
-            ),
+            ("domain: d\ndomain: e\n", "domain", 2, "duplicate key"),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unlimited: true\n      unit: second\n",
                 "descriptors[0].rate_limit.unit",
@@ -1579,9 +1599,7 @@ descriptors:
 
     #[test]
     fn zero_is_a_block_list_and_aliases_work() {
-        let c = prepare(
-            "domain: d\nlimit: &l {unit: second, requests_per_unit: 0}\n",
-        );
+        let c = prepare("domain: d\nlimit: &l {unit: second, requests_per_unit: 0}\n");
         // `limit` is not a key of a domain config.
         assert_eq!(c.unwrap_err().field, "limit");
         let c = prepare(
@@ -1597,7 +1615,10 @@ descriptors:
 
     #[test]
     fn names_follow_the_contract() {
-        assert_eq!(task_name("shop", &[("a", Some("b")), ("c", None)]), "shop.a_b.c");
+        assert_eq!(
+            task_name("shop", &[("a", Some("b")), ("c", None)]),
+            "shop.a_b.c"
+        );
         let h = task_name("shop", &[("path", Some("/x"))]);
         let d = digest::digest(&digest::SHA256, b"shop\npath=/x");
         let hex: String = d.as_ref().iter().map(|b| format!("{b:02x}")).collect();

@@ -61,7 +61,10 @@ async fn post_yaml(m: &Manager, body: &str) -> (u16, Value) {
 
 /// `(name, threshold, slice_ms, keyed, shadow, version)` of every task, sorted by name.
 async fn tasks(m: &Manager) -> Vec<(String, u64, u64, bool, bool, i64)> {
-    let v = m.get_json("/api/v1/tasks").await.expect("GET /api/v1/tasks");
+    let v = m
+        .get_json("/api/v1/tasks")
+        .await
+        .expect("GET /api/v1/tasks");
     let mut out: Vec<_> = v["tasks"]
         .as_array()
         .unwrap()
@@ -201,7 +204,9 @@ async fn import_reimport_refuse_and_delete() {
     let second = CONFIG
         .replace(
             "  - key: remote_address\n    rate_limit:\n      unit: minute\n      requests_per_unit: 600\n",
-            "",
+            // Four lines for four: the other descriptors keep their lines, so the tasks of
+            // those unchanged keep their descriptions ("… (line N)") too.
+            "  # removed\n  #\n  #\n  #\n",
         )
         .replace("requests_per_unit: 7200", "requests_per_unit: 3600");
     let (s, b) = post_yaml(&m, &second).await;
@@ -241,7 +246,11 @@ async fn import_reimport_refuse_and_delete() {
         "meta of the removed task retired",
         Duration::from_secs(10),
         Duration::from_millis(50),
-        || async { meta_version(&keys, "shop.remote_address").is_none().then_some(()) },
+        || async {
+            meta_version(&keys, "shop.remote_address")
+                .is_none()
+                .then_some(())
+        },
     )
     .await;
 
@@ -283,12 +292,19 @@ async fn import_reimport_refuse_and_delete() {
         assert_eq!(e["field"], *field, "{e}");
         assert_eq!(e["line"], *line, "{e}");
         assert!(e["error"].as_str().is_some_and(|t| !t.is_empty()), "{e}");
-        assert_eq!(tasks(&m).await, before, "a refused import changed tasks: {e}");
+        assert_eq!(
+            tasks(&m).await,
+            before,
+            "a refused import changed tasks: {e}"
+        );
         assert_eq!(m.get_json(IMPORT).await.unwrap(), doc_before);
     }
     let (_, e) = post_yaml(&m, CONFIG).await;
     assert_eq!(e["task"], "shop.remote_address");
-    assert!(e["error"].as_str().unwrap().contains("shop.remote_address"), "{e}");
+    assert!(
+        e["error"].as_str().unwrap().contains("shop.remote_address"),
+        "{e}"
+    );
     // Other content types are refused before anything is read.
     let r = m
         .request(reqwest::Method::POST, IMPORT)
@@ -309,7 +325,11 @@ async fn import_reimport_refuse_and_delete() {
     let body: Value = r.json().await.unwrap();
     assert_eq!(
         sorted(&body["deleted"]),
-        ["shop.path_checkout", "shop.tenant_acme.plan_gold", "shop.tenant_acme.user"]
+        [
+            "shop.path_checkout",
+            "shop.tenant_acme.plan_gold",
+            "shop.tenant_acme.user"
+        ]
     );
     let left: Vec<String> = tasks(&m).await.into_iter().map(|t| t.0).collect();
     assert_eq!(left, ["shop.remote_address"]);
@@ -344,4 +364,92 @@ async fn import_needs_the_admin_token() {
         .await
         .unwrap();
     assert_eq!(r.status().as_u16(), 200);
+}
+
+/// The documented ACL users (`deploy/redis-acl.conf`, namespace substituted), created on the
+/// test Redis with `ACL SETUSER`: workers may read `NS:envoy` (HGETALL, HGET) and not write
+/// it; the manager may write, read and delete it.
+#[test]
+fn documented_acl_lets_workers_read_and_the_manager_write_ns_envoy() {
+    let ns = unique_ns("envoyacl");
+    let keys = Keys::new(&ns).unwrap();
+    let doc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/redis-acl.conf");
+    let text = std::fs::read_to_string(&doc).expect("deploy/redis-acl.conf");
+    let mut admin = redis_conn(&shared_redis());
+    let mut users = Vec::new();
+    for line in text.lines().filter(|l| l.starts_with("user sluice-")) {
+        let line = line.replace("sluice:", &format!("{ns}:"));
+        let mut words = line.split_whitespace().skip(1);
+        let role = words.next().unwrap().to_string();
+        let user = format!("{role}-{ns}");
+        let mut cmd = redis::cmd("ACL");
+        cmd.arg("SETUSER").arg(&user);
+        for w in words {
+            cmd.arg(if w == ">CHANGE-ME" {
+                ">pw-envoy-acl"
+            } else {
+                w
+            });
+        }
+        let () = cmd.query(&mut admin).expect("ACL SETUSER");
+        users.push((role, user));
+    }
+    let connect = |role: &str| {
+        let user = &users.iter().find(|(r, _)| r == role).unwrap().1;
+        let url = shared_redis().replacen("redis://", &format!("redis://{user}:pw-envoy-acl@"), 1);
+        redis_conn(&url)
+    };
+    let hash = keys.envoy_routes();
+    let mut mgr = connect("sluice-manager");
+    let mut wrk = connect("sluice-worker");
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let () = redis::cmd("HSET")
+            .arg(&hash)
+            .arg("d")
+            .arg("{}")
+            .query::<i64>(&mut mgr)
+            .map(|_| ())
+            .expect("manager HSET");
+        let all: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(&hash)
+            .query(&mut wrk)
+            .expect("worker HGETALL");
+        assert_eq!(all.get("d").map(String::as_str), Some("{}"));
+        let one: Option<String> = redis::cmd("HGET")
+            .arg(&hash)
+            .arg("d")
+            .query(&mut wrk)
+            .unwrap();
+        assert_eq!(one.as_deref(), Some("{}"));
+        let denied = redis::cmd("HSET")
+            .arg(&hash)
+            .arg("d")
+            .arg("x")
+            .query::<i64>(&mut wrk)
+            .expect_err("a worker must not write NS:envoy");
+        assert!(
+            denied.to_string().to_lowercase().contains("noperm"),
+            "{denied}"
+        );
+        let _: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(&hash)
+            .query(&mut mgr)
+            .expect("manager HGETALL");
+        let _: i64 = redis::cmd("HDEL")
+            .arg(&hash)
+            .arg("d")
+            .query(&mut mgr)
+            .expect("manager HDEL");
+        let _: i64 = redis::cmd("DEL")
+            .arg(&hash)
+            .query(&mut mgr)
+            .expect("manager DEL");
+    }));
+    for (_, user) in &users {
+        let _: redis::RedisResult<i64> =
+            redis::cmd("ACL").arg("DELUSER").arg(user).query(&mut admin);
+    }
+    if let Err(p) = result {
+        std::panic::resume_unwind(p);
+    }
 }

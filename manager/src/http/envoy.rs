@@ -64,8 +64,7 @@ async fn import(State(s): State<AppState>, body: Bytes) -> ApiResult<axum::Json<
             },
         )
     })?;
-    let compiled =
-        envoy_import::prepare(text).map_err(|e| bad(StatusCode::BAD_REQUEST, e))?;
+    let compiled = envoy_import::prepare(text).map_err(|e| bad(StatusCode::BAD_REQUEST, e))?;
     match envoy_import::apply(&s.etcd, &s.keys, &compiled, text).await? {
         Ok(a) => {
             info!(
@@ -153,7 +152,11 @@ async fn delete_domain(
     }
     match envoy_import::remove(&s.etcd, &s.keys, &domain).await? {
         Ok(tasks) => {
-            info!(domain, tasks = tasks.len(), "envoy-ratelimit domain deleted");
+            info!(
+                domain,
+                tasks = tasks.len(),
+                "envoy-ratelimit domain deleted"
+            );
             Ok(axum::Json(json!({ "domain": domain, "deleted": tasks })))
         }
         Err(r) => Err(refused(&domain, r)),
