@@ -856,7 +856,7 @@ fn path_text(path: &[(&str, Option<&str>)]) -> String {
 pub fn compile(d: &Domain) -> Result<Compiled, ImportError> {
     // Names first: two paths can make the same readable name (`a_b` + `c` and `a` + `b_c`);
     // such names fall back to the hashed form, which includes the separators.
-    let mut paths: Vec<(Vec<(String, Option<String>)>, &Descriptor)> = Vec::new();
+    let mut paths: Vec<(DescPath, &Descriptor)> = Vec::new();
     collect_paths(&d.descriptors, &mut Vec::new(), &mut paths);
     let mut by_name: BTreeMap<String, usize> = BTreeMap::new();
     let readable: Vec<String> = paths
@@ -866,7 +866,8 @@ pub fn compile(d: &Domain) -> Result<Compiled, ImportError> {
     for n in &readable {
         *by_name.entry(n.clone()).or_default() += 1;
     }
-    let mut names: HashMap<*const Descriptor, String> = HashMap::new();
+    // By field (`descriptors[2].descriptors[0]`), unique per node.
+    let mut names: HashMap<String, String> = HashMap::new();
     let mut seen = BTreeSet::new();
     for ((p, node), n) in paths.iter().zip(readable) {
         let name = if by_name[&n] > 1 {
@@ -881,7 +882,7 @@ pub fn compile(d: &Domain) -> Result<Compiled, ImportError> {
                 format!("task name {name:?} is made twice; rename a key or value"),
             ));
         }
-        names.insert(*node as *const Descriptor, name);
+        names.insert(node.field.clone(), name);
     }
     let mut tasks = Vec::new();
     let descriptors = compile_list(
@@ -899,6 +900,9 @@ pub fn compile(d: &Domain) -> Result<Compiled, ImportError> {
     })
 }
 
+/// A descriptor path: (key, value) from the root.
+type DescPath = Vec<(String, Option<String>)>;
+
 fn as_refs(p: &[(String, Option<String>)]) -> Vec<(&str, Option<&str>)> {
     p.iter().map(|(k, v)| (k.as_str(), v.as_deref())).collect()
 }
@@ -906,7 +910,7 @@ fn as_refs(p: &[(String, Option<String>)]) -> Vec<(&str, Option<&str>)> {
 fn collect_paths<'a>(
     list: &'a [Descriptor],
     prefix: &mut Vec<(String, Option<String>)>,
-    out: &mut Vec<(Vec<(String, Option<String>)>, &'a Descriptor)>,
+    out: &mut Vec<(DescPath, &'a Descriptor)>,
 ) {
     for d in list {
         prefix.push((d.key.clone(), d.value.clone()));
@@ -923,7 +927,7 @@ fn compile_list(
     list: &[Descriptor],
     prefix: &mut Vec<(String, Option<String>)>,
     keyed_above: bool,
-    names: &HashMap<*const Descriptor, String>,
+    names: &HashMap<String, String>,
     tasks: &mut Vec<PlannedTask>,
 ) -> Result<Vec<Value>, ImportError> {
     let mut out = Vec::with_capacity(list.len());
@@ -932,10 +936,7 @@ fn compile_list(
         let keyed = keyed_above || n.value.is_none();
         let task = match &n.rate_limit {
             Some(r) if !r.unlimited => {
-                let name = names
-                    .get(&(n as *const Descriptor))
-                    .cloned()
-                    .unwrap_or_default();
+                let name = names.get(&n.field).cloned().unwrap_or_default();
                 let path = path_text(&as_refs(prefix));
                 let mut description =
                     format!("envoy-ratelimit {}: {} (line {})", d.domain, path, n.line);
