@@ -255,12 +255,8 @@ fn load_yaml(text: &str) -> Result<YNode, ImportError> {
                 ..
             }) => match pending_key.take() {
                 None => match node.v {
-                    Y::Scalar { text, .. } => {
-                        if entries.iter().any(|(k, _, _)| *k == text) {
-                            return Err(ie(text, node.line, "duplicate key"));
-                        }
-                        *pending_key = Some((text, node.line));
-                    }
+                    // Duplicate keys are refused by `Fields::new`, which knows the path.
+                    Y::Scalar { text, .. } => *pending_key = Some((text, node.line)),
                     _ => return Err(ie("", node.line, "mapping keys must be plain text")),
                 },
                 Some((k, kline)) => entries.push((k, kline, node)),
@@ -380,7 +376,14 @@ impl<'a> Fields<'a> {
                 format!("must be a mapping, got {}", n.kind()),
             ));
         };
-        for (k, line, _) in entries {
+        for (i, (k, line, _)) in entries.iter().enumerate() {
+            if let Some((_, first, _)) = entries[..i].iter().find(|(p, _, _)| p == k) {
+                return Err(ie(
+                    join(path, k),
+                    *line,
+                    format!("duplicate key (first at line {first})"),
+                ));
+            }
             if !allowed.contains(&k.as_str()) {
                 return Err(ie(
                     join(path, k),
@@ -1552,6 +1555,12 @@ descriptors:
             ("domain: d\n---\ndomain: e\n", "", 2, "one YAML document"),
             ("domain: d\ndescriptors: [\n", "", 3, "malformed YAML"),
             ("domain: d\ndomain: e\n", "domain", 2, "duplicate key"),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n      unit: minute\n",
+                "descriptors[0].rate_limit.unit",
+                6,
+                "duplicate key (first at line 5)",
+            ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unlimited: true\n      unit: second\n",
                 "descriptors[0].rate_limit.unit",

@@ -196,6 +196,32 @@ async fn import_reimport_refuse_and_delete() {
     assert_eq!(d[3]["unlimited"], true);
     assert_eq!(d[3]["task"], Value::Null);
 
+    // The mirror reconciles: a field of no domain is deleted, a field rolled back to an
+    // older version (or garbage) is rewritten from etcd.
+    {
+        let mut c = redis_conn(&shared_redis());
+        let () = redis::cmd("HSET")
+            .arg(keys.envoy_routes())
+            .arg("ghost")
+            .arg(r#"{"domain":"ghost","version":1,"descriptors":[]}"#)
+            .arg("shop")
+            .arg(r#"{"domain":"shop","version":1,"descriptors":[]}"#)
+            .query::<i64>(&mut c)
+            .map(|_| ())
+            .unwrap();
+    }
+    wait_until(
+        "NS:envoy reconciled",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async {
+            (hash_field(&keys, "ghost").is_none()
+                && hash_field(&keys, "shop").is_some_and(|v| v == routes))
+            .then_some(())
+        },
+    )
+    .await;
+
     let domains = m.get_json(IMPORT).await.unwrap();
     assert_eq!(domains["domains"][0]["domain"], "shop");
     assert_eq!(domains["domains"][0]["tasks"].as_array().unwrap().len(), 4);
