@@ -308,3 +308,211 @@ async fn answers_carry_limits_remaining_headers_and_are_all_or_nothing() {
         "{metrics}"
     );
 }
+
+/// An envoyproxy/ratelimit configuration (hour units: a test run never straddles a slice
+/// boundary once it waits out the last 20 s of an hour).
+const ENVOY_CONFIG: &str = "\
+domain: edge
+descriptors:
+  - key: generic_key
+    value: checkout
+    rate_limit:
+      unit: hour
+      requests_per_unit: 3
+  # every remote address its own limit
+  - key: remote_address
+    rate_limit:
+      unit: hour
+      requests_per_unit: 2
+  # nested
+  - key: source_cluster
+    value: proxy
+    descriptors:
+      - key: destination_cluster
+        value: bank
+        rate_limit:
+          unit: hour
+          requests_per_unit: 2
+      - key: destination_cluster
+        value: shadowed
+        shadow_mode: true
+        rate_limit:
+          unit: hour
+          requests_per_unit: 1
+  - key: path
+    value: /health
+    rate_limit:
+      unlimited: true
+  # replaces
+  - key: user
+    value: vip
+    rate_limit:
+      unit: hour
+      requests_per_unit: 100
+      replaces:
+        - name: per_user_class
+  - key: user_class
+    rate_limit:
+      name: per_user_class
+      unit: hour
+      requests_per_unit: 1
+";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imported_envoyproxy_ratelimit_config_is_enforced() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("rlsimp");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    m.wait_leader().await;
+    let r = m
+        .request(reqwest::Method::POST, "/api/v1/import/envoy-ratelimit")
+        .header("content-type", "application/yaml")
+        .body(ENVOY_CONFIG)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let answer: serde_json::Value = r.json().await.unwrap();
+    let names: Vec<String> = answer["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(names.len(), 6, "{answer}");
+    for n in &names {
+        m.wait_rolled(n).await;
+    }
+    let a = Agent::start(&redis, &ns, "h1", &[]).await;
+    // The agent reads the domain from Redis (the leader mirrors it): wait for it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ready = http()
+            .get(a.url("/readyz"))
+            .send()
+            .await
+            .ok()
+            .map(|r| async { r.json::<serde_json::Value>().await.ok() });
+        let domains = match ready {
+            Some(f) => f.await.and_then(|v| v["domains"].as_u64()).unwrap_or(0),
+            None => 0,
+        };
+        if domains == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the agent never saw the domain");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Not in the last 20 s of an hour (the limits are per hour).
+    let into_hour = now_ms().rem_euclid(3_600_000);
+    if into_hour > 3_580_000 {
+        tokio::time::sleep(Duration::from_millis((3_600_000 - into_hour + 500) as u64)).await;
+    }
+    let mut c = client(&a).await;
+    let codes = |c: &mut RateLimitServiceClient<Channel>, d: Vec<Vec<(&str, &str)>>, n: usize| {
+        let mut c = c.clone();
+        let ds: Vec<RateLimitDescriptor> = d.iter().map(|e| descriptor(e)).collect();
+        async move {
+            let mut out = Vec::new();
+            for _ in 0..n {
+                let r = c
+                    .should_rate_limit(request("edge", ds.clone()))
+                    .await
+                    .expect("ShouldRateLimit")
+                    .into_inner();
+                out.push(r.overall_code);
+            }
+            out
+        }
+    };
+    // Plain key/value: 3 per hour.
+    assert_eq!(
+        codes(&mut c, vec![vec![("generic_key", "checkout")]], 4).await,
+        [OK, OK, OK, OVER_LIMIT]
+    );
+    // A wildcard: each address its own 2.
+    for addr in ["10.0.0.1", "10.0.0.2"] {
+        assert_eq!(
+            codes(&mut c, vec![vec![("remote_address", addr)]], 3).await,
+            [OK, OK, OVER_LIMIT],
+            "{addr}"
+        );
+    }
+    // Nested: 2 per hour for proxy → bank; proxy alone and proxy → other match no limit.
+    assert_eq!(
+        codes(
+            &mut c,
+            vec![vec![
+                ("source_cluster", "proxy"),
+                ("destination_cluster", "bank")
+            ]],
+            3
+        )
+        .await,
+        [OK, OK, OVER_LIMIT]
+    );
+    assert_eq!(
+        codes(&mut c, vec![vec![("source_cluster", "proxy")]], 3).await,
+        [OK, OK, OK]
+    );
+    assert_eq!(
+        codes(
+            &mut c,
+            vec![vec![
+                ("source_cluster", "proxy"),
+                ("destination_cluster", "atm")
+            ]],
+            3
+        )
+        .await,
+        [OK, OK, OK]
+    );
+    // shadow_mode: 1 per hour, never enforced.
+    assert_eq!(
+        codes(
+            &mut c,
+            vec![vec![
+                ("source_cluster", "proxy"),
+                ("destination_cluster", "shadowed")
+            ]],
+            3
+        )
+        .await,
+        [OK, OK, OK]
+    );
+    // unlimited.
+    assert_eq!(
+        codes(&mut c, vec![vec![("path", "/health")]], 5).await,
+        [OK, OK, OK, OK, OK]
+    );
+    // replaces: with user=vip in the same request, per_user_class (1 per hour) is not applied.
+    assert_eq!(
+        codes(
+            &mut c,
+            vec![vec![("user", "vip")], vec![("user_class", "basic")]],
+            3
+        )
+        .await,
+        [OK, OK, OK]
+    );
+    assert_eq!(
+        codes(&mut c, vec![vec![("user_class", "basic")]], 2).await,
+        [OK, OVER_LIMIT]
+    );
+    let metrics = http()
+        .get(a.url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(r#"sluice_agent_decisions_total{api="rls",decision="shadow_limited"} 2"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"sluice_agent_decisions_total{api="rls",decision="unlimited"} 5"#),
+        "{metrics}"
+    );
+}
