@@ -134,6 +134,38 @@ async fn decide_single_batch_keyed_shadow_and_refusals() {
     assert_eq!(v["allowed"], true, "{v}");
     assert_eq!(v["decision"], "allowed", "{v}");
     assert_eq!(v["shadow_limited"], true, "{v}");
+
+    // A deleted task becomes unknown (404) again, not a fallback admission.
+    assert_eq!(m.delete("/api/v1/tasks/five").await, 204);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (s, v) = a.decide(&json!({"task": "five"})).await;
+        if s == 404 {
+            assert_eq!(v["field"], "task", "{v}");
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "deleted task still answers {s} {v}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Re-created: found again and decided on the global quota (not a fallback). The current
+    // slice keeps what the old task spent of it (slices outlive a deletion until they expire,
+    // as envoyproxy/ratelimit's counters outlive a config reload): `limited` within the
+    // minute, `allowed` after it.
+    task(&m, "five", r#"{"threshold":5,"slice_ms":60000}"#).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let (s, v) = a.decide(&json!({"task": "five"})).await;
+        if s == 200 {
+            let d = v["decision"].as_str().unwrap_or("?");
+            assert!(d == "limited" || d == "allowed", "{v}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "re-created task answers {s} {v}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
