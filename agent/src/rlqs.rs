@@ -72,6 +72,13 @@ pub const NO_REFILL: Duration = Duration::from_secs(86_400);
 const MIN_RATE_WINDOW: Duration = Duration::from_millis(50);
 /// Longest time one assignment keeps asking for refills of the host's quota.
 pub const ACQUIRE_BUDGET: Duration = Duration::from_millis(50);
+/// Longest time one round of assignments (one message of reports, one slice boundary) waits
+/// for refills; the buckets after it are assigned from what the host holds (fast path).
+pub const ROUND_BUDGET: Duration = Duration::from_millis(100);
+/// A refusal lasting until this close to the slice's end says the slice is spent.
+const SPENT_SLACK: Duration = Duration::from_millis(5);
+/// TTL of the `DENY_ALL` answered when nothing could be acquired *yet* (a refill pending).
+const RETRY_DENY: Duration = Duration::from_millis(100);
 /// How often a bucket refused for an unknown task is looked up again.
 const RECHECK: Duration = Duration::from_secs(5);
 
@@ -239,7 +246,7 @@ fn slice_index(part: &Part) -> Option<(i64, u64)> {
 /// is bounded by `--acquire-timeout`).
 ///
 /// Returns the permits got and the decision that got them (or the last refusal).
-async fn acquire_up_to(state: &AppState, part: &Part, want: u64) -> (u64, Decision) {
+async fn acquire_up_to(state: &AppState, part: &Part, want: u64, wait: bool) -> (u64, Decision) {
     let deadline = Instant::now() + ACQUIRE_BUDGET.min(state.cfg.acquire_timeout);
     let want = want.max(1);
     let try_n = |n: u64| match &part.key {
@@ -266,12 +273,16 @@ async fn acquire_up_to(state: &AppState, part: &Part, want: u64) -> (u64, Decisi
                 continue;
             }
         }
-        if Instant::now() >= deadline {
+        if Instant::now() >= deadline && got > 0 {
             break;
         }
         let mut p = part.clone();
         p.hits = 1;
-        let d = state.decider.decide(&p).await;
+        let d = if wait && Instant::now() < deadline {
+            state.decider.decide(&p).await
+        } else {
+            try_n(1)
+        };
         last = d;
         match d {
             Decision::Allowed => got += 1,
@@ -338,6 +349,7 @@ impl StreamState {
             self.domain = m.domain.clone();
         }
         let now = Instant::now();
+        let round_end = now + ROUND_BUDGET;
         for u in m.bucket_quota_usages {
             let Some(id) = u.bucket_id else {
                 self.state.metrics.error("rlqs", "no_bucket_id");
@@ -428,7 +440,7 @@ impl StreamState {
                 && slice.is_some_and(|(i, _)| b.spent != Some(i))
                 && now.duration_since(b.assigned_at) >= covered;
             if (fresh || topup)
-                && let Some(a) = self.assign(&key, now).await
+                && let Some(a) = self.assign(&key, now, Instant::now() < round_end).await
             {
                 send(tx, a).await?;
             }
@@ -437,7 +449,9 @@ impl StreamState {
     }
 
     /// Sizes and makes the assignment of bucket `key` for the rest of the current slice.
-    async fn assign(&mut self, key: &BucketKey, now: Instant) -> Option<BucketAction> {
+    /// `wait`: it may wait for refills of the host's quota (false once a round of assignments
+    /// has used its time: the fast path only).
+    async fn assign(&mut self, key: &BucketKey, now: Instant, wait: bool) -> Option<BucketAction> {
         let state = self.state.clone();
         let b = self.buckets.get_mut(key)?;
         let part = b.part.clone()?;
@@ -462,7 +476,7 @@ impl StreamState {
         let mut tries = 0;
         let (granted, decision, index) = loop {
             let before = slice_index(&part);
-            let (g, d) = acquire_up_to(&state, &part, want).await;
+            let (g, d) = acquire_up_to(&state, &part, want, wait).await;
             let after = slice_index(&part);
             tries += 1;
             // A grant charged to a slice that ended meanwhile is not handed out for the next.
@@ -493,10 +507,20 @@ impl StreamState {
                 short.min(retry_after.max(Duration::from_millis(1))),
             ),
             _ if shadow => assignment(&b.id, blanket(BlanketRule::AllowAll), ttl_to_end),
-            _ if granted == 0 => {
+            // The slice's quota is spent (the refusal lasts until the slice's end).
+            Decision::Limited { retry_after }
+                if granted == 0 && retry_after + SPENT_SLACK >= ttl_to_end =>
+            {
                 b.spent = index;
                 assignment(&b.id, blanket(BlanketRule::DenyAll), ttl_to_end)
             }
+            // Nothing in hand yet, a refill on its way: deny briefly; the client's next report
+            // (with denials) asks again.
+            _ if granted == 0 => assignment(
+                &b.id,
+                blanket(BlanketRule::DenyAll),
+                RETRY_DENY.min(ttl_to_end),
+            ),
             _ => assignment(&b.id, token_bucket(granted, b.seq), ttl_to_end),
         };
         Some(action)
@@ -559,8 +583,9 @@ impl StreamState {
                 .await
                 .map_err(|_| ())?;
         }
+        let round_end = Instant::now() + ROUND_BUDGET;
         for k in due {
-            if let Some(a) = self.assign(&k, now).await {
+            if let Some(a) = self.assign(&k, now, Instant::now() < round_end).await {
                 send(tx, a).await?;
             }
         }
