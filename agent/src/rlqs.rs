@@ -174,6 +174,8 @@ struct Bucket {
     assigned_at: Instant,
     spent: Option<i64>,
     seq: u64,
+    /// A FAILED assignment (short TTL) is renewed at this time while the bucket is tracked.
+    renew_at: Option<Instant>,
 }
 
 impl Bucket {
@@ -400,6 +402,7 @@ impl StreamState {
                         assigned_at: now,
                         spent: None,
                         seq: 0,
+                        renew_at: None,
                     },
                 );
                 self.state.metrics.rlqs(0, 1);
@@ -492,6 +495,13 @@ impl StreamState {
         state.metrics.decision("rlqs", decision_name(&decision));
         let shadow = meta.as_ref().is_some_and(|m| m.shadow);
         let short = state.cfg.rlqs_assignment_ttl.min(ttl_to_end);
+        // Renewed shortly before it expires (the same strategy extends it at the client);
+        // one ending with the slice is renewed by the boundary.
+        b.renew_at = (matches!(
+            decision,
+            Decision::FallbackAllowed | Decision::FallbackDenied { .. }
+        ) && short + Duration::from_millis(20) < ttl_to_end)
+            .then(|| Instant::now() + short.mul_f64(0.9));
         let action = match decision {
             Decision::FallbackAllowed
                 if meta
@@ -536,6 +546,9 @@ impl StreamState {
         };
         for b in self.buckets.values() {
             consider(b.last_usage + abandon);
+            if let Some(r) = b.renew_at {
+                consider(r);
+            }
             if let Some(p) = &b.part
                 && let Some(d) = until_slice_end(&p.task)
             {
@@ -573,7 +586,10 @@ impl StreamState {
             .buckets
             .iter()
             .filter(|(_, b)| match &b.part {
-                Some(p) => slice_index(p).is_some_and(|(i, _)| b.assigned != Some(i)),
+                Some(p) => {
+                    slice_index(p).is_some_and(|(i, _)| b.assigned != Some(i))
+                        || b.renew_at.is_some_and(|r| r <= now)
+                }
                 None => false,
             })
             .map(|(k, _)| k.clone())

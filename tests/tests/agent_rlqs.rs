@@ -764,3 +764,113 @@ async fn agent_metrics(a: &Agent) -> String {
         .await
         .expect("metrics text")
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn redis_down_follows_on_failure() {
+    // A private Redis: this test kills it.
+    let mut rs = RedisServer::start();
+    let (etcd, redis) = (shared_etcd(), rs.url());
+    let ns = unique_ns("rlqsfail");
+    let mut m = start_manager(&etcd, &redis, &ns).await;
+    let spec = |f: &str| format!(r#"{{"threshold":100,"slice_ms":2000,"on_failure":"{f}"}}"#);
+    task(&m, &redis, &ns, "deny", &spec("deny")).await;
+    task(&m, &redis, &ns, "allow", &spec("allow")).await;
+    let a = Agent::start(
+        &redis,
+        &ns,
+        &format!("{ns}-h1"),
+        &["--rlqs-assignment-ttl", "500ms"],
+    )
+    .await;
+    let c = Client::start(
+        &a,
+        vec![
+            Demand {
+                entries: t("deny"),
+                per_sec: 20.0,
+                stop_after: None,
+            },
+            Demand {
+                entries: t("allow"),
+                per_sec: 20.0,
+                stop_after: None,
+            },
+        ],
+        Duration::from_secs(20),
+    )
+    .await;
+    wait_until(
+        "token buckets for both tasks",
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || {
+            let ok = [t("deny"), t("allow")].iter().all(|e| {
+                c.got_for(e)
+                    .iter()
+                    .any(|g| matches!(g.kind, Kind::Tokens { .. }))
+            });
+            async move { ok.then_some(()) }
+        },
+    )
+    .await;
+    m.proc.kill();
+    rs.kill();
+    let killed_ms = now_ms();
+    // FAILED: `deny` → DENY_ALL, `allow` → ALLOW_ALL, both with the short TTL (500 ms, capped
+    // to the slice's end), at the latest at the next slice boundaries.
+    let short = |g: &Got, deny: bool| {
+        g.at_ms > killed_ms
+            && match g.kind {
+                Kind::Deny { ttl_ms } if deny => ttl_ms <= 500.5,
+                Kind::Allow { ttl_ms } if !deny => ttl_ms <= 500.5,
+                _ => false,
+            }
+    };
+    wait_until(
+        "on_failure assignments after Redis died",
+        Duration::from_secs(15),
+        Duration::from_millis(50),
+        || {
+            let d = c.got_for(&t("deny")).iter().any(|g| short(g, true));
+            let al = c.got_for(&t("allow")).iter().any(|g| short(g, false));
+            async move { (d && al).then_some(()) }
+        },
+    )
+    .await;
+    // Renewed before they expire while Redis stays down: 3 s later, ALLOW_ALL again (the
+    // bucket reports no denials, so only the renewal can bring it).
+    let first_allow = c
+        .got_for(&t("allow"))
+        .iter()
+        .filter(|g| short(g, false))
+        .map(|g| g.at_ms)
+        .min()
+        .unwrap();
+    wait_until(
+        "ALLOW_ALL renewed for 3 s",
+        Duration::from_secs(6),
+        Duration::from_millis(50),
+        || {
+            let renewals: Vec<i64> = c
+                .got_for(&t("allow"))
+                .iter()
+                .filter(|g| short(g, false))
+                .map(|g| g.at_ms)
+                .collect();
+            let ok = renewals.iter().any(|at| *at >= first_allow + 3_000);
+            async move { ok.then_some(()) }
+        },
+    )
+    .await;
+    let got = c.finish().await;
+    let allows: Vec<i64> = got
+        .iter()
+        .filter(|g| g.bucket == sorted(&bucket_id(&t("allow")).bucket) && short(g, false))
+        .map(|g| g.at_ms)
+        .collect();
+    // Never a gap longer than the TTL between two of them (the client never expires).
+    for w in allows.windows(2) {
+        assert!(w[1] - w[0] <= 500, "ALLOW_ALL renewals {allows:?}");
+    }
+    eprintln!("after Redis died: ALLOW_ALL at {allows:?}");
+}
