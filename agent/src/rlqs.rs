@@ -385,7 +385,10 @@ impl StreamState {
                 }
                 let part = self.resolve(&id).await;
                 if part.is_none() {
-                    tracing::warn!(domain = %self.domain, bucket = ?key, "RLQS bucket gets no assignment: it names no task of this namespace (BucketId entry `sluice_task`), an unknown task, or a task in mode concurrency");
+                    // Entry names and the task only: values may be user data.
+                    let entries: Vec<&str> = key.iter().map(|(k, _)| k.as_str()).collect();
+                    let task = id.bucket.get(TASK_ENTRY).map(String::as_str).unwrap_or("");
+                    tracing::warn!(domain = %self.domain, task, entries = ?entries, "RLQS bucket gets no assignment: it names no task of this namespace (BucketId entry `sluice_task`), an unknown task, or a task in mode concurrency");
                 }
                 self.buckets.insert(
                     key.clone(),
@@ -406,13 +409,17 @@ impl StreamState {
                     },
                 );
                 self.state.metrics.rlqs(0, 1);
-                let b = self.buckets.get_mut(&key).expect("just inserted");
+                let Some(b) = self.buckets.get_mut(&key) else {
+                    continue;
+                };
                 // The first report: its count over the time it covers (if it says).
                 b.win_count = count as f64;
                 b.win_secs = elapsed.map_or(0.0, |e| e.as_secs_f64());
                 covered = elapsed.unwrap_or(Duration::ZERO);
             } else {
-                let b = self.buckets.get_mut(&key).expect("present");
+                let Some(b) = self.buckets.get_mut(&key) else {
+                    continue;
+                };
                 let since = now.duration_since(b.last_report);
                 let e = elapsed.unwrap_or(since);
                 covered = e;
@@ -427,11 +434,14 @@ impl StreamState {
                     b.refused_at = now;
                     let id = b.id.clone();
                     let part = self.resolve(&id).await;
-                    let b = self.buckets.get_mut(&key).expect("present");
-                    b.part = part;
+                    if let Some(b) = self.buckets.get_mut(&key) {
+                        b.part = part;
+                    }
                 }
             }
-            let b = self.buckets.get_mut(&key).expect("present");
+            let Some(b) = self.buckets.get_mut(&key) else {
+                continue;
+            };
             let Some(part) = b.part.clone() else {
                 continue;
             };
