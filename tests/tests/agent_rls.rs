@@ -515,4 +515,62 @@ async fn an_imported_envoyproxy_ratelimit_config_is_enforced() {
         metrics.contains(r#"sluice_agent_decisions_total{api="rls",decision="unlimited"} 5"#),
         "{metrics}"
     );
+
+    // Transitions while the agent serves: a re-import without the wildcard descriptor → its
+    // addresses are no longer limited; the domain deleted → nothing is.
+    let without_wildcard = ENVOY_CONFIG.replace(
+        "  # every remote address its own limit
+  - key: remote_address
+    rate_limit:
+      unit: hour
+      requests_per_unit: 2
+",
+        "",
+    );
+    assert_ne!(without_wildcard, ENVOY_CONFIG);
+    let r = m
+        .request(reqwest::Method::POST, "/api/v1/import/envoy-ratelimit")
+        .header("content-type", "application/yaml")
+        .body(without_wildcard)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = codes(&mut c, vec![vec![("remote_address", "10.0.0.1")]], 1).await;
+        if got == [OK] {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the removed descriptor still limits"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The rest of the domain is untouched.
+    assert_eq!(
+        codes(&mut c, vec![vec![("generic_key", "checkout")]], 1).await,
+        [OVER_LIMIT]
+    );
+    let s = m
+        .request(
+            reqwest::Method::DELETE,
+            "/api/v1/import/envoy-ratelimit/edge",
+        )
+        .send()
+        .await
+        .unwrap()
+        .status()
+        .as_u16();
+    assert!(s == 200 || s == 204, "{s}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let got = codes(&mut c, vec![vec![("generic_key", "checkout")]], 1).await;
+        if got == [OK] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "a deleted domain still limits");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
