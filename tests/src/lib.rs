@@ -1826,3 +1826,129 @@ pub fn set_host_report(
 }
 
 pub mod soak;
+
+/// A running `sluice-agent` (one per simulated host: its own `--host-id` and segment dir).
+#[derive(Debug)]
+pub struct Agent {
+    /// `127.0.0.1:<port>` of its gRPC listener (RLS, RLQS).
+    pub grpc: String,
+    /// `127.0.0.1:<port>` of its HTTP listener.
+    pub http: String,
+    /// Host id.
+    pub host_id: String,
+    /// The process.
+    pub proc: Proc,
+    /// Its segment directory (the host's shared memory, in a temp dir).
+    pub segment_dir: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Agent {
+    /// Starts an agent for `host_id` on `redis` / `namespace` with free ports and its own
+    /// segment directory, and waits for `GET /healthz`. `extra`: more flags.
+    pub async fn start(redis: &str, namespace: &str, host_id: &str, extra: &[&str]) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let seg = dir.path().join("shm");
+        std::fs::create_dir_all(&seg).expect("segment dir");
+        Self::start_in(redis, namespace, host_id, &seg, extra, dir).await
+    }
+
+    /// [`Agent::start`] with a given segment directory (to share it with SDK clients of the
+    /// same simulated host).
+    pub async fn start_in(
+        redis: &str,
+        namespace: &str,
+        host_id: &str,
+        segment_dir: &std::path::Path,
+        extra: &[&str],
+        dir: tempfile::TempDir,
+    ) -> Self {
+        let grpc = format!("127.0.0.1:{}", free_port());
+        let http_addr = format!("127.0.0.1:{}", free_port());
+        let mut cmd = Command::new(workspace_bin("sluice-agent"));
+        cmd.args(["--redis", redis])
+            .args(["--namespace", namespace])
+            .args(["--host-id", host_id])
+            .args(["--grpc-listen", &grpc])
+            .args(["--http-listen", &http_addr])
+            .arg("--segment-dir")
+            .arg(segment_dir)
+            .args(extra)
+            .env(
+                "RUST_LOG",
+                std::env::var("SLUICE_TEST_LOG").unwrap_or_else(|_| "info".into()),
+            );
+        let log = dir.path().join("agent.log");
+        let mut proc = Proc::spawn(&format!("sluice-agent {host_id}"), cmd, log);
+        let url = format!("http://{http_addr}/healthz");
+        let deadline = Instant::now() + START_TIMEOUT;
+        let client = http();
+        loop {
+            if let Ok(r) = client.get(&url).send().await
+                && r.status().is_success()
+            {
+                break;
+            }
+            assert!(
+                proc.is_running(),
+                "sluice-agent {host_id} exited at start-up:\n{}",
+                proc.log()
+            );
+            assert!(
+                Instant::now() < deadline,
+                "sluice-agent {host_id} did not answer /healthz within {START_TIMEOUT:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Self {
+            grpc,
+            http: http_addr,
+            host_id: host_id.to_string(),
+            proc,
+            segment_dir: segment_dir.to_path_buf(),
+            _dir: dir,
+        }
+    }
+
+    /// `http://<http addr><path>`.
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.http)
+    }
+
+    /// `http://<grpc addr>` (for a tonic channel).
+    pub fn grpc_url(&self) -> String {
+        format!("http://{}", self.grpc)
+    }
+
+    /// `POST /v1/decide` with `body`: status and JSON answer.
+    pub async fn decide(&self, body: &Value) -> (u16, Value) {
+        let r = http()
+            .post(self.url("/v1/decide"))
+            .json(body)
+            .send()
+            .await
+            .expect("POST /v1/decide");
+        let code = r.status().as_u16();
+        (code, r.json().await.unwrap_or(Value::Null))
+    }
+
+    /// Waits until `/readyz` answers 200 (the domain configurations were read).
+    pub async fn wait_ready(&self) {
+        let url = self.url("/readyz");
+        let deadline = Instant::now() + START_TIMEOUT;
+        loop {
+            if let Ok(r) = http().get(&url).send().await
+                && r.status().is_success()
+            {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "sluice-agent {} not ready within {START_TIMEOUT:?}:\n{}",
+                self.host_id,
+                self.proc.log()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}

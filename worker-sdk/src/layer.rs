@@ -270,7 +270,7 @@ where
                     Err(e) => {
                         let r = Rejection {
                             reason: RejectReason::NoPermit(e),
-                            limit: task.layer_limit(policy, None, false, None),
+                            limit: task.limit_info(policy, None, false, None),
                             retry_after: Some(Duration::from_secs(1)),
                             key: None,
                             cost: 1,
@@ -279,7 +279,7 @@ where
                         return Ok(reject.reject(&r));
                     }
                 };
-                let limit = task.layer_limit(policy, None, true, None);
+                let limit = task.limit_info(policy, None, true, None);
                 let mut res = inner.call(req).await;
                 drop(permit);
                 if let (Ok(res), Some(l)) = (&mut res, limit) {
@@ -311,7 +311,7 @@ where
                 let retry = d.retry_after().unwrap_or(Duration::from_secs(1));
                 let r = Rejection {
                     reason: RejectReason::Limited(d),
-                    limit: task.layer_limit(policy, Some(retry), false, handle.as_ref()),
+                    limit: task.limit_info(policy, Some(retry), false, handle.as_ref()),
                     retry_after: Some(retry),
                     key,
                     cost,
@@ -319,7 +319,7 @@ where
                 };
                 return Ok(reject.reject(&r));
             }
-            let limit = task.layer_limit(policy, None, true, handle.as_ref());
+            let limit = task.limit_info(policy, None, true, handle.as_ref());
             let started = Instant::now();
             let mut res = inner.call(Request::from_parts(parts, body)).await;
             let failed = match &mut res {
@@ -358,7 +358,9 @@ impl Task {
     /// For a key of a keyed task, `q` is the key's cap as Redis last answered this host (its
     /// override, schedules and dynamic limiting included; the task's threshold until known)
     /// and `r` what the host holds of the key's slice.
-    fn layer_limit(
+    ///
+    /// Public for other front ends of the host's quota (the `sluice-agent`'s Envoy answers).
+    pub fn limit_info(
         &self,
         policy: &str,
         reset: Option<Duration>,

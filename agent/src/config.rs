@@ -1,0 +1,413 @@
+//! Configuration: command-line flags, each also an environment variable `SLUICE_AGENT_<FLAG>`
+//! and a key of the TOML file given by `--config`. Precedence: flag > environment > file >
+//! default. Everything is validated here, once, with errors that name the flag.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use serde::Deserialize;
+use sluice::protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
+use sluice::protocol::validate_namespace;
+
+/// Command-line flags (every one also `SLUICE_AGENT_<FLAG>` in the environment).
+#[derive(Debug, Default, Parser)]
+#[command(
+    name = "sluice-agent",
+    version,
+    about = "Sluice host agent: Envoy's rate-limit service (RLS v3), its quota service (RLQS) \
+and an HTTP decision API, decided from the host's shared Sluice quota"
+)]
+pub struct Cli {
+    /// TOML file with any of the settings below (keys as the flags, with `_` for `-`).
+    #[arg(long, env = "SLUICE_AGENT_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Redis URL, or a comma-separated list of Redis Cluster nodes [default: redis://127.0.0.1:6379]
+    #[arg(long, env = "SLUICE_AGENT_REDIS")]
+    pub redis: Option<String>,
+    /// CA bundle (PEM) trusted for rediss:// besides the platform's and SSL_CERT_FILE
+    #[arg(long, env = "SLUICE_AGENT_REDIS_CA")]
+    pub redis_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS to Redis (with --redis-key)
+    #[arg(long, env = "SLUICE_AGENT_REDIS_CERT")]
+    pub redis_cert: Option<PathBuf>,
+    /// Private key (PEM) of --redis-cert
+    #[arg(long, env = "SLUICE_AGENT_REDIS_KEY")]
+    pub redis_key: Option<PathBuf>,
+    /// Skip verifying Redis's TLS certificate (tests only; logged as a warning)
+    #[arg(long, env = "SLUICE_AGENT_REDIS_INSECURE", num_args = 0..=1, default_missing_value = "true")]
+    pub redis_insecure: Option<bool>,
+    /// Redis ACL user (default: the URL's user name)
+    #[arg(long, env = "SLUICE_AGENT_REDIS_USER")]
+    pub redis_user: Option<String>,
+    /// File holding the Redis password (default: the URL's password)
+    #[arg(long, env = "SLUICE_AGENT_REDIS_PASSWORD_FILE")]
+    pub redis_password_file: Option<PathBuf>,
+    /// Namespace of every Redis key [default: sluice]
+    #[arg(long, env = "SLUICE_AGENT_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// This host's id: names the shared segment (shared with the host's SDK users) [default: the hostname]
+    #[arg(long, env = "SLUICE_AGENT_HOST_ID")]
+    pub host_id: Option<String>,
+    /// Directory of the host's shared segment [default: /dev/shm]
+    #[arg(long, env = "SLUICE_AGENT_SEGMENT_DIR")]
+    pub segment_dir: Option<PathBuf>,
+    /// Task slots of a new host segment [default: 64]
+    #[arg(long, env = "SLUICE_AGENT_MAX_TASKS")]
+    pub max_tasks: Option<u32>,
+    /// Entries of a new host key table (keyed tasks) [default: 16384]
+    #[arg(long, env = "SLUICE_AGENT_KEY_SLOTS")]
+    pub key_slots: Option<u32>,
+    /// gRPC listen address (Envoy RLS v3 and RLQS) [default: 127.0.0.1:8081]
+    #[arg(long, env = "SLUICE_AGENT_GRPC_LISTEN")]
+    pub grpc_listen: Option<String>,
+    /// HTTP listen address (POST /v1/decide, /metrics, /healthz, /readyz) [default: 127.0.0.1:8082]
+    #[arg(long, env = "SLUICE_AGENT_HTTP_LISTEN")]
+    pub http_listen: Option<String>,
+    /// Add x-ratelimit-limit / -remaining / -reset to RLS answers (as envoyproxy/ratelimit's
+    /// LIMIT_RESPONSE_HEADERS_ENABLED does)
+    #[arg(long, env = "SLUICE_AGENT_RESPONSE_HEADERS", num_args = 0..=1, default_missing_value = "true")]
+    pub response_headers: Option<bool>,
+    /// Longest wait of one decision for a refill of its quota [default: 1s]
+    #[arg(long, env = "SLUICE_AGENT_ACQUIRE_TIMEOUT")]
+    pub acquire_timeout: Option<String>,
+    /// How often the Envoy domain configurations are re-read from Redis [default: 1s]
+    #[arg(long, env = "SLUICE_AGENT_ROUTES_REFRESH")]
+    pub routes_refresh: Option<String>,
+    /// RLQS: how long an assignment lives when the client reports nothing more [default: 10s]
+    #[arg(long, env = "SLUICE_AGENT_RLQS_ASSIGNMENT_TTL")]
+    pub rlqs_assignment_ttl: Option<String>,
+    /// RLQS: a bucket without reports for this long is abandoned [default: 60s]
+    #[arg(long, env = "SLUICE_AGENT_RLQS_ABANDON_AFTER")]
+    pub rlqs_abandon_after: Option<String>,
+    /// Log as JSON lines
+    #[arg(long, env = "SLUICE_AGENT_LOG_JSON", num_args = 0..=1, default_missing_value = "true")]
+    pub log_json: Option<bool>,
+}
+
+/// The TOML file: the same settings as [`Cli`]; unknown keys are errors.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    redis: Option<String>,
+    redis_ca: Option<PathBuf>,
+    redis_cert: Option<PathBuf>,
+    redis_key: Option<PathBuf>,
+    redis_insecure: Option<bool>,
+    redis_user: Option<String>,
+    redis_password_file: Option<PathBuf>,
+    namespace: Option<String>,
+    host_id: Option<String>,
+    segment_dir: Option<PathBuf>,
+    max_tasks: Option<u32>,
+    key_slots: Option<u32>,
+    grpc_listen: Option<String>,
+    http_listen: Option<String>,
+    response_headers: Option<bool>,
+    acquire_timeout: Option<String>,
+    routes_refresh: Option<String>,
+    rlqs_assignment_ttl: Option<String>,
+    rlqs_abandon_after: Option<String>,
+    log_json: Option<bool>,
+}
+
+/// A configuration error, naming the flag.
+#[derive(Debug, thiserror::Error)]
+#[error("--{flag}: {message}")]
+pub struct ConfigError {
+    /// The flag (without dashes).
+    pub flag: &'static str,
+    /// What is wrong.
+    pub message: String,
+}
+
+fn err(flag: &'static str, message: impl Into<String>) -> ConfigError {
+    ConfigError {
+        flag,
+        message: message.into(),
+    }
+}
+
+/// The validated configuration of one agent.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Redis (URL or Cluster node list, as given).
+    pub redis: String,
+    /// TLS and ACL settings of the Redis link (files checked when the config was built).
+    pub redis_security: RedisSecurity,
+    /// Namespace.
+    pub namespace: String,
+    /// Host id (names the shared segment).
+    pub host_id: String,
+    /// Directory of the shared segment.
+    pub segment_dir: PathBuf,
+    /// Task slots of a new segment.
+    pub max_tasks: u32,
+    /// Entries of a new key table.
+    pub key_slots: u32,
+    /// gRPC listen address.
+    pub grpc_listen: SocketAddr,
+    /// HTTP listen address.
+    pub http_listen: SocketAddr,
+    /// Fill `x-ratelimit-*` headers in RLS answers.
+    pub response_headers: bool,
+    /// Longest wait of one decision for a refill.
+    pub acquire_timeout: Duration,
+    /// Period of re-reading the Envoy domain configurations.
+    pub routes_refresh: Duration,
+    /// RLQS assignment lifetime without further reports.
+    pub rlqs_assignment_ttl: Duration,
+    /// RLQS: abandon a bucket unreported for this long.
+    pub rlqs_abandon_after: Duration,
+    /// JSON logs.
+    pub log_json: bool,
+}
+
+fn duration(flag: &'static str, raw: &str) -> Result<Duration, ConfigError> {
+    humantime::parse_duration(raw.trim()).map_err(|e| {
+        err(
+            flag,
+            format!("{raw:?} is not a duration like 3s or 500ms ({e})"),
+        )
+    })
+}
+
+fn bounded(
+    flag: &'static str,
+    raw: &str,
+    min: Duration,
+    max: Duration,
+) -> Result<Duration, ConfigError> {
+    let d = duration(flag, raw)?;
+    if d < min || d > max {
+        return Err(err(
+            flag,
+            format!(
+                "{} is outside {} ..= {}",
+                humantime::format_duration(d),
+                humantime::format_duration(min),
+                humantime::format_duration(max)
+            ),
+        ));
+    }
+    Ok(d)
+}
+
+fn address(flag: &'static str, raw: &str) -> Result<SocketAddr, ConfigError> {
+    raw.parse().map_err(|e| {
+        err(
+            flag,
+            format!("{raw:?} is not an address like 127.0.0.1:8081 ({e})"),
+        )
+    })
+}
+
+impl Config {
+    /// Builds the configuration from parsed flags (and the file they name).
+    pub fn from_cli(cli: Cli) -> Result<Self, ConfigError> {
+        let file = match &cli.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
+                toml::from_str::<FileConfig>(&text)
+                    .map_err(|e| err("config", format!("{}: {e}", path.display())))?
+            }
+            None => FileConfig::default(),
+        };
+        macro_rules! pick {
+            ($f:ident, $default:expr) => {
+                cli.$f
+                    .clone()
+                    .or(file.$f.clone())
+                    .unwrap_or_else(|| $default.into())
+            };
+        }
+
+        let redis: String = pick!(redis, "redis://127.0.0.1:6379");
+        let target = RedisTarget::parse(&redis).map_err(|e| err("redis", e))?;
+        let redis_security = RedisSecurity {
+            ca_file: cli.redis_ca.clone().or(file.redis_ca.clone()),
+            cert_file: cli.redis_cert.clone().or(file.redis_cert.clone()),
+            key_file: cli.redis_key.clone().or(file.redis_key.clone()),
+            insecure: cli.redis_insecure.or(file.redis_insecure).unwrap_or(false),
+            user: cli.redis_user.clone().or(file.redis_user.clone()),
+            password: None,
+            password_file: cli
+                .redis_password_file
+                .clone()
+                .or(file.redis_password_file.clone()),
+        };
+        // Reads every file now: a bad path or a conflict is an error naming its flag.
+        Redis::with_security(target, ConnOptions::default(), &redis_security)
+            .map_err(|e| err(e.flag(), e.message))?;
+
+        let namespace: String = pick!(namespace, sluice::protocol::DEFAULT_NAMESPACE);
+        validate_namespace(&namespace).map_err(|e| err("namespace", e.to_string()))?;
+
+        let host_id: String = pick!(
+            host_id,
+            gethostname::gethostname().to_string_lossy().into_owned()
+        );
+        if host_id.is_empty()
+            || host_id.len() > 128
+            || !host_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-' | b':'))
+        {
+            return Err(err(
+                "host-id",
+                format!("{host_id:?}: 1-128 characters of A-Z a-z 0-9 _ . - :"),
+            ));
+        }
+        let segment_dir: PathBuf = pick!(segment_dir, PathBuf::from("/dev/shm"));
+        let max_tasks = cli
+            .max_tasks
+            .or(file.max_tasks)
+            .unwrap_or(sluice::shm::DEFAULT_SLOTS);
+        if max_tasks == 0 || max_tasks > sluice::shm::MAX_SLOTS {
+            return Err(err(
+                "max-tasks",
+                format!("{max_tasks} is outside 1 ..= {}", sluice::shm::MAX_SLOTS),
+            ));
+        }
+        let key_slots = cli
+            .key_slots
+            .or(file.key_slots)
+            .unwrap_or(sluice::keyed::DEFAULT_KEY_SLOTS);
+        if key_slots == 0 || key_slots > sluice::keyed::MAX_KEY_SLOTS {
+            return Err(err(
+                "key-slots",
+                format!(
+                    "{key_slots} is outside 1 ..= {}",
+                    sluice::keyed::MAX_KEY_SLOTS
+                ),
+            ));
+        }
+        let grpc_listen = address("grpc-listen", &pick!(grpc_listen, "127.0.0.1:8081"))?;
+        let http_listen = address("http-listen", &pick!(http_listen, "127.0.0.1:8082"))?;
+        if grpc_listen == http_listen {
+            return Err(err(
+                "http-listen",
+                format!("{http_listen} is also --grpc-listen"),
+            ));
+        }
+        let acquire_timeout = bounded(
+            "acquire-timeout",
+            &pick!(acquire_timeout, "1s"),
+            Duration::from_millis(1),
+            Duration::from_secs(60),
+        )?;
+        let routes_refresh = bounded(
+            "routes-refresh",
+            &pick!(routes_refresh, "1s"),
+            Duration::from_millis(50),
+            Duration::from_secs(300),
+        )?;
+        let rlqs_assignment_ttl = bounded(
+            "rlqs-assignment-ttl",
+            &pick!(rlqs_assignment_ttl, "10s"),
+            Duration::from_millis(100),
+            Duration::from_secs(86_400),
+        )?;
+        let rlqs_abandon_after = bounded(
+            "rlqs-abandon-after",
+            &pick!(rlqs_abandon_after, "60s"),
+            Duration::from_millis(100),
+            Duration::from_secs(86_400),
+        )?;
+        Ok(Self {
+            redis,
+            redis_security,
+            namespace,
+            host_id,
+            segment_dir,
+            max_tasks,
+            key_slots,
+            grpc_listen,
+            http_listen,
+            response_headers: cli
+                .response_headers
+                .or(file.response_headers)
+                .unwrap_or(false),
+            acquire_timeout,
+            routes_refresh,
+            rlqs_assignment_ttl,
+            rlqs_abandon_after,
+            log_json: cli.log_json.or(file.log_json).unwrap_or(false),
+        })
+    }
+
+    /// The SDK configuration this agent runs its client with.
+    pub fn sdk(&self) -> sluice::Config {
+        let mut c = sluice::Config::new(self.redis.clone());
+        c.redis_security = self.redis_security.clone();
+        c.namespace = self.namespace.clone();
+        c.host_id = self.host_id.clone();
+        c.shm_dir = self.segment_dir.clone();
+        c.max_tasks = self.max_tasks;
+        c.key_slots = self.key_slots;
+        c.acquire_timeout = self.acquire_timeout;
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(args: &[&str]) -> Result<Config, ConfigError> {
+        let mut v = vec!["sluice-agent"];
+        v.extend_from_slice(args);
+        Config::from_cli(Cli::try_parse_from(v).unwrap())
+    }
+
+    #[test]
+    fn defaults_and_errors_name_the_flag() {
+        let c = cfg(&["--host-id", "h1"]).unwrap();
+        assert_eq!(c.grpc_listen.to_string(), "127.0.0.1:8081");
+        assert_eq!(c.http_listen.to_string(), "127.0.0.1:8082");
+        assert_eq!(c.namespace, "sluice");
+        for (args, flag) in [
+            (vec!["--grpc-listen", "nope"], "grpc-listen"),
+            (vec!["--namespace", "a:b"], "namespace"),
+            (vec!["--host-id", "a b"], "host-id"),
+            (vec!["--acquire-timeout", "2 parsecs"], "acquire-timeout"),
+            (vec!["--routes-refresh", "1ms"], "routes-refresh"),
+            (vec!["--key-slots", "0"], "key-slots"),
+            (
+                vec![
+                    "--grpc-listen",
+                    "127.0.0.1:9",
+                    "--http-listen",
+                    "127.0.0.1:9",
+                ],
+                "http-listen",
+            ),
+            (vec!["--redis", "http://x"], "redis"),
+        ] {
+            let e = cfg(&args).unwrap_err();
+            assert_eq!(e.flag, flag, "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn the_file_is_read_and_flags_win() {
+        let dir = std::env::temp_dir().join(format!("sluice-agent-cfg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("agent.toml");
+        std::fs::write(
+            &f,
+            "namespace = \"filens\"\nhttp_listen = \"127.0.0.1:9999\"\n",
+        )
+        .unwrap();
+        let c = cfg(&["--config", f.to_str().unwrap(), "--namespace", "flagns"]).unwrap();
+        assert_eq!(c.namespace, "flagns");
+        assert_eq!(c.http_listen.port(), 9999);
+        std::fs::write(&f, "nmespace = \"x\"\n").unwrap();
+        let e = cfg(&["--config", f.to_str().unwrap()]).unwrap_err();
+        assert_eq!(e.flag, "config");
+        assert!(e.message.contains("nmespace"), "{e}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,312 @@
+//! Envoy's rate-limit service, v3 (`envoy.service.ratelimit.v3.RateLimitService`).
+//!
+//! Mapping (docs/agent.md):
+//! * `domain` + each descriptor → a Sluice task (and, for a keyed task, a key), through the
+//!   domain's imported configuration ([`crate::routes`]) or the direct form
+//!   `sluice_task = T [, sluice_key = K]`;
+//! * `hits_addend` → the permits (0 counts as 1, as in Envoy); a descriptor's own
+//!   `hits_addend` wins for that descriptor;
+//! * all descriptors of one request are decided **all or nothing**: when one is over its
+//!   limit, the permits the others took are given back (envoyproxy/ratelimit counts them all);
+//! * `overall_code` is `OVER_LIMIT` when a descriptor is; each status carries
+//!   `current_limit` (the imported limit, or the task's threshold per slice),
+//!   `limit_remaining` (what this host holds of the slice: the cluster may hold more) and
+//!   `duration_until_reset` (the end of the slice, or the FAILED fallback's retry time);
+//! * a descriptor that matches nothing, an `unlimited` one, one replaced by another's
+//!   `replaces`, and one naming a task that does not exist are `OK` without a limit;
+//! * while Redis is unusable (FAILED) the task's `on_failure` decides, as in the SDK;
+//! * `shadow_mode` (the task's `shadow`): the would-be rejection answers `OK`, counted as a
+//!   would-reject in the task's history;
+//! * descriptor `limit` overrides (`RateLimitOverride`) are ignored: the configured limit
+//!   decides (counted in `sluice_agent_request_errors_total{reason="override_ignored"}`).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
+    RateLimitService, RateLimitServiceServer,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as PbDuration;
+use sluice::{Decision, Task};
+use tonic::{Request, Response, Status};
+
+use crate::AppState;
+use crate::decide::{DecideError, Part, decision_name, until_slice_end};
+use crate::routes::{LimitSpec, Target, Unit};
+
+/// Most descriptors in one request.
+pub const MAX_DESCRIPTORS: usize = 64;
+
+/// The service.
+pub struct Rls {
+    state: Arc<AppState>,
+}
+
+/// The tonic server of the service.
+pub fn service(state: Arc<AppState>) -> RateLimitServiceServer<Rls> {
+    RateLimitServiceServer::new(Rls { state })
+}
+
+fn pb_duration(d: Duration) -> PbDuration {
+    PbDuration {
+        seconds: d.as_secs() as i64,
+        nanos: d.subsec_nanos() as i32,
+    }
+}
+
+/// One descriptor of a request as resolved.
+struct Slot {
+    target: Target,
+    hits: u64,
+    part: Option<usize>,
+}
+
+/// The limit to state for a task: the imported spec, else the task's threshold per slice.
+fn current_limit(spec: Option<&LimitSpec>, task: &Task) -> Option<RateLimit> {
+    if let Some(s) = spec {
+        return Some(RateLimit {
+            name: s.name.clone().unwrap_or_default(),
+            requests_per_unit: s.requests_per_unit.min(u32::MAX as u64) as u32,
+            unit: s.unit.proto(),
+        });
+    }
+    let m = task.meta()?;
+    let unit = Unit::of_slice_ms(m.slice_ms).map(Unit::proto).unwrap_or(0);
+    Some(RateLimit {
+        name: task.name().to_string(),
+        requests_per_unit: m.threshold.min(u32::MAX as u64) as u32,
+        unit,
+    })
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Rls {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        let t0 = Instant::now();
+        let s = &self.state;
+        let req = request.into_inner();
+        if req.domain.is_empty() {
+            s.metrics.error("rls", "invalid");
+            return Err(Status::invalid_argument(
+                "rate limit domain must not be empty",
+            ));
+        }
+        if req.descriptors.is_empty() {
+            s.metrics.error("rls", "invalid");
+            return Err(Status::invalid_argument(
+                "rate limit descriptor list must not be empty",
+            ));
+        }
+        if req.descriptors.len() > MAX_DESCRIPTORS {
+            s.metrics.error("rls", "invalid");
+            return Err(Status::invalid_argument(format!(
+                "at most {MAX_DESCRIPTORS} descriptors per request"
+            )));
+        }
+        let routes = s.routes.load();
+        let base_hits = u64::from(req.hits_addend.max(1));
+        let mut slots: Vec<Slot> = Vec::with_capacity(req.descriptors.len());
+        for (i, d) in req.descriptors.iter().enumerate() {
+            if d.entries.is_empty() {
+                s.metrics.error("rls", "invalid");
+                return Err(Status::invalid_argument(format!(
+                    "descriptors[{i}] has no entries"
+                )));
+            }
+            if d.limit.is_some() {
+                s.metrics.error("rls", "override_ignored");
+            }
+            let entries: Vec<(&str, &str)> = d
+                .entries
+                .iter()
+                .map(|e| (e.key.as_str(), e.value.as_str()))
+                .collect();
+            let hits = d.hits_addend.as_ref().map(|h| h.value).unwrap_or(base_hits);
+            slots.push(Slot {
+                target: routes.resolve(&req.domain, &entries),
+                hits,
+                part: None,
+            });
+        }
+        // `replaces`: a matched limit named by another matched limit's `replaces` is not applied.
+        let replaced: HashSet<String> = slots
+            .iter()
+            .filter_map(|sl| match &sl.target {
+                Target::Limit { replaces, .. } => Some(replaces.iter().cloned()),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        if !replaced.is_empty() {
+            for sl in &mut slots {
+                if let Target::Limit {
+                    spec: Some(LimitSpec { name: Some(n), .. }),
+                    ..
+                } = &sl.target
+                    && replaced.contains(n)
+                {
+                    sl.target = Target::None;
+                }
+            }
+        }
+        let mut parts: Vec<Part> = Vec::new();
+        let mut tasks: Vec<Option<Task>> = Vec::with_capacity(slots.len());
+        for (i, sl) in slots.iter_mut().enumerate() {
+            let Target::Limit { task, key, .. } = &sl.target else {
+                tasks.push(None);
+                s.metrics.decision(
+                    "rls",
+                    if sl.target == Target::Unlimited {
+                        "unlimited"
+                    } else {
+                        "no_limit"
+                    },
+                );
+                continue;
+            };
+            match s.decider.part(task, key.as_deref(), sl.hits).await {
+                Ok(p) => {
+                    tasks.push(Some(p.task.clone()));
+                    if sl.hits > 0 {
+                        sl.part = Some(parts.len());
+                        parts.push(p);
+                    }
+                }
+                Err(DecideError::UnknownTask(_)) => {
+                    s.metrics.decision("rls", "unknown_task");
+                    tasks.push(None);
+                }
+                Err(e @ DecideError::Invalid { .. }) => {
+                    s.metrics.error("rls", "invalid");
+                    return Err(Status::invalid_argument(format!("descriptors[{i}]: {e}")));
+                }
+                Err(e @ DecideError::Concurrency(_)) => {
+                    s.metrics.error("rls", "concurrency");
+                    return Err(Status::failed_precondition(format!(
+                        "descriptors[{i}]: {e}"
+                    )));
+                }
+                Err(DecideError::Sdk(m)) => {
+                    s.metrics.error("rls", "sdk");
+                    return Err(Status::unavailable(m));
+                }
+            }
+        }
+        let all = if parts.is_empty() {
+            None
+        } else {
+            Some(s.decider.decide_all(&parts).await)
+        };
+        let refused = all.and_then(|a| a.refused.filter(|_| !a.decision.is_allowed()));
+        let mut statuses = Vec::with_capacity(slots.len());
+        let mut over = false;
+        // For the x-ratelimit-* headers: the tightest limit stated.
+        let mut tightest: Option<(u32, RateLimit, Duration)> = None;
+        for (sl, task) in slots.iter().zip(&tasks) {
+            let (Target::Limit { spec, .. }, Some(task)) = (&sl.target, task) else {
+                statuses.push(DescriptorStatus {
+                    code: Code::Ok as i32,
+                    ..Default::default()
+                });
+                continue;
+            };
+            let is_refused = sl.part.is_some() && sl.part == refused;
+            let decision = match (is_refused, all) {
+                (true, Some(a)) => a.decision,
+                _ => Decision::Allowed,
+            };
+            if let (Some(a), Some(_)) = (all, sl.part) {
+                let name = if is_refused || a.refused.is_none() {
+                    decision_name(&a.decision)
+                } else {
+                    "given_back"
+                };
+                s.metrics.decision("rls", name);
+            }
+            let reset = match decision {
+                Decision::FallbackDenied { retry_after } => retry_after,
+                _ => until_slice_end(task).unwrap_or_default(),
+            };
+            let key = sl.part.and_then(|i| parts[i].key.as_ref());
+            let remaining = if is_refused {
+                0
+            } else {
+                task.limit_info("", None, true, key)
+                    .map(|l| l.remaining.min(u32::MAX as u64) as u32)
+                    .unwrap_or(0)
+            };
+            let limit = current_limit(spec.as_ref(), task);
+            if let Some(l) = &limit
+                && tightest.as_ref().is_none_or(|(r, _, _)| remaining < *r)
+            {
+                tightest = Some((remaining, l.clone(), reset));
+            }
+            over |= is_refused;
+            statuses.push(DescriptorStatus {
+                code: if is_refused {
+                    Code::OverLimit as i32
+                } else {
+                    Code::Ok as i32
+                },
+                current_limit: limit,
+                limit_remaining: remaining,
+                duration_until_reset: Some(pb_duration(reset)),
+                quota: None,
+            });
+        }
+        let mut headers = Vec::new();
+        if s.cfg.response_headers
+            && let Some((remaining, l, reset)) = tightest
+        {
+            let window = match l.unit {
+                1 => 1,
+                2 => 60,
+                3 => 3_600,
+                4 => 86_400,
+                _ => 0,
+            };
+            let limit = if window > 0 {
+                format!(
+                    "{}, {};w={window}",
+                    l.requests_per_unit, l.requests_per_unit
+                )
+            } else {
+                l.requests_per_unit.to_string()
+            };
+            for (k, v) in [
+                ("x-ratelimit-limit", limit),
+                ("x-ratelimit-remaining", remaining.to_string()),
+                (
+                    "x-ratelimit-reset",
+                    reset.as_micros().div_ceil(1_000_000).to_string(),
+                ),
+            ] {
+                headers.push(HeaderValue {
+                    key: k.to_string(),
+                    value: v,
+                    ..Default::default()
+                });
+            }
+        }
+        s.metrics.request("rls", t0.elapsed());
+        Ok(Response::new(RateLimitResponse {
+            overall_code: if over {
+                Code::OverLimit as i32
+            } else {
+                Code::Ok as i32
+            },
+            statuses,
+            response_headers_to_add: headers,
+            ..Default::default()
+        }))
+    }
+}

@@ -1,0 +1,557 @@
+//! Envoy rate-limit domains: which Sluice task (and key) answers a descriptor.
+//!
+//! The manager compiles each imported envoyproxy/ratelimit configuration (`POST
+//! /api/v1/import/envoy-ratelimit`) into a tree of nodes and its leader mirrors it into the
+//! Redis hash `NS:envoy` (field = domain). The agent re-reads that hash every
+//! `--routes-refresh` and matches descriptors locally, exactly as envoyproxy/ratelimit walks
+//! its configuration: at each level the child whose key **and** value equal the entry's, else
+//! the child with that key and no value (a wildcard: every distinct value gets its own limit);
+//! the node matched by the descriptor's **last** entry gives the limit.
+//!
+//! Besides imported domains, any domain accepts the direct form: a descriptor whose entries
+//! are `sluice_task = <task>` and optionally `sluice_key = <key>` addresses that task (and key)
+//! as it is, for tasks created through the API.
+//!
+//! Data read back from Redis is validated like input: a domain whose JSON does not parse or
+//! breaks a rule is skipped (and logged once per version); its previous version stays in use.
+
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+
+use serde::Deserialize;
+
+/// Entry key of the direct form naming the task.
+pub const DIRECT_TASK: &str = "sluice_task";
+/// Entry key of the direct form naming the key.
+pub const DIRECT_KEY: &str = "sluice_key";
+/// Deepest tree accepted from Redis.
+pub const MAX_DEPTH: usize = 16;
+/// Most nodes of one domain accepted from Redis.
+pub const MAX_NODES: usize = 100_000;
+
+/// One compiled node (the manager's `<Node>` JSON).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+pub struct Node {
+    /// Entry key.
+    pub key: String,
+    /// Entry value; `None` = any value (its own limit per value).
+    #[serde(default)]
+    pub value: Option<String>,
+    /// The Sluice task of this node's limit (`None`: no limit here, or unlimited).
+    #[serde(default)]
+    pub task: Option<String>,
+    /// `rate_limit.unlimited`.
+    #[serde(default)]
+    pub unlimited: bool,
+    /// `shadow_mode`.
+    #[serde(default)]
+    pub shadow: bool,
+    /// `rate_limit.name`.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Names of the limits this one replaces.
+    #[serde(default)]
+    pub replaces: Vec<String>,
+    /// `rate_limit.unit` (`second`, `minute`, `hour`, `day`).
+    #[serde(default)]
+    pub unit: Option<String>,
+    /// `rate_limit.requests_per_unit`.
+    #[serde(default)]
+    pub requests_per_unit: Option<u64>,
+    /// The task is keyed by the values at the wildcard positions of the path.
+    #[serde(default)]
+    pub keyed: bool,
+    /// Children.
+    #[serde(default)]
+    pub descriptors: Vec<Node>,
+}
+
+#[derive(Debug, Deserialize)]
+struct DomainDoc {
+    domain: String,
+    #[serde(default)]
+    version: u64,
+    #[serde(default)]
+    descriptors: Vec<Node>,
+}
+
+/// A limit as Envoy's `RateLimit` message states it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LimitSpec {
+    /// `name`.
+    pub name: Option<String>,
+    /// `requests_per_unit`.
+    pub requests_per_unit: u64,
+    /// `unit`.
+    pub unit: Unit,
+}
+
+/// Envoy's `RateLimitResponse.RateLimit.Unit`, as far as Sluice's slices reach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unit {
+    /// 1 s.
+    Second,
+    /// 60 s.
+    Minute,
+    /// 3,600 s.
+    Hour,
+    /// 86,400 s.
+    Day,
+}
+
+impl Unit {
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "second" => Unit::Second,
+            "minute" => Unit::Minute,
+            "hour" => Unit::Hour,
+            "day" => Unit::Day,
+            _ => return None,
+        })
+    }
+
+    /// The unit of a slice length, when it is one of Envoy's.
+    pub fn of_slice_ms(ms: u64) -> Option<Self> {
+        Some(match ms {
+            1_000 => Unit::Second,
+            60_000 => Unit::Minute,
+            3_600_000 => Unit::Hour,
+            86_400_000 => Unit::Day,
+            _ => return None,
+        })
+    }
+
+    /// The proto enum value (`RateLimitResponse.RateLimit.Unit`).
+    pub fn proto(self) -> i32 {
+        match self {
+            Unit::Second => 1,
+            Unit::Minute => 2,
+            Unit::Hour => 3,
+            Unit::Day => 4,
+        }
+    }
+}
+
+/// What a descriptor resolved to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Target {
+    /// No limit applies (no match, or a node without a limit).
+    None,
+    /// `unlimited: true`: always OK, counted nowhere.
+    Unlimited,
+    /// A Sluice task, and the key within it for a keyed task.
+    Limit {
+        /// Task name.
+        task: String,
+        /// Key (keyed tasks).
+        key: Option<String>,
+        /// The limit as configured (for `current_limit`), when imported.
+        spec: Option<LimitSpec>,
+        /// `shadow_mode` of the imported node.
+        shadow: bool,
+        /// Names this limit replaces.
+        replaces: Vec<String>,
+    },
+}
+
+/// One domain's tree, indexed for matching.
+#[derive(Debug, Default)]
+struct Tree {
+    version: u64,
+    /// `key\0value` (value present) or `key` (wildcard) → node.
+    children: HashMap<String, TreeNode>,
+}
+
+#[derive(Debug)]
+struct TreeNode {
+    node_limit: Option<NodeLimit>,
+    wildcard: bool,
+    children: HashMap<String, TreeNode>,
+}
+
+#[derive(Debug, Clone)]
+struct NodeLimit {
+    task: Option<String>,
+    unlimited: bool,
+    keyed: bool,
+    spec: Option<LimitSpec>,
+    shadow: bool,
+    replaces: Vec<String>,
+}
+
+fn exact(key: &str, value: &str) -> String {
+    format!("{key}\0{value}")
+}
+
+fn index(
+    nodes: &[Node],
+    depth: usize,
+    count: &mut usize,
+) -> Result<HashMap<String, TreeNode>, String> {
+    if depth > MAX_DEPTH {
+        return Err(format!("deeper than {MAX_DEPTH} levels"));
+    }
+    let mut out = HashMap::with_capacity(nodes.len());
+    for n in nodes {
+        *count += 1;
+        if *count > MAX_NODES {
+            return Err(format!("more than {MAX_NODES} nodes"));
+        }
+        if n.key.is_empty() {
+            return Err("a node has an empty key".into());
+        }
+        let limit = if n.task.is_some() || n.unlimited {
+            if let Some(t) = &n.task {
+                sluice::protocol::validate_task_name(t).map_err(|e| e.to_string())?;
+            }
+            let spec = match (&n.unit, n.requests_per_unit) {
+                (Some(u), Some(r)) => Some(LimitSpec {
+                    name: n.name.clone(),
+                    requests_per_unit: r,
+                    unit: Unit::parse(u).ok_or_else(|| format!("unit {u:?}"))?,
+                }),
+                _ => None,
+            };
+            Some(NodeLimit {
+                task: n.task.clone(),
+                unlimited: n.unlimited,
+                keyed: n.keyed,
+                spec,
+                shadow: n.shadow,
+                replaces: n.replaces.clone(),
+            })
+        } else {
+            None
+        };
+        let k = match &n.value {
+            Some(v) => exact(&n.key, v),
+            None => n.key.clone(),
+        };
+        let node = TreeNode {
+            node_limit: limit,
+            wildcard: n.value.is_none(),
+            children: index(&n.descriptors, depth + 1, count)?,
+        };
+        if out.insert(k, node).is_some() {
+            return Err(format!(
+                "two nodes {:?} = {:?} at one level",
+                n.key,
+                n.value.as_deref().unwrap_or("*")
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// Escapes `|` and `\` of one key part.
+fn escape_part(v: &str, out: &mut String) {
+    for c in v.chars() {
+        if c == '|' || c == '\\' {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+}
+
+/// The key of a keyed task from the values at the wildcard positions: joined with `|` (`\`
+/// escapes `|` and `\`), `sha256:<hex>` of that when longer than 256 bytes.
+pub fn key_of(parts: &[&str]) -> String {
+    let mut k = String::new();
+    for (i, p) in parts.iter().enumerate() {
+        if i > 0 {
+            k.push('|');
+        }
+        escape_part(p, &mut k);
+    }
+    if k.len() > sluice::protocol::MAX_KEY_LEN {
+        let d = ring::digest::digest(&ring::digest::SHA256, k.as_bytes());
+        let mut h = String::with_capacity(7 + 64);
+        h.push_str("sha256:");
+        for b in d.as_ref() {
+            h.push_str(&format!("{b:02x}"));
+        }
+        return h;
+    }
+    k
+}
+
+impl Tree {
+    fn resolve(&self, entries: &[(&str, &str)]) -> Target {
+        let mut level = &self.children;
+        let mut wild: Vec<&str> = Vec::new();
+        for (i, (k, v)) in entries.iter().enumerate() {
+            let node = match level.get(&exact(k, v)) {
+                Some(n) => n,
+                None => match level.get(*k) {
+                    Some(n) if n.wildcard => n,
+                    _ => return Target::None,
+                },
+            };
+            if node.wildcard {
+                wild.push(v);
+            }
+            if i + 1 == entries.len() {
+                return match &node.node_limit {
+                    None => Target::None,
+                    Some(l) if l.unlimited => Target::Unlimited,
+                    Some(l) => match &l.task {
+                        None => Target::None,
+                        Some(t) => Target::Limit {
+                            task: t.clone(),
+                            key: (l.keyed || !wild.is_empty()).then(|| key_of(&wild)),
+                            spec: l.spec.clone(),
+                            shadow: l.shadow,
+                            replaces: l.replaces.clone(),
+                        },
+                    },
+                };
+            }
+            if node.children.is_empty() {
+                return Target::None;
+            }
+            level = &node.children;
+        }
+        Target::None
+    }
+}
+
+/// Every domain the agent knows, swapped whole on each refresh.
+#[derive(Debug, Default)]
+pub struct Routes {
+    domains: HashMap<String, Tree>,
+}
+
+impl Routes {
+    /// Resolves one descriptor of `domain` (entries in order).
+    pub fn resolve(&self, domain: &str, entries: &[(&str, &str)]) -> Target {
+        if let Some(t) = self.domains.get(domain) {
+            match t.resolve(entries) {
+                Target::None => {}
+                found => return found,
+            }
+        }
+        direct(entries)
+    }
+
+    /// Domains and their versions.
+    pub fn versions(&self) -> Vec<(String, u64)> {
+        let mut v: Vec<_> = self
+            .domains
+            .iter()
+            .map(|(d, t)| (d.clone(), t.version))
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+/// The direct form: `sluice_task = T` [, `sluice_key = K`].
+fn direct(entries: &[(&str, &str)]) -> Target {
+    match entries {
+        [(DIRECT_TASK, t)] => Target::Limit {
+            task: t.to_string(),
+            key: None,
+            spec: None,
+            shadow: false,
+            replaces: Vec::new(),
+        },
+        [(DIRECT_TASK, t), (DIRECT_KEY, k)] => Target::Limit {
+            task: t.to_string(),
+            key: Some(k.to_string()),
+            spec: None,
+            shadow: false,
+            replaces: Vec::new(),
+        },
+        _ => Target::None,
+    }
+}
+
+/// The shared, refreshed routes.
+#[derive(Debug, Default, Clone)]
+pub struct RouteTable {
+    inner: Arc<RwLock<Arc<Routes>>>,
+    loaded: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl RouteTable {
+    /// The current routes.
+    pub fn load(&self) -> Arc<Routes> {
+        self.inner.read().map(|g| g.clone()).unwrap_or_default()
+    }
+
+    /// True once the hash was read at least once.
+    pub fn loaded(&self) -> bool {
+        self.loaded.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Replaces the routes from the hash `NS:envoy` (`domain → JSON`). A domain whose JSON is
+    /// bad keeps its previous version; the errors are returned (domain, why).
+    pub fn apply(&self, raw: &HashMap<String, String>) -> Vec<(String, String)> {
+        let old = self.load();
+        let mut errors = Vec::new();
+        let mut domains = HashMap::with_capacity(raw.len());
+        for (domain, json) in raw {
+            let old_tree = old.domains.get(domain);
+            let parsed = serde_json::from_str::<DomainDoc>(json)
+                .map_err(|e| e.to_string())
+                .and_then(|d| {
+                    if &d.domain != domain {
+                        return Err(format!("names domain {:?}", d.domain));
+                    }
+                    if old_tree.is_some_and(|t| t.version == d.version && d.version != 0) {
+                        return Ok(None);
+                    }
+                    let mut count = 0;
+                    let children = index(&d.descriptors, 1, &mut count)?;
+                    Ok(Some(Tree {
+                        version: d.version,
+                        children,
+                    }))
+                });
+            match parsed {
+                Ok(Some(t)) => {
+                    domains.insert(domain.clone(), t);
+                }
+                Ok(None) => {
+                    // Unchanged: rebuild cheaply by re-indexing is avoided by keeping the old.
+                    if let Some(t) = old_tree {
+                        domains.insert(domain.clone(), t.clone_shallow());
+                    }
+                }
+                Err(why) => {
+                    errors.push((domain.clone(), why));
+                    if let Some(t) = old_tree {
+                        domains.insert(domain.clone(), t.clone_shallow());
+                    }
+                }
+            }
+        }
+        if let Ok(mut g) = self.inner.write() {
+            *g = Arc::new(Routes { domains });
+        }
+        self.loaded
+            .store(true, std::sync::atomic::Ordering::Release);
+        errors
+    }
+}
+
+impl Tree {
+    fn clone_shallow(&self) -> Tree {
+        fn c(m: &HashMap<String, TreeNode>) -> HashMap<String, TreeNode> {
+            m.iter()
+                .map(|(k, n)| {
+                    (
+                        k.clone(),
+                        TreeNode {
+                            node_limit: n.node_limit.clone(),
+                            wildcard: n.wildcard,
+                            children: c(&n.children),
+                        },
+                    )
+                })
+                .collect()
+        }
+        Tree {
+            version: self.version,
+            children: c(&self.children),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(json: &str) -> RouteTable {
+        let t = RouteTable::default();
+        let mut raw = HashMap::new();
+        raw.insert("d".to_string(), json.to_string());
+        assert!(t.apply(&raw).is_empty());
+        t
+    }
+
+    const DOC: &str = r#"{"domain":"d","version":1,"descriptors":[
+        {"key":"database","value":"users","task":"d.database_users","unit":"second","requests_per_unit":500},
+        {"key":"remote_address","task":"d.remote_address","keyed":true,"unit":"minute","requests_per_unit":10},
+        {"key":"source","value":"proxy","descriptors":[
+            {"key":"dest","value":"bank","task":"d.source_proxy.dest_bank","shadow":true,"unit":"second","requests_per_unit":5},
+            {"key":"dest","task":"d.source_proxy.dest","keyed":true,"unit":"hour","requests_per_unit":7,"name":"n1","replaces":["x"]}
+        ]},
+        {"key":"path","value":"/health","unlimited":true}
+    ]}"#;
+
+    fn limit(t: &Target) -> (&str, Option<&str>) {
+        match t {
+            Target::Limit { task, key, .. } => (task, key.as_deref()),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn matching_follows_envoyproxy_ratelimit() {
+        let r = table(DOC).load();
+        assert_eq!(
+            limit(&r.resolve("d", &[("database", "users")])),
+            ("d.database_users", None)
+        );
+        assert_eq!(r.resolve("d", &[("database", "other")]), Target::None);
+        assert_eq!(
+            limit(&r.resolve("d", &[("remote_address", "10.0.0.1")])),
+            ("d.remote_address", Some("10.0.0.1"))
+        );
+        let t = r.resolve("d", &[("source", "proxy"), ("dest", "bank")]);
+        assert!(matches!(&t, Target::Limit { shadow: true, .. }));
+        assert_eq!(
+            limit(&r.resolve("d", &[("source", "proxy"), ("dest", "atm")])),
+            ("d.source_proxy.dest", Some("atm"))
+        );
+        // The intermediate node has no limit; a longer descriptor matches nothing.
+        assert_eq!(r.resolve("d", &[("source", "proxy")]), Target::None);
+        assert_eq!(
+            r.resolve("d", &[("database", "users"), ("x", "y")]),
+            Target::None
+        );
+        assert_eq!(r.resolve("d", &[("path", "/health")]), Target::Unlimited);
+        assert_eq!(r.resolve("other", &[("database", "users")]), Target::None);
+        // The direct form works in any domain.
+        assert_eq!(
+            limit(&r.resolve("any", &[("sluice_task", "t1"), ("sluice_key", "k")])),
+            ("t1", Some("k"))
+        );
+    }
+
+    #[test]
+    fn keys_escape_and_hash() {
+        assert_eq!(key_of(&["a"]), "a");
+        assert_eq!(key_of(&["a|b", "c\\"]), "a\\|b|c\\\\");
+        let long = "x".repeat(300);
+        let k = key_of(&[&long]);
+        assert!(k.starts_with("sha256:") && k.len() == 71, "{k}");
+    }
+
+    #[test]
+    fn bad_data_from_redis_keeps_the_previous_version() {
+        let t = table(DOC);
+        let mut raw = HashMap::new();
+        raw.insert(
+            "d".to_string(),
+            r#"{"domain":"d","version":2,"descriptors":[{"key":"a","task":"bad name"}]}"#
+                .to_string(),
+        );
+        raw.insert("e".to_string(), "not json".to_string());
+        let errs = t.apply(&raw);
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        let r = t.load();
+        assert_eq!(r.versions(), vec![("d".to_string(), 1)]);
+        assert!(matches!(
+            r.resolve("d", &[("database", "users")]),
+            Target::Limit { .. }
+        ));
+        // A domain gone from the hash is gone.
+        assert!(t.apply(&HashMap::new()).is_empty());
+        assert_eq!(
+            t.load().resolve("d", &[("database", "users")]),
+            Target::None
+        );
+    }
+}
