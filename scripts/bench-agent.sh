@@ -145,11 +145,17 @@ def cmdstats():
 
 def run(label, who, proto, rate, extra, seconds=secs):
     pr = P[who]
-    c0, l0, r0, m0, t0 = cmdstats(), cpu(pr["pid"]), cpu(redis_pid), cpu(manager_pid), threads(pr["pid"])
-    args = [load, "--target", pr[proto], "--seconds", str(seconds), "--warmup-seconds", str(warm),
-            "--rate", str(rate), "--concurrency", "64", "--connections", "2", "--threads", "2",
-            "--window-ms", "1000"] + extra
+    args = [load, "--target", pr[proto], "--rate", str(rate), "--concurrency", "64",
+            "--connections", "2", "--threads", "2", "--window-ms", "1000"] + extra
     print(f"{label}: {who} {proto} rate={rate or 'max'} ...", file=sys.stderr)
+    if warm > 0:
+        # The warm-up is its own invocation, outside the counters below (rls_load's
+        # --warmup-seconds would leave its Redis commands and CPU in the deltas).
+        w = subprocess.run(args + ["--seconds", str(warm)], capture_output=True, text=True)
+        if w.returncode != 0:
+            sys.exit(f"rls_load warm-up failed ({label}, {who} {proto}): {w.stderr.strip()}")
+    args += ["--seconds", str(seconds)]
+    c0, l0, r0, m0, t0 = cmdstats(), cpu(pr["pid"]), cpu(redis_pid), cpu(manager_pid), threads(pr["pid"])
     with open(f"{tmp}/load.out", "w") as so, open(f"{tmp}/load.err", "w") as se:
         p = subprocess.Popen(args, stdout=so, stderr=se)
         try:
@@ -175,6 +181,11 @@ def run(label, who, proto, rate, extra, seconds=secs):
     if r["errors"]:
         print(f"  {r['errors']} errors, first: {r['first_error']}", file=sys.stderr)
     return r
+
+# Redis commands/s with no load at all (the manager's leader ticks, the agent's polls): part
+# of every run's count below, reported on its own so it can be told apart.
+i0 = cmdstats(); time.sleep(2); i1 = cmdstats()
+idle_cmds_per_s = sum(v - i0.get(k, 0) for k, v in i1.items() if k != "info") / 2
 
 targets = [("agent", "grpc"), ("agent", "http"), ("base", "grpc"), ("base", "http")]
 def extra(who, proto, task):
@@ -228,7 +239,9 @@ def row(r):
 
 print()
 print(f"2 targets × 2 protocols, {secs:g} s runs (+{warm:g} s warm-up), fixed load {rate:,.0f}/s, "
-      f"accuracy limit {limit:,}/s at 3× demand; same Redis throughout")
+      f"accuracy limit {limit:,}/s at 3× demand; same Redis throughout; "
+      f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}; "
+      f"Redis commands/s with no load: {idle_cmds_per_s:.1f}")
 print()
 print("| limiter | protocol | load | decisions/s | p50 µs | p99 µs | p99.9 µs | Redis cmds/decision "
       "| limiter CPU µs/dec | Redis CPU µs/dec | client CPU µs/dec | errors |")
@@ -274,7 +287,7 @@ for g in goals:
           f"agent p99 {g['agent_p99_us_fixed']:,.0f} µs (goal ≤ 1,000)")
 
 doc = {"unix": int(time.time()), "seconds": secs, "warmup_seconds": warm, "fixed_rate": rate,
-       "limit": limit, "quick": quick, "cpus": os.cpu_count(),
+       "limit": limit, "quick": quick, "cpus": os.cpu_count(), "idle_redis_cmds_per_s": idle_cmds_per_s,
        "loadavg_before_report": os.getloadavg(), "runs": results, "goals": goals}
 with open(out, "w") as f:
     json.dump(doc, f, indent=1)

@@ -323,7 +323,9 @@ async fn main() -> anyhow::Result<()> {
         .with_state(limiter.clone());
     let grpc_server = tonic::transport::Server::builder()
         .add_service(RateLimitServiceServer::new(Rls(limiter)))
-        .serve_with_incoming(tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)));
+        .serve_with_incoming(
+            tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
+        );
     let http_server = axum::serve(http, app);
     tokio::select! {
         r = grpc_server => r.context("gRPC server")?,
