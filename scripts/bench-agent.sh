@@ -14,6 +14,7 @@
 # (/proc/<pid>/stat utime+stime) of the limiter process, redis-server and the manager, and the
 # load client's own CPU; per-thread CPU of the limiter (by thread name) for the max runs.
 # Prints markdown tables and writes target/bench-agent/result-<unix>.json (+ latest.json).
+# SLUICE_BENCH_PERF=1: also `perf record` the agent during its max runs and print the profile.
 #
 #   scripts/bench-agent.sh [SECONDS]   (default 10 s per run, plus 1 s warm-up)
 #   scripts/bench-agent.sh --quick     (smoke: 2 s runs, ≤ 60 s once built; checks the output)
@@ -156,12 +157,25 @@ def run(label, who, proto, rate, extra, seconds=secs):
             sys.exit(f"rls_load warm-up failed ({label}, {who} {proto}): {w.stderr.strip()}")
     args += ["--seconds", str(seconds)]
     c0, l0, r0, m0, t0 = cmdstats(), cpu(pr["pid"]), cpu(redis_pid), cpu(manager_pid), threads(pr["pid"])
+    perf = None
+    if os.environ.get("SLUICE_BENCH_PERF") and label == "max" and who == "agent":
+        # Where the agent's time goes: a sampled profile of the agent during this run.
+        perf = subprocess.Popen(["perf", "record", "-q", "-F", "999", "-g", "-o",
+                                 f"{tmp}/perf-{proto}.data", "-p", str(pr["pid"])],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(f"{tmp}/load.out", "w") as so, open(f"{tmp}/load.err", "w") as se:
         p = subprocess.Popen(args, stdout=so, stderr=se)
         try:
             _, status, ru = os.wait4(p.pid, 0)
         except BaseException:
             p.kill(); raise
+    if perf:
+        perf.send_signal(2)
+        perf.wait(timeout=60)
+        rep = subprocess.run(["perf", "report", "-q", "--stdio", "--no-children", "-g", "none",
+                              "--percent-limit", "1.5", "--sort", "dso,sym", "-i",
+                              f"{tmp}/perf-{proto}.data"], capture_output=True, text=True).stdout
+        print(f"perf: agent {proto} max, self time by symbol (≥ 1.5 %):\n{rep}", file=sys.stderr)
     c1, l1, r1, m1, t1 = cmdstats(), cpu(pr["pid"]), cpu(redis_pid), cpu(manager_pid), threads(pr["pid"])
     err = open(f"{tmp}/load.err").read().strip()
     if os.waitstatus_to_exitcode(status) != 0:
