@@ -36,8 +36,8 @@ if [ -f dashboard/package.json ]; then
   log "building the dashboard"
   (cd dashboard && npm ci --no-audit --no-fund --loglevel=error && npm run build)
 fi
-log "building sluice-manager and the load generator (release)"
-cargo build --release -p sluice-manager
+log "building sluice-manager, sluice-agent and the load generator (release)"
+cargo build --release -p sluice-manager -p sluice-agent
 if [ -f worker-sdk/examples/loadgen.rs ]; then
   cargo build --release -p sluice --example loadgen
 fi
@@ -75,12 +75,22 @@ if [ -x target/release/examples/loadgen ] && [ "${SLUICE_DEV_TRAFFIC:-1}" != 0 ]
   done
 fi
 
+# The host agent of a third simulated host, for every other language and Envoy.
+mkdir -p "$dir/shm-agent"
+RUST_LOG="${RUST_LOG:-info}" target/release/sluice-agent --redis "$REDIS_URL" --namespace sluice \
+  --host-id dev-agent --segment-dir "$dir/shm-agent" \
+  --grpc-listen 127.0.0.1:8091 --http-listen 127.0.0.1:8092 >"$dir/agent.log" 2>&1 &
+SLUICE_PIDS+=($!)
+wait_for "sluice-agent" 30 curl -sf http://127.0.0.1:8092/healthz
+
 cat <<MSG
 
   Sluice is running.
     dashboard   http://127.0.0.1:8080/   (any replica: :8081, :8082)
     API         http://127.0.0.1:8080/api/v1/tasks
     metrics     http://127.0.0.1:8080/metrics
+    agent       gRPC 127.0.0.1:8091 (Envoy RLS v3, RLQS), HTTP http://127.0.0.1:8092 — try:
+                curl -s http://127.0.0.1:8092/v1/decide -d '{"task":"checkout"}'
     etcd        $ETCD_ENDPOINT
     redis       $REDIS_URL
     logs        $dir

@@ -75,7 +75,8 @@ pub struct Cli {
     /// How often the Envoy domain configurations are re-read from Redis [default: 1s]
     #[arg(long, env = "SLUICE_AGENT_ROUTES_REFRESH")]
     pub routes_refresh: Option<String>,
-    /// RLQS: how long an assignment lives when the client reports nothing more [default: 10s]
+    /// RLQS: lifetime of the assignments made while Redis is unusable (FAILED), capped to the
+    /// slice's end [default: 10s]
     #[arg(long, env = "SLUICE_AGENT_RLQS_ASSIGNMENT_TTL")]
     pub rlqs_assignment_ttl: Option<String>,
     /// RLQS: a bucket without reports for this long is abandoned [default: 60s]
@@ -156,7 +157,7 @@ pub struct Config {
     pub acquire_timeout: Duration,
     /// Period of re-reading the Envoy domain configurations.
     pub routes_refresh: Duration,
-    /// RLQS assignment lifetime without further reports.
+    /// RLQS: lifetime of the assignments made while FAILED (capped to the slice's end).
     pub rlqs_assignment_ttl: Duration,
     /// RLQS: abandon a bucket unreported for this long.
     pub rlqs_abandon_after: Duration,

@@ -4,7 +4,7 @@
 //! `--acquire-timeout`).
 //!
 //! Task handles are cached per name. A name the agent has not seen is looked up once in Redis
-//! (`EXISTS NS:{T}:meta`, bounded by the connect timeout) before a handle is made, so a client
+//! (`HMGET NS:{T}:meta version retired`, bounded by 1 s) before a handle is made, so a client
 //! sending random names can neither fill the host segment's task slots nor be admitted by the
 //! unknown-task fallback: it gets "unknown task" (remembered for [`NEGATIVE_TTL`]). When Redis
 //! cannot answer that lookup, the SDK decides as it does for any task it has no meta for yet
@@ -52,6 +52,7 @@ pub struct Decider {
     keys: Keys,
     tasks: RwLock<HashMap<String, Task>>,
     missing: RwLock<HashMap<String, Instant>>,
+    rechecked: RwLock<HashMap<String, Instant>>,
 }
 
 /// A resolved part of a request: a task, maybe a key, and its cost.
@@ -74,6 +75,7 @@ impl Decider {
             keys,
             tasks: RwLock::new(HashMap::new()),
             missing: RwLock::new(HashMap::new()),
+            rechecked: RwLock::new(HashMap::new()),
         }
     }
 
@@ -89,8 +91,23 @@ impl Decider {
 
     /// The handle of task `name`, looked up in Redis on first sight.
     pub async fn task(&self, name: &str) -> Result<Task, DecideError> {
-        if let Some(t) = self.tasks.read().ok().and_then(|m| m.get(name).cloned()) {
-            return Ok(t);
+        let cached = self.tasks.read().ok().and_then(|m| m.get(name).cloned());
+        match cached {
+            // The common case: a known task.
+            Some(t) if t.meta().is_some() => return Ok(t),
+            // Known once, no meta now: deleted (then "unknown" again), or Redis is down (the
+            // SDK's on_failure decides).
+            Some(t) => {
+                if self.recheck_due(name) && self.exists(name).await == Some(false) {
+                    if let Ok(mut m) = self.tasks.write() {
+                        m.remove(name);
+                    }
+                    self.remember_missing(name);
+                    return Err(DecideError::UnknownTask(name.to_string()));
+                }
+                return Ok(t);
+            }
+            None => {}
         }
         sluice::protocol::validate_task_name(name).map_err(|e| DecideError::Invalid {
             field: "task",
@@ -101,21 +118,10 @@ impl Decider {
         {
             return Err(DecideError::UnknownTask(name.to_string()));
         }
-        match self.exists(name).await {
-            Some(false) => {
-                if let Ok(mut m) = self.missing.write() {
-                    if m.len() >= MAX_NEGATIVE {
-                        m.retain(|_, at| at.elapsed() < NEGATIVE_TTL);
-                        if m.len() >= MAX_NEGATIVE {
-                            m.clear();
-                        }
-                    }
-                    m.insert(name.to_string(), Instant::now());
-                }
-                return Err(DecideError::UnknownTask(name.to_string()));
-            }
-            // Redis could not say: the SDK decides as for any task it has no meta for.
-            None | Some(true) => {}
+        // `None`: Redis could not say; the SDK decides as for any task it has no meta for.
+        if self.exists(name).await == Some(false) {
+            self.remember_missing(name);
+            return Err(DecideError::UnknownTask(name.to_string()));
         }
         let t = self
             .client
@@ -136,19 +142,53 @@ impl Decider {
         Ok(t)
     }
 
-    /// `EXISTS NS:{T}:meta`: `None` when Redis did not answer in time.
+    /// True at most once per [`NEGATIVE_TTL`] per task: a cached task without meta is looked
+    /// up again no more often (while Redis is down, decisions must not wait on it each time).
+    fn recheck_due(&self, name: &str) -> bool {
+        let Ok(mut m) = self.rechecked.write() else {
+            return false;
+        };
+        match m.get(name) {
+            Some(at) if at.elapsed() < NEGATIVE_TTL => false,
+            _ => {
+                if m.len() >= MAX_NEGATIVE {
+                    m.clear();
+                }
+                m.insert(name.to_string(), Instant::now());
+                true
+            }
+        }
+    }
+
+    fn remember_missing(&self, name: &str) {
+        if let Ok(mut m) = self.missing.write() {
+            if m.len() >= MAX_NEGATIVE {
+                m.retain(|_, at| at.elapsed() < NEGATIVE_TTL);
+                if m.len() >= MAX_NEGATIVE {
+                    m.clear();
+                }
+            }
+            m.insert(name.to_string(), Instant::now());
+        }
+    }
+
+    /// Whether task `name` is live: its meta has a version and no `retired` mark (a deleted
+    /// task's meta keeps the mark for a while). `None` when Redis did not answer in time.
     async fn exists(&self, name: &str) -> Option<bool> {
+        use sluice::protocol::meta_field;
         let key = self.keys.meta(name);
         let q = async {
             let mut c = self.redis.conn().await.ok()?;
-            redis::cmd("EXISTS")
+            redis::cmd("HMGET")
                 .arg(&key)
-                .query_async::<i64>(&mut c)
+                .arg(meta_field::VERSION)
+                .arg(meta_field::RETIRED)
+                .query_async::<(Option<String>, Option<String>)>(&mut c)
                 .await
                 .ok()
         };
         match tokio::time::timeout(Duration::from_secs(1), q).await {
-            Ok(Some(n)) => Some(n > 0),
+            Ok(Some((version, retired))) => Some(version.is_some() && retired.is_none()),
             Ok(None) => None,
             Err(_) => {
                 self.redis.reset().await;

@@ -38,11 +38,6 @@ use crate::decide::Decider;
 use crate::metrics::Metrics;
 use crate::routes::RouteTable;
 
-/// The Redis hash of compiled Envoy domain configurations (`NS:envoy`).
-pub fn envoy_routes_key(ns: &str) -> String {
-    format!("{ns}:envoy")
-}
-
 /// What every front end of the agent shares.
 pub struct AppState {
     /// The configuration.
@@ -112,7 +107,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> anyhow::Res
                 .add_service(rls)
                 .add_service(rlqs)
                 .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(grpc),
+                    tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true)),
                     stop.clone().cancelled_owned(),
                 )
                 .await;
@@ -126,6 +121,10 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> anyhow::Res
         let stop = stop.clone();
         let app = http::router(state.clone());
         tokio::spawn(async move {
+            use axum::serve::ListenerExt;
+            let http = http.tap_io(|tcp| {
+                let _ = tcp.set_nodelay(true);
+            });
             let r = axum::serve(http, app)
                 .with_graceful_shutdown(stop.clone().cancelled_owned())
                 .await;
@@ -157,7 +156,10 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> anyhow::Res
 
 /// Re-reads `NS:envoy` every `--routes-refresh` (one HGETALL per period per agent).
 async fn poll_routes(state: Arc<AppState>, stop: CancellationToken) {
-    let key = envoy_routes_key(&state.cfg.namespace);
+    let key = match Keys::new(&state.cfg.namespace) {
+        Ok(k) => k.envoy_routes(),
+        Err(_) => return,
+    };
     let mut warned: HashMap<String, String> = HashMap::new();
     let mut down_logged = false;
     loop {

@@ -201,12 +201,20 @@ impl RateLimitService for Rls {
                 }
             }
         }
-        let all = if parts.is_empty() {
-            None
-        } else {
-            Some(s.decider.decide_all(&parts).await)
+        // (the decision, which part refused): one part is decided on its own (its decision
+        // says more, e.g. a shadow task's would-be rejection); several all or nothing.
+        let all: Option<(Decision, Option<usize>)> = match parts.len() {
+            0 => None,
+            1 => {
+                let d = s.decider.decide(&parts[0]).await;
+                Some((d, (!d.is_allowed()).then_some(0)))
+            }
+            _ => {
+                let a = s.decider.decide_all(&parts).await;
+                Some((a.decision, a.refused.filter(|_| !a.decision.is_allowed())))
+            }
         };
-        let refused = all.and_then(|a| a.refused.filter(|_| !a.decision.is_allowed()));
+        let refused = all.and_then(|(_, r)| r);
         let mut statuses = Vec::with_capacity(slots.len());
         let mut over = false;
         // For the x-ratelimit-* headers: the tightest limit stated.
@@ -221,12 +229,12 @@ impl RateLimitService for Rls {
             };
             let is_refused = sl.part.is_some() && sl.part == refused;
             let decision = match (is_refused, all) {
-                (true, Some(a)) => a.decision,
+                (true, Some((d, _))) => d,
                 _ => Decision::Allowed,
             };
-            if let (Some(a), Some(_)) = (all, sl.part) {
-                let name = if is_refused || a.refused.is_none() {
-                    decision_name(&a.decision)
+            if let (Some((d, r)), Some(_)) = (all, sl.part) {
+                let name = if is_refused || r.is_none() {
+                    decision_name(&d)
                 } else {
                     "given_back"
                 };

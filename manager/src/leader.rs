@@ -100,6 +100,13 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
             alerts.clone(),
         ),
         roller.run(ctx.clone(), deps.store.clone(), deps.dynamic.clone()),
+        crate::envoy_import::mirror(
+            ctx.clone(),
+            deps.etcd.clone(),
+            deps.keys.clone(),
+            deps.redis.clone(),
+            deps.roll.tick,
+        ),
         harvester.run(ctx.clone(), deps.store.clone()),
         crate::leases::run(
             ctx.clone(),

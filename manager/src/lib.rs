@@ -32,6 +32,7 @@ pub mod alerts;
 pub mod config;
 pub mod dynamic;
 pub mod election;
+pub mod envoy_import;
 pub mod error;
 pub mod etcd_link;
 pub mod history;

@@ -314,6 +314,30 @@ async fn rolling_pulling_and_failover_over_mutual_tls_under_the_documented_acls(
     }
     assert_no_secret(&log, "loadgen");
 
+    // The host agent over mutual TLS as the worker user: decisions, the first-sight lookup of
+    // a task (HMGET on its meta), the Envoy domains (HGETALL NS:envoy, /readyz).
+    {
+        let flags = w.worker_flags();
+        let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+        let a = Agent::start(&w.redis.url(), &w.ns, "agent-h", &flags).await;
+        a.wait_ready().await;
+        let (s, v) = a.decide(&serde_json::json!({"task": "pooled"})).await;
+        assert_eq!((s, v["decision"].as_str()), (200, Some("allowed")), "{v}");
+        let (s, v) = a
+            .decide(&serde_json::json!({"task": "keyed", "key": "agent-key"}))
+            .await;
+        assert_eq!((s, v["decision"].as_str()), (200, Some("allowed")), "{v}");
+        let (s, v) = a.decide(&serde_json::json!({"task": "no-such-task"})).await;
+        assert_eq!(s, 404, "{v}");
+        let denials = w.acl_denials();
+        assert!(
+            denials.is_empty(),
+            "ACL denials (agent): {denials:#?}\n{}",
+            a.proc.log()
+        );
+        assert_no_secret(&a.proc.log(), "agent");
+    }
+
     // The API's Redis reads (task status, history, alerts, top keys) as the manager user.
     for path in [
         "/api/v1/tasks/pooled",

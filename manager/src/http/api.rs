@@ -117,6 +117,7 @@ pub fn routes() -> Router<AppState> {
             "/tasks/{name}",
             get(get_task).put(put_task).delete(delete_task),
         )
+        .merge(super::envoy::routes())
         .merge(super::history::routes())
         .merge(super::keys::routes())
         .merge(super::ops::routes())

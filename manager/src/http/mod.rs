@@ -4,6 +4,7 @@
 //! Every replica serves everything; writes go to etcd, so they work through any replica.
 
 pub mod api;
+pub mod envoy;
 pub mod history;
 pub mod keys;
 pub mod ops;
@@ -209,7 +210,10 @@ async fn access(State(s): State<AppState>, req: Request, next: Next) -> Response
             );
         }
     }
-    if matches!(method, Method::PUT | Method::POST | Method::PATCH) && !is_json(&req) {
+    if matches!(method, Method::PUT | Method::POST | Method::PATCH)
+        && !is_json(&req)
+        && !envoy::is_yaml_import(&req)
+    {
         return refuse(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
             "changes must be sent with content-type: application/json",

@@ -273,6 +273,22 @@ impl Keys {
         format!("/{}/tasks/{task}", self.ns)
     }
 
+    /// `NS:envoy`: hash of the imported envoyproxy/ratelimit domains (field = domain, value =
+    /// the compiled JSON); written by the leader, read by host agents (no hash tag: one key).
+    pub fn envoy_routes(&self) -> String {
+        format!("{}:envoy", self.ns)
+    }
+
+    /// `/NS/envoy/`: prefix of the imported envoyproxy/ratelimit domain documents.
+    pub fn etcd_envoy_prefix(&self) -> String {
+        format!("/{}/envoy/", self.ns)
+    }
+
+    /// `/NS/envoy/<domain>`: one imported envoyproxy/ratelimit domain document.
+    pub fn etcd_envoy_domain(&self, domain: &str) -> String {
+        format!("/{}/envoy/{domain}", self.ns)
+    }
+
     /// `/NS/settings`: global settings JSON.
     pub fn etcd_settings(&self) -> String {
         format!("/{}/settings", self.ns)

@@ -1,0 +1,164 @@
+//! `/api/v1/import/envoy-ratelimit`: envoyproxy/ratelimit YAML configs, imported as Sluice
+//! tasks ([`crate::envoy_import`]; contract in `docs/api.md`).
+//!
+//! Errors keep the API's shape, `{"error", "field"}`, plus `line` (1-based, of the YAML) when
+//! a line is at fault: 400 bad YAML or a config Sluice cannot express, 409 a task name that
+//! belongs to someone else (or writes that kept racing), 404 unknown domain.
+
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, Request, State};
+use axum::http::{StatusCode, header};
+use axum::routing::{delete, get};
+use serde_json::{Value, json};
+use tracing::info;
+
+use super::AppState;
+use super::api::{ApiError, ApiResult};
+use crate::envoy_import::{self, ImportError, Refused};
+
+/// Path of the import endpoint (below `/api/v1`).
+const IMPORT_PATH: &str = "/import/envoy-ratelimit";
+
+/// The routes, merged into `/api/v1`.
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route(IMPORT_PATH, get(list_domains).post(import))
+        .route(&format!("{IMPORT_PATH}/{{domain}}"), delete(delete_domain))
+}
+
+/// Whether a change request is a YAML import (it may then be sent as `application/yaml`,
+/// `application/x-yaml`, `text/yaml` or `text/x-yaml`, not only JSON).
+pub fn is_yaml_import(req: &Request) -> bool {
+    let path = req.uri().path().trim_end_matches('/');
+    path == format!("/api/v1{IMPORT_PATH}")
+        && req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.split(';').next())
+            .is_some_and(|t| {
+                let t = t.trim().to_ascii_lowercase();
+                matches!(
+                    t.as_str(),
+                    "application/yaml" | "application/x-yaml" | "text/yaml" | "text/x-yaml"
+                )
+            })
+}
+
+fn bad(status: StatusCode, e: ImportError) -> ApiError {
+    let mut a = ApiError::new(status, e.error);
+    a.set("field", Value::from(e.field));
+    a.set("line", e.line.map_or(Value::Null, Value::from));
+    a
+}
+
+async fn import(State(s): State<AppState>, body: Bytes) -> ApiResult<axum::Json<Value>> {
+    let text = std::str::from_utf8(&body).map_err(|e| {
+        bad(
+            StatusCode::BAD_REQUEST,
+            ImportError {
+                error: format!("the config is not UTF-8: {e}"),
+                field: String::new(),
+                line: None,
+            },
+        )
+    })?;
+    let compiled = envoy_import::prepare(text).map_err(|e| bad(StatusCode::BAD_REQUEST, e))?;
+    match envoy_import::apply(&s.etcd, &s.keys, &compiled, text).await? {
+        Ok(a) => {
+            info!(
+                domain = compiled.domain,
+                created = a.created.len(),
+                updated = a.updated.len(),
+                deleted = a.deleted.len(),
+                "envoy-ratelimit domain imported"
+            );
+            Ok(axum::Json(json!({
+                "domain": compiled.domain,
+                "version": a.version,
+                "created": a.created,
+                "updated": a.updated,
+                "unchanged": a.unchanged,
+                "deleted": a.deleted,
+                "tasks": compiled.tasks.iter().map(|t| t.to_json()).collect::<Vec<_>>(),
+            })))
+        }
+        Err(r) => Err(refused(&compiled.domain, r)),
+    }
+}
+
+fn refused(domain: &str, r: Refused) -> ApiError {
+    match r {
+        Refused::NotOurs { task, field, line } => {
+            let mut a = bad(
+                StatusCode::CONFLICT,
+                ImportError {
+                    error: format!(
+                        "task {task:?} exists and was not made by an import of domain {domain:?}; it is left as it is: delete or rename it, or change this descriptor"
+                    ),
+                    field,
+                    line: Some(line),
+                },
+            );
+            a.set("task", Value::from(task));
+            a
+        }
+        Refused::Busy => ApiError::new(
+            StatusCode::CONFLICT,
+            format!("domain {domain:?} or its tasks kept changing during the import; retry"),
+        ),
+        Refused::NoDomain => ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("no imported domain {domain:?}"),
+        ),
+    }
+}
+
+async fn list_domains(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
+    let (docs, _) = envoy_import::list(&s.etcd, &s.keys).await?;
+    let domains: Vec<Value> = docs
+        .iter()
+        .map(|(d, version)| {
+            json!({
+                "domain": d.domain,
+                "version": version,
+                "imported_ms": d.imported_ms,
+                "tasks": d.tasks,
+            })
+        })
+        .collect();
+    Ok(axum::Json(json!({ "domains": domains })))
+}
+
+async fn delete_domain(
+    State(s): State<AppState>,
+    Path(domain): Path<String>,
+) -> ApiResult<axum::Json<Value>> {
+    if domain.is_empty()
+        || domain.len() > envoy_import::MAX_DOMAIN_LEN
+        || !domain
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-'))
+    {
+        return Err(bad(
+            StatusCode::BAD_REQUEST,
+            ImportError {
+                error: "not a domain name (A-Z a-z 0-9 _ -)".into(),
+                field: "domain".into(),
+                line: None,
+            },
+        ));
+    }
+    match envoy_import::remove(&s.etcd, &s.keys, &domain).await? {
+        Ok(tasks) => {
+            info!(
+                domain,
+                tasks = tasks.len(),
+                "envoy-ratelimit domain deleted"
+            );
+            Ok(axum::Json(json!({ "domain": domain, "deleted": tasks })))
+        }
+        Err(r) => Err(refused(&domain, r)),
+    }
+}
