@@ -35,7 +35,7 @@ QUICK=0
 SECS=10
 WARM=1
 case "${1:-}" in
-  --quick) QUICK=1; SECS=2; WARM=0.5 ;;
+  --quick) QUICK=1; SECS=2; WARM=0.25 ;;
   "") ;;
   *[!0-9]* ) die "usage: scripts/bench-agent.sh [SECONDS | --quick] (got ${1@Q})" ;;
   *) SECS=$1 ;;

@@ -34,7 +34,8 @@
 //! Redis is used through `--redis-connections` (default 4) multiplexed connections, requests
 //! spread over them round robin; concurrent requests share a connection's pipeline (as
 //! envoyproxy/ratelimit's implicit pipelining can). A Redis error answers gRPC `UNAVAILABLE`
-//! / HTTP 503.
+//! / HTTP 503. Exit status 2 with the reason on stderr when a flag is bad or Redis or a
+//! listen address cannot be had at start.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -283,8 +284,14 @@ fn parse_unit(u: &str) -> anyhow::Result<(Unit, u64)> {
 }
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    let args = Args::parse();
+async fn main() {
+    if let Err(e) = serve(Args::parse()).await {
+        eprintln!("rls_baseline: {e:#}");
+        std::process::exit(2);
+    }
+}
+
+async fn serve(args: Args) -> anyhow::Result<()> {
     let (unit, divider) = parse_unit(&args.unit)?;
     if args.redis_connections == 0 {
         bail!("--redis-connections must be at least 1");

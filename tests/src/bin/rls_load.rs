@@ -30,6 +30,8 @@
 //!   ms) in which it ARRIVED (the client cannot see when the server decided; arrival is the last
 //!   moment it can have been decided). An answer sent in one window and received in the next is
 //!   ambiguous; `per_window[].ok_sent_before` counts those so an accuracy check can tell.
+//! * Before the clock starts, every worker sends one unrecorded request (a failure there is a
+//!   setup failure, exit 2), so connection set-up is not charged to the first decisions.
 //! * `--warmup-seconds W`: the same load runs W seconds before the measured S seconds; nothing
 //!   from the warm-up is recorded.
 //!
@@ -441,7 +443,7 @@ async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
 
     // Connect everything before the clock starts (a failure here is a setup failure).
     let mut conns = Vec::with_capacity(args.concurrency);
-    let connections;
+    let connections: usize;
     match &target {
         Target::Grpc(uri) => {
             let mut channels = Vec::new();
@@ -469,6 +471,38 @@ async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
                 });
             }
             connections = args.concurrency;
+        }
+    }
+
+    // Pre-flight: one unrecorded request on every worker's connection, all at once, before the
+    // clock starts, so lazy set-up (HTTP/2 settings, first use of a connection, the server's
+    // first decision for the task) is not charged to the first scheduled decisions of an open
+    // loop. A failure here is a setup failure (wrong task, wrong protocol, ...).
+    let probe = Work {
+        args: args.clone(),
+        descriptors: descriptors.clone(),
+    };
+    let probe = Arc::new(probe);
+    let mut flights = Vec::new();
+    for (w, mut c) in conns.into_iter().enumerate() {
+        let probe = probe.clone();
+        let timeout = Duration::from_millis(args.timeout_ms);
+        flights.push(tokio::spawn(async move {
+            let o = tokio::time::timeout(timeout, probe.one(&mut c, w as u64)).await;
+            (c, o)
+        }));
+    }
+    let mut conns = Vec::with_capacity(flights.len());
+    for f in flights {
+        let (c, o) = f.await.context("a pre-flight request panicked")?;
+        match o {
+            Ok(Outcome::Err(e)) => bail!("--target {}: the first request failed: {e}", args.target),
+            Err(_) => bail!(
+                "--target {}: the first request timed out after {} ms",
+                args.target,
+                args.timeout_ms
+            ),
+            Ok(_) => conns.push(c),
         }
     }
 
