@@ -86,51 +86,7 @@ pub struct LimitSpec {
     pub unit: Unit,
 }
 
-/// Envoy's `RateLimitResponse.RateLimit.Unit`, as far as Sluice's slices reach.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unit {
-    /// 1 s.
-    Second,
-    /// 60 s.
-    Minute,
-    /// 3,600 s.
-    Hour,
-    /// 86,400 s.
-    Day,
-}
-
-impl Unit {
-    fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "second" => Unit::Second,
-            "minute" => Unit::Minute,
-            "hour" => Unit::Hour,
-            "day" => Unit::Day,
-            _ => return None,
-        })
-    }
-
-    /// The unit of a slice length, when it is one of Envoy's.
-    pub fn of_slice_ms(ms: u64) -> Option<Self> {
-        Some(match ms {
-            1_000 => Unit::Second,
-            60_000 => Unit::Minute,
-            3_600_000 => Unit::Hour,
-            86_400_000 => Unit::Day,
-            _ => return None,
-        })
-    }
-
-    /// The proto enum value (`RateLimitResponse.RateLimit.Unit`).
-    pub fn proto(self) -> i32 {
-        match self {
-            Unit::Second => 1,
-            Unit::Minute => 2,
-            Unit::Hour => 3,
-            Unit::Day => 4,
-        }
-    }
-}
+pub use sluice::protocol::envoy::Unit;
 
 /// What a descriptor resolved to.
 #[derive(Debug, Clone, PartialEq)]

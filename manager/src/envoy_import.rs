@@ -275,40 +275,7 @@ fn load_yaml(text: &str) -> Result<YNode, ImportError> {
 // ---------------------------------------------------------------------------------------------
 // The tree → a validated domain.
 
-/// A rate-limit unit Sluice can express (one slice).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Unit {
-    /// 1 s slices.
-    Second,
-    /// 60 s slices.
-    Minute,
-    /// 1 h slices.
-    Hour,
-    /// 1 day slices.
-    Day,
-}
-
-impl Unit {
-    /// The slice length.
-    pub fn slice_ms(self) -> u64 {
-        match self {
-            Self::Second => 1_000,
-            Self::Minute => 60_000,
-            Self::Hour => 3_600_000,
-            Self::Day => 86_400_000,
-        }
-    }
-
-    /// The name (as in the YAML, lower case).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Second => "second",
-            Self::Minute => "minute",
-            Self::Hour => "hour",
-            Self::Day => "day",
-        }
-    }
-}
+pub use sluice::protocol::envoy::Unit;
 
 /// A `rate_limit` block.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -668,28 +635,28 @@ fn parse_rate_limit(field: &str, n: &YNode) -> Result<RateLimit, ImportError> {
     }
     let unit = match o.string("unit")? {
         None => None,
-        Some((u, line)) => Some(match u.to_ascii_lowercase().as_str() {
-            "second" => Unit::Second,
-            "minute" => Unit::Minute,
-            "hour" => Unit::Hour,
-            "day" => Unit::Day,
-            "week" | "month" | "year" => {
-                return Err(ie(
-                    o.field("unit"),
-                    line,
-                    format!(
-                        "{u:?} cannot be expressed: a Sluice slice is at most one day; use second, minute, hour or day"
-                    ),
-                ));
+        Some((u, line)) => {
+            let lower = u.to_ascii_lowercase();
+            match (Unit::parse(&lower), lower.as_str()) {
+                (Some(unit), _) => Some(unit),
+                (None, "week" | "month" | "year") => {
+                    return Err(ie(
+                        o.field("unit"),
+                        line,
+                        format!(
+                            "{u:?} cannot be expressed: a Sluice slice is at most one day; use second, minute, hour or day"
+                        ),
+                    ));
+                }
+                (None, _) => {
+                    return Err(ie(
+                        o.field("unit"),
+                        line,
+                        format!("unknown unit {u:?}; expected second, minute, hour or day"),
+                    ));
+                }
             }
-            _ => {
-                return Err(ie(
-                    o.field("unit"),
-                    line,
-                    format!("unknown unit {u:?}; expected second, minute, hour or day"),
-                ));
-            }
-        }),
+        }
     };
     let rpu = match o.get("requests_per_unit") {
         None => None,

@@ -1932,6 +1932,14 @@ impl Agent {
         (code, r.json().await.unwrap_or(Value::Null))
     }
 
+    /// `GET /metrics` (empty when it does not answer).
+    pub async fn metrics(&self) -> String {
+        match http().get(self.url("/metrics")).send().await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        }
+    }
+
     /// Waits until `/readyz` answers 200 (the domain configurations were read).
     pub async fn wait_ready(&self) {
         let url = self.url("/readyz");

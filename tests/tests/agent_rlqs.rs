@@ -639,7 +639,7 @@ async fn expiry_no_assignment_and_deny_all() {
         assert!(*n <= 10, "slice {s} of tight assigned {n} > 10");
     }
     assert!(all.len() >= web.len());
-    let metrics = agent_metrics(&a).await;
+    let metrics = a.metrics().await;
     for needle in [
         r#"sluice_agent_decisions_total{api="rlqs",decision="no_task"}"#,
         r#"sluice_agent_decisions_total{api="rlqs",decision="unknown_task"}"#,
@@ -734,7 +734,7 @@ async fn idle_buckets_are_abandoned() {
         "{quiet_got:?}"
     );
     assert_eq!(ab, quiet_got.len() - 1, "{quiet_got:?}");
-    let metrics = agent_metrics(&a).await;
+    let metrics = a.metrics().await;
     assert!(
         metrics.contains(r#"sluice_agent_decisions_total{api="rlqs",decision="abandoned"} 1"#),
         "{metrics}"
@@ -745,24 +745,13 @@ async fn idle_buckets_are_abandoned() {
         Duration::from_secs(5),
         Duration::from_millis(50),
         || async {
-            let m = agent_metrics(&a).await;
+            let m = a.metrics().await;
             (metric_value(&m, "sluice_agent_rlqs_streams") == Some(0.0)
                 && metric_value(&m, "sluice_agent_rlqs_buckets") == Some(0.0))
             .then_some(())
         },
     )
     .await;
-}
-
-async fn agent_metrics(a: &Agent) -> String {
-    http()
-        .get(a.url("/metrics"))
-        .send()
-        .await
-        .expect("GET /metrics")
-        .text()
-        .await
-        .expect("metrics text")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

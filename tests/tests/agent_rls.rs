@@ -295,14 +295,7 @@ async fn answers_carry_limits_remaining_headers_and_are_all_or_nothing() {
     .unwrap();
     assert_eq!(r.overall_code, OK);
     assert!(r.statuses[0].current_limit.is_none());
-    let metrics = http()
-        .get(a.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = a.metrics().await;
     assert!(
         metrics.contains(r#"sluice_agent_decisions_total{api="rls",decision="unknown_task"} 1"#),
         "{metrics}"
@@ -358,21 +351,28 @@ descriptors:
       requests_per_unit: 1
 ";
 
+/// `POST /api/v1/import/envoy-ratelimit`: must answer 200; the answer.
+async fn import(m: &Manager, yaml: &str) -> serde_json::Value {
+    let r = m
+        .request(reqwest::Method::POST, "/api/v1/import/envoy-ratelimit")
+        .header("content-type", "application/yaml")
+        .body(yaml.to_string())
+        .send()
+        .await
+        .expect("POST import");
+    let status = r.status().as_u16();
+    let answer: serde_json::Value = r.json().await.unwrap_or_default();
+    assert_eq!(status, 200, "{answer}");
+    answer
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_imported_envoyproxy_ratelimit_config_is_enforced() {
     let (etcd, redis) = (shared_etcd(), shared_redis());
     let ns = unique_ns("rlsimp");
     let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
     m.wait_leader().await;
-    let r = m
-        .request(reqwest::Method::POST, "/api/v1/import/envoy-ratelimit")
-        .header("content-type", "application/yaml")
-        .body(ENVOY_CONFIG)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
-    let answer: serde_json::Value = r.json().await.unwrap();
+    let answer = import(&m, ENVOY_CONFIG).await;
     let names: Vec<String> = answer["tasks"]
         .as_array()
         .unwrap()
@@ -499,14 +499,7 @@ async fn an_imported_envoyproxy_ratelimit_config_is_enforced() {
         codes(&mut c, vec![vec![("user_class", "basic")]], 2).await,
         [OK, OVER_LIMIT]
     );
-    let metrics = http()
-        .get(a.url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = a.metrics().await;
     assert!(
         metrics.contains(r#"sluice_agent_decisions_total{api="rls",decision="shadow_limited"} 2"#),
         "{metrics}"
@@ -528,14 +521,7 @@ async fn an_imported_envoyproxy_ratelimit_config_is_enforced() {
         "",
     );
     assert_ne!(without_wildcard, ENVOY_CONFIG);
-    let r = m
-        .request(reqwest::Method::POST, "/api/v1/import/envoy-ratelimit")
-        .header("content-type", "application/yaml")
-        .body(without_wildcard)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status().as_u16(), 200);
+    import(&m, &without_wildcard).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
         let got = codes(&mut c, vec![vec![("remote_address", "10.0.0.1")]], 1).await;

@@ -33,6 +33,7 @@
 //! ```
 
 pub mod conn;
+pub mod envoy;
 pub mod lease;
 pub mod scripts;
 pub mod tls;
