@@ -157,7 +157,7 @@ pub struct Config {
     pub acquire_timeout: Duration,
     /// Period of re-reading the Envoy domain configurations.
     pub routes_refresh: Duration,
-    /// RLQS: lifetime of the assignments made while FAILED (capped to the slice's end).
+    /// RLQS: lifetime of the assignments made while FAILED (for `on_failure: local` capped to the slice's end).
     pub rlqs_assignment_ttl: Duration,
     /// RLQS: abandon a bucket unreported for this long.
     pub rlqs_abandon_after: Duration,

@@ -22,7 +22,8 @@
 //! * Granted 0 (the slice's quota is spent): `DENY_ALL` until the slice ends.
 //! * FAILED (Redis unusable): the task's `on_failure` decides: `deny` → `DENY_ALL`, `allow`
 //!   (and a task whose meta is not known yet) → `ALLOW_ALL`, `local` → a token bucket of what
-//!   the local limiter granted; TTL `--rlqs-assignment-ttl` capped to the slice's end.
+//!   the local limiter granted; TTL `--rlqs-assignment-ttl` (for `local` capped to the
+//!   slice's end: its grant is the slice's).
 //! * Shadow tasks: the acquire is made (counted by the SDK as usual, would-rejects included)
 //!   and the answer is `ALLOW_ALL` until the slice ends.
 //! * A bucket reporting no usage for `--rlqs-abandon-after` gets an `AbandonAction` and is
@@ -235,6 +236,15 @@ fn slice_index(part: &Part) -> Option<(i64, u64)> {
     let m = part.task.meta()?;
     let slice_us = m.slice_ms.max(1) as i64 * 1_000;
     Some((part.task.now_us().div_euclid(slice_us), m.slice_ms.max(1)))
+}
+
+/// When a FAILED assignment of lifetime `ttl` is renewed: early enough that the renewal's own
+/// bounded work (a round's acquire budget, the machine's scheduling) ends before the client's
+/// copy expires — a margin of a tenth of the TTL, at least 200 ms (twice [`ROUND_BUDGET`]),
+/// at most half the TTL.
+fn renew_after(ttl: Duration) -> Duration {
+    let margin = (ttl / 10).max(ROUND_BUDGET * 2).min(ttl / 2);
+    ttl - margin
 }
 
 /// Acquires up to `want` permits for `part` from the host's quota.
@@ -504,28 +514,59 @@ impl StreamState {
         b.seq += 1;
         state.metrics.decision("rlqs", decision_name(&decision));
         let shadow = meta.as_ref().is_some_and(|m| m.shadow);
-        let short = state.cfg.rlqs_assignment_ttl.min(ttl_to_end);
-        // Renewed shortly before it expires (the same strategy extends it at the client);
-        // one ending with the slice is renewed by the boundary.
-        b.renew_at = (matches!(
-            decision,
-            Decision::FallbackAllowed | Decision::FallbackDenied { .. }
-        ) && short + Duration::from_millis(20) < ttl_to_end)
-            .then(|| Instant::now() + short.mul_f64(0.9));
-        let action = match decision {
-            Decision::FallbackAllowed
-                if meta
-                    .as_ref()
-                    .is_some_and(|m| m.on_failure == OnFailure::Local) =>
-            {
-                assignment(&b.id, token_bucket(granted, b.seq), short)
-            }
-            Decision::FallbackAllowed => assignment(&b.id, blanket(BlanketRule::AllowAll), short),
-            Decision::FallbackDenied { retry_after } => assignment(
-                &b.id,
-                blanket(BlanketRule::DenyAll),
-                short.min(retry_after.max(Duration::from_millis(1))),
+        let local = meta
+            .as_ref()
+            .is_some_and(|m| m.on_failure == OnFailure::Local);
+        // FAILED: `allow` / `deny` do not depend on the slice, so their TTL is not cut at its
+        // end (an assignment expiring exactly at the boundary would leave the client without
+        // one until the boundary's assignment arrives); `local`'s grant is the slice's.
+        let failed_ttl = if local {
+            state.cfg.rlqs_assignment_ttl.min(ttl_to_end)
+        } else {
+            state.cfg.rlqs_assignment_ttl
+        };
+        let (action, failed_sent) = match decision {
+            Decision::FallbackAllowed if local => (
+                assignment(&b.id, token_bucket(granted, b.seq), failed_ttl),
+                Some(failed_ttl),
             ),
+            Decision::FallbackAllowed => (
+                assignment(&b.id, blanket(BlanketRule::AllowAll), failed_ttl),
+                Some(failed_ttl),
+            ),
+            Decision::FallbackDenied { retry_after } => {
+                let ttl = failed_ttl.min(retry_after.max(Duration::from_millis(1)));
+                (
+                    assignment(&b.id, blanket(BlanketRule::DenyAll), ttl),
+                    Some(ttl),
+                )
+            }
+            _ => (
+                self.quota_action(key, decision, granted, index, shadow, ttl_to_end)?,
+                None,
+            ),
+        };
+        // A FAILED assignment is renewed shortly before it expires (the same strategy extends
+        // it at the client); `local`'s, cut at the slice's end, is renewed by the boundary.
+        let b = self.buckets.get_mut(key)?;
+        b.renew_at = failed_sent
+            .filter(|ttl| !local || *ttl + Duration::from_millis(20) < ttl_to_end)
+            .map(|ttl| Instant::now() + renew_after(ttl));
+        Some(action)
+    }
+
+    /// The assignment of a decision on the global quota (not FAILED).
+    fn quota_action(
+        &mut self,
+        key: &BucketKey,
+        decision: Decision,
+        granted: u64,
+        index: Option<i64>,
+        shadow: bool,
+        ttl_to_end: Duration,
+    ) -> Option<BucketAction> {
+        let b = self.buckets.get_mut(key)?;
+        Some(match decision {
             _ if shadow => assignment(&b.id, blanket(BlanketRule::AllowAll), ttl_to_end),
             // The slice's quota is spent (the refusal lasts until the slice's end).
             Decision::Limited { retry_after }
@@ -542,8 +583,7 @@ impl StreamState {
                 RETRY_DENY.min(ttl_to_end),
             ),
             _ => assignment(&b.id, token_bucket(granted, b.seq), ttl_to_end),
-        };
-        Some(action)
+        })
     }
 
     /// When the stream task must wake: the next slice boundary of a tracked bucket, or the
@@ -686,6 +726,14 @@ async fn run_stream(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn renewals_leave_room_for_their_own_work() {
+        let ms = Duration::from_millis;
+        assert_eq!(renew_after(ms(500)), ms(300));
+        assert_eq!(renew_after(Duration::from_secs(10)), Duration::from_secs(9));
+        assert_eq!(renew_after(ms(200)), ms(100));
+    }
 
     fn map(entries: &[(&str, &str)]) -> HashMap<String, String> {
         entries
