@@ -274,7 +274,8 @@ impl Tree {
 /// Every domain the agent knows, swapped whole on each refresh.
 #[derive(Debug, Default)]
 pub struct Routes {
-    domains: HashMap<String, Tree>,
+    /// Shared with the previous refresh while a domain's version is unchanged.
+    domains: HashMap<String, Arc<Tree>>,
 }
 
 impl Routes {
@@ -359,25 +360,25 @@ impl RouteTable {
                     }
                     let mut count = 0;
                     let children = index(&d.descriptors, 1, &mut count)?;
-                    Ok(Some(Tree {
+                    Ok(Some(Arc::new(Tree {
                         version: d.version,
                         children,
-                    }))
+                    })))
                 });
             match parsed {
                 Ok(Some(t)) => {
                     domains.insert(domain.clone(), t);
                 }
+                // Unchanged (same version): the tree already built is kept, not rebuilt.
                 Ok(None) => {
-                    // Unchanged: rebuild cheaply by re-indexing is avoided by keeping the old.
                     if let Some(t) = old_tree {
-                        domains.insert(domain.clone(), t.clone_shallow());
+                        domains.insert(domain.clone(), t.clone());
                     }
                 }
                 Err(why) => {
                     errors.push((domain.clone(), why));
                     if let Some(t) = old_tree {
-                        domains.insert(domain.clone(), t.clone_shallow());
+                        domains.insert(domain.clone(), t.clone());
                     }
                 }
             }
@@ -388,29 +389,6 @@ impl RouteTable {
         self.loaded
             .store(true, std::sync::atomic::Ordering::Release);
         errors
-    }
-}
-
-impl Tree {
-    fn clone_shallow(&self) -> Tree {
-        fn c(m: &HashMap<String, TreeNode>) -> HashMap<String, TreeNode> {
-            m.iter()
-                .map(|(k, n)| {
-                    (
-                        k.clone(),
-                        TreeNode {
-                            node_limit: n.node_limit.clone(),
-                            wildcard: n.wildcard,
-                            children: c(&n.children),
-                        },
-                    )
-                })
-                .collect()
-        }
-        Tree {
-            version: self.version,
-            children: c(&self.children),
-        }
     }
 }
 
