@@ -15,7 +15,7 @@
 //! * `host/N`: N threads, each with its own client (its own mapping of the same segment, like
 //!   N processes of one host), deciding against one shared quota: decisions/s of the host.
 //!
-//! `scripts/bench.sh` runs this and the whole-system load test, and `docs/benchmarks.md`
+//! `scripts/bench-sdk.sh` runs this and the whole-system load test, and `docs/benchmarks.md`
 //! has the numbers.
 
 use std::time::{Duration, Instant};

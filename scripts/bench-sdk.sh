@@ -10,7 +10,7 @@
 #   * then the criterion micro-benchmarks (`cargo bench -p sluice --bench decide`), unless
 #     SLUICE_BENCH_SKIP_CRITERION=1.
 #
-#   scripts/bench.sh [SECONDS]      (default 5 s per throughput run)
+#   scripts/bench-sdk.sh [SECONDS]  (default 5 s per throughput run)
 # Everything started here is stopped by PID on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
