@@ -131,17 +131,24 @@ async function main() {
   let ok = 0; let over = 0; let errors = 0; let firstError = null;
   const wall0 = Date.now();
   const t0 = process.hrtime.bigint();
-  const endNs = t0 + BigInt(o.durationMs) * 1000000n;
-  const periodNs = o.rate > 0 ? 1e9 / o.rate : 0;
-  // Decision i is due at T + i/R; if T was already past at start-up, the schedule starts now.
+  // The run is [T, T + D) on the monotonic clock (so every process stops at the same moment) and
+  // decision i is due at T + i/R; if T was already past at start-up, the run starts now.
   const anchorNs = waitMs > 0 ? t0 - BigInt(Math.max(0, wall0 - o.startAtMs)) * 1000000n : t0;
+  const endNs = anchorNs + BigInt(o.durationMs) * 1000000n;
+  const periodNs = o.rate > 0 ? 1e9 / o.rate : 0;
   let i = 0;
   while (!stop) {
     let now = process.hrtime.bigint();
     if (now >= endNs) break;
     if (periodNs > 0) {
       const due = anchorNs + BigInt(Math.round(i * periodNs));
-      if (due >= endNs) break;
+      if (due >= endNs) {
+        // No decision is due before the end: the run still lasts until T + D.
+        while (!stop && process.hrtime.bigint() < endNs) {
+          await sleep(Math.min(50, Number(endNs - process.hrtime.bigint()) / 1e6));
+        }
+        break;
+      }
       if (due > now) {
         await sleep(Number(due - now) / 1e6);
         if (stop) break;

@@ -158,10 +158,11 @@ def main():
     bucket_ms = o["bucket_ms"]
     wall0 = time.time() * 1000
     t0 = time.perf_counter_ns()
-    end_ns = t0 + o["duration_ms"] * 1_000_000
-    period_ns = 1e9 / o["rate"] if o["rate"] > 0 else 0
-    # Decision i is due at T + i/R; if T was already past at start-up, the schedule starts now.
+    # The run is [T, T + D) on the monotonic clock (so every process stops at the same moment)
+    # and decision i is due at T + i/R; if T was already past at start-up, the run starts now.
     anchor_ns = t0 - int(max(0.0, wall0 - start_at) * 1e6) if waited else t0
+    end_ns = anchor_ns + o["duration_ms"] * 1_000_000
+    period_ns = 1e9 / o["rate"] if o["rate"] > 0 else 0
     i = 0
     while not stop:
         now = time.perf_counter_ns()
@@ -170,6 +171,9 @@ def main():
         if period_ns:
             due = anchor_ns + round(i * period_ns)
             if due >= end_ns:
+                # No decision is due before the end: the run still lasts until T + D.
+                while not stop and (left := end_ns - time.perf_counter_ns()) > 0:
+                    time.sleep(min(0.05, left / 1e9))
                 break
             if due > now:
                 time.sleep((due - now) / 1e9)
