@@ -31,6 +31,7 @@ fi
 
 log "clippy"
 cargo clippy --workspace --all-targets -- -D warnings
+scripts/check-deploy.sh
 
 log "building binaries and examples"
 cargo build --workspace --bins --examples
