@@ -74,6 +74,15 @@
 //! `O_APPEND` descriptor. Buckets count permits by their start; `fallback_admitted` counts
 //! permits handed out while FAILED. `--rate` does not apply (the workers are the demand).
 //!
+//! # Latency
+//!
+//! `--latency-every N` (extra) times every N-th decision of the synchronous loop (two
+//! `Instant::now()` around it, so N = 64 adds well under a nanosecond per decision on average);
+//! keyed tasks time every decision. The parent's JSON then carries `lat_hist`
+//! (`floor(log2(ns) · 16)` → decisions: the histogram format of the side-by-side benchmark's
+//! peers, scripts/bench/peers/README.md) and `lat_clock_ns`, the median cost of the timing
+//! itself, measured at start and already subtracted from every sample.
+//!
 //! # Keyed tasks
 //!
 //! `--keys K` (📌) spreads the decisions over the keys `key-0 … key-{K-1}` of a keyed task:
@@ -191,11 +200,16 @@ struct Args {
     /// Keyed tasks: entries of the host's key table (extra; SDK default when absent).
     #[arg(long)]
     key_slots: Option<u32>,
+    /// Time every N-th decision into `lat_hist` (extra; 0 = none; keyed tasks time every one).
+    #[arg(long, default_value_t = 0)]
+    latency_every: u64,
     /// Internal: run as child number i.
     #[arg(long, hide = true)]
     child: Option<u32>,
-    /// Internal: common start time (Unix ms).
-    #[arg(long, hide = true)]
+    /// Common start time of every process (Unix ms; extra). Default: 1 s (+ 50 ms per
+    /// process) after the parent starts. Several loadgen runs given the same value start
+    /// together (the side-by-side benchmark does so for its simulated hosts).
+    #[arg(long)]
     start_at_ms: Option<i64>,
     /// Internal: the parent's pid (a child exits when its parent is gone).
     #[arg(long, hide = true)]
@@ -223,6 +237,54 @@ struct Report {
     /// (rejected, had the limit been enforced).
     #[serde(default)]
     shadow_admitted: u64,
+    /// Decision latency (additive, with `--latency-every`, and always for keyed tasks):
+    /// `floor(log2(ns) · 16)` → decisions, the format of the benchmark's peers
+    /// (scripts/bench/peers/README.md). The time of the timing itself is subtracted
+    /// (`lat_clock_ns`, the median of back-to-back clock reads measured at start).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    lat_hist: BTreeMap<String, u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    lat_clock_ns: Option<u64>,
+}
+
+/// The latency histogram of `lat_hist`: fixed log buckets (16 per power of two).
+struct LatHist {
+    counts: Vec<u64>,
+    clock_ns: u64,
+}
+
+impl LatHist {
+    fn new() -> Self {
+        // What timing a decision costs by itself: two back-to-back `Instant::now()`.
+        let mut v: Vec<u64> = (0..1_001)
+            .map(|_| {
+                let t = Instant::now();
+                t.elapsed().as_nanos() as u64
+            })
+            .collect();
+        v.sort_unstable();
+        Self {
+            counts: vec![0; 64 * 16],
+            clock_ns: v[v.len() / 2],
+        }
+    }
+
+    #[inline]
+    fn record(&mut self, elapsed: Duration) {
+        let ns = (elapsed.as_nanos() as u64)
+            .saturating_sub(self.clock_ns)
+            .max(1);
+        let i = ((ns as f64).log2() * 16.0) as usize;
+        self.counts[i.min(64 * 16 - 1)] += 1;
+    }
+
+    fn into_map(self, into: &mut BTreeMap<String, u64>) {
+        for (i, n) in self.counts.into_iter().enumerate() {
+            if n > 0 {
+                *into.entry(i.to_string()).or_insert(0) += n;
+            }
+        }
+    }
 }
 
 /// Decision latency of keyed decisions (µs): calls that waited for Redis and those that did not.
@@ -279,6 +341,12 @@ impl Report {
         self.fallback_admitted += r.fallback_admitted;
         self.shadow_admitted += r.shadow_admitted;
         self.redis_calls += r.redis_calls;
+        for (k, n) in r.lat_hist {
+            *self.lat_hist.entry(k).or_insert(0) += n;
+        }
+        if r.lat_clock_ns.is_some() {
+            self.lat_clock_ns = r.lat_clock_ns;
+        }
         for (k, v) in r.buckets {
             let e = self.buckets.entry(k).or_insert([0, 0]);
             e[0] += v[0];
@@ -563,8 +631,19 @@ fn parent(args: &Args) -> Result<(), String> {
         _ => Some(BackendFile::acquire(Backend::path(args))?),
     };
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-    let start_at = now_ms() + 1_000 + 50 * args.procs as i64;
-    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let start_at = args
+        .start_at_ms
+        .unwrap_or_else(|| now_ms() + 1_000 + 50 * args.procs as i64);
+    // The children get the start time as their own flag (not twice).
+    let mut raw: Vec<String> = Vec::new();
+    let mut given = std::env::args().skip(1);
+    while let Some(a) = given.next() {
+        if a == "--start-at-ms" {
+            given.next();
+        } else if !a.starts_with("--start-at-ms=") {
+            raw.push(a);
+        }
+    }
     let me = std::process::id().to_string();
     let mut children = Vec::new();
     for i in 0..args.procs {
@@ -830,6 +909,8 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     let mut cur_bucket = i64::MIN;
     let mut cur = [0u64; 3];
     let mut done: u64 = 0;
+    let every = args.latency_every;
+    let mut lat = (every > 0).then(LatHist::new);
     'outer: while done < max_decisions && !signals::stop_requested() {
         let elapsed = started.elapsed();
         if elapsed >= duration {
@@ -849,7 +930,15 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
             None => 256.min(max_decisions - done),
         };
         for _ in 0..due {
-            let (d, now_us) = decide(&task);
+            let (d, now_us) = match &mut lat {
+                Some(h) if done % every == 0 => {
+                    let t0 = Instant::now();
+                    let r = decide(&task);
+                    h.record(t0.elapsed());
+                    r
+                }
+                _ => decide(&task),
+            };
             let now_ms = now_us.div_euclid(1_000);
             let bucket = now_ms - now_ms.rem_euclid(bucket_ms);
             if bucket != cur_bucket {
@@ -894,6 +983,10 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     }
     let secs = started.elapsed().as_secs_f64().max(1e-9);
     r.decisions_per_sec = (r.admitted + r.rejected) as f64 / secs;
+    if let Some(h) = lat {
+        r.lat_clock_ns = Some(h.clock_ns);
+        h.into_map(&mut r.lat_hist);
+    }
     tracing::debug!(
         child = index,
         admitted = r.admitted,
@@ -1060,6 +1153,8 @@ struct KeyedCounts {
     keys: BTreeMap<(usize, i64), [u64; 2]>,
     cold: Vec<u32>,
     hot: Vec<u32>,
+    lat_hist: BTreeMap<String, u64>,
+    lat_clock_ns: u64,
 }
 
 /// Most latency samples kept per loop (a uniform thinning keeps the percentiles honest).
@@ -1099,6 +1194,7 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
             let choice = choice.clone();
             async move {
                 let mut c = KeyedCounts::default();
+                let mut lat = LatHist::new();
                 let mut rng = Rng::new(
                     seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)
                         .wrapping_add(w as u64),
@@ -1124,7 +1220,9 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
                     let k = choice.pick(&mut rng);
                     let t0 = Instant::now();
                     let (d, now_us) = handles[k].acquire_stamped(1).await;
-                    let took = t0.elapsed().as_micros().min(u32::MAX as u128) as u32;
+                    let took_d = t0.elapsed();
+                    lat.record(took_d);
+                    let took = took_d.as_micros().min(u32::MAX as u128) as u32;
                     seen += 1;
                     // Cold = it waited for Redis (a pull or a direct call): over 20 µs.
                     let v = if took > 20 { &mut c.cold } else { &mut c.hot };
@@ -1154,6 +1252,8 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
                     }
                     done += 1;
                 }
+                c.lat_clock_ns = lat.clock_ns;
+                lat.into_map(&mut c.lat_hist);
                 c
             }
         });
@@ -1181,6 +1281,10 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
         }
         lat.cold_samples.extend(c.cold);
         lat.hot_samples.extend(c.hot);
+        for (k, n) in c.lat_hist {
+            *r.lat_hist.entry(k).or_insert(0) += n;
+        }
+        r.lat_clock_ns = Some(c.lat_clock_ns);
     }
     r.key_latency_us = Some(lat);
     for (b, v) in merged {

@@ -40,7 +40,9 @@
 //! `{"target", "protocol", "connections", "concurrency", "rate", "decisions", "seconds",
 //! "decisions_per_s", "mean_us", "p50_us", "p90_us", "p99_us", "p999_us", "max_us", "ok",
 //! "over_limit", "errors", "first_error", "window_ms", "per_window": [{"start_ms", "ok",
-//! "over_limit", "ok_sent_before"}]}` (decisions = ok + over_limit + errors).
+//! "over_limit", "ok_sent_before"}], "lat_hist"}` (decisions = ok + over_limit + errors;
+//! `lat_hist`: the latencies as `floor(log2(ns) · 16)` → count, the histogram format of
+//! `scripts/bench.sh`'s peers).
 //! Exit status: 0 done; 1 no decision was answered at all; 2 bad usage or setup failure
 //! (cannot connect), with the reason on stderr.
 
@@ -582,6 +584,13 @@ async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
             serde_json::json!({"start_ms": s, "ok": ok, "over_limit": over, "ok_sent_before": before})
         })
         .collect();
+    // The peers' histogram format (scripts/bench/peers/README.md): floor(log2(ns) · 16) → n.
+    let mut lat_hist: BTreeMap<String, u64> = BTreeMap::new();
+    for v in total.hist.iter_recorded() {
+        let ns = v.value_iterated_to().max(1);
+        let b = ((ns as f64).log2() * 16.0).floor() as u32;
+        *lat_hist.entry(b.to_string()).or_insert(0) += v.count_since_last_iteration();
+    }
     Ok(serde_json::json!({
         "target": args.target,
         "protocol": match target { Target::Grpc(_) => "grpc", Target::Http(..) => "http" },
@@ -603,6 +612,7 @@ async fn run(args: Args) -> anyhow::Result<serde_json::Value> {
         "first_error": total.first_error,
         "window_ms": args.window_ms,
         "per_window": per_window,
+        "lat_hist": lat_hist,
     }))
 }
 

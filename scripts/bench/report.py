@@ -1,0 +1,411 @@
+#!/usr/bin/env python3
+"""Renders one result of scripts/bench.sh (JSON) into markdown and SVG plots.
+
+  report.py RESULT.json --doc docs/benchmarks.md --svg-dir docs/img [--check]
+
+The markdown replaces what lies between the markers `<!-- bench:peers:begin -->` and
+`<!-- bench:peers:end -->` in --doc (the rest of the file is kept); a --doc without the
+markers is refused (an empty or missing one gets the section alone). The SVGs (bench-throughput.svg, bench-p99.svg,
+bench-accuracy.svg, and in full mode bench-scale-*.svg) are drawn here from the JSON, with
+nothing but the standard library. --check: fail (exit 1, naming what) unless every limiter ran
+at both demands with decisions, latencies and at least one full window.
+"""
+
+import argparse
+import html
+import json
+import math
+import os
+import sys
+
+BEGIN, END = "<!-- bench:peers:begin -->", "<!-- bench:peers:end -->"
+PEERS = [
+    ("sluice-sdk-pooled", "Sluice in-process, pooled (SDK)"),
+    ("sluice-sdk-keyed", "Sluice in-process, keyed (SDK, one key)"),
+    ("sluice-agent-grpc", "Sluice agent, gRPC (Envoy RLS)"),
+    ("sluice-agent-http", "Sluice agent, HTTP (`/v1/decide`)"),
+    ("redis-fixed-window-lua", "Redis fixed window, INCR+EXPIRE Lua (seed article)"),
+    ("redis-sliding-log-zset", "Redis sliding log, ZSET Lua (seed article)"),
+    ("rate-limiter-flexible", "rate-limiter-flexible (Node.js, RateLimiterRedis)"),
+    ("limits", "limits (Python, moving window)"),
+]
+COLORS = {"sluice": "#1f77b4", "peer": "#d62728"}
+
+
+def fmt(x, digits=0):
+    if x is None:
+        return "–"
+    if digits == 0:
+        return f"{x:,.0f}"
+    return f"{x:,.{digits}f}"
+
+
+def sig(x):
+    """A number with 3 significant digits, thousands separated."""
+    if x is None:
+        return "–"
+    if x == 0:
+        return "0"
+    d = max(0, 2 - int(math.floor(math.log10(abs(x)))))
+    return f"{x:,.{d}f}"
+
+
+# ---------------------------------------------------------------- SVG
+
+def bar_chart(title, rows, unit, log=True, width=760):
+    """Horizontal bars: rows = [(label, value, kind)]."""
+    rows = [r for r in rows if r[1] is not None and r[1] > 0]
+    h = 40 + 26 * len(rows) + 30
+    left, right = 330, width - 90
+    vals = [r[1] for r in rows] or [1]
+    if log:
+        lo = 10 ** math.floor(math.log10(min(vals)))
+        hi = 10 ** math.ceil(math.log10(max(vals)))
+        if hi <= lo:
+            hi = lo * 10
+
+        def x(v):
+            return left + (right - left) * (math.log10(v) - math.log10(lo)) / (math.log10(hi) - math.log10(lo))
+        ticks = [10 ** e for e in range(int(math.log10(lo)), int(math.log10(hi)) + 1)]
+    else:
+        lo, hi = 0, max(vals) * 1.1
+
+        def x(v):
+            return left + (right - left) * v / hi
+        ticks = [hi * i / 5 for i in range(6)]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14">{html.escape(title)}</text>']
+    for t in ticks:
+        tx = x(t)
+        out.append(f'<line x1="{tx:.1f}" y1="30" x2="{tx:.1f}" y2="{h - 28}" stroke="#ddd"/>')
+        out.append(f'<text x="{tx:.1f}" y="{h - 12}" text-anchor="middle" fill="#555">{sig(t)}</text>')
+    for i, (label, v, kind) in enumerate(rows):
+        y = 36 + 26 * i
+        out.append(f'<text x="{left - 6}" y="{y + 14}" text-anchor="end">{html.escape(label)}</text>')
+        out.append(f'<rect x="{left}" y="{y}" width="{max(1, x(v) - left):.1f}" height="18" '
+                   f'fill="{COLORS[kind]}"/>')
+        out.append(f'<text x="{x(v) + 4:.1f}" y="{y + 14}">{sig(v)} {html.escape(unit)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def range_chart(title, rows, width=760):
+    """Accuracy per window: rows = [(label, min, median, max, kind)], as a fraction of the
+    limit; a line at 1.0."""
+    rows = [r for r in rows if r[1] is not None]
+    h = 40 + 26 * len(rows) + 30
+    left, right = 330, width - 90
+    hi = max([1.2] + [r[3] for r in rows])
+    lo = min([0.8] + [r[1] for r in rows])
+
+    def x(v):
+        return left + (right - left) * (v - lo) / (hi - lo)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14">{html.escape(title)}</text>']
+    steps = 6
+    for i in range(steps + 1):
+        t = lo + (hi - lo) * i / steps
+        out.append(f'<line x1="{x(t):.1f}" y1="30" x2="{x(t):.1f}" y2="{h - 28}" stroke="#eee"/>')
+        out.append(f'<text x="{x(t):.1f}" y="{h - 12}" text-anchor="middle" fill="#555">{t:.2f}</text>')
+    out.append(f'<line x1="{x(1):.1f}" y1="30" x2="{x(1):.1f}" y2="{h - 28}" stroke="#333" '
+               f'stroke-dasharray="4 3"/>')
+    for i, (label, mn, md, mx, kind) in enumerate(rows):
+        y = 36 + 26 * i + 9
+        out.append(f'<text x="{left - 6}" y="{y + 5}" text-anchor="end">{html.escape(label)}</text>')
+        out.append(f'<line x1="{x(mn):.1f}" y1="{y}" x2="{x(mx):.1f}" y2="{y}" stroke="{COLORS[kind]}" '
+                   f'stroke-width="4"/>')
+        out.append(f'<circle cx="{x(md):.1f}" cy="{y}" r="5" fill="{COLORS[kind]}"/>')
+        out.append(f'<text x="{x(mx) + 6:.1f}" y="{y + 5}">{mn:.3f} / {md:.3f} / {mx:.3f}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+def line_chart(title, xs_label, series, ylabel, width=560, logx=True, logy=False):
+    """series = [(name, [(x, y)])]."""
+    h, left, right, top, bottom = 300, 70, width - 20, 30, 250
+    pts = [p for _, s in series for p in s if p[1] is not None and p[1] > 0]
+    if not pts:
+        return None
+    xs = [p[0] for p in pts]
+    ys = [p[1] for p in pts]
+    fx = (lambda v: math.log10(v)) if logx else (lambda v: v)
+    fy = (lambda v: math.log10(v)) if logy else (lambda v: v)
+    x0, x1 = fx(min(xs)), fx(max(xs))
+    y0, y1 = (fy(min(ys)), fy(max(ys))) if logy else (0, max(ys) * 1.15)
+    if x1 == x0:
+        x1 = x0 + 1
+    if y1 == y0:
+        y1 = y0 + 1
+
+    def X(v):
+        return left + (right - left) * (fx(v) - x0) / (x1 - x0)
+
+    def Y(v):
+        return bottom - (bottom - top) * (fy(v) - y0) / (y1 - y0)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
+           f'font-family="sans-serif" font-size="12">',
+           f'<rect width="100%" height="100%" fill="white"/>',
+           f'<text x="{width / 2}" y="18" text-anchor="middle" font-size="14">{html.escape(title)}</text>',
+           f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="#333"/>',
+           f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="#333"/>',
+           f'<text x="{(left + right) / 2}" y="{h - 10}" text-anchor="middle">{html.escape(xs_label)}</text>',
+           f'<text x="14" y="{(top + bottom) / 2}" transform="rotate(-90 14 {(top + bottom) / 2})" '
+           f'text-anchor="middle">{html.escape(ylabel)}</text>']
+    for v in sorted(set(xs)):
+        out.append(f'<text x="{X(v):.1f}" y="{bottom + 16}" text-anchor="middle" fill="#555">{sig(v)}</text>')
+    for i in range(5):
+        yv = y0 + (y1 - y0) * i / 4
+        val = 10 ** yv if logy else yv
+        yy = bottom - (bottom - top) * i / 4
+        out.append(f'<text x="{left - 4}" y="{yy + 4:.1f}" text-anchor="end" fill="#555">{sig(val)}</text>')
+        out.append(f'<line x1="{left}" y1="{yy:.1f}" x2="{right}" y2="{yy:.1f}" stroke="#eee"/>')
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728"]
+    for si, (name, s) in enumerate(series):
+        s = [p for p in s if p[1] is not None and p[1] > 0]
+        c = palette[si % len(palette)]
+        if len(s) > 1:
+            d = " ".join(f"{X(a):.1f},{Y(b):.1f}" for a, b in s)
+            out.append(f'<polyline points="{d}" fill="none" stroke="{c}" stroke-width="2"/>')
+        for a, b in s:
+            out.append(f'<circle cx="{X(a):.1f}" cy="{Y(b):.1f}" r="3" fill="{c}"/>')
+        out.append(f'<text x="{right - 4}" y="{top + 14 + 14 * si}" text-anchor="end" fill="{c}">{html.escape(name)}</text>')
+    out.append("</svg>")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- markdown
+
+def case(r, peer, demand):
+    return next((c for c in r["cases"] if c["peer"] == peer and c["demand"] == demand), None)
+
+
+def goals(r):
+    """The issue's goals, evaluated on this run's numbers."""
+    sluice = [p for p, _ in PEERS if p.startswith("sluice-sdk")]
+    per_req = [p for p, _ in PEERS if not p.startswith("sluice")]
+    over = {p: case(r, p, "over") for p, _ in PEERS}
+    best = max((over[p] for p in per_req if over[p]), key=lambda c: c["decisions_per_s"], default=None)
+    best_p99 = min((over[p]["p99_us"] for p in per_req if over[p] and over[p]["p99_us"]), default=None)
+    s = over.get("sluice-sdk-pooled")
+    out = []
+    if s and best:
+        ratio = s["decisions_per_s"] / max(best["decisions_per_s"], 1e-9)
+        out.append(("decisions/s ≥ 200× the best per-request peer "
+                    f"({best['peer']}: {sig(best['decisions_per_s'])}/s)",
+                    f"{sig(ratio)}×", ratio >= 200))
+    if s and best_p99 and s["p99_us"]:
+        ratio = s["p99_us"] / best_p99
+        out.append(("p99 ≤ 1/100 of the best per-request peer's", f"{ratio:.4f} (1/{sig(1 / ratio)})",
+                    ratio <= 0.01))
+    for p in sluice:
+        c = over.get(p)
+        if c and c["accuracy"].get("windows"):
+            out.append((f"{p}: ≥ 98 % utilisation under demand above the limit (median window)",
+                        f"{c['accuracy']['median'] * 100:.1f} %", c["accuracy"]["median"] >= 0.98))
+            out.append((f"{p}: zero over-admission (windows above the limit)",
+                        f"{c['accuracy']['over_windows']}", c["accuracy"]["over_windows"] == 0))
+    return out
+
+
+def render(r, svg_rel):
+    m = r["machine"]
+    L = r["limit_per_s"]
+    lines = [BEGIN, "",
+             "<!-- Generated by scripts/bench/report.py from the JSON of one run of "
+             "scripts/bench.sh: edit the script, not this section. -->", "",
+             "## Side by side with the limiters users pick instead", "",
+             f"One run of `{r['command']}` on {r['date'][:10]} ({r['mode']} mode, {r['profile']} build"
+             f", {r['elapsed_s']:.0f} s in all), every limiter against the same Redis one after the other, "
+             f"{r['hosts']} hosts × {r['processes_per_host']} processes each (one decision in flight "
+             f"per process), limit **{L:,} per {r['window_ms'] // 1000} s**, {r['seconds_per_run']:g} s per run. "
+             "Demand *over*: every process as fast as it can; *steady*: paced to 90 % of the limit in total. "
+             f"Machine: {m['cpu']}, {m['cores']} cores, {m['memory_mib'] // 1024} GiB, {m['os']}, "
+             f"kernel {m['kernel']}; {m['redis']}; Node.js {m['node']}; Python {m['python']}; "
+             f"{m['rustc']}. Load average before: {', '.join(f'{x:.2f}' for x in m['load_before'])}.", "",
+             "What the columns mean: *Redis cmds/decision* is the `INFO commandstats` delta (all commands, "
+             "those inside scripts included, `INFO` excluded) over the run ÷ decisions; for the peers the idle "
+             f"background of Sluice's own processes ({r['idle_redis_commands_per_s']:.1f} commands/s, measured "
+             "first) is subtracted, for Sluice the manager's and agents' commands are counted in. "
+             "*CPU s / M* is CPU seconds per million decisions: the limiter's processes (the client "
+             "processes for in-process limiters; for the agent the agents, their load client not counted) and "
+             "Redis, separately; *manager* is the Sluice manager's CPU over the run (% of one core: the leader's "
+             "roll, a fixed cost per task whatever the traffic). *Accuracy* is admitted ÷ limit "
+             "per full aligned 1 s window (min / median / max), windows above the limit, and the most "
+             "admitted in any 1 s span (100 ms steps) ÷ limit. Latency is per decision, from just before "
+             "the call to its answer, merged over every process (log histogram, ±2 %); Sluice in-process "
+             "times one decision in 64, the cost of the timing itself subtracted.", ""]
+    lines += ["| limiter | demand | decisions/s | p50 µs | p99 µs | Redis cmds/decision | CPU s / M (limiter, Redis) | manager | admitted % | accuracy min / median / max | windows over (permits) | max any 1 s |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for p, label in PEERS:
+        for d in ("over", "steady"):
+            c = case(r, p, d)
+            if not c:
+                continue
+            a = c["accuracy"]
+            acc = f"{a['min']:.3f} / {a['median']:.3f} / {a['max']:.3f}" if a.get("windows") else "–"
+            over = f"{a['over_windows']} ({a['over_permits']:,})" if a.get("windows") else "–"
+            mgr = f"{c['manager_cpu_percent']:.1f} %" if p.startswith("sluice") else "–"
+            lines.append(f"| {label} | {d} | {sig(c['decisions_per_s'])} | {sig(c['p50_us'])} | {sig(c['p99_us'])} | "
+                         f"{c['redis_commands_per_decision']:.4f} | {sig(c['cpu_limiter_s_per_million'])}, "
+                         f"{sig(c['cpu_redis_s_per_million'])} | {mgr} | {c['admitted_fraction'] * 100:.1f} % | {acc} | "
+                         f"{over} | {a.get('max_any_1s_span', 0):.3f} |")
+    lines += ["", "Errors: " + (", ".join(f"{c['peer']}/{c['demand']}: {c['errors']} ({c['first_error']})"
+                                          for c in r["cases"] if c["errors"]) or "none") + ".", ""]
+    sdk = [c for c in r["cases"] if c.get("sdk_redis_calls_per_admitted") is not None]
+    if sdk:
+        lines += ["SDK round trips to Redis per admitted decision (the SDK's own count): " +
+                  "; ".join(f"{c['peer']}/{c['demand']} {c['sdk_redis_calls_per_admitted']:.4f}" for c in sdk) + ".", ""]
+    lines += [f"![decisions/s]({svg_rel}/bench-throughput.svg)", "",
+              f"![p99 latency]({svg_rel}/bench-p99.svg)", "",
+              f"![accuracy per window]({svg_rel}/bench-accuracy.svg)", ""]
+    g = goals(r)
+    if g:
+        lines += ["### The goals, on this run", "", "| goal | this run | met |", "|---|---|---|"]
+        lines += [f"| {n} | {v} | {'✓' if ok else '✗'} |" for n, v, ok in g]
+        lines.append("")
+    an = r.get("anchors")
+    if an:
+        lines += ["### Accuracy against the published figures", "",
+                  "The anchors' kind of workload: 4 hosts, each asking 1,000/s for 9 s, started 3 s apart, "
+                  f"on one limit of {an['limit']:,} per 1 s slice — total demand 1,000 → 2,000 → 3,000 → 2,000 → "
+                  "1,000/s, the hosts' shares shifting every 3 s. Utilisation = admitted ÷ min(demand, limit) "
+                  "per full window; overshoot = admitted ÷ limit.", "",
+                  "| system | figure | source |", "|---|---|---|",
+                  "| Doorman (simulation) | 96.6 % of capacity handed out; overshoot up to 106 % | Doorman's design doc, simulation |",
+                  "| Databricks' rate limiter | ~5 % overshoot accepted | Databricks engineering blog |",
+                  "| Sentry Relay | admitted equals the limit (Redis-backed quotas, checked per request) | Relay docs |",
+                  f"| **Sluice (this run)** | utilisation mean {an['utilisation_mean'] * 100:.1f} %, min "
+                  f"{an['utilisation_min'] * 100:.1f} %; overshoot max {an['overshoot_max'] * 100:.1f} %; "
+                  f"{an['over_windows']} window(s) above the limit | `anchors` in the JSON |", "",
+                  "| window | demand | admitted | utilisation |", "|---|---|---|---|"]
+        t0 = an["windows"][0]["start_ms"] if an["windows"] else 0
+        for w in an["windows"]:
+            lines.append(f"| +{(w['start_ms'] - t0) // 1000} s | {w['demand']:,} | {w['admitted']:,} | "
+                         f"{w['utilisation'] * 100:.1f} % |")
+        lines.append("")
+    sc = r.get("scale")
+    if sc:
+        lines += ["### Scale curves", "",
+                  f"![scale]({svg_rel}/bench-scale-hosts.svg) ![scale]({svg_rel}/bench-scale-keys.svg) "
+                  f"![scale]({svg_rel}/bench-scale-tasks.svg)", "",
+                  "| simulated hosts (1 process each, total demand 2× the limit) | Redis cmds/s | manager CPU | decision p50 µs | admitted ÷ limit |",
+                  "|---|---|---|---|---|"]
+        for x in sc["hosts"]:
+            lines.append(f"| {x['hosts']} | {sig(x['redis_cmds_per_s'])} | {x['manager_cpu_per_s'] * 100:.1f} % | "
+                         f"{sig(x['decision_p50_us'])} | {x['admitted_per_s_vs_limit']:.3f} |")
+        lines += ["", "| keys (one host, 20,000 decisions/s, uniform) | Redis cmds/s | decision p50 / p99 µs | SDK memory: max RSS | host segment + key table |",
+                  "|---|---|---|---|---|"]
+        for x in sc["keys"]:
+            lines.append(f"| {x['keys']:,} | {sig(x['redis_cmds_per_s'])} | {sig(x['decision_p50_us'])} / "
+                         f"{sig(x['decision_p99_us'])} | {x['max_rss_kib'] / 1024:.1f} MiB | "
+                         f"{x['segment_bytes'] / 2**20:.1f} MiB |")
+        lines += ["", "| tasks (1 s slices, rolled by one leader, no traffic) | Redis cmds/s | manager CPU | Redis memory |",
+                  "|---|---|---|---|"]
+        for x in sc["tasks"]:
+            lines.append(f"| {x['tasks']:,} | {sig(x['redis_cmds_per_s'])} | {x['manager_cpu_per_s'] * 100:.1f} % | "
+                         f"{x['redis_used_memory_mib']:.1f} MiB |")
+        lines.append("")
+    cr = r.get("criterion")
+    if cr:
+        lines += ["### Decision path (criterion, same run)", "", "| benchmark | time | throughput |", "|---|---|---|"]
+        for k in sorted(cr):
+            v = cr[k]
+            thr = f"{sig(v['elem_per_s'])}/s" if v.get("elem_per_s") else ""
+            lines.append(f"| `{k}` | {sig(v.get('time_ns'))} ns | {thr} |")
+        lines.append("")
+    lines += ["Reproduce: `scripts/bench.sh` (full, ~15 min, regenerates this section and the plots) or "
+              "`scripts/bench.sh --quick` (smoke test); the raw numbers are in `target/bench/latest.json`.",
+              "", END]
+    return "\n".join(lines)
+
+
+def check(r):
+    problems = []
+    for p, _ in PEERS:
+        for d in ("over", "steady"):
+            c = case(r, p, d)
+            if not c:
+                problems.append(f"{p}/{d}: missing")
+                continue
+            if c["decisions"] <= 0:
+                problems.append(f"{p}/{d}: no decisions")
+            if c["p50_us"] is None or c["p99_us"] is None:
+                problems.append(f"{p}/{d}: no latency")
+            if not c["accuracy"].get("windows"):
+                problems.append(f"{p}/{d}: no full window")
+            if c["errors"]:
+                problems.append(f"{p}/{d}: {c['errors']} errors ({c['first_error']})")
+            if c["ok"] <= 0:
+                problems.append(f"{p}/{d}: nothing admitted")
+    return problems
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("result")
+    ap.add_argument("--doc", required=True)
+    ap.add_argument("--svg-dir", required=True)
+    ap.add_argument("--check", action="store_true")
+    a = ap.parse_args()
+    with open(a.result) as f:
+        r = json.load(f)
+    if a.check:
+        problems = check(r)
+        if problems:
+            sys.exit("report: the result is incomplete:\n  " + "\n  ".join(problems))
+    os.makedirs(a.svg_dir, exist_ok=True)
+    label = dict(PEERS)
+    kind = lambda p: "sluice" if p.startswith("sluice") else "peer"  # noqa: E731
+    over = [c for p, _ in PEERS for c in r["cases"] if c["peer"] == p and c["demand"] == "over"]
+    svgs = {
+        "bench-throughput.svg": bar_chart("Decisions per second (demand above the limit, log scale)",
+                                          [(label[c["peer"]].replace("`", ""), c["decisions_per_s"], kind(c["peer"])) for c in over],
+                                          "/s"),
+        "bench-p99.svg": bar_chart("p99 decision latency (demand above the limit, log scale)",
+                                   [(label[c["peer"]].replace("`", ""), c["p99_us"], kind(c["peer"])) for c in over],
+                                   "µs"),
+        "bench-accuracy.svg": range_chart("Admitted ÷ limit per 1 s window (min, median, max; demand above)",
+                                          [(label[c["peer"]].replace("`", ""), c["accuracy"].get("min"),
+                                            c["accuracy"].get("median"), c["accuracy"].get("max"), kind(c["peer"]))
+                                           for c in over if c["accuracy"].get("windows")]),
+    }
+    sc = r.get("scale")
+    if sc:
+        svgs["bench-scale-hosts.svg"] = line_chart(
+            "Cost as hosts grow (same total demand)", "simulated hosts",
+            [("Redis cmds/s", [(x["hosts"], x["redis_cmds_per_s"]) for x in sc["hosts"]])], "Redis commands/s")
+        svgs["bench-scale-keys.svg"] = line_chart(
+            "Cost as keys grow (20,000 decisions/s)", "keys",
+            [("Redis cmds/s", [(x["keys"], x["redis_cmds_per_s"]) for x in sc["keys"]])], "Redis commands/s", logy=True)
+        svgs["bench-scale-tasks.svg"] = line_chart(
+            "Cost as tasks grow (idle, rolled)", "tasks",
+            [("Redis cmds/s", [(x["tasks"], x["redis_cmds_per_s"]) for x in sc["tasks"]])], "Redis commands/s", logy=True)
+    for name, svg in svgs.items():
+        if svg:
+            with open(os.path.join(a.svg_dir, name), "w") as f:
+                f.write(svg + "\n")
+    rel = os.path.relpath(a.svg_dir, os.path.dirname(os.path.abspath(a.doc)) or ".")
+    section = render(r, rel)
+    text = ""
+    if os.path.exists(a.doc):
+        with open(a.doc) as f:
+            text = f.read()
+    if BEGIN in text and END in text:
+        head, rest = text.split(BEGIN, 1)
+        tail = rest.split(END, 1)[1]
+        text = head + section + tail
+    elif text.strip():
+        sys.exit(f"report: {a.doc} has no {BEGIN} … {END} markers; add them where the section goes")
+    else:
+        text = section + "\n"
+    with open(a.doc + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(a.doc + ".tmp", a.doc)
+
+
+if __name__ == "__main__":
+    main()

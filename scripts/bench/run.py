@@ -1,0 +1,618 @@
+#!/usr/bin/env python3
+"""Side-by-side benchmark of Sluice and the limiters users pick instead (issue 14).
+
+Started by scripts/bench.sh, which builds the binaries, installs the Node.js and Python peers,
+starts etcd, Redis, one sluice-manager and two sluice-agents, and passes their addresses here.
+Every limiter runs against the SAME Redis with the SAME process count (HOSTS hosts × PROCS
+processes) and the SAME demand, one after the other:
+
+  demand "over":   every process as fast as it can (closed loop, one decision in flight),
+                   far above the limit for every limiter that can go fast;
+  demand "steady": every process paced so the total is 90 % of the limit.
+
+Measured per run: decisions/s, p50/p99 decision latency (merged log histograms of every
+process), Redis commands per decision (INFO commandstats deltas, INFO itself excluded; for
+the peers the idle background of Sluice's own processes, measured first, is subtracted),
+CPU seconds per million decisions of the limiter's processes (wait4 rusage of the client
+processes; for the agent its /proc times and those of its load client separately) and of
+Redis (/proc times), and the manager's CPU (a fixed cost per task, not per decision) apart, and accuracy per 1 s window: admitted ÷ limit over every full window
+(min / median / max), how many windows admitted more than the limit and by how much, and the
+most admitted in any 1 s span (100 ms steps).
+
+Full mode adds scale curves (tasks, hosts, keys) and the anchors' workload (several hosts,
+shifting demand), and runs the criterion decision-path benchmarks. Writes ONE JSON file.
+"""
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+TICK = os.sysconf("SC_CLK_TCK")
+BUCKET_MS = 100
+WINDOW_MS = 1000
+
+
+def log(msg):
+    print(f"bench: {msg}", file=sys.stderr, flush=True)
+
+
+def now_ms():
+    return int(time.time() * 1000)
+
+
+# ---------------------------------------------------------------- measurements
+
+def proc_cpu(pid):
+    """utime + stime of a live process (seconds), 0 when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+class Redis:
+    def __init__(self, port, pid):
+        self.port, self.pid = str(port), pid
+
+    def cli(self, *args):
+        return subprocess.run(["redis-cli", "-p", self.port, *args], capture_output=True,
+                              text=True, check=True, timeout=30).stdout
+
+    def commands(self):
+        """Total commands processed (all, including those called inside scripts), INFO excluded."""
+        total = 0
+        for line in self.cli("INFO", "commandstats").splitlines():
+            m = re.match(r"cmdstat_([^:]+):calls=(\d+)", line)
+            if m and m.group(1) != "info":
+                total += int(m.group(2))
+        return total
+
+    def cpu(self):
+        return proc_cpu(self.pid)
+
+
+def hist_merge(into, h):
+    for k, n in h.items():
+        into[int(k)] = into.get(int(k), 0) + int(n)
+
+
+def hist_pct_us(h, q):
+    total = sum(h.values())
+    if total == 0:
+        return None
+    want = max(1, int(total * q + 0.999999))
+    seen = 0
+    for b in sorted(h):
+        seen += h[b]
+        if seen >= want:
+            return round(2 ** ((b + 0.5) / 16) / 1000, 4)
+    return None
+
+
+def accuracy(buckets, limit, full_from, full_to):
+    """Per aligned 1 s window fully inside [full_from, full_to): admitted ÷ limit."""
+    wins = {}
+    for start, (ok, _over) in buckets.items():
+        w = start - start % WINDOW_MS
+        wins[w] = wins.get(w, 0) + ok
+    full = sorted(w for w in wins if w >= full_from and w + WINDOW_MS <= full_to)
+    vals = [wins[w] for w in full]
+    # Most admitted in any 1 s span, 100 ms steps, inside the full range.
+    steps = range(full_from - full_from % BUCKET_MS, full_to - WINDOW_MS + 1, BUCKET_MS)
+    span_max = 0
+    for s in steps:
+        if s < full_from:
+            continue
+        span_max = max(span_max, sum(buckets.get(b, (0, 0))[0]
+                                     for b in range(s, s + WINDOW_MS, BUCKET_MS)))
+    if not vals:
+        return {"windows": 0}
+    return {
+        "windows": len(vals),
+        "admitted_per_window": vals,
+        "min": round(min(vals) / limit, 4),
+        "median": round(statistics.median(vals) / limit, 4),
+        "max": round(max(vals) / limit, 4),
+        "over_windows": sum(1 for v in vals if v > limit),
+        "over_permits": sum(max(0, v - limit) for v in vals),
+        "max_any_1s_span": round(span_max / limit, 4),
+    }
+
+
+def wait_rusage(p, deadline):
+    """Waits for a Popen; returns (stdout text, rusage) with the CPU of it and its children."""
+    out_chunks = []
+
+    def reader():
+        out_chunks.append(p.stdout.read())
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    while True:
+        pid, status, ru = os.wait4(p.pid, os.WNOHANG)
+        if pid == p.pid:
+            break
+        if time.time() > deadline:
+            p.kill()
+            pid, status, ru = os.wait4(p.pid, 0)
+            break
+        time.sleep(0.02)
+    p.returncode = os.waitstatus_to_exitcode(status)
+    t.join(10)
+    return (out_chunks[0].decode() if out_chunks else ""), ru
+
+
+# ---------------------------------------------------------------- the context
+
+class Bench:
+    def __init__(self, a):
+        self.a = a
+        self.redis = Redis(a.redis_port, a.redis_pid)
+        self.base = a.manager_url
+        self.tmp = a.tmp
+        self.limit = a.limit
+        self.hosts, self.procs = a.hosts, a.procs
+        self.secs = a.seconds
+        self.run_id = str(int(time.time()))
+        self.agents = [dict(zip(("pid", "grpc", "http", "host"), x.split(",")))
+                       for x in a.agent]
+        self.idle_cmds_per_s = 0.0
+
+    # -- the manager's API
+    def put_task(self, name, spec):
+        req = urllib.request.Request(f"{self.base}/api/v1/tasks/{name}",
+                                     data=json.dumps(spec).encode(), method="PUT",
+                                     headers={"content-type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status in (200, 201), r.status
+
+    def task_ready(self, name):
+        try:
+            with urllib.request.urlopen(f"{self.base}/api/v1/tasks/{name}", timeout=10) as r:
+                return json.load(r)["status"].get("effective_threshold") is not None
+        except Exception:
+            return False
+
+    def wait_tasks(self, names, secs=60):
+        deadline = time.time() + secs
+        for n in names:
+            while not self.task_ready(n):
+                if time.time() > deadline:
+                    sys.exit(f"bench: task {n} has no slices after {secs} s")
+                time.sleep(0.1)
+
+    def metrics(self):
+        out = {}
+        with urllib.request.urlopen(self.base + "/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("#") or " " not in line:
+                    continue
+                k, v = line.rsplit(" ", 1)
+                try:
+                    out[k] = float(v)
+                except ValueError:
+                    pass
+        return out
+
+    def remove_segments(self, host):
+        for f in os.listdir("/dev/shm"):
+            if f.startswith(f"sluice.{self.a.namespace}.{host}"):
+                try:
+                    os.remove(os.path.join("/dev/shm", f))
+                except FileNotFoundError:
+                    pass
+
+    # -- one run of one limiter at one demand
+    def run_case(self, peer, demand, task=None):
+        total = self.hosts * self.procs
+        rate = 0.0 if demand == "over" else 0.9 * self.limit / total
+        dur = int(self.secs * 1000)
+        lead = 1500
+        t0 = now_ms() + lead
+        key = f"bench{self.run_id}:{peer}:{demand}"
+        server_pids = [self.a.manager_pid]
+        if peer.startswith("sluice-agent"):
+            server_pids += [int(ag["pid"]) for ag in self.agents]
+        c0, r0 = self.redis.commands(), self.redis.cpu()
+        s0 = [proc_cpu(p) for p in server_pids]
+        w0 = time.time()
+        procs = self.launch(peer, demand, task, key, rate, dur, t0)
+        reports, client_cpu, maxrss = [], 0.0, 0
+        deadline = time.time() + lead / 1000 + dur / 1000 + 120
+        for name, p, parse in procs:
+            out, ru = wait_rusage(p, deadline)
+            if p.returncode != 0:
+                sys.exit(f"bench: {peer}/{demand}: {name} exited {p.returncode}; see {self.tmp}")
+            line = [x for x in out.splitlines() if x.strip()]
+            if not line:
+                sys.exit(f"bench: {peer}/{demand}: {name} printed nothing; see {self.tmp}")
+            reports.append(parse(json.loads(line[-1])))
+            client_cpu += ru.ru_utime + ru.ru_stime
+            maxrss = max(maxrss, ru.ru_maxrss)
+        elapsed = time.time() - w0
+        cmds = self.redis.commands() - c0
+        rcpu = self.redis.cpu() - r0
+        scpu = [proc_cpu(p) - c for p, c in zip(server_pids, s0)]
+        if not peer.startswith("sluice"):
+            # Sluice's own processes keep their background (the leader's roll, the agents'
+            # refresh) while a peer runs: that is not the peer's cost.
+            cmds = max(0, cmds - round(self.idle_cmds_per_s * elapsed))
+        decisions = sum(r["decisions"] for r in reports)
+        ok = sum(r["ok"] for r in reports)
+        over = sum(r["over_limit"] for r in reports)
+        errors = sum(r["errors"] for r in reports)
+        seconds = statistics.median([r["seconds"] for r in reports])
+        hist, buckets = {}, {}
+        for r in reports:
+            hist_merge(hist, r["lat_hist"])
+            for b, (o, v) in r["buckets"].items():
+                e = buckets.setdefault(int(b), [0, 0])
+                e[0] += o
+                e[1] += v
+        starts = sorted(buckets)
+        first = starts[0] - starts[0] % WINDOW_MS + WINDOW_MS if starts else 0
+        last = starts[-1] - starts[-1] % WINDOW_MS if starts else 0
+        acc = accuracy(buckets, self.limit, first, last)
+        manager_cpu = scpu[0]
+        agent_cpu = sum(scpu[1:])
+        # The manager's CPU is a fixed cost per task (the leader's roll), not per decision:
+        # reported on its own (`manager_cpu_percent`), not in the per-decision figure.
+        limiter_cpu = agent_cpu if peer.startswith("sluice-agent") else client_cpu
+        per_m = 1e6 / max(decisions, 1)
+        res = {
+            "peer": peer, "demand": demand, "processes": total, "hosts": self.hosts,
+            "rate_per_process": rate, "seconds": round(seconds, 3),
+            "decisions": decisions, "ok": ok, "over_limit": over, "errors": errors,
+            "first_error": next((r.get("first_error") for r in reports if r.get("first_error")), None),
+            "decisions_per_s": round(decisions / max(seconds, 1e-9), 1),
+            "admitted_fraction": round(ok / max(decisions, 1), 4),
+            "p50_us": hist_pct_us(hist, 0.50), "p99_us": hist_pct_us(hist, 0.99),
+            "p999_us": hist_pct_us(hist, 0.999),
+            "redis_commands": cmds,
+            "redis_commands_per_decision": round(cmds / max(decisions, 1), 5),
+            "sdk_redis_calls": sum(r.get("redis_calls", 0) for r in reports) if peer.startswith("sluice-sdk") else None,
+            "cpu_limiter_s": round(limiter_cpu, 3), "cpu_redis_s": round(rcpu, 3),
+            "cpu_manager_s": round(manager_cpu, 3),
+            "manager_cpu_percent": round(100 * manager_cpu / max(elapsed, 1e-9), 2),
+            "cpu_agent_s": round(agent_cpu, 3) if peer.startswith("sluice-agent") else None,
+            "cpu_load_client_s": round(client_cpu, 3),
+            "cpu_limiter_s_per_million": round(limiter_cpu * per_m, 3),
+            "cpu_redis_s_per_million": round(rcpu * per_m, 3),
+            "max_rss_kib": maxrss,
+            "accuracy": acc,
+            "version": reports[0].get("version"),
+        }
+        if res["sdk_redis_calls"] is not None:
+            res["sdk_redis_calls_per_admitted"] = round(res["sdk_redis_calls"] / max(ok, 1), 5)
+        log(f"{peer:24} {demand:6} {res['decisions_per_s']:>12,.0f}/s p50 {res['p50_us']} µs "
+            f"p99 {res['p99_us']} µs cmds/dec {res['redis_commands_per_decision']} "
+            f"acc {acc.get('min')}–{acc.get('median')}–{acc.get('max')} over {acc.get('over_windows')}")
+        return res
+
+    def launch(self, peer, demand, task, key, rate, dur, t0):
+        a, ps = self.a, []
+        tag = f"{peer}-{demand}"
+
+        def spawn(name, cmd, parse):
+            err = open(os.path.join(self.tmp, f"{tag}-{name}.log"), "w")
+            ps.append((name, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err), parse))
+
+        if peer in ("sluice-sdk-pooled", "sluice-sdk-keyed"):
+            for h in range(self.hosts):
+                host = f"b{self.run_id}-{tag}-{h}"
+                cmd = [a.loadgen, "--redis", a.redis, "--namespace", a.namespace, "--task", task,
+                       "--host-id", host, "--procs", str(self.procs), "--duration-ms", str(dur),
+                       "--rate", str(rate), "--bucket-ms", str(BUCKET_MS),
+                       "--start-at-ms", str(t0), "--latency-every", "64"]
+                if peer == "sluice-sdk-keyed":
+                    cmd += ["--keys", "1", "--workers", "1", "--key-report", "0"]
+                spawn(host, cmd, parse_loadgen)
+                self._cleanup_hosts.append(host)
+        elif peer.startswith("sluice-agent"):
+            proto = peer.rsplit("-", 1)[1]
+            for i, ag in enumerate(self.agents[: self.hosts]):
+                cmd = [a.rls_load, "--target", ag[proto], "--concurrency", str(self.procs),
+                       "--connections", "1", "--seconds", str(dur / 1000), "--warmup-seconds", "0.3",
+                       "--rate", str(rate * self.procs), "--window-ms", str(BUCKET_MS),
+                       "--timeout-ms", "5000"]
+                if proto == "grpc":
+                    cmd += ["--domain", "bench", "--descriptor", f"sluice_task={task}"]
+                else:
+                    cmd += ["--task", task]
+                spawn(f"agent{i}", cmd, parse_rls_load)
+        else:
+            base = {
+                "redis-fixed-window-lua": [a.peer_redis, "--algo", "fixed-window"],
+                "redis-sliding-log-zset": [a.peer_redis, "--algo", "sliding-log"],
+                "rate-limiter-flexible": a.node_peer.split(),
+                "limits": a.py_peer.split(),
+            }[peer]
+            for i in range(self.hosts * self.procs):
+                cmd = base + ["--redis", a.redis, "--key", key, "--limit", str(self.limit),
+                              "--window-ms", str(WINDOW_MS), "--duration-ms", str(dur),
+                              "--start-at-ms", str(t0), "--rate", str(rate),
+                              "--bucket-ms", str(BUCKET_MS), "--proc", str(i)]
+                spawn(f"p{i}", cmd, parse_peer)
+        return ps
+
+    _cleanup_hosts = []
+
+
+def parse_loadgen(j):
+    return {
+        "decisions": j["admitted"] + j["rejected"], "ok": j["admitted"],
+        "over_limit": j["rejected"], "errors": 0, "seconds": j["duration_ms"] / 1000,
+        "lat_hist": j.get("lat_hist", {}), "buckets": j["buckets"],
+        "redis_calls": j["redis_calls"], "version": "loadgen",
+    }
+
+
+def parse_rls_load(j):
+    return {
+        "decisions": j["decisions"], "ok": j["ok"], "over_limit": j["over_limit"],
+        "errors": j["errors"], "first_error": j.get("first_error"), "seconds": j["seconds"],
+        "lat_hist": j.get("lat_hist", {}),
+        "buckets": {str(w["start_ms"]): [w["ok"], w["over_limit"]] for w in j["per_window"]},
+        "version": "rls_load",
+    }
+
+
+def parse_peer(j):
+    return j
+
+
+# ---------------------------------------------------------------- scale curves, anchors
+
+def scale_curves(b):
+    a, out = b.a, {"hosts": [], "keys": [], "tasks": []}
+    secs = max(3, int(b.secs // 2))
+
+    def loadgen(task, host, procs, rate, extra=()):
+        cmd = [a.loadgen, "--redis", a.redis, "--namespace", a.namespace, "--task", task,
+               "--host-id", host, "--procs", str(procs), "--duration-ms", str(secs * 1000),
+               "--rate", str(rate), "--bucket-ms", "1000", "--latency-every", "64", *extra]
+        err = open(os.path.join(b.tmp, f"scale-{host}.log"), "w")
+        b._cleanup_hosts.append(host)
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
+
+    def measure(spawn):
+        c0, m0, r0, w0 = b.redis.commands(), proc_cpu(a.manager_pid), b.redis.cpu(), time.time()
+        ps = spawn()
+        reps, rss = [], 0
+        for p in ps:
+            o, ru = wait_rusage(p, time.time() + secs + 120)
+            if p.returncode != 0:
+                sys.exit(f"bench: scale run failed (exit {p.returncode}); see {b.tmp}")
+            reps.append(json.loads(o.strip().splitlines()[-1]))
+            rss = max(rss, ru.ru_maxrss)
+        el = time.time() - w0
+        hist = {}
+        for r in reps:
+            hist_merge(hist, r.get("lat_hist", {}))
+        return {
+            "redis_cmds_per_s": round((b.redis.commands() - c0) / el, 1),
+            "manager_cpu_per_s": round((proc_cpu(a.manager_pid) - m0) / el, 4),
+            "redis_cpu_per_s": round((b.redis.cpu() - r0) / el, 4),
+            "decision_p50_us": hist_pct_us(hist, 0.5),
+            "decision_p99_us": hist_pct_us(hist, 0.99),
+            "decisions_per_s": round(sum(r["admitted"] + r["rejected"] for r in reps) / el, 1),
+            "admitted": sum(r["admitted"] for r in reps),
+            "max_rss_kib": rss,
+            "sdk_redis_calls": sum(r["redis_calls"] for r in reps),
+        }
+
+    # Hosts: the same total demand (2 × the limit) spread over 1 … 16 simulated hosts.
+    b.put_task("scalehosts", {"threshold": b.limit, "slice_ms": 1000, "on_failure": "local"})
+    b.wait_tasks(["scalehosts"])
+    for h in (1, 2, 4, 8, 16):
+        log(f"scale: {h} host(s), total demand {2 * b.limit}/s")
+        rate = 2 * b.limit / h
+        m = measure(lambda: [loadgen("scalehosts", f"sh{b.run_id}-{h}-{i}", 1, rate)
+                             for i in range(h)])
+        m["hosts"] = h
+        m["admitted_per_s_vs_limit"] = round(m["admitted"] / secs / b.limit, 4)
+        out["hosts"].append(m)
+    # Keys: one host deciding at 20,000/s spread uniformly over K keys of a keyed task.
+    b.put_task("scalekeys", {"threshold": 50, "slice_ms": 1000, "keyed": True, "on_failure": "local"})
+    b.wait_tasks(["scalekeys"])
+    for k in (1, 100, 10_000, 100_000):
+        log(f"scale: {k} key(s)")
+        slots = max(1024, 1 << (2 * k - 1).bit_length())
+        m = measure(lambda: [loadgen("scalekeys", f"sk{b.run_id}-{k}", 1, 20_000,
+                                     ("--keys", str(k), "--key-slots", str(slots),
+                                      "--key-report", "0", "--workers", "16"))])
+        seg = sum(os.path.getsize(os.path.join("/dev/shm", f)) for f in os.listdir("/dev/shm")
+                  if f.startswith(f"sluice.{a.namespace}.sk{b.run_id}-{k}"))
+        m.update({"keys": k, "key_slots": slots, "segment_bytes": seg})
+        out["keys"].append(m)
+    # Tasks: N tasks of 1 s slices rolled by the leader (idle: no decisions), 1 … 10,000.
+    have = 0
+    for n in (1, 100, 1_000, 10_000):
+        log(f"scale: {n} task(s) rolled by the leader")
+        import concurrent.futures
+        with concurrent.futures.ThreadPoolExecutor(16) as ex:
+            list(ex.map(lambda i: b.put_task(f"scaletask{i}", {"threshold": 1000 + i % 100,
+                                                               "slice_ms": 1000}),
+                        range(have, n)))
+        have = n
+        deadline = time.time() + 600
+        while True:
+            m = b.metrics()
+            if m.get("sluice_horizon_ahead_seconds", 0) >= 59 and m.get("sluice_tasks", 0) >= n:
+                break
+            if time.time() > deadline:
+                sys.exit("bench: the tasks' initial fill did not finish in 10 minutes")
+            time.sleep(0.5)
+        time.sleep(1)
+        c0, m0, w0 = b.redis.commands(), proc_cpu(a.manager_pid), time.time()
+        time.sleep(secs)
+        el = time.time() - w0
+        out["tasks"].append({
+            "tasks": n, "redis_cmds_per_s": round((b.redis.commands() - c0) / el, 1),
+            "manager_cpu_per_s": round((proc_cpu(a.manager_pid) - m0) / el, 4),
+            "redis_used_memory_mib": round(int(re.search(r"used_memory:(\d+)", b.redis.cli("INFO", "memory")).group(1)) / 2**20, 1),
+        })
+        log(f"  {out['tasks'][-1]}")
+    return out
+
+
+def anchors(b):
+    """Several hosts, shifting demand: 4 hosts, each 1,000/s for 9 s, started 3 s apart, on a
+    limit of 2,000 per 1 s slice: total demand 1,000 → 2,000 → 3,000 → 3,000 → 2,000 → 1,000."""
+    a = b.a
+    b.put_task("anchors", {"threshold": 2000, "slice_ms": 1000, "on_failure": "local"})
+    b.wait_tasks(["anchors"])
+    t0 = now_ms() + 1500
+    ps = []
+    for i in range(4):
+        host = f"an{b.run_id}-{i}"
+        b._cleanup_hosts.append(host)
+        cmd = [a.loadgen, "--redis", a.redis, "--namespace", a.namespace, "--task", "anchors",
+               "--host-id", host, "--procs", "1", "--duration-ms", "9000", "--rate", "1000",
+               "--bucket-ms", "1000", "--start-at-ms", str(t0 + 3000 * i)]
+        ps.append(subprocess.Popen(cmd, stdout=subprocess.PIPE,
+                                   stderr=open(os.path.join(b.tmp, f"anchors-{i}.log"), "w")))
+    log("anchors: 4 hosts, shifting demand, 18 s")
+    per = {}
+    for p in ps:
+        o, _ = wait_rusage(p, time.time() + 200)
+        if p.returncode != 0:
+            sys.exit(f"bench: anchors run failed; see {b.tmp}")
+        for s, (adm, rej) in json.loads(o.strip().splitlines()[-1])["buckets"].items():
+            e = per.setdefault(int(s), [0, 0])
+            e[0] += adm
+            e[1] += rej
+    ws = sorted(per)[1:-1]
+    rows = []
+    for w in ws:
+        adm, rej = per[w]
+        demand = adm + rej
+        rows.append({"start_ms": w, "demand": demand, "admitted": adm,
+                     "utilisation": round(adm / max(1, min(demand, 2000)), 4),
+                     "of_limit": round(adm / 2000, 4)})
+    util = [r["utilisation"] for r in rows]
+    return {
+        "limit": 2000, "windows": rows,
+        "utilisation_mean": round(statistics.mean(util), 4) if util else None,
+        "utilisation_min": min(util) if util else None,
+        "overshoot_max": max(r["of_limit"] for r in rows) if rows else None,
+        "over_windows": sum(1 for r in rows if r["admitted"] > 2000),
+    }
+
+
+def criterion(b):
+    log("criterion: cargo bench -p sluice --bench decide (release)")
+    p = subprocess.run(["cargo", "bench", "-q", "-p", "sluice", "--bench", "decide", "--",
+                        "--noplot"], capture_output=True, text=True, timeout=1800)
+    res, name = {}, None
+    for line in p.stdout.splitlines():
+        m = re.match(r"^(\S+/\S+)\s*(time:.*)?$", line.strip())
+        if m and "/" in m.group(1) and not m.group(1).startswith("time"):
+            name = m.group(1)
+        t = re.search(r"time:\s*\[\s*([\d.]+) (\w+)\s+([\d.]+) (\w+)\s+([\d.]+) (\w+)\]", line)
+        if t and name:
+            unit = {"ps": 1e-3, "ns": 1, "µs": 1e3, "us": 1e3, "ms": 1e6}[t.group(4)]
+            res[name] = {"time_ns": round(float(t.group(3)) * unit, 3)}
+        th = re.search(r"thrpt:\s*\[\s*[\d.]+ \S+\s+([\d.]+) (\w)?elem/s", line)
+        if th and name:
+            mult = {"K": 1e3, "M": 1e6, "G": 1e9, None: 1}[th.group(2)]
+            res.setdefault(name, {})["elem_per_s"] = float(th.group(1)) * mult
+    if p.returncode != 0:
+        log(f"criterion failed (exit {p.returncode}): {p.stderr[-2000:]}")
+    return res
+
+
+def machine():
+    def cmd(*c):
+        try:
+            return subprocess.run(c, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:
+            return None
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        pass
+    with open("/proc/meminfo") as f:
+        mem = int(f.readline().split()[1]) // 1024
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "memory_mib": mem, "kernel": platform.release(),
+        "os": cmd("sh", "-c", ". /etc/os-release && echo $PRETTY_NAME"),
+        "redis": cmd("redis-server", "--version"), "node": cmd("node", "--version"),
+        "python": platform.python_version(), "rustc": cmd("rustc", "--version"),
+        "load_before": os.getloadavg(),
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    for f in ("mode", "profile", "redis", "namespace", "manager-url", "loadgen", "peer-redis",
+              "rls-load", "node-peer", "py-peer", "out", "tmp", "command"):
+        ap.add_argument(f"--{f}", required=True)
+    for f in ("redis-port", "redis-pid", "manager-pid", "limit", "hosts", "procs"):
+        ap.add_argument(f"--{f}", type=int, required=True)
+    ap.add_argument("--seconds", type=float, required=True)
+    ap.add_argument("--agent", action="append", default=[], help="pid,grpc url,http url,host")
+    ap.add_argument("--peers", default="")
+    a = ap.parse_args()
+    b = Bench(a)
+    started = time.time()
+    result = {
+        "format": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "mode": a.mode, "profile": a.profile, "command": a.command, "machine": machine(),
+        "limit_per_s": a.limit, "window_ms": WINDOW_MS, "bucket_ms": BUCKET_MS,
+        "hosts": a.hosts, "processes_per_host": a.procs, "seconds_per_run": a.seconds,
+    }
+    b.put_task("benchpooled", {"threshold": a.limit, "slice_ms": 1000, "on_failure": "local"})
+    b.put_task("benchkeyed", {"threshold": a.limit, "slice_ms": 1000, "keyed": True,
+                              "on_failure": "local"})
+    b.wait_tasks(["benchpooled", "benchkeyed"])
+    # The background of Sluice's own processes on Redis, to take off the peers' counts.
+    c0, w0 = b.redis.commands(), time.time()
+    time.sleep(2)
+    b.idle_cmds_per_s = (b.redis.commands() - c0) / (time.time() - w0)
+    result["idle_redis_commands_per_s"] = round(b.idle_cmds_per_s, 1)
+    log(f"idle background: {b.idle_cmds_per_s:.1f} Redis commands/s")
+    peers = [("sluice-sdk-pooled", "benchpooled"), ("sluice-sdk-keyed", "benchkeyed"),
+             ("sluice-agent-grpc", "benchpooled"), ("sluice-agent-http", "benchpooled"),
+             ("redis-fixed-window-lua", None), ("redis-sliding-log-zset", None),
+             ("rate-limiter-flexible", None), ("limits", None)]
+    if a.peers:
+        keep = set(a.peers.split(","))
+        peers = [p for p in peers if p[0] in keep]
+    cases = []
+    try:
+        for peer, task in peers:
+            for demand in ("over", "steady"):
+                cases.append(b.run_case(peer, demand, task))
+        result["cases"] = cases
+        if a.mode == "full":
+            result["anchors"] = anchors(b)
+            result["scale"] = scale_curves(b)
+            result["criterion"] = criterion(b)
+    finally:
+        for h in b._cleanup_hosts:
+            b.remove_segments(h)
+    result["elapsed_s"] = round(time.time() - started, 1)
+    tmp = a.out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1)
+    os.replace(tmp, a.out)
+    shutil.copyfile(a.out, os.path.join(os.path.dirname(a.out), "latest.json"))
+    log(f"wrote {a.out} ({result['elapsed_s']} s)")
+
+
+if __name__ == "__main__":
+    main()
