@@ -2,13 +2,14 @@
 # Runs every check and test of Sluice against real servers:
 #   system packages (installed when missing, as root) → etcd + Redis on free loopback ports →
 #   cargo fmt --check → dashboard build → clippy -D warnings → build → cargo test (unit, doc,
-#   end-to-end) → a 60 s slice of the soak (random seed, printed) → browser tests of the
-#   dashboard.
+#   end-to-end) → a 60 s slice of the soak (random seed, printed) → the side-by-side
+#   benchmark's smoke test (scripts/bench.sh --quick) → browser tests of the dashboard.
 # Everything started here is stopped by PID on exit, failure or Ctrl-C.
 #
 # Environment: SLUICE_TEST_FILTER=<name> runs only matching Rust tests (and skips the soak and
 # the browser tests); SLUICE_SKIP_BROWSER=1 skips the browser tests; SLUICE_SKIP_SOAK=1 skips
-# the soak slice; SLUICE_SOAK_SECONDS sets its length (default 60).
+# the soak slice; SLUICE_SOAK_SECONDS sets its length (default 60); SLUICE_SKIP_BENCH=1 skips the
+# benchmark smoke test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib.sh
@@ -47,6 +48,11 @@ cargo test --workspace --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-
 if [ -z "${SLUICE_TEST_FILTER:-}" ] && [ -z "${SLUICE_SKIP_SOAK:-}" ]; then
   log "soak: a ${SLUICE_SOAK_SECONDS:-60} s slice with a random seed (replay: scripts/soak.sh --seed S)"
   scripts/soak.sh --seconds "${SLUICE_SOAK_SECONDS:-60}"
+fi
+
+if [ -z "${SLUICE_TEST_FILTER:-}" ] && [ -z "${SLUICE_SKIP_BENCH:-}" ]; then
+  log "benchmark smoke test: scripts/bench.sh --quick (checks the output parses, never the speed)"
+  scripts/bench.sh --quick
 fi
 
 if [ -f dashboard/package.json ] && [ -z "${SLUICE_SKIP_BROWSER:-}" ] && [ -z "${SLUICE_TEST_FILTER:-}" ]; then
