@@ -102,10 +102,11 @@ def hist_pct_us(h, q):
 
 def accuracy(buckets, limit, full_from, full_to):
     """Per aligned 1 s window fully inside [full_from, full_to): admitted ÷ limit."""
-    wins = {}
-    for start, (ok, _over) in buckets.items():
+    wins, rej = {}, {}
+    for start, (ok, over) in buckets.items():
         w = start - start % WINDOW_MS
         wins[w] = wins.get(w, 0) + ok
+        rej[w] = rej.get(w, 0) + over
     full = sorted(w for w in wins if w >= full_from and w + WINDOW_MS <= full_to)
     vals = [wins[w] for w in full]
     # Most admitted in any 1 s span, 100 ms steps, inside the full range.
@@ -121,6 +122,8 @@ def accuracy(buckets, limit, full_from, full_to):
     return {
         "windows": len(vals),
         "admitted_per_window": vals,
+        "rejected_per_window": [rej[w] for w in full],
+        "rejected_outside_full_windows": sum(v for w, v in rej.items() if w not in full),
         "min": round(min(vals) / limit, 4),
         "median": round(statistics.median(vals) / limit, 4),
         "max": round(max(vals) / limit, 4),
