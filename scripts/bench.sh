@@ -14,7 +14,8 @@
 #                              SLUICE_BENCH_PROFILE=release), report rendered to target/bench/
 #                              only — it checks the output parses, never the speed.
 # Environment: SLUICE_BENCH_SECONDS (per run), SLUICE_BENCH_LIMIT (default 2000 per second),
-# SLUICE_BENCH_PEERS (comma list to run a subset), SLUICE_BENCH_PROFILE (debug|release).
+# SLUICE_BENCH_PEERS (comma list to run a subset), SLUICE_BENCH_PROFILE (debug|release),
+# SLUICE_BENCH_SKIP_CRITERION=1 (full mode without the criterion benchmarks).
 # Output: target/bench/result-<unix>.json (+ latest.json). Everything started here is stopped
 # by PID on exit.
 set -euo pipefail
@@ -97,12 +98,15 @@ python3 scripts/bench/run.py --mode "$MODE" --profile "$PROFILE" --command "$CMD
   --limit "$LIMIT" --hosts 2 --procs 2 --seconds "$SECS" --peers "${SLUICE_BENCH_PEERS:-}" \
   --out "$OUT" --tmp "$dir" "${AGENTS[@]}"
 
-if [ "$MODE" = full ] && [ "$PROFILE" = release ] && [ -z "${SLUICE_BENCH_PEERS:-}" ]; then
+if [ "$MODE" = full ] && [ "$PROFILE" = release ] && [ -z "${SLUICE_BENCH_PEERS:-}" ] &&
+  [ -z "${SLUICE_BENCH_SKIP_CRITERION:-}" ]; then
   python3 scripts/bench/report.py "$OUT" --doc docs/benchmarks.md --svg-dir docs/img
   log "docs/benchmarks.md and docs/img/bench-*.svg regenerated from $OUT"
 else
+  check=(--check)
+  if [ -n "${SLUICE_BENCH_PEERS:-}" ]; then check=(); fi
   python3 scripts/bench/report.py "$OUT" --doc target/bench/report.md --svg-dir target/bench \
-    --check
+    "${check[@]}"
   log "report rendered to target/bench/report.md (docs untouched: not a full release run)"
 fi
 log "done in $(($(date +%s) - STARTED)) s: $OUT"
