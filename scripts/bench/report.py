@@ -255,6 +255,12 @@ def render(r, svg_rel):
                          f"{over} | {a.get('max_any_1s_span', 0):.3f} |")
     lines += ["", "Errors: " + (", ".join(f"{c['peer']}/{c['demand']}: {c['errors']} ({c['first_error']})"
                                           for c in r["cases"] if c["errors"]) or "none") + ".", ""]
+    st = [c for c in r["cases"] if c["demand"] == "steady" and c["over_limit"]]
+    if st:
+        lines += ["Rejections under steady demand (below the limit), and how many fell outside the full windows "
+                  "(in the first or last partial window of the run): " +
+                  "; ".join(f"{c['peer']} {c['over_limit']:,} ({c['accuracy'].get('rejected_outside_full_windows', 0):,} outside)"
+                            for c in st) + ".", ""]
     sdk = [c for c in r["cases"] if c.get("sdk_redis_calls_per_admitted") is not None]
     if sdk:
         lines += ["SDK round trips to Redis per admitted decision (the SDK's own count): " +
@@ -313,11 +319,21 @@ def render(r, svg_rel):
         lines.append("")
     cr = r.get("criterion")
     if cr:
-        lines += ["### Decision path (criterion, same run)", "", "| benchmark | time | throughput |", "|---|---|---|"]
+        lines += ["### Decision path (criterion, same run)", "",
+                  "`host/N`: N clients (N mappings of one segment, like N processes of one host) deciding on "
+                  "one shared quota; *per decision* is N ÷ the host's throughput, the time each process spends "
+                  "per decision.", "",
+                  "| benchmark | time per iteration | throughput | per decision |", "|---|---|---|---|"]
         for k in sorted(cr):
             v = cr[k]
             thr = f"{sig(v['elem_per_s'])}/s" if v.get("elem_per_s") else ""
-            lines.append(f"| `{k}` | {sig(v.get('time_ns'))} ns | {thr} |")
+            per = ""
+            n = k.split("/", 1)[1] if k.startswith("host/") else None
+            if n and n.isdigit() and v.get("elem_per_s"):
+                per = f"{sig(int(n) * 1e9 / v['elem_per_s'])} ns"
+            elif v.get("time_ns") is not None:
+                per = f"{sig(v['time_ns'])} ns"
+            lines.append(f"| `{k}` | {sig(v.get('time_ns'))} ns | {thr} | {per} |")
         lines.append("")
     lines += ["Reproduce: `scripts/bench.sh` (full, ~15 min, regenerates this section and the plots) or "
               "`scripts/bench.sh --quick` (smoke test); the raw numbers are in `target/bench/latest.json`.",
