@@ -1373,6 +1373,31 @@ pub async fn mirror(
 mod tests {
     use super::*;
 
+    /// `docs/protocol/scripts/mirror_{set,del}.lua` are these scripts byte for byte (the SDK's
+    /// scripts are checked by `cargo test -p sluice shipped_scripts`); regenerate with
+    /// `SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-manager shipped_scripts`.
+    #[test]
+    fn shipped_scripts_match_their_constants() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/protocol/scripts");
+        let write = std::env::var_os("SLUICE_WRITE_SCRIPTS").is_some_and(|v| v == "1");
+        for (name, text) in [
+            ("mirror_set", MIRROR_SET_LUA),
+            ("mirror_del", MIRROR_DEL_LUA),
+        ] {
+            let path = dir.join(format!("{name}.lua"));
+            if write {
+                std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+            }
+            let have = std::fs::read_to_string(&path).unwrap_or_default();
+            assert!(
+                have == text,
+                "{} differs from {name}'s constant: regenerate with `SLUICE_WRITE_SCRIPTS=1 \
+                 cargo test -p sluice-manager shipped_scripts` and commit it",
+                path.display()
+            );
+        }
+    }
+
     const FULL: &str = "\
 domain: shop
 descriptors:

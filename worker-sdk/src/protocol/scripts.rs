@@ -1619,3 +1619,7 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+#[path = "shipped_scripts.rs"]
+mod shipped_scripts;

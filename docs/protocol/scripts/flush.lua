@@ -1,0 +1,21 @@
+
+local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n', 'wrej'}
+local ff = 'f:' .. ARGV[1]
+local seq = tonumber(ARGV[2])
+local per = 6
+if #KEYS > 0 and #ARGV - 2 == 7 * #KEYS then per = 7 end
+local n = 0
+for k = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[k]) == 1 then
+    local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
+    if seq > last then
+      for j = 1, per do
+        local d = tonumber(ARGV[2 + (k - 1) * per + j])
+        if d and d ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], d) end
+      end
+      redis.call('HSET', KEYS[k], ff, ARGV[2])
+    end
+    n = n + 1
+  end
+end
+return n

@@ -1,0 +1,94 @@
+
+local term = tonumber(ARGV[1])
+local epoch = ARGV[2]
+local stale = tonumber(ARGV[3])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+-- nil, comparable: the writer may write (comparable = same epoch and no takeover), or the
+-- refusal {0, term, age} (a newer term of this epoch) / {4, term, age, epoch} (foreign).
+local function fence(meta)
+  local f = redis.call('HMGET', meta, 'term', 'epoch', 'fenced_ms')
+  local cur = tonumber(f[1])
+  if not cur then return nil, true end
+  local age = now - (tonumber(f[3]) or 0)
+  if f[2] and f[2] ~= epoch then
+    if age < stale then return {4, cur, age, f[2]}, false end
+    return nil, false
+  end
+  if cur > term then
+    if age < stale then return {0, cur, age}, false end
+    return nil, false
+  end
+  return nil, true
+end
+local function claim(meta)
+  redis.call('HSET', meta, 'term', term, 'epoch', epoch, 'fenced_ms', now)
+end
+
+local refused, comparable = fence(KEYS[1])
+if refused then return refused end
+local m = redis.call('HMGET', KEYS[1], 'term', 'rolled_to', 'retired', 'version', 'epoch')
+local full = ARGV[4] == '1'
+local version = tonumber(ARGV[7])
+local check = comparable and ARGV[8] ~= '1'
+if not full then
+  if (not m[1]) or m[3] or not comparable then return {2, 0} end
+  if tonumber(m[2] or '0') < tonumber(ARGV[5]) then return {2, 0} end
+elseif m[3] and check and tonumber(m[3]) >= version then
+  return {3, tonumber(m[3])}
+end
+if check and m[4] and tonumber(m[4]) > version then return {5, tonumber(m[4])} end
+local n = tonumber(ARGV[10])
+local i = 11
+if n > 0 then
+  -- Key overrides are replaced as a whole with the meta fields.
+  for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
+    if string.sub(f, 1, 3) == 'ko:' then redis.call('HDEL', KEYS[1], f) end
+  end
+  local kv = {}
+  for j = 0, 2 * n - 1 do kv[#kv + 1] = ARGV[i + j] end
+  redis.call('HSET', KEYS[1], unpack(kv))
+  i = i + 2 * n
+end
+if full then redis.call('HDEL', KEYS[1], 'retired') end
+local pm = redis.call('HMGET', KEYS[1], 'pacing', 'pace_burst', 'mode')
+local pace = '0'
+local burst = 0
+if pm[1] == 'smooth' and ((not pm[3]) or pm[3] == 'pooled') then
+  pace = '1'
+  burst = tonumber(pm[2]) or 0
+end
+local new_rolled = tonumber(ARGV[6])
+local advanced = full or new_rolled > tonumber(m[2] or '0')
+if advanced then redis.call('HSET', KEYS[1], 'rolled_to', new_rolled) end
+if advanced or ARGV[9] == '1' or tonumber(m[1]) ~= term or m[5] ~= epoch then claim(KEYS[1]) end
+local written = 0
+for k = 2, #KEYS do
+  local cap = tonumber(ARGV[i])
+  local exp = tonumber(ARGV[i + 1])
+  i = i + 2
+  local cur = redis.call('HMGET', KEYS[k], 'cap', 'pace', 'burst')
+  local old = cur[1]
+  if not old then
+    redis.call('HSET', KEYS[k], 'cap', cap, 'rem', cap, 'term', term)
+    if pace == '1' then redis.call('HSET', KEYS[k], 'pace', 1, 'burst', burst) end
+    redis.call('PEXPIREAT', KEYS[k], exp)
+    written = written + 1
+  else
+    if pace == '1' and (cur[2] ~= '1' or tonumber(cur[3]) ~= burst) then
+      redis.call('HSET', KEYS[k], 'pace', 1, 'burst', burst)
+    elseif pace == '0' and cur[2] then
+      redis.call('HDEL', KEYS[k], 'pace', 'burst')
+    end
+    if tonumber(old) ~= cap then
+      redis.call('HINCRBY', KEYS[k], 'rem', cap - tonumber(old))
+      redis.call('HSET', KEYS[k], 'cap', cap, 'term', term)
+      written = written + 1
+    end
+    local ttl = redis.call('PTTL', KEYS[k])
+    if ttl == -1 or (ttl >= 0 and now + ttl < exp) then
+      redis.call('PEXPIREAT', KEYS[k], exp)
+    end
+  end
+end
+return {1, written}

@@ -1,0 +1,20 @@
+
+local t = redis.call('TIME')
+local h = redis.call('HMGET', KEYS[1], 'rem', 'cap')
+if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
+local rem = tonumber(h[1])
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local start = tonumber(ARGV[2])
+local len = tonumber(ARGV[3])
+local grace = math.min(math.floor(len / 4), 250)
+if now < start - len or now > start + len + grace then
+  return {-2, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
+end
+local n = tonumber(ARGV[1])
+if rem >= n then
+  rem = redis.call('HINCRBY', KEYS[1], 'rem', -n)
+  redis.call('HINCRBY', KEYS[1], 'adm', n)
+  return {1, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
+end
+redis.call('HINCRBY', KEYS[1], 'rej', n)
+return {0, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
