@@ -931,7 +931,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
         };
         for _ in 0..due {
             let (d, now_us) = match &mut lat {
-                Some(h) if done % every == 0 => {
+                Some(h) if done.is_multiple_of(every) => {
                     let t0 = Instant::now();
                     let r = decide(&task);
                     h.record(t0.elapsed());
