@@ -1441,6 +1441,59 @@ mod tests {
         assert_eq!(off.shared.fast_guard_us, 0);
     }
 
+    /// Across real slice boundaries (100 ms slices, a few of them), every admission of
+    /// `try_acquire` (fast path or precise) is charged to a slice that overlaps the precise
+    /// clock's interval around the call: the coarse clock never charges a decision to a slice
+    /// that had ended (or not begun) while it was made. (With a guard of 0 this fails within
+    /// the first boundaries: the coarse clock lags by ms.)
+    #[test]
+    fn fast_admissions_are_charged_to_the_slice_of_the_precise_clock() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, task) = offline_task("edge", dir.path());
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let slice = 100u64;
+        assert!(slot.store_meta(&meta(slice), slot.generation()));
+        let words = || [0, 1].map(|p| unpack_quota(slot.quota[p].word.load(Ordering::Acquire)));
+        let mut deposited = std::collections::HashSet::new();
+        let (mut admitted, mut boundaries, mut last) = (0u64, 0, None);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while boundaries < 4 && Instant::now() < deadline {
+            let now_us = crate::clock::host_us();
+            let k = now_us / 1_000 / slice as i64;
+            for idx in [k, k + 1] {
+                if deposited.insert(idx) {
+                    assert!(slot.deposit(idx * slice as i64, slice, 1 << 30, false, now_us));
+                }
+            }
+            if last.is_some_and(|l| l != k) {
+                boundaries += 1;
+            }
+            last = Some(k);
+            let before_w = words();
+            let before = crate::clock::host_us();
+            let d = task.try_acquire(1);
+            let after = crate::clock::host_us();
+            let after_w = words();
+            if d != Decision::Allowed {
+                continue;
+            }
+            admitted += 1;
+            let spent: Vec<_> = (0..2)
+                .filter(|&p| after_w[p].0 == before_w[p].0 && after_w[p].2 + 1 == before_w[p].2)
+                .collect();
+            assert_eq!(spent.len(), 1, "{before_w:?} → {after_w:?}");
+            let start_ms = crate::shm::untag(after_w[spent[0]].0, after / 1_000);
+            let (s_us, e_us) = (start_ms * 1_000, (start_ms + slice as i64) * 1_000);
+            assert!(
+                s_us <= after && e_us > before,
+                "charged to [{s_us}, {e_us}) µs, decided in [{before}, {after}] µs"
+            );
+        }
+        assert!(boundaries >= 4, "only {boundaries} boundaries crossed");
+        assert!(admitted > 1_000, "{admitted} admitted");
+    }
+
     /// Paced slices: the host spends its stock no faster than the pace; a permit not released
     /// yet is a rejection with the time until it is.
     #[test]
