@@ -1,6 +1,9 @@
 //! Decision-path benchmarks (no Redis: the quota is put into the host segment directly).
 //!
-//! * `decide/allowed`: `try_acquire(1)` admitted from the local quota: the fast path.
+//! * `decide/allowed`: `try_acquire(1)` admitted from the local quota: the fast path (the
+//!   coarse clock, `Config::fast_clock`, the default).
+//! * `decide/allowed_precise_clock`: the same on the precise clock (`try_acquire_precise`):
+//!   what `decide/allowed` cost before the fast clock.
 //! * `decide/limited`: the slice is exhausted (LIMITED): reject without Redis.
 //! * `decide/local_token_bucket`: mode `local`, the shared token bucket (the FAILED path).
 //! * `decide/keyed_allowed`: `key.try_acquire(1)` of a keyed task, admitted from the key
@@ -14,6 +17,7 @@
 //!   `ShadowLimited` and counted as a would-reject.
 //! * `host/N`: N threads, each with its own client (its own mapping of the same segment, like
 //!   N processes of one host), deciding against one shared quota: decisions/s of the host.
+//!   `host/N_precise_clock`: the same with `try_acquire_precise`.
 //!
 //! `scripts/bench-sdk.sh` runs this and the whole-system load test, and `docs/benchmarks.md`
 //! has the numbers.
@@ -140,6 +144,16 @@ fn decide(c: &mut Criterion) {
             t0.elapsed()
         })
     });
+    g.bench_function("allowed_precise_clock", |b| {
+        b.iter_custom(|iters| {
+            h.refill(false);
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                std::hint::black_box(task.try_acquire_precise(std::hint::black_box(1)));
+            }
+            t0.elapsed()
+        })
+    });
     h.refill(true);
     g.bench_function("limited", |b| {
         b.iter(|| std::hint::black_box(task.try_acquire(std::hint::black_box(1))))
@@ -201,10 +215,15 @@ fn decide(c: &mut Criterion) {
 
 fn host_throughput(c: &mut Criterion) {
     let mut g = c.benchmark_group("host");
-    for n in [1usize, 4] {
+    for (n, precise) in [(1usize, false), (4, false), (4, true)] {
         let h = host(Mode::Pooled, n);
         g.throughput(Throughput::Elements(n as u64));
-        g.bench_function(format!("{n}"), |b| {
+        let name = if precise {
+            format!("{n}_precise_clock")
+        } else {
+            format!("{n}")
+        };
+        g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 h.refill(false);
                 let tasks: Vec<Task> = h.clients.iter().map(|(_, t)| t.clone()).collect();
@@ -213,7 +232,11 @@ fn host_throughput(c: &mut Criterion) {
                     for t in &tasks {
                         s.spawn(move || {
                             for _ in 0..iters {
-                                std::hint::black_box(t.try_acquire(1));
+                                if precise {
+                                    std::hint::black_box(t.try_acquire_precise(1));
+                                } else {
+                                    std::hint::black_box(t.try_acquire(1));
+                                }
                             }
                         });
                     }

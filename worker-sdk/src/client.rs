@@ -97,6 +97,15 @@ pub struct Config {
     pub acquire_timeout: Duration,
     /// Which clock slices follow.
     pub clock: ClockSource,
+    /// Admissions of [`Task::try_acquire`] read the coarse clock (`CLOCK_REALTIME_COARSE`,
+    /// default `true`): a decision that falls well inside its slice (more than three ticks of
+    /// the coarse clock, 12 ms at `HZ=250`, before its end) and is admitted from the local quota
+    /// costs less. Every other decision (near the slice's end, rejected, pending,
+    /// FAILED, paced, not pooled, and all of [`Task::try_acquire_at`] /
+    /// [`Task::acquire`]) reads the precise clock as before. The slice a decision is charged
+    /// to is the same either way unless the kernel's tick is late by more than the guard; see
+    /// docs/sdk.md, "The clock of the fast path". `false`: always the precise clock.
+    pub fast_clock: bool,
     /// Entries of the host's key table for keyed tasks (default
     /// [`crate::keyed::DEFAULT_KEY_SLOTS`] = 16,384, 6 MiB; at most
     /// [`crate::keyed::MAX_KEY_SLOTS`] = 262,144). Like the segment, a table with fewer entries
@@ -127,6 +136,7 @@ impl Config {
             lock_timeout: Duration::from_secs(3),
             acquire_timeout: Duration::from_secs(1),
             clock: ClockSource::Host,
+            fast_clock: true,
             key_slots: crate::keyed::DEFAULT_KEY_SLOTS,
             allow_unknown: true,
         }
@@ -279,12 +289,25 @@ pub(crate) struct Shared {
     pub(crate) started: Instant,
     /// Keyed tasks: the key table and pending key pulls.
     pub(crate) keyed: crate::keyed::KeyState,
+    /// The fast path's clock guard, µs: a coarse reading at least this far from its slice's
+    /// end decides an admission; 0 = the fast clock is off ([`Config::fast_clock`]).
+    pub(crate) fast_guard_us: i64,
 }
 
 impl Shared {
     #[inline]
     pub(crate) fn now_us(&self) -> i64 {
         let h = crate::clock::host_us();
+        match self.cfg.clock {
+            ClockSource::Host => h,
+            ClockSource::Redis => h - self.seg.header().clock_offset_us.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Now on the coarse clock (see [`crate::clock::coarse_us`]), on the clock slices follow.
+    #[inline]
+    pub(crate) fn coarse_now_us(&self) -> i64 {
+        let h = crate::clock::coarse_us();
         match self.cfg.clock {
             ClockSource::Host => h,
             ClockSource::Redis => h - self.seg.header().clock_offset_us.load(Ordering::Relaxed),
@@ -306,6 +329,41 @@ impl Shared {
             now_ms: crate::clock::host_ms(),
             lock_timeout_ms: self.cfg.lock_timeout.as_millis() as u64,
             reclaim_idle_ms: self.cfg.reclaim_idle.as_millis().max(1) as u64,
+        }
+    }
+}
+
+/// Whether a coarse reading `now_us` may decide in the slice `[start_us, start_us +
+/// slice_us)`: inside it and at least `guard_us` before its end. The coarse clock is never
+/// ahead of the precise one and lags it by less than the guard, so the precise clock names the
+/// same slice.
+#[inline]
+fn fast_in_slice(now_us: i64, start_us: i64, slice_us: u64, guard_us: i64) -> bool {
+    let end_us = start_us.wrapping_add(slice_us as i64);
+    now_us >= start_us && now_us < end_us.wrapping_sub(guard_us)
+}
+
+/// The fast path's guard in ticks of the coarse clock. The kernel advances the coarse clock in
+/// whole ticks, from the tick of the CPU that keeps time, so it lags by up to a tick plus the
+/// lateness of that tick (1.3–5.3 ms = 0.3–1.3 ticks measured on a loaded 2-vCPU VM at
+/// `HZ=250`); three ticks leave more than a tick of margin.
+const FAST_GUARD_TICKS: i64 = 3;
+
+/// Largest coarse-clock tick the fast path accepts (µs); a coarser clock turns it off.
+const MAX_COARSE_TICK_US: i64 = 10_000;
+
+/// The fast path's guard for this kernel: [`FAST_GUARD_TICKS`] ticks of the coarse clock (0 =
+/// off).
+fn fast_guard_us(enabled: bool) -> i64 {
+    if !enabled {
+        return 0;
+    }
+    match crate::clock::coarse_resolution_us() {
+        Some(tick) if tick <= MAX_COARSE_TICK_US => FAST_GUARD_TICKS * tick,
+        other => {
+            tracing::info!(tick_us = ?other, "coarse clock too coarse or unknown: the fast \
+                path reads the precise clock");
+            0
         }
     }
 }
@@ -447,7 +505,9 @@ impl Client {
             .enable_all()
             .build()
             .map_err(Error::Spawn)?;
+        let fast_guard_us = fast_guard_us(cfg.fast_clock);
         let shared = Arc::new(Shared {
+            fast_guard_us,
             rt: rt.handle().clone(),
             nonce: random_u64(),
             requests: AtomicU64::new(0),
@@ -608,6 +668,69 @@ impl Task {
     /// Decides `n` permits now, from the host's local quota. Never waits.
     #[inline]
     pub fn try_acquire(&self, n: u64) -> Decision {
+        if self.shared.fast_guard_us > 0
+            && let Some(d) = self.try_fast(n)
+        {
+            return d;
+        }
+        self.try_acquire_at(n, self.shared.now_us())
+    }
+
+    /// The fast path of [`Task::try_acquire`]: an admission of a pooled, unpaced task from the
+    /// local quota of the slice the last decision fell in, timed by the coarse clock, when
+    /// that reading is at least the guard before the slice's end. The coarse clock is never
+    /// ahead of the precise one and lags it by less than the guard, so the precise clock would
+    /// name the same slice. `None`: anything else (another slice, too
+    /// near its end, not enough quota, FAILED, another mode, a reclaimed slot), decided by the
+    /// precise path from scratch.
+    #[inline]
+    fn try_fast(&self, n: u64) -> Option<Decision> {
+        let r = self.inner.slot_ref();
+        let slot = self.shared.seg.slot(r.index)?;
+        let w = slot.meta.fast.load(Ordering::Acquire);
+        if word_generation(w) != r.generation {
+            return None;
+        }
+        let m = FastMeta::decode(w)?;
+        if m.mode != Mode::Pooled || m.paced || n == 0 {
+            return None;
+        }
+        let slice_us = m.slice_ms * 1_000;
+        let now_us = self.shared.coarse_now_us();
+        let index = self.inner.index_cache.load(Ordering::Relaxed);
+        let start_us = index.wrapping_mul(slice_us) as i64;
+        if !fast_in_slice(now_us, start_us, slice_us, self.shared.fast_guard_us) {
+            return None;
+        }
+        let start_ms = (index * m.slice_ms) as i64;
+        let tag = tag_of(start_ms);
+        let e = &slot.quota[(index & 1) as usize];
+        let mut q = e.word.load(Ordering::Acquire);
+        loop {
+            let (t, _, c) = unpack_quota(q);
+            if t != tag || (c as u64) < n {
+                return None;
+            }
+            match e
+                .word
+                .compare_exchange_weak(q, q - n, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    if c as u64 - n < e.low_water.load(Ordering::Relaxed) {
+                        self.want(slot, start_ms, n);
+                    }
+                    return Some(Decision::Allowed);
+                }
+                Err(x) => q = x,
+            }
+        }
+    }
+
+    /// [`Task::try_acquire`] on the precise clock always (the fast clock off for this call):
+    /// what every call cost before [`Config::fast_clock`]; kept for benchmarks and callers
+    /// that want it.
+    #[inline]
+    pub fn try_acquire_precise(&self, n: u64) -> Decision {
         self.try_acquire_at(n, self.shared.now_us())
     }
 
@@ -1255,6 +1378,120 @@ mod tests {
             Decision::Limited { .. }
         ));
         assert_eq!(slot.drain_counters(), vec![(start, [0, 1, 0, 0, 0, 0, 0])]);
+    }
+
+    #[test]
+    fn the_fast_clock_decides_only_well_inside_the_slice() {
+        let (start, slice, guard) = (1_000_000i64, 1_000_000u64, 8_000i64);
+        assert!(fast_in_slice(start, start, slice, guard));
+        assert!(fast_in_slice(start + 991_999, start, slice, guard));
+        // Within the guard of the end, at or past it, before the start: the precise clock.
+        assert!(!fast_in_slice(start + 992_000, start, slice, guard));
+        assert!(!fast_in_slice(start + 1_000_000, start, slice, guard));
+        assert!(!fast_in_slice(start - 1, start, slice, guard));
+        // A slice no longer than the guard never decides on the coarse clock.
+        assert!(!fast_in_slice(start, start, 8_000, guard));
+        assert!(!fast_in_slice(start, start, 5_000, guard));
+    }
+
+    /// The fast path admits from the slice the precise path last named, spends the same word,
+    /// and leaves everything else (an unknown slice, no quota) to the precise path.
+    #[test]
+    fn the_fast_path_spends_the_same_quota_as_the_precise_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, task) = offline_task("fast", dir.path());
+        assert!(client.shared.fast_guard_us > 0, "coarse clock available");
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let day = 86_400_000u64;
+        assert!(slot.store_meta(&meta(day), slot.generation()));
+        let now_us = task.now_us();
+        let start = (now_us as u64 / (day * 1_000) * day) as i64;
+        // Too near the end of the day for this test to be about the fast path: skip.
+        if now_us + 60_000_000 > (start + day as i64) * 1_000 {
+            return;
+        }
+        assert!(slot.deposit(start, day, 3, true, now_us));
+        let count = || unpack_quota(slot.entry(start, day).word.load(Ordering::Relaxed)).2;
+        // No decision yet named the slice: the fast path declines.
+        assert_eq!(task.try_fast(1), None);
+        assert_eq!(task.try_acquire_precise(1), Decision::Allowed);
+        assert_eq!(task.try_fast(1), Some(Decision::Allowed));
+        assert_eq!(count(), 1);
+        assert_eq!(task.try_acquire(1), Decision::Allowed);
+        assert_eq!(count(), 0);
+        // Nothing left: the fast path declines, the precise one rejects (LIMITED) and counts.
+        assert_eq!(task.try_fast(1), None);
+        assert!(matches!(task.try_acquire(1), Decision::Limited { .. }));
+        assert_eq!(slot.drain_counters(), vec![(start, [0, 1, 0, 0, 0, 0, 0])]);
+        // Paced tasks always take the precise path.
+        let paced = TaskMeta {
+            pacing: crate::protocol::Pacing::Smooth,
+            ..meta(day)
+        };
+        assert!(slot.store_meta(&paced, slot.generation()));
+        assert!(slot.deposit(start, day, 3, false, now_us));
+        assert_eq!(task.try_fast(1), None);
+        // Off by configuration: no guard, `try_acquire` is the precise path.
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().join("off");
+        std::fs::create_dir_all(&cfg.shm_dir).unwrap();
+        cfg.fast_clock = false;
+        let off = Client::new(cfg).unwrap();
+        assert_eq!(off.shared.fast_guard_us, 0);
+    }
+
+    /// Across real slice boundaries (100 ms slices, a few of them), every admission of
+    /// `try_acquire` (fast path or precise) is charged to a slice that overlaps the precise
+    /// clock's interval around the call: the coarse clock never charges a decision to a slice
+    /// that had ended (or not begun) while it was made. (With a guard of 0 this fails within
+    /// the first boundaries: the coarse clock lags by ms.)
+    #[test]
+    fn fast_admissions_are_charged_to_the_slice_of_the_precise_clock() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, task) = offline_task("edge", dir.path());
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let slice = 100u64;
+        assert!(slot.store_meta(&meta(slice), slot.generation()));
+        let words = || [0, 1].map(|p| unpack_quota(slot.quota[p].word.load(Ordering::Acquire)));
+        let mut deposited = std::collections::HashSet::new();
+        let (mut admitted, mut boundaries, mut last) = (0u64, 0, None);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while boundaries < 4 && Instant::now() < deadline {
+            let now_us = crate::clock::host_us();
+            let k = now_us / 1_000 / slice as i64;
+            for idx in [k, k + 1] {
+                if deposited.insert(idx) {
+                    assert!(slot.deposit(idx * slice as i64, slice, 1 << 30, false, now_us));
+                }
+            }
+            if last.is_some_and(|l| l != k) {
+                boundaries += 1;
+            }
+            last = Some(k);
+            let before_w = words();
+            let before = crate::clock::host_us();
+            let d = task.try_acquire(1);
+            let after = crate::clock::host_us();
+            let after_w = words();
+            if d != Decision::Allowed {
+                continue;
+            }
+            admitted += 1;
+            let spent: Vec<_> = (0..2)
+                .filter(|&p| after_w[p].0 == before_w[p].0 && after_w[p].2 + 1 == before_w[p].2)
+                .collect();
+            assert_eq!(spent.len(), 1, "{before_w:?} → {after_w:?}");
+            let start_ms = crate::shm::untag(after_w[spent[0]].0, after / 1_000);
+            let (s_us, e_us) = (start_ms * 1_000, (start_ms + slice as i64) * 1_000);
+            assert!(
+                s_us <= after && e_us > before,
+                "charged to [{s_us}, {e_us}) µs, decided in [{before}, {after}] µs"
+            );
+        }
+        assert!(boundaries >= 4, "only {boundaries} boundaries crossed");
+        assert!(admitted > 1_000, "{admitted} admitted");
     }
 
     /// Paced slices: the host spends its stock no faster than the pace; a permit not released

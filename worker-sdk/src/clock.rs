@@ -4,6 +4,15 @@
 //! follow this clock by default (as in the seed: hosts are kept in step by NTP); the client can
 //! subtract the offset to Redis `TIME` measured on every pull instead (see
 //! [`crate::client::ClockSource`]).
+//!
+//! The admission fast path of [`crate::Task::try_acquire`] reads `CLOCK_REALTIME_COARSE`
+//! instead ([`coarse_us`]): the kernel's copy of the real-time clock as of the last timer
+//! tick, cheaper than reading the TSC and scaling it. It is never ahead of `CLOCK_REALTIME`
+//! and lags it by up to one tick ([`coarse_resolution_us`], 4 ms at `HZ=250`) plus the
+//! lateness of the timekeeping CPU's tick (it is advanced by the timer interrupt, not by a
+//! thread, so starving the reading process of CPU cannot make it older). The client reads the
+//! precise clock whenever the coarse reading is within a guard of three ticks of the slice's
+//! end (see `docs/sdk.md`, "The clock of the fast path").
 
 /// Host Unix time in microseconds.
 #[inline]
@@ -17,6 +26,36 @@ pub fn host_us() -> i64 {
     #[allow(clippy::unnecessary_cast)] // time_t and c_long are not i64 everywhere
     let us = ts.tv_sec as i64 * 1_000_000 + ts.tv_nsec as i64 / 1_000;
     us
+}
+
+/// Host Unix time in microseconds on `CLOCK_REALTIME_COARSE`: up to about a tick (plus the
+/// tick's lateness) behind [`host_us`], never ahead of it.
+#[inline]
+pub fn coarse_us() -> i64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes into the timespec we pass; CLOCK_REALTIME_COARSE exists on
+    // Linux (since 2.6.32).
+    unsafe { libc::clock_gettime(libc::CLOCK_REALTIME_COARSE, &mut ts) };
+    #[allow(clippy::unnecessary_cast)]
+    let us = ts.tv_sec as i64 * 1_000_000 + ts.tv_nsec as i64 / 1_000;
+    us
+}
+
+/// Resolution of `CLOCK_REALTIME_COARSE` (`clock_getres`) in µs: its tick. `None` if the
+/// kernel does not tell.
+pub fn coarse_resolution_us() -> Option<i64> {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_getres writes into the timespec we pass.
+    let rc = unsafe { libc::clock_getres(libc::CLOCK_REALTIME_COARSE, &mut ts) };
+    #[allow(clippy::unnecessary_cast)]
+    let us = ts.tv_sec as i64 * 1_000_000 + (ts.tv_nsec as i64 + 999) / 1_000;
+    (rc == 0 && us > 0).then_some(us)
 }
 
 /// Host Unix time in milliseconds.
@@ -48,5 +87,24 @@ mod tests {
         let a = crate::protocol::unix_ms();
         let b = super::host_ms();
         assert!((b - a).abs() < 1_000, "{a} vs {b}");
+    }
+
+    /// The coarse clock is never ahead of the precise one and lags it by less than the fast
+    /// path's guard (three ticks).
+    #[test]
+    fn coarse_lags_less_than_the_guard() {
+        let res = super::coarse_resolution_us().expect("clock_getres");
+        assert!(res <= 10_000, "coarse tick {res} µs");
+        let mut worst = 0;
+        for _ in 0..10_000 {
+            let p1 = super::host_us();
+            let c = super::coarse_us();
+            let p2 = super::host_us();
+            assert!(c <= p2, "coarse {c} ahead of precise {p2}");
+            if p2 - p1 < 50 {
+                worst = worst.max(p1 - c);
+            }
+        }
+        assert!(worst < 3 * res, "coarse lagged {worst} µs (tick {res} µs)");
     }
 }
