@@ -31,7 +31,8 @@
 //! # Which SDK call decides
 //!
 //! Every mode is decided through the call its users make: pooled and local tasks with
-//! `try_acquire_at` (the synchronous path), `exact_fixed` / `exact_sliding` tasks with
+//! `try_acquire_stamped` (= `try_acquire`, the synchronous path with its fast clock, plus the
+//! time the decision was charged at, which picks its bucket), `exact_fixed` / `exact_sliding` tasks with
 //! `acquire_blocking` (one Redis round trip per decision). The mode is read from the task's
 //! meta in the host segment (`Task::meta`, a few atomic loads) before every decision, so a mode
 //! changed at run time is followed at once. An `exact_fixed` decision that would start less
@@ -809,14 +810,16 @@ fn exact_mode(task: &Task) -> Option<(i64, bool)> {
 /// stamped less than 1 ms before a slice boundary is held until the boundary, so the slice it
 /// is bucketed in is the slice TAKE charged (the two clock reads are microseconds apart).
 fn decide(task: &Task) -> (Decision, i64) {
-    let now_us = task.now_us();
     match exact_mode(task) {
-        None => match task.try_acquire_at(1, now_us) {
+        // `try_acquire_stamped`: `try_acquire` (its fast clock included, as users call it),
+        // with the time the decision was charged at.
+        None => match task.try_acquire_stamped(1) {
             // The task became exact between the mode check and the decision.
-            Decision::WouldBlock => (task.acquire_blocking(1), now_us),
-            d => (d, now_us),
+            (Decision::WouldBlock, now_us) => (task.acquire_blocking(1), now_us),
+            d => d,
         },
         Some((slice_us, fixed)) => {
+            let now_us = task.now_us();
             let left = slice_us - now_us.rem_euclid(slice_us.max(1));
             let now_us = if fixed && left < 1_000 {
                 std::thread::sleep(Duration::from_micros(left as u64));
