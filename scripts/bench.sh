@@ -57,9 +57,15 @@ ensure_base_packages
 log "installing the Node.js and Python peers (from their lockfiles)"
 scripts/bench/peers/install.sh >/dev/null
 log "building sluice-manager, sluice-agent, loadgen, peer_redis, rls_load ($PROFILE)"
-cargo build "${CARGO_PROFILE[@]}" -q -p sluice-manager --bin sluice-manager \
-  -p sluice-agent --bin sluice-agent -p sluice-tests --bin peer_redis --bin rls_load
-cargo build "${CARGO_PROFILE[@]}" -q -p sluice --example loadgen
+if [ "$PROFILE" = debug ]; then
+  # What scripts/test.sh builds, with the same feature set (a subset of packages would unify
+  # features differently and rebuild half the dependencies): a no-op after it.
+  cargo build -q --workspace --bins --examples
+else
+  cargo build "${CARGO_PROFILE[@]}" -q -p sluice-manager --bin sluice-manager \
+    -p sluice-agent --bin sluice-agent -p sluice-tests --bin peer_redis --bin rls_load
+  cargo build "${CARGO_PROFILE[@]}" -q -p sluice --example loadgen
+fi
 start_etcd
 start_redis
 REDIS_PID=${SLUICE_PIDS[-1]}
