@@ -171,6 +171,8 @@ class Bench:
         self.agents = [dict(zip(("pid", "grpc", "http", "host"), x.split(",")))
                        for x in a.agent]
         self.idle_cmds_per_s = 0.0
+        # Simulated host ids whose segments are removed at the end.
+        self._cleanup_hosts = []
 
     # -- the manager's API
     def put_task(self, name, spec):
@@ -348,8 +350,6 @@ class Bench:
                               "--bucket-ms", str(BUCKET_MS), "--proc", str(i)]
                 spawn(f"p{i}", cmd, parse_peer)
         return ps
-
-    _cleanup_hosts = []
 
 
 def parse_loadgen(j):

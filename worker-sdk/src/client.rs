@@ -668,12 +668,7 @@ impl Task {
     /// Decides `n` permits now, from the host's local quota. Never waits.
     #[inline]
     pub fn try_acquire(&self, n: u64) -> Decision {
-        if self.shared.fast_guard_us > 0
-            && let Some((d, _)) = self.try_fast(n)
-        {
-            return d;
-        }
-        self.try_acquire_at(n, self.shared.now_us())
+        self.try_acquire_stamped(n).0
     }
 
     /// [`Task::try_acquire`] (the fast clock included), also answering the time the decision
