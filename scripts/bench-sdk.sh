@@ -7,7 +7,7 @@
 #   * the pull policy at the acceptance workload (threshold 2,000/s, 2 hosts × 4 processes,
 #     demand 8×) and at steady demand below the threshold, automatic vs the seed's fixed
 #     "host share / 50" — Redis calls per admitted decision, per-slice admitted, rejections,
-#   * then the criterion micro-benchmarks (`cargo bench -p sluice --bench decide`), unless
+#   * then the criterion micro-benchmarks (`cargo bench -p sluice-sdk --bench decide`), unless
 #     SLUICE_BENCH_SKIP_CRITERION=1.
 #
 #   scripts/bench-sdk.sh [SECONDS]  (default 5 s per throughput run)
@@ -23,7 +23,7 @@ SECS=${1:-5}
 ensure_base_packages
 log "building sluice-manager and the loadgen example (release)"
 cargo build --release -q -p sluice-manager --bin sluice-manager
-cargo build --release -q -p sluice --example loadgen
+cargo build --release -q -p sluice-sdk --example loadgen
 start_etcd
 start_redis
 dir="$(sluice_tmp)"
@@ -120,6 +120,6 @@ PY
 
 if [ -z "${SLUICE_BENCH_SKIP_CRITERION:-}" ]; then
   log "criterion: decision path"
-  cargo bench -q -p sluice --bench decide -- --noplot 2>/dev/null |
+  cargo bench -q -p sluice-sdk --bench decide -- --noplot 2>/dev/null |
     grep -E '^(decide|host)/|time:|thrpt:' || true
 fi

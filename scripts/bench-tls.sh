@@ -20,7 +20,7 @@ SECS=${2:-20}
 PULLS=${3:-20000}
 ensure_base_packages
 log "building sluice-manager and the examples (release)"
-cargo build --release -q -p sluice-manager -p sluice --bins --examples
+cargo build --release -q -p sluice-manager -p sluice-sdk --bins --examples
 dir="$(sluice_tmp)"
 pki="$dir/pki"; mkdir -p "$pki"
 (

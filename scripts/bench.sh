@@ -64,7 +64,7 @@ if [ "$PROFILE" = debug ]; then
 else
   cargo build "${CARGO_PROFILE[@]}" -q -p sluice-manager --bin sluice-manager \
     -p sluice-agent --bin sluice-agent -p sluice-tests --bin peer_redis --bin rls_load
-  cargo build "${CARGO_PROFILE[@]}" -q -p sluice --example loadgen
+  cargo build "${CARGO_PROFILE[@]}" -q -p sluice-sdk --example loadgen
 fi
 start_etcd
 start_redis

@@ -39,7 +39,7 @@ fi
 log "building sluice-manager, sluice-agent and the load generator (release)"
 cargo build --release -p sluice-manager -p sluice-agent
 if [ -f worker-sdk/examples/loadgen.rs ]; then
-  cargo build --release -p sluice --example loadgen
+  cargo build --release -p sluice-sdk --example loadgen
 fi
 
 start_etcd

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
-use sluice::protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
-use sluice::protocol::validate_namespace;
+use sluice_protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
+use sluice_protocol::validate_namespace;
 
 /// Command-line flags (every one also `SLUICE_AGENT_<FLAG>` in the environment).
 #[derive(Debug, Default, Parser)]
@@ -243,7 +243,7 @@ impl Config {
         Redis::with_security(target, ConnOptions::default(), &redis_security)
             .map_err(|e| err(e.flag(), e.message))?;
 
-        let namespace: String = pick!(namespace, sluice::protocol::DEFAULT_NAMESPACE);
+        let namespace: String = pick!(namespace, sluice_protocol::DEFAULT_NAMESPACE);
         validate_namespace(&namespace).map_err(|e| err("namespace", e.to_string()))?;
 
         let host_id: String = pick!(

@@ -14,9 +14,9 @@ use std::collections::HashMap;
 use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
-use sluice::protocol::conn::Redis;
-use sluice::protocol::{Keys, Mode};
 use sluice::{AllDecision, Client, Decision, Key, Limit, Task};
+use sluice_protocol::conn::Redis;
+use sluice_protocol::{Keys, Mode};
 
 /// How long a name found missing in Redis is answered "unknown" without asking again.
 pub const NEGATIVE_TTL: Duration = Duration::from_secs(1);
@@ -109,7 +109,7 @@ impl Decider {
             }
             None => {}
         }
-        sluice::protocol::validate_task_name(name).map_err(|e| DecideError::Invalid {
+        sluice_protocol::validate_task_name(name).map_err(|e| DecideError::Invalid {
             field: "task",
             message: e.to_string(),
         })?;
@@ -175,7 +175,7 @@ impl Decider {
     /// Whether task `name` is live: its meta has a version and no `retired` mark (a deleted
     /// task's meta keeps the mark for a while). `None` when Redis did not answer in time.
     async fn exists(&self, name: &str) -> Option<bool> {
-        use sluice::protocol::meta_field;
+        use sluice_protocol::meta_field;
         let key = self.keys.meta(name);
         let q = async {
             let mut c = self.redis.conn().await.ok()?;

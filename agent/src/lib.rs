@@ -29,8 +29,8 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use sluice::protocol::Keys;
-use sluice::protocol::conn::{CheckError, ConnOptions, Redis, RedisTarget};
+use sluice_protocol::Keys;
+use sluice_protocol::conn::{CheckError, ConnOptions, Redis, RedisTarget};
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;

@@ -51,7 +51,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
 };
 use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
 use sluice::Decision;
-use sluice::protocol::OnFailure;
+use sluice_protocol::OnFailure;
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;

@@ -86,7 +86,7 @@ pub struct LimitSpec {
     pub unit: Unit,
 }
 
-pub use sluice::protocol::envoy::Unit;
+pub use sluice_protocol::envoy::Unit;
 
 /// What a descriptor resolved to.
 #[derive(Debug, Clone, PartialEq)]
@@ -158,7 +158,7 @@ fn index(
         }
         let limit = if n.task.is_some() || n.unlimited {
             if let Some(t) = &n.task {
-                sluice::protocol::validate_task_name(t).map_err(|e| e.to_string())?;
+                sluice_protocol::validate_task_name(t).map_err(|e| e.to_string())?;
             }
             let spec = match (&n.unit, n.requests_per_unit) {
                 (Some(u), Some(r)) => Some(LimitSpec {
@@ -219,7 +219,7 @@ pub fn key_of(parts: &[&str]) -> String {
         }
         escape_part(p, &mut k);
     }
-    if k.len() > sluice::protocol::MAX_KEY_LEN {
+    if k.len() > sluice_protocol::MAX_KEY_LEN {
         let d = ring::digest::digest(&ring::digest::SHA256, k.as_bytes());
         let mut h = String::with_capacity(7 + 64);
         h.push_str("sha256:");

@@ -31,8 +31,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use sluice::protocol::conn::Redis;
-use sluice::protocol::{Keys, unix_ms};
+use sluice_protocol::conn::Redis;
+use sluice_protocol::{Keys, unix_ms};
 use tokio::sync::{Semaphore, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};

@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
-use sluice::protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
-use sluice::protocol::validate_namespace;
+use sluice_protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
+use sluice_protocol::validate_namespace;
 
 /// Command-line flags (every one also `SLUICE_<FLAG>` in the environment).
 #[derive(Debug, Default, Parser)]
@@ -309,12 +309,12 @@ fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdL
         }
     } else {
         // Reads SSL_CERT_FILE and --etcd-ca now; the error names the file.
-        sluice::protocol::tls::extra_roots(ca.as_deref()).map_err(|e| err("etcd-ca", e))?;
+        sluice_protocol::tls::extra_roots(ca.as_deref()).map_err(|e| err("etcd-ca", e))?;
     }
     let identity = match (cert, key) {
         (Some(c), Some(k)) => {
-            sluice::protocol::tls::load_certs(&c).map_err(|e| err("etcd-cert", e))?;
-            sluice::protocol::tls::load_key(&k).map_err(|e| err("etcd-key", e))?;
+            sluice_protocol::tls::load_certs(&c).map_err(|e| err("etcd-cert", e))?;
+            sluice_protocol::tls::load_key(&k).map_err(|e| err("etcd-key", e))?;
             Some((c, k))
         }
         (None, None) => None,
@@ -338,8 +338,7 @@ fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdL
             ));
         }
         (Some(f), None) => Some(Secret::new(
-            sluice::protocol::tls::read_secret_file(&f)
-                .map_err(|e| err("etcd-password-file", e))?,
+            sluice_protocol::tls::read_secret_file(&f).map_err(|e| err("etcd-password-file", e))?,
         )),
         (None, Some(p)) => Some(Secret::new(p)),
         (None, None) => None,
@@ -392,9 +391,8 @@ impl ListenerTls {
     /// The rustls server configuration (ring provider; HTTP/1.1, as the server speaks). Reads
     /// both files; errors name the flag and the file, never the key.
     pub fn server_config(&self) -> Result<rustls::ServerConfig, ConfigError> {
-        let certs =
-            sluice::protocol::tls::load_certs(&self.cert).map_err(|e| err("tls-cert", e))?;
-        let key = sluice::protocol::tls::load_key(&self.key).map_err(|e| err("tls-key", e))?;
+        let certs = sluice_protocol::tls::load_certs(&self.cert).map_err(|e| err("tls-cert", e))?;
+        let key = sluice_protocol::tls::load_key(&self.key).map_err(|e| err("tls-key", e))?;
         let mut cfg = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
             rustls::crypto::ring::default_provider(),
         ))
@@ -486,7 +484,7 @@ impl Config {
             )
         })?;
 
-        let namespace: String = pick!(namespace, sluice::protocol::DEFAULT_NAMESPACE);
+        let namespace: String = pick!(namespace, sluice_protocol::DEFAULT_NAMESPACE);
         validate_namespace(&namespace).map_err(|e| err("namespace", e.to_string()))?;
 
         let node_id: String = cli
@@ -595,7 +593,7 @@ impl Config {
             .unwrap_or(false);
         let webhook_ca = cli.webhook_ca.clone().or(file.webhook_ca.clone());
         if let Some(ca) = &webhook_ca {
-            sluice::protocol::tls::load_certs(ca).map_err(|e| err("webhook-ca", e))?;
+            sluice_protocol::tls::load_certs(ca).map_err(|e| err("webhook-ca", e))?;
         }
         let log_json = cli.log_json.or(file.log_json).unwrap_or(false);
 
@@ -665,7 +663,7 @@ fn token(
         )),
         (Some(t), None) if t.trim().is_empty() => Err(err(flag, "must not be empty when set")),
         (Some(t), None) => Ok(Some(Token(t))),
-        (None, Some(p)) => sluice::protocol::tls::read_secret_file(&p)
+        (None, Some(p)) => sluice_protocol::tls::read_secret_file(&p)
             .map(|t| Some(Token(t)))
             .map_err(|e| err(file_flag, e)),
         (None, None) => Ok(None),

@@ -43,9 +43,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use sluice::protocol::conn::Redis;
-use sluice::protocol::scripts::{self, AdjustOutcome, FenceRefusal, SliceCounters};
-use sluice::protocol::{Keys, slice, slice_field, unix_ms};
+use sluice_protocol::conn::Redis;
+use sluice_protocol::scripts::{self, AdjustOutcome, FenceRefusal, SliceCounters};
+use sluice_protocol::{Keys, slice, slice_field, unix_ms};
 use tracing::{debug, info, warn};
 
 use crate::election::LeaderContext;
@@ -177,7 +177,7 @@ pub fn bound(v: u64, min: u64, max: u64) -> u64 {
 ///
 /// ```
 /// use sluice_manager::dynamic::*;
-/// use sluice::protocol::scripts::SliceCounters;
+/// use sluice_protocol::scripts::SliceCounters;
 /// let p = Params { min: 100, max: 10_000, target_error_rate: 0.05, target_latency_ms: 200.0,
 ///                  step: 99, decrease_factor: 0.8, cooldown_ms: 10_000, recover_to: 5_000 };
 /// let s = ControllerState { current: 5_000, last_change_ms: 0, last_decrease_ms: 0 };

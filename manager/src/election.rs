@@ -21,14 +21,14 @@
 //! retried within a quarter of a second: a single lost keep-alive is not an abdication. Only when
 //! `valid_until` passes without a newer proof (or etcd answers `ttl ≤ 0`) does the replica step
 //! down. A paused process (SIGSTOP) wakes with `valid_until` long past, so it stops at once; a
-//! write already in flight is refused by the Redis fence (see `sluice::protocol::scripts`).
+//! write already in flight is refused by the Redis fence (see `sluice_protocol::scripts`).
 //!
 //! # Term and epoch
 //!
 //! The term is the leader key's creation revision: it grows with every election. Revisions
 //! only order elections of one etcd history, so the leader also carries its **epoch**, the
 //! cluster id etcd puts in every response header: the fence it writes with
-//! ([`sluice::protocol::scripts::Fence`]) is `(term, epoch, stale_after)`. A fence of another
+//! ([`sluice_protocol::scripts::Fence`]) is `(term, epoch, stale_after)`. A fence of another
 //! epoch (another etcd, another manager cluster on the same namespace) is never compared by
 //! term: it is refused while its holder keeps it fresh and taken over once it went stale.
 //!
@@ -46,8 +46,8 @@ use etcd_client::{
 };
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
-use sluice::protocol::Keys;
-use sluice::protocol::scripts::Fence;
+use sluice_protocol::Keys;
+use sluice_protocol::scripts::Fence;
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::time::{Instant, sleep, sleep_until, timeout};
 use tokio_util::sync::CancellationToken;

@@ -25,8 +25,8 @@ use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp, TxnOpRespo
 use redis::Script;
 use ring::digest;
 use serde_json::{Value, json};
-use sluice::protocol::conn::Redis;
-use sluice::protocol::{Keys, unix_ms};
+use sluice_protocol::conn::Redis;
+use sluice_protocol::{Keys, unix_ms};
 use tracing::{debug, info, warn};
 use yaml_rust2::parser::{Event, Parser};
 use yaml_rust2::scanner::TScalarStyle;
@@ -275,7 +275,7 @@ fn load_yaml(text: &str) -> Result<YNode, ImportError> {
 // ---------------------------------------------------------------------------------------------
 // The tree → a validated domain.
 
-pub use sluice::protocol::envoy::Unit;
+pub use sluice_protocol::envoy::Unit;
 
 /// A `rate_limit` block.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -779,7 +779,7 @@ pub fn task_name(domain: &str, path: &[(&str, Option<&str>)]) -> String {
                 s.push_str(v);
             }
         }
-        if s.len() <= sluice::protocol::MAX_TASK_NAME_LEN {
+        if s.len() <= sluice_protocol::MAX_TASK_NAME_LEN {
             return s;
         }
     }
@@ -1374,7 +1374,7 @@ mod tests {
     use super::*;
 
     /// `docs/protocol/scripts/mirror_{set,del}.lua` are these scripts byte for byte (the SDK's
-    /// scripts are checked by `cargo test -p sluice shipped_scripts`); regenerate with
+    /// scripts are checked by `cargo test -p sluice-protocol shipped_scripts`); regenerate with
     /// `SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-manager shipped_scripts`.
     #[test]
     fn shipped_scripts_match_their_constants() {

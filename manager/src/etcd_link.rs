@@ -56,7 +56,7 @@ fn options(link: &EtcdLink) -> Result<ConnectOptions> {
 
 fn tls_options(link: &EtcdLink) -> Result<TlsOptions> {
     let startup = |flag: &str, e: String| Error::Startup(format!("--{flag}: {e}"));
-    let roots = sluice::protocol::tls::all_roots_pem(link.ca.as_deref())
+    let roots = sluice_protocol::tls::all_roots_pem(link.ca.as_deref())
         .map_err(|e| startup("etcd-ca", e))?;
     let mut tls = TlsOptions::new()
         .ca_certificate(Certificate::from_pem(roots))

@@ -54,9 +54,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
-use sluice::protocol::conn::{Redis, RedisConn};
-use sluice::protocol::scripts::{self, RecordOutcome, RingWrites};
-use sluice::protocol::{Keys, slice, slice_field, unix_ms};
+use sluice_protocol::conn::{Redis, RedisConn};
+use sluice_protocol::scripts::{self, RecordOutcome, RingWrites};
+use sluice_protocol::{Keys, slice, slice_field, unix_ms};
 use tracing::{debug, warn};
 
 use crate::election::LeaderContext;

@@ -25,8 +25,8 @@
 
 use std::sync::Arc;
 
-use sluice::protocol::Keys;
-use sluice::protocol::conn::Redis;
+use sluice_protocol::Keys;
+use sluice_protocol::conn::Redis;
 use tokio::sync::watch;
 
 use crate::election::LeaderContext;

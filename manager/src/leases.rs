@@ -2,7 +2,7 @@
 //! validated and summed (for `GET /api/v1/tasks/{name}` and the leader's metrics).
 //!
 //! ```text
-//!  NS:{T}:lease  hash  host id -> "<permits>:<expires_ms>:<seq>:<unmet>"   (sluice::protocol::lease)
+//!  NS:{T}:lease  hash  host id -> "<permits>:<expires_ms>:<seq>:<unmet>"   (sluice_protocol::lease)
 //!                      expires_ms is Redis TIME: "now" here is Redis TIME too, never ours
 //! ```
 //!
@@ -18,8 +18,8 @@
 use std::collections::{HashMap, HashSet};
 
 use redis::AsyncCommands;
-use sluice::protocol::Keys;
-use sluice::protocol::conn::RedisConn;
+use sluice_protocol::Keys;
+use sluice_protocol::conn::RedisConn;
 
 /// One host's entry of the lease hash, parsed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,7 +214,7 @@ pub const METRICS_EVERY: std::time::Duration = std::time::Duration::from_secs(1)
 pub async fn run(
     ctx: crate::election::LeaderContext,
     keys: Keys,
-    redis: std::sync::Arc<sluice::protocol::conn::Redis>,
+    redis: std::sync::Arc<sluice_protocol::conn::Redis>,
     store: crate::tasks::TaskStore,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
 ) {
@@ -234,7 +234,7 @@ pub async fn run(
         let names: Vec<String> = snap
             .tasks
             .values()
-            .filter(|t| t.spec.mode == sluice::protocol::Mode::Concurrency)
+            .filter(|t| t.spec.mode == sluice_protocol::Mode::Concurrency)
             .map(|t| t.name.clone())
             .collect();
         let keep: HashSet<&str> = names.iter().map(String::as_str).collect();

@@ -52,8 +52,8 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use sluice::protocol::Keys;
-use sluice::protocol::conn::{ConnOptions, Redis};
+use sluice_protocol::Keys;
+use sluice_protocol::conn::{ConnOptions, Redis};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -73,7 +73,7 @@ use crate::tasks::TaskStore;
 /// must not win an election). A Redis that is merely down is tolerated, as before: the
 /// replica starts, logs the failure and connects when Redis comes up.
 async fn connect_redis(cfg: &Config) -> Result<Redis> {
-    sluice::protocol::tls::install_provider();
+    sluice_protocol::tls::install_provider();
     let redis = Redis::with_security(
         cfg.redis.clone(),
         ConnOptions::default(),
@@ -101,7 +101,7 @@ async fn connect_redis(cfg: &Config) -> Result<Redis> {
 /// Runs a replica until `shutdown` resolves, then stops in order: leader work stops and the
 /// leader resigns (a follower takes over at once), the HTTP server drains, watches end.
 pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<()> {
-    sluice::protocol::tls::install_provider();
+    sluice_protocol::tls::install_provider();
     let cfg = Arc::new(cfg);
     let webhooks = webhook::Webhooks::new(cfg.webhook_allow_private, cfg.webhook_ca.as_deref())
         .map_err(|e| {
@@ -225,7 +225,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
         node: NodeInfo {
             node_id: cfg.node_id.clone(),
             addr: cfg.advertise.clone(),
-            started_ms: sluice::protocol::unix_ms(),
+            started_ms: sluice_protocol::unix_ms(),
         },
         ttl: cfg.lease_ttl,
         fence_stale_after: cfg.fence_stale_after,

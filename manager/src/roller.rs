@@ -40,11 +40,11 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use serde_json::json;
-use sluice::protocol::conn::Redis;
-use sluice::protocol::scripts::{
+use sluice_protocol::conn::Redis;
+use sluice_protocol::scripts::{
     self, FenceRefusal, RetireOutcome, RollOutcome, RollRequest, SliceWrite,
 };
-use sluice::protocol::{Keys, Mode, slice, unix_ms};
+use sluice_protocol::{Keys, Mode, slice, unix_ms};
 use tracing::{debug, info, warn};
 
 use crate::alerts::{AlertTx, Condition, Signal};
@@ -695,7 +695,7 @@ impl Roller {
 
 /// Sends one plan (in chunks of at most [`MAX_SLICES_PER_CALL`] slices).
 async fn execute(
-    conn: &mut sluice::protocol::conn::RedisConn,
+    conn: &mut sluice_protocol::conn::RedisConn,
     keys: &Keys,
     ctx: &LeaderContext,
     fence: &scripts::Fence,

@@ -11,7 +11,7 @@ use std::time::Duration;
 use etcd_client::Client;
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
-use sluice::protocol::Keys;
+use sluice_protocol::Keys;
 use tokio::sync::watch;
 use tracing::warn;
 

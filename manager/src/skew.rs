@@ -41,8 +41,8 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::json;
-use sluice::protocol::conn::Redis;
-use sluice::protocol::{HostReport, Keys, scripts, slice, unix_ms};
+use sluice_protocol::conn::Redis;
+use sluice_protocol::{HostReport, Keys, scripts, slice, unix_ms};
 use tokio::sync::watch;
 use tracing::{debug, info};
 

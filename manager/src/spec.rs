@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
-use sluice::protocol::{
+use sluice_protocol::{
     Fallback, FallbackAlgorithm, MAX_KEY_OVERRIDES, MAX_SLICE_MS, MIN_SLICE_MS, Mode, OnFailure,
     Pacing, TaskMeta,
 };
@@ -475,7 +475,7 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
         }
         for (k, t) in map {
             let f = format!("key_overrides[{}]", serde_json::Value::from(k.as_str()));
-            sluice::protocol::validate_key(k).map_err(|e| fe(&f, e.why))?;
+            sluice_protocol::validate_key(k).map_err(|e| fe(&f, e.why))?;
             let n = t
                 .as_u64()
                 .filter(|n| *n <= MAX_COUNT)
@@ -583,7 +583,7 @@ impl TaskSpec {
             key_overrides: self
                 .key_overrides
                 .iter()
-                .map(|(k, t)| (sluice::protocol::key_digest(k), *t))
+                .map(|(k, t)| (sluice_protocol::key_digest(k), *t))
                 .collect(),
             shadow: self.shadow,
             pacing: self.pacing,
@@ -850,7 +850,7 @@ mod tests {
         let m = r.spec.meta(3);
         assert!(m.keyed);
         assert_eq!(
-            m.key_overrides.get(&sluice::protocol::key_digest("vip")),
+            m.key_overrides.get(&sluice_protocol::key_digest("vip")),
             Some(&50)
         );
         let stored = serde_json::to_vec(&r.spec).unwrap();

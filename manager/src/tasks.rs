@@ -18,7 +18,7 @@ use std::time::Duration;
 use etcd_client::{
     Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
 };
-use sluice::protocol::Keys;
+use sluice_protocol::Keys;
 use tokio::sync::watch;
 use tokio::time::sleep;
 use tokio_util::sync::CancellationToken;

@@ -260,8 +260,8 @@ impl Webhooks {
     /// `SSL_CERT_FILE` and `ca_file` (`--webhook-ca`). An unreadable CA file is an error naming
     /// it.
     pub fn new(allow_private: bool, ca_file: Option<&Path>) -> Result<Self, String> {
-        sluice::protocol::tls::install_provider();
-        let roots = sluice::protocol::tls::all_roots(ca_file)?;
+        sluice_protocol::tls::install_provider();
+        let roots = sluice_protocol::tls::all_roots(ca_file)?;
         let certs = roots
             .iter()
             .map(|c| reqwest::Certificate::from_der(c.as_ref()))

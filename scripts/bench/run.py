@@ -530,7 +530,7 @@ def anchors(b):
 
 
 def criterion(b):
-    log("criterion: cargo bench -p sluice --bench decide (release)")
+    log("criterion: cargo bench -p sluice-sdk --bench decide (release)")
     p = subprocess.run(["cargo", "bench", "-q", "-p", "sluice", "--bench", "decide", "--",
                         "--noplot"], capture_output=True, text=True, timeout=1800)
     res, name = {}, None

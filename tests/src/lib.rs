@@ -394,7 +394,7 @@ struct RedisTlsSetup {
 
 impl RedisTlsSetup {
     fn client(&self, url: &str) -> redis::RedisResult<redis::Client> {
-        sluice::protocol::tls::install_provider();
+        sluice_protocol::tls::install_provider();
         let mut info = redis::IntoConnectionInfo::into_connection_info(url)?;
         if let Some((u, p)) = &self.admin {
             let rs = info
@@ -946,7 +946,7 @@ pub fn http() -> reqwest::Client {
     CLIENT
         .get_or_init(|| {
             // reqwest is built without a default rustls provider: ring, as everywhere.
-            sluice::protocol::tls::install_provider();
+            sluice_protocol::tls::install_provider();
             reqwest::Client::builder()
                 .timeout(Duration::from_secs(3))
                 .no_proxy()
@@ -1025,11 +1025,11 @@ pub fn slice_caps(
     from_ms: i64,
     until_ms: i64,
 ) -> Vec<(i64, Option<u64>)> {
-    let keys = sluice::protocol::Keys::new(ns).expect("namespace");
-    let starts: Vec<i64> = sluice::protocol::slice::starts(from_ms, until_ms, slice_ms).collect();
+    let keys = sluice_protocol::Keys::new(ns).expect("namespace");
+    let starts: Vec<i64> = sluice_protocol::slice::starts(from_ms, until_ms, slice_ms).collect();
     let mut pipe = redis::pipe();
     for s in &starts {
-        pipe.hget(keys.slice(task, *s), sluice::protocol::slice_field::CAP);
+        pipe.hget(keys.slice(task, *s), sluice_protocol::slice_field::CAP);
     }
     let caps: Vec<Option<u64>> = pipe.query(conn).expect("read slices");
     starts.into_iter().zip(caps).collect()
@@ -1037,7 +1037,7 @@ pub fn slice_caps(
 
 /// Now, Unix ms.
 pub fn now_ms() -> i64 {
-    sluice::protocol::unix_ms()
+    sluice_protocol::unix_ms()
 }
 
 const CLUSTER_ARGS: [&str; 4] = ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"];
@@ -1181,9 +1181,9 @@ impl WebhookReceiver {
 
     /// An HTTPS receiver with this certificate chain and key (PEM files), answering 200.
     pub async fn start_tls(cert: &Path, key: &Path) -> Self {
-        sluice::protocol::tls::install_provider();
-        let certs = sluice::protocol::tls::load_certs(cert).expect("receiver certificate");
-        let key = sluice::protocol::tls::load_key(key).expect("receiver key");
+        sluice_protocol::tls::install_provider();
+        let certs = sluice_protocol::tls::load_certs(cert).expect("receiver certificate");
+        let key = sluice_protocol::tls::load_key(key).expect("receiver key");
         let cfg = rustls::ServerConfig::builder()
             .with_no_client_auth()
             .with_single_cert(certs, key)
@@ -1476,19 +1476,19 @@ pub fn loadgen_key_buckets(
 /// `slice_ms`), as a test host with a fresh request id.
 pub async fn pull_once<C: redis::aio::ConnectionLike>(
     conn: &mut C,
-    keys: &sluice::protocol::Keys,
+    keys: &sluice_protocol::Keys,
     task: &str,
     start_ms: i64,
     slice_ms: u64,
     want: u64,
-) -> redis::RedisResult<sluice::protocol::scripts::PullReply> {
+) -> redis::RedisResult<sluice_protocol::scripts::PullReply> {
     static N: AtomicU32 = AtomicU32::new(0);
     let id = format!(
         "test.{}.{}",
         std::process::id(),
         N.fetch_add(1, Ordering::Relaxed)
     );
-    let req = sluice::protocol::scripts::PullRequest {
+    let req = sluice_protocol::scripts::PullRequest {
         task,
         start_ms,
         slice_ms,
@@ -1497,7 +1497,7 @@ pub async fn pull_once<C: redis::aio::ConnectionLike>(
         request_id: &id,
         counters: None,
     };
-    sluice::protocol::scripts::pull(conn, keys, &req).await
+    sluice_protocol::scripts::pull(conn, keys, &req).await
 }
 
 /// Per-bucket `(admitted, rejected)` of a loadgen report, by bucket start (ms).
@@ -1644,7 +1644,7 @@ pub fn meta_fields(
     ns: &str,
     task: &str,
 ) -> std::collections::HashMap<String, String> {
-    let keys = sluice::protocol::Keys::new(ns).expect("namespace");
+    let keys = sluice_protocol::Keys::new(ns).expect("namespace");
     redis::cmd("HGETALL")
         .arg(keys.meta(task))
         .query(conn)
@@ -1799,7 +1799,7 @@ impl EtcdServer {
 /// A host's `NS:hosts` entry as the SDK writes it (a 1 ms round trip, no tasks): `seen_ms` and
 /// `offset_ms` (its clock's offset from Redis) as given.
 pub fn host_report_json(seen_ms: i64, offset_ms: f64) -> String {
-    serde_json::to_string(&sluice::protocol::HostReport {
+    serde_json::to_string(&sluice_protocol::HostReport {
         offset_ms,
         rtt_ms: 1.0,
         seen_ms,
@@ -1813,7 +1813,7 @@ pub fn host_report_json(seen_ms: i64, offset_ms: f64) -> String {
 /// Writes a fresh report of `host`, `offset_ms` off Redis's clock, into `NS:hosts` of `keys`.
 pub fn set_host_report(
     conn: &mut redis::Connection,
-    keys: &sluice::protocol::Keys,
+    keys: &sluice_protocol::Keys,
     host: &str,
     offset_ms: f64,
 ) {

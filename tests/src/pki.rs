@@ -177,7 +177,7 @@ impl TestCa {
 
     /// A reqwest client (short timeouts, no proxy) trusting only this CA.
     pub fn https_client(&self) -> reqwest::Client {
-        sluice::protocol::tls::install_provider();
+        sluice_protocol::tls::install_provider();
         reqwest::Client::builder()
             .timeout(std::time::Duration::from_secs(3))
             .no_proxy()

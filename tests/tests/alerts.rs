@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice::protocol::Keys;
+use sluice_protocol::Keys;
 use sluice_tests::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use sluice::protocol::{Keys, meta_field};
+use sluice_protocol::{Keys, meta_field};
 use sluice_tests::*;
 
 async fn leader_replica(extra: &[&str]) -> (Manager, String) {

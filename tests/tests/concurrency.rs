@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use sluice::protocol::conn::{ConnOptions, Redis, RedisConn, RedisTarget};
-use sluice::protocol::lease::{self, LeaseReply, LockReply};
-use sluice::protocol::scripts::{self, Fence, RollOutcome, RollRequest};
-use sluice::protocol::{Fallback, Keys, Mode, OnFailure, TaskMeta};
+use sluice_protocol::conn::{ConnOptions, Redis, RedisConn, RedisTarget};
+use sluice_protocol::lease::{self, LeaseReply, LockReply};
+use sluice_protocol::scripts::{self, Fence, RollOutcome, RollRequest};
+use sluice_protocol::{Fallback, Keys, Mode, OnFailure, TaskMeta};
 use sluice_tests::*;
 
 async fn conn() -> RedisConn {
@@ -31,7 +31,7 @@ fn conc_meta(threshold: u64, lease_ms: u64, version: i64) -> TaskMeta {
         keyed: false,
         key_overrides: Default::default(),
         shadow: false,
-        pacing: sluice::protocol::Pacing::None,
+        pacing: sluice_protocol::Pacing::None,
         pace_burst: 0,
     }
 }
@@ -578,7 +578,7 @@ impl Holder {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .expect("start the holder example (cargo build -p sluice --examples)");
+            .expect("start the holder example (cargo build -p sluice-sdk --examples)");
         let out = child.stdout.take().unwrap();
         let (tx, lines) = std::sync::mpsc::channel();
         std::thread::spawn(move || {

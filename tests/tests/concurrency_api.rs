@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use sluice::protocol::Keys;
+use sluice_protocol::Keys;
 use sluice_tests::*;
 
 const THRESHOLD: u64 = 6;

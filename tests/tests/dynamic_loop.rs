@@ -7,7 +7,7 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use sluice::protocol::{Keys, slice, slice_field};
+use sluice_protocol::{Keys, slice, slice_field};
 use sluice_tests::*;
 
 const PHASE: Duration = Duration::from_secs(80);

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use sluice::protocol::{Keys, meta_field};
+use sluice_protocol::{Keys, meta_field};
 use sluice_tests::*;
 
 const IMPORT: &str = "/api/v1/import/envoy-ratelimit";

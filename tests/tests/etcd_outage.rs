@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use sluice::protocol::{Keys, meta_field};
+use sluice_protocol::{Keys, meta_field};
 use sluice_tests::*;
 
 const TTL: Duration = Duration::from_secs(2);

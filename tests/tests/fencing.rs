@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use sluice::protocol::{Keys, meta_field};
+use sluice_protocol::{Keys, meta_field};
 use sluice_tests::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

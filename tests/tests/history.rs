@@ -6,9 +6,9 @@
 use std::time::Duration;
 
 use serde_json::Value;
-use sluice::protocol::conn::{ConnOptions, Redis, RedisConn, RedisTarget};
-use sluice::protocol::scripts::{self, SliceCounters};
-use sluice::protocol::{HostReport, Keys, slice, unix_ms};
+use sluice_protocol::conn::{ConnOptions, Redis, RedisConn, RedisTarget};
+use sluice_protocol::scripts::{self, SliceCounters};
+use sluice_protocol::{HostReport, Keys, slice, unix_ms};
 use sluice_tests::*;
 
 /// Short retention so slices are harvested within ~3 s of their end (settle = retention / 4).

@@ -165,7 +165,7 @@ async fn keyed_limits_hold_per_key_across_two_hosts() {
     let mut conn = redis_conn(&redis);
     let prefix = format!(
         "{ns}:{{tenants}}:k:{}:",
-        sluice::protocol::key_digest("key-1")
+        sluice_protocol::key_digest("key-1")
     );
     let found: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{prefix}*"))
@@ -343,7 +343,7 @@ async fn a_full_key_table_never_over_admits() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_slices_come_from_the_current_meta_only() {
-    use sluice::protocol::scripts::{KeyPullReply, KeyPullRequest, key_pull};
+    use sluice_protocol::scripts::{KeyPullReply, KeyPullRequest, key_pull};
     let (etcd, redis) = (shared_etcd(), shared_redis());
     let ns = unique_ns("keyproto");
     let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
@@ -353,7 +353,7 @@ async fn key_slices_come_from_the_current_meta_only() {
         r#"{"threshold":40,"slice_ms":1000,"keyed":true,"key_overrides":{"vip":400}}"#,
     )
     .await;
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
     let client = redis::Client::open(redis.as_str()).unwrap();
     let mut c = client.get_multiplexed_async_connection().await.unwrap();
     let meta: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
@@ -363,9 +363,9 @@ async fn key_slices_come_from_the_current_meta_only() {
         .unwrap();
     let version: i64 = meta["version"].parse().unwrap();
     // The current slice or the next (within a pull's window), with time for the calls below.
-    let start = sluice::protocol::slice::start(now_ms() + 600, 1_000);
+    let start = sluice_protocol::slice::start(now_ms() + 600, 1_000);
     let pull = |key: &'static str, version: i64, want: u64, id: &'static str| {
-        let digest = sluice::protocol::key_digest(key);
+        let digest = sluice_protocol::key_digest(key);
         (digest, key, version, want, id)
     };
     // An older meta version: refused, nothing created.
@@ -460,7 +460,7 @@ async fn key_slices_come_from_the_current_meta_only() {
         Duration::from_secs(15),
         Duration::from_millis(20),
         || {
-            let later = sluice::protocol::slice::start(now_ms() + 600, 1_000);
+            let later = sluice_protocol::slice::start(now_ms() + 600, 1_000);
             let cap: Option<u64> = redis::cmd("HGET")
                 .arg(keys.slice("p", later))
                 .arg("cap")
@@ -475,7 +475,7 @@ async fn key_slices_come_from_the_current_meta_only() {
         .arg("version")
         .query(&mut sync)
         .unwrap();
-    let dv = sluice::protocol::key_digest("vip");
+    let dv = sluice_protocol::key_digest("vip");
     let req = KeyPullRequest {
         key: "vip",
         digest: &dv,
@@ -878,7 +878,7 @@ async fn keyed_tasks_survive_being_switched_edited_and_recreated() {
     async fn wait_meta(
         task: &sluice::Task,
         what: &str,
-        ok: impl Fn(&sluice::protocol::TaskMeta) -> bool,
+        ok: impl Fn(&sluice_protocol::TaskMeta) -> bool,
     ) {
         wait_until(
             what,

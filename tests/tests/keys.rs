@@ -8,7 +8,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice::protocol::Keys;
+use sluice_protocol::Keys;
 use sluice_tests::*;
 
 async fn leader_replica() -> (Manager, String) {

@@ -4,12 +4,12 @@
 
 use std::time::Duration;
 
-use sluice::protocol::conn::{ConnOptions, Redis, RedisConn, RedisTarget};
-use sluice::protocol::scripts::{
+use sluice_protocol::conn::{ConnOptions, Redis, RedisConn, RedisTarget};
+use sluice_protocol::scripts::{
     self, AdjustOutcome, Fence, FenceRefusal, RecordOutcome, RetireOutcome, RingWrites,
     RollOutcome, RollRequest, SliceWrite,
 };
-use sluice::protocol::{Fallback, Keys, Mode, OnFailure, TaskMeta, meta_field};
+use sluice_protocol::{Fallback, Keys, Mode, OnFailure, TaskMeta, meta_field};
 use sluice_tests::*;
 
 async fn conn() -> RedisConn {
@@ -34,7 +34,7 @@ fn meta(version: i64) -> TaskMeta {
         keyed: false,
         key_overrides: Default::default(),
         shadow: false,
-        pacing: sluice::protocol::Pacing::None,
+        pacing: sluice_protocol::Pacing::None,
         pace_burst: 0,
     }
 }

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use sluice::protocol::{Keys, meta_field};
+use sluice_protocol::{Keys, meta_field};
 use sluice_tests::*;
 
 /// `--fence-stale-after` of every manager these tests start.

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use sluice::protocol::{Keys, slice, slice_field};
+use sluice_protocol::{Keys, slice, slice_field};
 use sluice_tests::*;
 
 /// A manager on the shared servers with `task` created from `spec` and rolled.

@@ -98,7 +98,7 @@ async fn paced_slices_release_their_quota_evenly() {
     let (etcd, redis) = (shared_etcd(), shared_redis());
     let ns = unique_ns("pace");
     let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
     let mut conn = redis_conn(&redis);
 
     // Bad input names the field and writes nothing.
@@ -131,7 +131,7 @@ async fn paced_slices_release_their_quota_evenly() {
         assert_eq!(v["pacing"], "smooth", "{v}");
         m.wait_rolled(task).await;
         // The leader wrote the pacing into the slices themselves (the pull script reads it).
-        let next = sluice::protocol::slice::start(now_ms(), SLICE_MS as u64) + SLICE_MS;
+        let next = sluice_protocol::slice::start(now_ms(), SLICE_MS as u64) + SLICE_MS;
         let (pace, b): (Option<String>, Option<u64>) = redis::cmd("HMGET")
             .arg(keys.slice(task, next))
             .arg("pace")
@@ -156,7 +156,7 @@ async fn paced_slices_release_their_quota_evenly() {
     assert_eq!(status, 200, "{v}");
     let key = keys.slice(
         "smooth",
-        sluice::protocol::slice::start(now_ms(), SLICE_MS as u64) + 5 * SLICE_MS,
+        sluice_protocol::slice::start(now_ms(), SLICE_MS as u64) + 5 * SLICE_MS,
     );
     wait_until(
         "pace removed from the slices written ahead",

@@ -3,9 +3,9 @@
 
 use std::time::Duration;
 
-use sluice::protocol::conn::{ConnOptions, Redis, RedisTarget};
-use sluice::protocol::scripts::PullReply;
-use sluice::protocol::{Keys, slice};
+use sluice_protocol::conn::{ConnOptions, Redis, RedisTarget};
+use sluice_protocol::scripts::PullReply;
+use sluice_protocol::{Keys, slice};
 use sluice_tests::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

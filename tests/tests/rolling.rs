@@ -4,9 +4,9 @@
 use std::time::{Duration, Instant};
 
 use serde_json::json;
-use sluice::protocol::conn::{ConnOptions, Redis, RedisTarget};
-use sluice::protocol::scripts::PullReply;
-use sluice::protocol::{Keys, meta_field, slice, slice_field};
+use sluice_protocol::conn::{ConnOptions, Redis, RedisTarget};
+use sluice_protocol::scripts::PullReply;
+use sluice_protocol::{Keys, meta_field, slice, slice_field};
 use sluice_tests::*;
 
 const TICK: Duration = Duration::from_millis(500);

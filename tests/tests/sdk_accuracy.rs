@@ -27,15 +27,15 @@ async fn two_hosts_share_one_threshold_without_over_admission() {
         )
         .await;
     assert!(status == 200 || status == 201, "{status} {body}");
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
     let mut conn = redis_conn(&redis);
     wait_until(
         "slices written",
         Duration::from_secs(10),
         Duration::from_millis(50),
         || {
-            let now = sluice::protocol::unix_ms();
-            let key = keys.slice("acc", sluice::protocol::slice::start(now + 2_000, 1_000));
+            let now = sluice_protocol::unix_ms();
+            let key = keys.slice("acc", sluice_protocol::slice::start(now + 2_000, 1_000));
             let exists: bool = redis::cmd("EXISTS").arg(&key).query(&mut conn).unwrap();
             async move { exists.then_some(()) }
         },

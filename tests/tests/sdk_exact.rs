@@ -35,7 +35,7 @@ async fn exact_modes_decide_in_redis() {
     let fx = client.task("fx").unwrap();
     let sl = client.task("sl").unwrap();
     assert!(fx.wait_ready(Duration::from_secs(10)) && sl.wait_ready(Duration::from_secs(10)));
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
     let mut conn = redis_conn(&redis);
 
     // The synchronous path cannot make a Redis call: it says so (and never admits).
@@ -45,7 +45,7 @@ async fn exact_modes_decide_in_redis() {
     let now = fx.now_us() / 1_000;
     let wait = 1_000 - now.rem_euclid(1_000) + 50;
     tokio::time::sleep(Duration::from_millis(wait as u64)).await;
-    let slice = sluice::protocol::slice::start(fx.now_us() / 1_000, 1_000);
+    let slice = sluice_protocol::slice::start(fx.now_us() / 1_000, 1_000);
     let mut got = Vec::new();
     for i in 0..8 {
         got.push(if i % 2 == 0 {

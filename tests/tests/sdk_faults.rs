@@ -60,10 +60,10 @@ async fn redis_outage_falls_back_to_the_local_limit_and_recovers() {
         )
         .await;
     assert!(status == 200 || status == 201, "{status} {body}");
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
     let slice_exists = |url: String, key_of: &dyn Fn(i64) -> String| {
-        let key = key_of(sluice::protocol::slice::start(
-            sluice::protocol::unix_ms(),
+        let key = key_of(sluice_protocol::slice::start(
+            sluice_protocol::unix_ms(),
             1_000,
         ));
         redis::Client::open(url.as_str())
@@ -129,9 +129,9 @@ async fn redis_outage_falls_back_to_the_local_limit_and_recovers() {
     wait_states(&tasks, HostState::Normal, Duration::from_secs(1)).await;
 
     redis.kill();
-    let killed_ms = sluice::protocol::unix_ms();
+    let killed_ms = sluice_protocol::unix_ms();
     let to_failed = wait_states(&tasks, HostState::Failed, Duration::from_secs(5)).await;
-    let failed_ms = sluice::protocol::unix_ms();
+    let failed_ms = sluice_protocol::unix_ms();
     eprintln!("every host FAILED {to_failed:?} after Redis was killed");
     assert!(
         to_failed <= Duration::from_millis(PULL_TIMEOUT_MS),
@@ -141,7 +141,7 @@ async fn redis_outage_falls_back_to_the_local_limit_and_recovers() {
     // Six seconds of outage.
     tokio::time::sleep(Duration::from_secs(6)).await;
     assert!(tasks.iter().all(|t| t.state() == HostState::Failed));
-    let restart_ms = sluice::protocol::unix_ms();
+    let restart_ms = sluice_protocol::unix_ms();
     redis.restart();
     // Redis comes back empty; the manager rewrites meta and slices within a tick.
     wait_until(
@@ -154,7 +154,7 @@ async fn redis_outage_falls_back_to_the_local_limit_and_recovers() {
         },
     )
     .await;
-    let healed_ms = sluice::protocol::unix_ms();
+    let healed_ms = sluice_protocol::unix_ms();
     let to_normal = wait_states(&tasks, HostState::Normal, Duration::from_secs(10)).await;
     eprintln!(
         "Redis back {} ms after restart; every host NORMAL {to_normal:?} later",

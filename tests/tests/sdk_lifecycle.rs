@@ -19,7 +19,7 @@ async fn put_task(m: &Manager, name: &str, body: &str) {
 
 /// Waits until the task's meta hash says `slice_ms` and its current slice on that grid exists.
 async fn wait_grid(redis: &str, ns: &str, task: &str, slice_ms: u64) {
-    let keys = sluice::protocol::Keys::new(ns).unwrap();
+    let keys = sluice_protocol::Keys::new(ns).unwrap();
     let url = redis.to_string();
     wait_until(
         &format!("{task} rolled on {slice_ms} ms slices"),
@@ -32,7 +32,7 @@ async fn wait_grid(redis: &str, ns: &str, task: &str, slice_ms: u64) {
                 .arg("slice_ms")
                 .query(&mut c)
                 .unwrap_or(None);
-            let cur = sluice::protocol::slice::start(now_ms(), slice_ms);
+            let cur = sluice_protocol::slice::start(now_ms(), slice_ms);
             let exists: bool = redis::cmd("EXISTS")
                 .arg(keys.slice(task, cur + slice_ms as i64))
                 .query(&mut c)
@@ -274,10 +274,10 @@ async fn acquire_that_waits_then_admits_counts_no_rejection() {
     let until = now_ms();
     drop(task);
     drop(client); // the last flush
-    let keys = sluice::protocol::Keys::new(&ns).unwrap();
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
     let mut c = redis_conn(&redis);
     let (mut adm, mut rej) = (0u64, 0u64);
-    for s in sluice::protocol::slice::starts(from, until + 1, 10_000) {
+    for s in sluice_protocol::slice::starts(from, until + 1, 10_000) {
         let (a, r): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
             .arg(keys.slice("rj", s))
             .arg("adm")

@@ -85,14 +85,14 @@ fn make_slice(sync: &mut redis::Connection, key: &str, cap: u64, ttl_ms: u64) {
 async fn script_conns(
     prefix: &str,
 ) -> (
-    sluice::protocol::Keys,
-    sluice::protocol::conn::RedisConn,
+    sluice_protocol::Keys,
+    sluice_protocol::conn::RedisConn,
     redis::Connection,
 ) {
     let url = shared_redis();
-    let keys = sluice::protocol::Keys::new(&unique_ns(prefix)).unwrap();
-    let redis = sluice::protocol::conn::Redis::new(
-        sluice::protocol::conn::RedisTarget::parse(&url).unwrap(),
+    let keys = sluice_protocol::Keys::new(&unique_ns(prefix)).unwrap();
+    let redis = sluice_protocol::conn::Redis::new(
+        sluice_protocol::conn::RedisTarget::parse(&url).unwrap(),
         Default::default(),
     );
     (keys, redis.conn().await.unwrap(), redis_conn(&url))
@@ -104,7 +104,7 @@ async fn early_in_slice() -> i64 {
     if left < 15_000 {
         tokio::time::sleep(Duration::from_millis(left as u64 + 50)).await;
     }
-    sluice::protocol::slice::start(now_ms(), 60_000)
+    sluice_protocol::slice::start(now_ms(), 60_000)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -120,7 +120,7 @@ async fn a_take_that_redis_answers_late_is_charged_once() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     let d = t.acquire(1).await;
     sleeper.join().unwrap();
-    let keys = sluice::protocol::Keys::new(ns).unwrap();
+    let keys = sluice_protocol::Keys::new(ns).unwrap();
     let mut conn = redis_conn(&redis.url());
     let (rem, adm): (i64, u64) = redis::cmd("HMGET")
         .arg(keys.slice("r", start))
@@ -154,7 +154,7 @@ async fn a_pull_retried_after_a_stall_is_granted_once() {
     assert_eq!(t.acquire_blocking(1), Decision::Allowed);
     spent += 1;
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let keys = sluice::protocol::Keys::new(ns).unwrap();
+    let keys = sluice_protocol::Keys::new(ns).unwrap();
     let mut conn = redis_conn(&redis.url());
     let rem: i64 = redis::cmd("HGET")
         .arg(keys.slice("r", start))
@@ -178,7 +178,7 @@ async fn a_pull_retried_after_a_stall_is_granted_once() {
 /// and TAKE grant only within the slice's window.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
-    use sluice::protocol::scripts::{self, ExactReply, PullReply, PullRequest, SliceCounters};
+    use sluice_protocol::scripts::{self, ExactReply, PullReply, PullRequest, SliceCounters};
     let (keys, mut c, mut sync) = script_conns("script").await;
     let start = early_in_slice().await;
     let key = keys.slice("t", start);
@@ -308,9 +308,9 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
 /// admitted counts for the other (before, the sliding log started empty: 2 × cap).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_mode_switch_inside_a_slice_keeps_one_cap() {
-    use sluice::protocol::scripts::{self, ExactReply};
+    use sluice_protocol::scripts::{self, ExactReply};
     let (keys, mut c, mut sync) = script_conns("modesw").await;
-    let start = sluice::protocol::slice::start(now_ms(), 60_000);
+    let start = sluice_protocol::slice::start(now_ms(), 60_000);
     make_slice(&mut sync, &keys.slice("t", start), 10, 120_000);
     let admitted = |r: ExactReply| matches!(r, ExactReply::Admitted { .. });
     // exact_fixed admits 6 of 10 …

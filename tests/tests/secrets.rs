@@ -10,7 +10,7 @@
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use sluice::protocol::Keys;
+use sluice_protocol::Keys;
 use sluice_tests::*;
 
 const ADMIN: &str = "Adm1nT0ken-5ecret-9f2c";

@@ -11,7 +11,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use sluice::protocol::Keys;
+use sluice_protocol::Keys;
 use sluice_tests::*;
 
 const THRESHOLD: u64 = 200;
@@ -155,7 +155,7 @@ async fn flush_takes_six_or_seven_counters_per_slice() {
             .query(&mut conn)
             .unwrap();
     }
-    let script = redis::Script::new(sluice::protocol::scripts::FLUSH_LUA);
+    let script = redis::Script::new(sluice_protocol::scripts::FLUSH_LUA);
     // A protocol-2 SDK: six per slice.
     let n: u64 = script
         .key(&a)

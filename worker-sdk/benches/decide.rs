@@ -25,9 +25,9 @@
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use sluice::protocol::{Fallback, FallbackAlgorithm, Mode, OnFailure, TaskMeta};
 use sluice::shm::{MAX_COUNT, Segment};
 use sluice::{Client, Config, Task};
+use sluice_protocol::{Fallback, FallbackAlgorithm, Mode, OnFailure, TaskMeta};
 
 const DAY_MS: u64 = 86_400_000;
 
@@ -86,9 +86,9 @@ fn host_opts(mode: Mode, clients: usize, keyed: bool, shadow: bool, paced: bool)
             key_overrides: Default::default(),
             shadow,
             pacing: if paced {
-                sluice::protocol::Pacing::Smooth
+                sluice_protocol::Pacing::Smooth
             } else {
-                sluice::protocol::Pacing::None
+                sluice_protocol::Pacing::None
             },
             pace_burst: 0,
         },

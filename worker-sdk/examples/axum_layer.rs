@@ -3,7 +3,7 @@
 //! ```text
 //! # a keyed task: 100 requests per second per API key, cluster-wide
 //! curl -X PUT localhost:8080/api/v1/tasks/api -d '{"threshold":100,"slice_ms":1000,"keyed":true}'
-//! cargo run -p sluice --example axum_layer -- --redis redis://127.0.0.1:6379 --listen 127.0.0.1:3000
+//! cargo run -p sluice-sdk --example axum_layer -- --redis redis://127.0.0.1:6379 --listen 127.0.0.1:3000
 //! curl -i -H 'x-api-key: alice' localhost:3000/orders
 //! ```
 //!

@@ -120,8 +120,8 @@ fn main() -> Result<(), String> {
                 ))
                 .map_err(|e| e.to_string())?;
             say(&format!("token {}", guard.token()));
-            let target = sluice::protocol::conn::RedisTarget::parse(&args.redis)?;
-            let redis = sluice::protocol::conn::Redis::new(target, Default::default());
+            let target = sluice_protocol::conn::RedisTarget::parse(&args.redis)?;
+            let redis = sluice_protocol::conn::Redis::new(target, Default::default());
             let script = redis::Script::new(FENCED_WRITE);
             for line in std::io::stdin().lock().lines() {
                 let Ok(line) = line else { break };

@@ -1,7 +1,7 @@
 //! Load generator: P processes of one simulated host hammering one Sluice task.
 //!
 //! ```text
-//! cargo run --release -p sluice --example loadgen -- --redis URL --namespace NS --task T \
+//! cargo run --release -p sluice-sdk --example loadgen -- --redis URL --namespace NS --task T \
 //!     --host-id H --procs P --duration-ms D [--rate R] [--bucket-ms B] [--backend-capacity C] \
 //!     [--progress FILE]
 //! ```
@@ -117,8 +117,8 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use memmap2::MmapMut;
 use serde::{Deserialize, Serialize};
-use sluice::protocol::Mode;
 use sluice::{Client, ClockSource, Config, Decision, Outcome, Task};
+use sluice_protocol::Mode;
 
 #[derive(Debug, Clone, Parser)]
 #[command(about = "Sluice load generator: P processes sharing one host segment")]
@@ -581,8 +581,8 @@ fn read_report(out: Option<std::process::ChildStdout>) -> String {
 }
 
 impl Args {
-    fn redis_security(&self) -> sluice::protocol::conn::RedisSecurity {
-        sluice::protocol::conn::RedisSecurity {
+    fn redis_security(&self) -> sluice_protocol::conn::RedisSecurity {
+        sluice_protocol::conn::RedisSecurity {
             ca_file: self.redis_ca.clone(),
             cert_file: self.redis_cert.clone(),
             key_file: self.redis_key.clone(),
@@ -596,8 +596,8 @@ impl Args {
 
 /// Checks the Redis link once (see the module docs): settings, TLS handshake, login.
 fn check_redis(args: &Args) -> Result<(), String> {
-    use sluice::protocol::conn::{ConnOptions, Redis, RedisTarget};
-    sluice::protocol::tls::install_provider();
+    use sluice_protocol::conn::{ConnOptions, Redis, RedisTarget};
+    sluice_protocol::tls::install_provider();
     let target = RedisTarget::parse(&args.redis).map_err(|e| format!("--redis: {e}"))?;
     let redis = Redis::with_security(target, ConnOptions::default(), &args.redis_security())
         .map_err(|e| format!("--{}: {}", e.flag(), e.message))?;

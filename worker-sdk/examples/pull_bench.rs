@@ -1,7 +1,7 @@
 //! Pull latency over one Redis link: the cost of TLS (docs/benchmarks.md, `scripts/bench-tls.sh`).
 //!
 //! ```text
-//! cargo run --release -p sluice --example pull_bench -- --redis URL [--pulls N] [--connects M] \
+//! cargo run --release -p sluice-sdk --example pull_bench -- --redis URL [--pulls N] [--connects M] \
 //!     [--redis-ca F --redis-cert F --redis-key F --redis-user U --redis-password-file F]
 //! ```
 //!
@@ -15,9 +15,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use sluice::protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
-use sluice::protocol::scripts::{self, PullRequest};
-use sluice::protocol::{Keys, slice};
+use sluice_protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
+use sluice_protocol::scripts::{self, PullRequest};
+use sluice_protocol::{Keys, slice};
 
 #[derive(Debug, Parser)]
 struct Args {
@@ -57,7 +57,7 @@ fn summary(mut v: Vec<u64>) -> serde_json::Value {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> Result<(), String> {
     let a = Args::parse();
-    sluice::protocol::tls::install_provider();
+    sluice_protocol::tls::install_provider();
     let target = RedisTarget::parse(&a.redis)?;
     let security = RedisSecurity {
         ca_file: a.redis_ca.clone(),
@@ -76,7 +76,7 @@ async fn main() -> Result<(), String> {
     redis.check().await.map_err(|e| e.to_string())?;
     let keys = Keys::new("bench").map_err(|e| e.to_string())?;
     let slice_ms = 3_600_000;
-    let start = slice::start(sluice::protocol::unix_ms(), slice_ms);
+    let start = slice::start(sluice_protocol::unix_ms(), slice_ms);
     let mut c = redis.conn().await.map_err(|e| e.to_string())?;
     let key = keys.slice("pull", start);
     redis::cmd("HSET")

@@ -44,7 +44,10 @@ pub mod layer;
 pub mod limiter;
 pub mod lock;
 pub mod multi;
-pub mod protocol;
+/// The wire protocol, a crate of its own ([`sluice_protocol`]); re-exported so that paths of
+/// 0.1 (`sluice::protocol::…`) keep compiling.
+#[doc(hidden)]
+pub use sluice_protocol as protocol;
 pub mod pull;
 pub mod shm;
 pub mod state;

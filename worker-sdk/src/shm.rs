@@ -502,7 +502,7 @@ impl FastMeta {
     /// Encodes (the `known` bit set).
     ///
     /// ```
-    /// use sluice::protocol::{FallbackAlgorithm, Mode, OnFailure};
+    /// use sluice_protocol::{FallbackAlgorithm, Mode, OnFailure};
     /// use sluice::shm::{FastMeta, word_generation};
     /// let m = FastMeta { slice_ms: 1_000, mode: Mode::ExactFixed, on_failure: OnFailure::Deny,
     ///                    algorithm: FallbackAlgorithm::SlidingLog, generation: 513,

@@ -13,9 +13,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use redis::AsyncCommands;
 use serde_json::{Value, json};
-use sluice::protocol::scripts;
-use sluice::protocol::scripts::{Fence, RetireOutcome};
-use sluice::protocol::{Mode, meta_field, slice, slice_field, unix_ms, validate_task_name};
+use sluice_protocol::scripts;
+use sluice_protocol::scripts::{Fence, RetireOutcome};
+use sluice_protocol::{Mode, meta_field, slice, slice_field, unix_ms, validate_task_name};
 use tracing::{info, warn};
 
 use super::AppState;

@@ -21,8 +21,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use futures::StreamExt;
 use serde_json::{Value, json};
-use sluice::protocol::conn::RedisConn;
-use sluice::protocol::{HostReport, meta_field, slice, unix_ms, validate_task_name};
+use sluice_protocol::conn::RedisConn;
+use sluice_protocol::{HostReport, meta_field, slice, unix_ms, validate_task_name};
 
 use super::AppState;
 use super::api::{ApiError, invalid_task_body};
@@ -453,7 +453,7 @@ async fn traffic(State(s): State<AppState>) -> Reply {
         .map(|t| {
             let c = conn.clone();
             async move {
-                let r = if t.spec.mode == sluice::protocol::Mode::Concurrency {
+                let r = if t.spec.mode == sluice_protocol::Mode::Concurrency {
                     concurrency_traffic(c, s_ref, &t.name).await
                 } else {
                     task_traffic(c, s_ref, &t.name, t.spec.slice_ms, now).await

@@ -24,7 +24,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
 use axum::routing::get;
 use serde_json::{Map, Value, json};
-use sluice::protocol::{unix_ms, validate_key, validate_task_name};
+use sluice_protocol::{unix_ms, validate_key, validate_task_name};
 
 use super::AppState;
 use super::api::{ApiError, ApiResult, invalid_task_body};

@@ -20,8 +20,8 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use etcd_client::Client;
-use sluice::protocol::Keys;
-use sluice::protocol::conn::Redis;
+use sluice_protocol::Keys;
+use sluice_protocol::conn::Redis;
 use tokio::sync::watch;
 
 use crate::config::Config;

@@ -111,7 +111,7 @@ async fn put_settings(State(s): State<AppState>, body: Bytes) -> ApiResult<axum:
 }
 
 async fn task_exists(s: &AppState, name: &str) -> ApiResult<()> {
-    sluice::protocol::validate_task_name(name).map_err(|e| bad("name", e.to_string()))?;
+    sluice_protocol::validate_task_name(name).map_err(|e| bad("name", e.to_string()))?;
     // A task whose stored spec is invalid exists too (its reports and adjustments are kept).
     match s.store.get(name).await? {
         Some(_) => Ok(()),
@@ -170,7 +170,7 @@ fn parse_health(body: &[u8]) -> ApiResult<(String, HealthReport)> {
         HealthReport {
             error_rate,
             latency_ms,
-            at_ms: sluice::protocol::unix_ms(),
+            at_ms: sluice_protocol::unix_ms(),
         },
     ))
 }

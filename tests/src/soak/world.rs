@@ -13,7 +13,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use sluice::protocol::{Keys, meta_field, slice_field};
+use sluice_protocol::{Keys, meta_field, slice_field};
 
 use super::check::{self, Coverage, FenceState, SliceRead, Slices, Timing, Violation, applied_by};
 use super::ledger::{Disturb, Ledger, MetaState};

@@ -155,7 +155,7 @@ fn fingerprint(alg: FallbackAlgorithm, p: &Params) -> u64 {
 ///
 /// ```
 /// use sluice::limiter::{decide, MemCells, Params};
-/// use sluice::protocol::FallbackAlgorithm::FixedWindow;
+/// use sluice_protocol::FallbackAlgorithm::FixedWindow;
 /// let p = Params { limit: 2, window_us: 1_000_000, burst: 0 };
 /// let mut c = MemCells::default();
 /// assert!(decide(FixedWindow, &p, &mut c, 10, 1).admitted());

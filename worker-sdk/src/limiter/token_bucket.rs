@@ -9,7 +9,7 @@
 //!
 //! ```
 //! use sluice::limiter::{decide, MemCells, Params};
-//! use sluice::protocol::FallbackAlgorithm::TokenBucket;
+//! use sluice_protocol::FallbackAlgorithm::TokenBucket;
 //! // 10 per second, burst 2: T = 100 ms.
 //! let p = Params { limit: 10, window_us: 1_000_000, burst: 2 };
 //! let mut c = MemCells::default();

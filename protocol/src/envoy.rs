@@ -22,7 +22,7 @@ impl Unit {
     /// The unit named `s` (lower case, as in the YAML and the compiled JSON).
     ///
     /// ```
-    /// use sluice::protocol::envoy::Unit;
+    /// use sluice_protocol::envoy::Unit;
     /// assert_eq!(Unit::parse("minute"), Some(Unit::Minute));
     /// assert_eq!(Unit::parse("week"), None);
     /// ```
@@ -53,7 +53,7 @@ impl Unit {
     /// The unit whose slice is `ms` long, if any.
     ///
     /// ```
-    /// use sluice::protocol::envoy::Unit;
+    /// use sluice_protocol::envoy::Unit;
     /// assert_eq!(Unit::of_slice_ms(3_600_000), Some(Unit::Hour));
     /// assert_eq!(Unit::of_slice_ms(500), None);
     /// ```

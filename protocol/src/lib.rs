@@ -75,9 +75,9 @@ pub const MAX_KEY_OVERRIDES: usize = 1_000;
 /// `NS:{T}:k:<digest>:<start_ms>` and overrides are the meta fields `ko:<digest>`.
 ///
 /// ```
-/// assert_eq!(sluice::protocol::key_digest("").len(), 32);
+/// assert_eq!(sluice_protocol::key_digest("").len(), 32);
 /// // SHA-256("abc") = ba7816bf8f01cfea414140de5dae2223…
-/// assert_eq!(sluice::protocol::key_digest("abc"), "ba7816bf8f01cfea414140de5dae2223");
+/// assert_eq!(sluice_protocol::key_digest("abc"), "ba7816bf8f01cfea414140de5dae2223");
 /// ```
 pub fn key_digest(key: &str) -> String {
     let d = ring::digest::digest(&ring::digest::SHA256, key.as_bytes());
@@ -136,9 +136,9 @@ fn check_name(what: &'static str, name: &str) -> Result<(), NameError> {
 /// Checks a task name against `[A-Za-z0-9_.-]{1,64}`.
 ///
 /// ```
-/// assert!(sluice::protocol::validate_task_name("checkout.v2").is_ok());
-/// assert!(sluice::protocol::validate_task_name("a/b").is_err());
-/// assert!(sluice::protocol::validate_task_name("").is_err());
+/// assert!(sluice_protocol::validate_task_name("checkout.v2").is_ok());
+/// assert!(sluice_protocol::validate_task_name("a/b").is_err());
+/// assert!(sluice_protocol::validate_task_name("").is_err());
 /// ```
 pub fn validate_task_name(name: &str) -> Result<(), NameError> {
     check_name("task name", name)
@@ -153,7 +153,7 @@ pub fn validate_namespace(ns: &str) -> Result<(), NameError> {
 /// Builds every Redis key and etcd path of one namespace.
 ///
 /// ```
-/// let keys = sluice::protocol::Keys::new("sluice").unwrap();
+/// let keys = sluice_protocol::Keys::new("sluice").unwrap();
 /// assert_eq!(keys.meta("checkout"), "sluice:{checkout}:meta");
 /// assert_eq!(keys.slice("checkout", 1_700_000_000_000), "sluice:{checkout}:s:1700000000000");
 /// assert_eq!(keys.etcd_task("checkout"), "/sluice/tasks/checkout");
@@ -324,7 +324,7 @@ pub mod slice {
     /// Start of the slice containing `t_ms`.
     ///
     /// ```
-    /// use sluice::protocol::slice::start;
+    /// use sluice_protocol::slice::start;
     /// assert_eq!(start(12_345, 1_000), 12_000);
     /// assert_eq!(start(12_000, 1_000), 12_000);
     /// assert_eq!(start(-1, 1_000), -1_000);
@@ -342,7 +342,7 @@ pub mod slice {
     /// Starts of every slice that begins before `until_ms`, from the slice containing `from_ms`.
     ///
     /// ```
-    /// use sluice::protocol::slice::starts;
+    /// use sluice_protocol::slice::starts;
     /// let v: Vec<i64> = starts(1_500, 4_000, 1_000).collect();
     /// assert_eq!(v, [1_000, 2_000, 3_000]);
     /// ```
@@ -584,7 +584,7 @@ pub mod slice_field {
     pub const LAT_SUM_US: &str = "lat_sum_us";
     /// Number of reported latencies.
     pub const LAT_N: &str = "lat_n";
-    /// The counter fields, in the order [`crate::protocol::scripts::SliceCounters`] uses.
+    /// The counter fields, in the order [`crate::scripts::SliceCounters`] uses.
     pub const COUNTERS: [&str; 6] = [ADMITTED, REJECTED, OK, ERR, LAT_SUM_US, LAT_N];
     /// Shadow mode: rejections (also counted in [`REJECTED`]) that shadow mode admitted.
     pub const WOULD_REJECT: &str = "wrej";

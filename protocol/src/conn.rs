@@ -82,7 +82,7 @@ impl RedisTarget {
     /// is checked now, so a typo is an error at start-up, not at the first request.
     ///
     /// ```
-    /// use sluice::protocol::conn::RedisTarget;
+    /// use sluice_protocol::conn::RedisTarget;
     /// assert!(matches!(RedisTarget::parse("redis://127.0.0.1:6379"), Ok(RedisTarget::Single(_))));
     /// assert!(matches!(
     ///     RedisTarget::parse("redis://127.0.0.1:7000, redis://127.0.0.1:7001"),

@@ -6,7 +6,7 @@
 //! These tests fail when a file differs from its constant; regenerate the files with
 //!
 //! ```text
-//! SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice shipped_scripts
+//! SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-protocol shipped_scripts
 //! ```
 //!
 //! (the manager's own two scripts, `mirror_set.lua` and `mirror_del.lua`, are checked and
@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 
 use super::*;
-use crate::protocol::lease::{LEASE_LUA, LOCK_ACQUIRE_LUA, LOCK_RELEASE_LUA, LOCK_RENEW_LUA};
+use crate::lease::{LEASE_LUA, LOCK_ACQUIRE_LUA, LOCK_RELEASE_LUA, LOCK_RENEW_LUA};
 
 /// Every script the SDK sends (workers) or the manager sends through this crate (leader), by
 /// the file name it is shipped under.
@@ -40,7 +40,7 @@ const SHIPPED: &[(&str, &str)] = &[
 /// Shipped in the same folder, owned (and checked) by the manager crate.
 const MANAGER_OWNED: &[&str] = &["mirror_set", "mirror_del"];
 
-const REGENERATE: &str = "regenerate with `SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice \
+const REGENERATE: &str = "regenerate with `SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-protocol \
                           shipped_scripts` and commit the files";
 
 fn dir() -> PathBuf {
@@ -102,7 +102,7 @@ fn shipped_scripts_folder_has_no_unknown_script() {
             assert!(
                 listed.iter().any(|l| *l == name),
                 "docs/protocol/scripts/{name} is no script constant any more: delete it, or \
-                 list its constant in worker-sdk/src/protocol/shipped_scripts.rs"
+                 list its constant in protocol/src/shipped_scripts.rs"
             );
         }
     }
