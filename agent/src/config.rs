@@ -265,24 +265,21 @@ impl Config {
         let max_tasks = cli
             .max_tasks
             .or(file.max_tasks)
-            .unwrap_or(sluice::shm::DEFAULT_SLOTS);
-        if max_tasks == 0 || max_tasks > sluice::shm::MAX_SLOTS {
+            .unwrap_or(sluice::DEFAULT_MAX_TASKS);
+        if max_tasks == 0 || max_tasks > sluice::MAX_TASKS {
             return Err(err(
                 "max-tasks",
-                format!("{max_tasks} is outside 1 ..= {}", sluice::shm::MAX_SLOTS),
+                format!("{max_tasks} is outside 1 ..= {}", sluice::MAX_TASKS),
             ));
         }
         let key_slots = cli
             .key_slots
             .or(file.key_slots)
-            .unwrap_or(sluice::keyed::DEFAULT_KEY_SLOTS);
-        if key_slots == 0 || key_slots > sluice::keyed::MAX_KEY_SLOTS {
+            .unwrap_or(sluice::DEFAULT_KEY_SLOTS);
+        if key_slots == 0 || key_slots > sluice::MAX_KEY_SLOTS {
             return Err(err(
                 "key-slots",
-                format!(
-                    "{key_slots} is outside 1 ..= {}",
-                    sluice::keyed::MAX_KEY_SLOTS
-                ),
+                format!("{key_slots} is outside 1 ..= {}", sluice::MAX_KEY_SLOTS),
             ));
         }
         let grpc_listen = address("grpc-listen", &pick!(grpc_listen, "127.0.0.1:8081"))?;

@@ -3,6 +3,10 @@
 //!
 //! Everything is validated here, once, with errors that name the flag.
 
+// The flags' doc comments are clap's --help text (`[default: …]`, `<value>` as clap prints
+// them), not rustdoc markup.
+#![allow(rustdoc::broken_intra_doc_links, rustdoc::invalid_html_tags)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;

@@ -24,7 +24,7 @@
 //! * [`http`]: the JSON API, `/metrics`, `/healthz`, `/readyz` and the embedded dashboard,
 //!   over HTTP or HTTPS.
 //! * [`metrics`]: every metric, in one place.
-//! * [`error`]: the error type.
+//! * [`error`](mod@error): the error type.
 //!
 //! `main.rs` only parses flags, sets up logging and calls [`run`].
 

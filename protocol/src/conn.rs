@@ -28,12 +28,17 @@ use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
+#[cfg(all(feature = "tls", feature = "cluster"))]
+use redis::TlsMode;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+#[cfg(feature = "cluster")]
 use redis::cluster::ClusterClient;
+#[cfg(feature = "cluster")]
 use redis::cluster_async::ClusterConnection;
+#[cfg(feature = "tls")]
+use redis::{ClientTlsConfig, ConnectionAddr, TlsCertificates};
 use redis::{
-    ClientTlsConfig, Cmd, ConnectionAddr, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisError,
-    RedisFuture, RedisResult, TlsCertificates, TlsMode, Value,
+    Cmd, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisError, RedisFuture, RedisResult, Value,
 };
 use tokio::sync::Mutex;
 
@@ -100,6 +105,21 @@ impl RedisTarget {
             .collect();
         if urls.is_empty() {
             return Err("no Redis URL given".into());
+        }
+        #[cfg(not(feature = "cluster"))]
+        if urls.len() > 1 {
+            return Err(format!(
+                "{} Redis URLs name a Redis Cluster, but this build of sluice-protocol has no \
+                 `cluster` feature",
+                urls.len()
+            ));
+        }
+        #[cfg(not(feature = "tls"))]
+        if urls.iter().any(|u| u.starts_with("rediss://")) {
+            return Err(
+                "a rediss:// URL needs TLS, but this build of sluice-protocol has no `tls` feature"
+                    .into(),
+            );
         }
         for u in &urls {
             // The error names the URL redacted: a URL may carry a password.
@@ -214,7 +234,9 @@ fn sec_err(field: &'static str, message: impl Into<String>) -> SecurityError {
 #[derive(Clone, Default)]
 struct Link {
     /// `Some` for a TLS link: trusted roots and the client identity.
+    #[cfg(feature = "tls")]
     tls: Option<TlsCertificates>,
+    #[cfg(feature = "tls")]
     insecure: bool,
     user: Option<String>,
     password: Option<String>,
@@ -254,9 +276,18 @@ impl RedisSecurity {
             ));
         }
         let mut link = Link {
+            #[cfg(feature = "tls")]
             insecure: self.insecure,
             ..Link::default()
         };
+        #[cfg(not(feature = "tls"))]
+        if tls {
+            return Err(sec_err(
+                "redis",
+                "rediss:// needs the `tls` feature of sluice-protocol",
+            ));
+        }
+        #[cfg(feature = "tls")]
         if tls {
             tls::install_provider();
             let roots = tls::all_roots_pem(self.ca_file.as_deref()).map_err(|e| {
@@ -346,6 +377,7 @@ impl Link {
             rs = rs.set_password(p);
         }
         info = info.set_redis_settings(rs);
+        #[cfg(feature = "tls")]
         if self.insecure
             && let ConnectionAddr::TcpTls {
                 host,
@@ -366,21 +398,25 @@ impl Link {
 
     fn client(&self, url: &str) -> RedisResult<redis::Client> {
         let info = self.info(url)?;
-        match &self.tls {
-            Some(certs) => redis::Client::build_with_tls(info, certs.clone()),
-            None => redis::Client::open(info),
+        #[cfg(feature = "tls")]
+        if let Some(certs) = &self.tls {
+            return redis::Client::build_with_tls(info, certs.clone());
         }
+        redis::Client::open(info)
     }
 
+    #[cfg(feature = "cluster")]
     fn cluster(&self, urls: &[String], o: &ConnOptions) -> RedisResult<ClusterClient> {
         let infos = urls
             .iter()
             .map(|u| self.info(u))
             .collect::<RedisResult<Vec<_>>>()?;
+        #[cfg_attr(not(feature = "tls"), allow(unused_mut))]
         let mut b = ClusterClient::builder(infos)
             .connection_timeout(o.connect_timeout)
             .response_timeout(o.response_timeout)
             .retries(1);
+        #[cfg(feature = "tls")]
         if let Some(certs) = &self.tls {
             b = b.certs(certs.clone());
             if self.insecure {
@@ -432,6 +468,7 @@ fn tls_cause(e: &RedisError) -> Option<String> {
         if depth > 8 {
             return None;
         }
+        #[cfg(feature = "tls")]
         if let Some(r) = e.downcast_ref::<rustls::Error>() {
             return Some(r.to_string());
         }
@@ -516,7 +553,8 @@ impl Default for ConnOptions {
 pub enum RedisConn {
     /// A single server, reconnected automatically.
     Single(ConnectionManager),
-    /// A cluster, routed by slot.
+    /// A cluster, routed by slot (feature `cluster`).
+    #[cfg(feature = "cluster")]
     Cluster(ClusterConnection),
 }
 
@@ -524,6 +562,7 @@ impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Self::Single(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "cluster")]
             Self::Cluster(c) => c.req_packed_command(cmd),
         }
     }
@@ -536,6 +575,7 @@ impl ConnectionLike for RedisConn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "cluster")]
             Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
@@ -543,6 +583,7 @@ impl ConnectionLike for RedisConn {
     fn get_db(&self) -> i64 {
         match self {
             Self::Single(c) => c.get_db(),
+            #[cfg(feature = "cluster")]
             Self::Cluster(c) => c.get_db(),
         }
     }
@@ -662,10 +703,16 @@ impl Redis {
                         ConnectionManager::new_with_config(client, cfg).await?,
                     ))
                 }
+                #[cfg(feature = "cluster")]
                 RedisTarget::Cluster(urls) => {
                     let client = self.link.cluster(urls, &o)?;
                     Ok(RedisConn::Cluster(client.get_async_connection().await?))
                 }
+                #[cfg(not(feature = "cluster"))]
+                RedisTarget::Cluster(_) => Err(RedisError::from((
+                    redis::ErrorKind::InvalidClientConfig,
+                    "Redis Cluster needs the `cluster` feature of sluice-protocol",
+                ))),
             }
         };
         match tokio::time::timeout(o.connect_timeout * 3, connect).await {

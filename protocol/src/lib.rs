@@ -859,3 +859,8 @@ mod tests {
         }
     }
 }
+
+/// The crate README's examples, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

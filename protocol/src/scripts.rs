@@ -117,7 +117,7 @@ end
     };
 }
 
-/// See [`pace_snippet!`]: `paced_allowance(h, rem, cap, now, start, len)`.
+/// The pacing snippet shared by the scripts: `paced_allowance(h, rem, cap, now, start, len)`.
 pub const PACE_LUA: &str = pace_snippet!();
 
 /// The fence shared by every leader script (see the module docs). `ARGV[1..3]`: term, epoch

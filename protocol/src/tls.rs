@@ -8,14 +8,19 @@
 //!
 //! Secrets (passwords, tokens) can be read from files with [`read_secret_file`], so they never
 //! sit in a process list.
+//!
+//! Everything but [`read_secret_file`] needs the feature `tls` (on by default).
 
 use std::path::Path;
 
+#[cfg(feature = "tls")]
 use rustls::pki_types::pem::PemObject;
+#[cfg(feature = "tls")]
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 
 /// Where Linux distributions keep the platform CA bundle (Debian/Ubuntu, Fedora/RHEL,
 /// openSUSE, Alpine).
+#[cfg(feature = "tls")]
 const PLATFORM_BUNDLES: &[&str] = &[
     "/etc/ssl/certs/ca-certificates.crt",
     "/etc/pki/tls/certs/ca-bundle.crt",
@@ -25,6 +30,7 @@ const PLATFORM_BUNDLES: &[&str] = &[
 
 /// Makes `ring` the process-wide rustls provider, unless one is installed already. Every
 /// entry point that may open a TLS link calls this first; calling it again is harmless.
+#[cfg(feature = "tls")]
 pub fn install_provider() {
     if rustls::crypto::CryptoProvider::get_default().is_none() {
         // Losing a race against another thread installing one is fine: one is installed.
@@ -34,6 +40,7 @@ pub fn install_provider() {
 
 /// Reads the certificates of a PEM file. An unreadable file, a file that is not PEM, or one
 /// with no certificate is an error naming the file.
+#[cfg(feature = "tls")]
 pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let certs = CertificateDer::pem_slice_iter(&bytes)
@@ -46,6 +53,7 @@ pub fn load_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
 }
 
 /// Reads a PEM private key (PKCS#8, PKCS#1 or SEC1). The error names the file, never the key.
+#[cfg(feature = "tls")]
 pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
     let bytes = std::fs::read(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     PrivateKeyDer::from_pem_slice(&bytes)
@@ -54,6 +62,7 @@ pub fn load_key(path: &Path) -> Result<PrivateKeyDer<'static>, String> {
 
 /// The platform bundle's certificates (empty when none of the usual paths exists or parses:
 /// a container without `ca-certificates` can still trust a private CA given explicitly).
+#[cfg(feature = "tls")]
 pub fn platform_roots() -> Vec<CertificateDer<'static>> {
     for p in PLATFORM_BUNDLES {
         let path = Path::new(p);
@@ -69,6 +78,7 @@ pub fn platform_roots() -> Vec<CertificateDer<'static>> {
 /// The roots a link adds to the platform's: `SSL_CERT_FILE` (when set) and `ca_file` (the
 /// link's own CA flag). A named file that cannot be read or parsed is an error naming it: a
 /// typo in a CA path must fail at start-up, not as a handshake error later.
+#[cfg(feature = "tls")]
 pub fn extra_roots(ca_file: Option<&Path>) -> Result<Vec<CertificateDer<'static>>, String> {
     let mut out = Vec::new();
     if let Some(env) = std::env::var_os("SSL_CERT_FILE").filter(|v| !v.is_empty()) {
@@ -81,6 +91,7 @@ pub fn extra_roots(ca_file: Option<&Path>) -> Result<Vec<CertificateDer<'static>
 }
 
 /// Every root a link trusts: [`platform_roots`] + [`extra_roots`].
+#[cfg(feature = "tls")]
 pub fn all_roots(ca_file: Option<&Path>) -> Result<Vec<CertificateDer<'static>>, String> {
     let mut roots = platform_roots();
     roots.extend(extra_roots(ca_file)?);
@@ -88,11 +99,13 @@ pub fn all_roots(ca_file: Option<&Path>) -> Result<Vec<CertificateDer<'static>>,
 }
 
 /// The same roots as one PEM bundle, for clients that take PEM bytes (redis, tonic).
+#[cfg(feature = "tls")]
 pub fn all_roots_pem(ca_file: Option<&Path>) -> Result<Vec<u8>, String> {
     Ok(to_pem(&all_roots(ca_file)?))
 }
 
 /// PEM-encodes certificates.
+#[cfg(feature = "tls")]
 pub fn to_pem(certs: &[CertificateDer<'_>]) -> Vec<u8> {
     let mut out = Vec::new();
     for c in certs {
@@ -107,6 +120,7 @@ pub fn to_pem(certs: &[CertificateDer<'_>]) -> Vec<u8> {
     out
 }
 
+#[cfg(feature = "tls")]
 fn base64_encode(data: &[u8]) -> String {
     const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
     let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
@@ -140,7 +154,7 @@ pub fn read_secret_file(path: &Path) -> Result<String, String> {
     Ok(secret.to_string())
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "tls"))]
 mod tests {
     use super::*;
 

@@ -745,7 +745,7 @@ async fn a_hundred_thousand_keys_stay_bounded() {
     assert!(bad.is_empty(), "over-admission: {bad:?}");
     assert_eq!(
         table_size,
-        sluice::keyed::KeyTable::size(sluice::keyed::DEFAULT_KEY_SLOTS),
+        sluice::keyed::KeyTable::size(sluice::DEFAULT_KEY_SLOTS),
         "the key table keeps its size"
     );
     assert!(admitted > 0);

@@ -37,6 +37,7 @@ use crate::state::{Health, HostState, Machine, view};
 
 /// Which clock slices follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum ClockSource {
     /// The host clock (kept in step by NTP), as in the seed. Default.
     #[default]
@@ -46,8 +47,27 @@ pub enum ClockSource {
     Redis,
 }
 
-/// Client settings. [`Config::new`] gives the defaults; every field is public.
+/// Client settings. [`Config::new`] gives the defaults, [`Config::builder`] builds and checks
+/// them; every field is public and may be set after `new` (`cfg.namespace = …`). The struct is
+/// `#[non_exhaustive]`: new settings arrive with defaults, so code that starts from
+/// [`Config::new`] or the builder keeps compiling.
+///
+/// ```
+/// use std::time::Duration;
+///
+/// let cfg = sluice::Config::builder("redis://127.0.0.1:6379")
+///     .namespace("shop")
+///     .host_id("web-1")
+///     .pull_timeout(Duration::from_millis(500))
+///     .build()?;
+/// assert_eq!(cfg.namespace, "shop");
+///
+/// let err = sluice::Config::builder("redis://127.0.0.1:6379").max_tasks(0).build().unwrap_err();
+/// assert_eq!(err.to_string(), "Config::max_tasks: 0 is outside 1 ..= 4096");
+/// # Ok::<(), sluice::Error>(())
+/// ```
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct Config {
     /// One Redis URL, or a comma-separated list of Redis Cluster seed nodes. `rediss://` is
     /// TLS; `rediss://user:password@host:port` carries the ACL user and password (or give them
@@ -141,11 +161,154 @@ impl Config {
             allow_unknown: true,
         }
     }
+
+    /// A builder starting from the defaults of [`Config::new`]; [`ConfigBuilder::build`]
+    /// checks every setting.
+    pub fn builder(redis: impl Into<String>) -> ConfigBuilder {
+        ConfigBuilder(Self::new(redis))
+    }
+
+    /// Checks every setting ([`Client::new`] calls it first): the Redis address parses, the
+    /// namespace is a valid name, the host id is 1–255 printable characters, the slot counts
+    /// are in range and the intervals and timeouts are above zero. The error names the field
+    /// (never a secret).
+    pub fn validate(&self) -> Result<(), Error> {
+        let bad = |field: &'static str, message: String| Err(Error::Config { field, message });
+        RedisTarget::parse(&self.redis).map_err(Error::Redis)?;
+        crate::protocol::validate_namespace(&self.namespace)?;
+        if self.host_id.is_empty() || self.host_id.len() > 255 {
+            return bad(
+                "host_id",
+                format!("must be 1 ..= 255 bytes, is {}", self.host_id.len()),
+            );
+        }
+        if self.host_id.chars().any(char::is_control) {
+            return bad("host_id", "must not contain control characters".into());
+        }
+        if self.max_tasks == 0 || self.max_tasks > crate::shm::MAX_SLOTS {
+            return bad(
+                "max_tasks",
+                format!(
+                    "{} is outside 1 ..= {}",
+                    self.max_tasks,
+                    crate::shm::MAX_SLOTS
+                ),
+            );
+        }
+        if self.key_slots == 0 || self.key_slots > crate::keyed::MAX_KEY_SLOTS {
+            return bad(
+                "key_slots",
+                format!(
+                    "{} is outside 1 ..= {}",
+                    self.key_slots,
+                    crate::keyed::MAX_KEY_SLOTS
+                ),
+            );
+        }
+        for (field, d) in [
+            ("pull_timeout", self.pull_timeout),
+            ("connect_timeout", self.connect_timeout),
+            ("probe_interval", self.probe_interval),
+            ("meta_refresh", self.meta_refresh),
+            ("flush_interval", self.flush_interval),
+            ("host_report_interval", self.host_report_interval),
+            ("lock_timeout", self.lock_timeout),
+        ] {
+            if d.is_zero() {
+                return bad(field, "must be above zero".into());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Builds a [`Config`] from the defaults; [`build`](ConfigBuilder::build) validates it.
+/// Each method sets the [`Config`] field of the same name (see there for what it means).
+#[derive(Debug, Clone)]
+#[must_use = "a builder does nothing until build() is called"]
+pub struct ConfigBuilder(Config);
+
+/// One builder method per field: `name: into T` takes `impl Into<T>` (strings, paths), `name: T`
+/// takes `T` itself (numbers, durations, flags: literals need no annotation).
+macro_rules! setters {
+    () => {};
+    ($(#[$doc:meta])* $field:ident: into $ty:ty, $($rest:tt)*) => {
+        $(#[$doc])*
+        pub fn $field(mut self, value: impl Into<$ty>) -> Self {
+            self.0.$field = value.into();
+            self
+        }
+        setters! { $($rest)* }
+    };
+    ($(#[$doc:meta])* $field:ident: $ty:ty, $($rest:tt)*) => {
+        $(#[$doc])*
+        pub fn $field(mut self, value: $ty) -> Self {
+            self.0.$field = value;
+            self
+        }
+        setters! { $($rest)* }
+    };
+}
+
+impl ConfigBuilder {
+    setters! {
+        /// [`Config::redis_security`].
+        redis_security: RedisSecurity,
+        /// [`Config::namespace`].
+        namespace: into String,
+        /// [`Config::host_id`].
+        host_id: into String,
+        /// [`Config::shm_dir`].
+        shm_dir: into PathBuf,
+        /// [`Config::max_tasks`].
+        max_tasks: u32,
+        /// [`Config::reclaim_idle`].
+        reclaim_idle: Duration,
+        /// [`Config::pull_timeout`].
+        pull_timeout: Duration,
+        /// [`Config::connect_timeout`].
+        connect_timeout: Duration,
+        /// [`Config::probe_interval`].
+        probe_interval: Duration,
+        /// [`Config::meta_refresh`].
+        meta_refresh: Duration,
+        /// [`Config::flush_interval`].
+        flush_interval: Duration,
+        /// [`Config::host_report_interval`].
+        host_report_interval: Duration,
+        /// [`Config::lock_timeout`].
+        lock_timeout: Duration,
+        /// [`Config::acquire_timeout`].
+        acquire_timeout: Duration,
+        /// [`Config::clock`].
+        clock: ClockSource,
+        /// [`Config::fast_clock`].
+        fast_clock: bool,
+        /// [`Config::key_slots`].
+        key_slots: u32,
+        /// [`Config::allow_unknown`].
+        allow_unknown: bool,
+    }
+
+    /// The checked [`Config`] ([`Config::validate`]).
+    pub fn build(self) -> Result<Config, Error> {
+        self.0.validate()?;
+        Ok(self.0)
+    }
 }
 
 /// Why a client or task could not be created.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
+    /// A setting of [`Config`] is out of range ([`Config::validate`]).
+    #[error("Config::{field}: {message}")]
+    Config {
+        /// The field of [`Config`].
+        field: &'static str,
+        /// What is wrong with it.
+        message: String,
+    },
     /// A bad task name or namespace.
     #[error(transparent)]
     Name(#[from] NameError),
@@ -474,6 +637,7 @@ impl Client {
     /// Opens the host segment (creating or replacing it when needed) and starts the
     /// background thread. Does not wait for Redis: a client starts while Redis is down.
     pub fn new(cfg: Config) -> Result<Self, Error> {
+        cfg.validate()?;
         let keys = Keys::new(&cfg.namespace)?;
         let target = RedisTarget::parse(&cfg.redis).map_err(Error::Redis)?;
         let path = Segment::path_for(&cfg.shm_dir, &cfg.namespace, &cfg.host_id);
@@ -1325,6 +1489,90 @@ mod tests {
     use super::*;
     use crate::protocol::{Fallback, FallbackAlgorithm};
     use crate::shm::ClaimOptions;
+
+    #[test]
+    fn the_builder_sets_every_field_and_build_checks_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config::builder("redis://127.0.0.1:1")
+            .namespace("shop")
+            .host_id("web-1")
+            .shm_dir(dir.path())
+            .max_tasks(8)
+            .key_slots(128)
+            .pull_timeout(Duration::from_millis(250))
+            .fast_clock(false)
+            .allow_unknown(false)
+            .clock(ClockSource::Redis)
+            .build()
+            .unwrap();
+        assert_eq!(
+            (
+                cfg.namespace.as_str(),
+                cfg.host_id.as_str(),
+                cfg.max_tasks,
+                cfg.key_slots
+            ),
+            ("shop", "web-1", 8, 128)
+        );
+        assert_eq!(cfg.shm_dir, dir.path());
+        assert_eq!(cfg.pull_timeout, Duration::from_millis(250));
+        assert!(!cfg.fast_clock && !cfg.allow_unknown && cfg.clock == ClockSource::Redis);
+
+        let err = |b: ConfigBuilder| b.build().unwrap_err().to_string();
+        let b = || Config::builder("redis://127.0.0.1:1");
+        assert_eq!(
+            err(b().max_tasks(0)),
+            "Config::max_tasks: 0 is outside 1 ..= 4096"
+        );
+        assert_eq!(
+            err(b().key_slots(1 << 30)),
+            "Config::key_slots: 1073741824 is outside 1 ..= 262144"
+        );
+        assert_eq!(
+            err(b().flush_interval(Duration::ZERO)),
+            "Config::flush_interval: must be above zero"
+        );
+        assert_eq!(
+            err(b().host_id("")),
+            "Config::host_id: must be 1 ..= 255 bytes, is 0"
+        );
+        assert!(err(b().host_id("a\nb")).contains("control characters"));
+        assert!(err(b().namespace("a b")).contains("namespace"));
+        assert!(err(Config::builder("nope://x")).starts_with("Redis address"));
+        // A password in a bad URL is never echoed.
+        assert!(!err(Config::builder("redis://u:hunter2@[::1")).contains("hunter2"));
+        // Zero waits are allowed where they mean "do not wait".
+        b().acquire_timeout(Duration::ZERO)
+            .reclaim_idle(Duration::ZERO)
+            .build()
+            .unwrap();
+    }
+
+    #[test]
+    fn a_client_refuses_a_bad_config_before_touching_the_host() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.max_tasks = 0;
+        let Err(e) = Client::new(cfg) else {
+            panic!("max_tasks = 0 is refused")
+        };
+        assert!(
+            matches!(
+                e,
+                Error::Config {
+                    field: "max_tasks",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            0,
+            "no segment created"
+        );
+    }
 
     fn meta(slice_ms: u64) -> TaskMeta {
         TaskMeta {

@@ -317,6 +317,7 @@ pub(crate) fn reclaim_dead(seg: &Segment, k: &ConcCells) -> u64 {
 
 /// This host's view of a concurrency task (from the segment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct PermitStats {
     /// Permits in use on this host now.
     pub in_use: u64,

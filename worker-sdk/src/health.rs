@@ -11,6 +11,7 @@ use crate::shm::{Slot, field};
 
 /// How one admitted unit of work ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Outcome {
     /// It succeeded.
     Ok,

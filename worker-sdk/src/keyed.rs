@@ -619,6 +619,7 @@ impl Key {
     /// This host's view of the key now: its cap for the slice as Redis last answered (0 when
     /// not known yet) and the permits of the current slice held in the key table. `None`
     /// when the key is not decided from the key table (not keyed, no entry).
+    #[cfg(feature = "tower")]
     pub(crate) fn local_view(&self, now_us: i64) -> Option<(u64, u64)> {
         let (_, m) = self.task.slot_meta()?;
         if !m.keyed {

@@ -13,49 +13,88 @@
 //! # Ok::<(), sluice::Error>(())
 //! ```
 //!
-//! # Layout
+//! # What is here
 //!
-//! * [`protocol`]: the wire contract with the manager: key names, Lua scripts, slice maths and
-//!   the Redis connection type. Nothing else builds a key.
-//! * [`shm`]: the host-shared memory segment: layout, the packed quota word, participants and
-//!   their locks, slot reclamation.
-//! * [`client`]: the public API ([`Client`], [`Task`], [`Decision`]).
-//! * [`concurrency`]: mode `concurrency`: permits in flight ([`Permit`]) from a leased block.
-//! * [`keyed`]: keyed tasks: a limit per key ([`Key`]) from a host-shared key table.
-//! * [`multi`]: several limits per request, all or nothing ([`try_acquire_all`]).
-//! * [`lock`]: distributed locks with fencing tokens ([`Client::lock`]).
-//! * [`state`]: the NORMAL / LIMITED / FAILED state machine (pure).
-//! * [`pull`]: pull sizing and prefetch policy (pure).
-//! * [`limiter`]: local limiters for FAILED and mode `local` (pure algorithms).
-//! * [`health`]: outcome reporting.
-//! * [`layer`]: a tower layer: keys, costs, 429 / gRPC `RESOURCE_EXHAUSTED` with `Retry-After`
-//!   and the IETF RateLimit fields.
-//! * `background` (private): the client's thread that talks to Redis.
-//! * [`clock`]: the host clock read on the decision path.
-#![warn(missing_docs)]
+//! * [`Client`] (one per process and Redis) and [`Task`]: decisions ([`Decision`]) for modes
+//!   `pooled`, `local`, `exact_fixed`, `exact_sliding`; [`Config`] / [`Config::builder`].
+//! * [`Permit`]: mode `concurrency`, permits in flight from a leased block.
+//! * [`Key`]: keyed tasks, a limit per key from a host-shared key table.
+//! * [`try_acquire_all`] / [`acquire_all`]: several limits per request, all or nothing.
+//! * [`Client::lock`]: distributed locks with fencing tokens ([`LockGuard`]).
+//! * [`layer`] (feature `tower`, on by default): a tower layer for HTTP and gRPC services —
+//!   keys, costs, 429 / `RESOURCE_EXHAUSTED` with `Retry-After` and the IETF RateLimit fields.
+//!   Feature `axum` adds axum's `ConnectInfo` to its key extractor.
+//!
+//! The wire protocol (Redis key names, Lua scripts, slice maths) is the crate
+//! [`sluice_protocol`], shared with the manager and the agent.
+//!
+//! # Features
+//!
+//! | feature | default | what |
+//! |---|---|---|
+//! | `tower` | yes | [`layer`]: the tower layer (`tower`, `http`) |
+//! | `axum` | no | the layer's key extractor also reads axum's `ConnectInfo<SocketAddr>` |
+//! | `tls` | yes | `rediss://` URLs: TLS to Redis with rustls (ring provider), client certificates |
+//! | `cluster` | yes | Redis Cluster: a comma-separated list of seed nodes in [`Config::redis`] |
+//!
+//! # Stability
+//!
+//! The items at the crate root and in [`layer`] are the API. The hidden modules (`shm`,
+//! `keyed`, `concurrency`, `state`, `pull`, `limiter`, `clock`) are public only for Sluice's own tests,
+//! benchmarks and agent: they change without notice.
+#![warn(missing_docs, unnameable_types)]
 
 mod background;
-pub mod client;
-pub mod clock;
-pub mod concurrency;
-pub mod health;
-pub mod keyed;
+mod client;
+mod health;
+mod lock;
+mod multi;
+
+#[cfg(feature = "tower")]
 pub mod layer;
-pub mod limiter;
-pub mod lock;
-pub mod multi;
-/// The wire protocol, a crate of its own ([`sluice_protocol`]); re-exported so that paths of
-/// 0.1 (`sluice::protocol::…`) keep compiling.
+
 #[doc(hidden)]
-pub use sluice_protocol as protocol;
+pub mod clock;
+#[doc(hidden)]
+pub mod concurrency;
+#[doc(hidden)]
+pub mod keyed;
+#[doc(hidden)]
+pub mod limiter;
+#[doc(hidden)]
 pub mod pull;
+#[doc(hidden)]
 pub mod shm;
+#[doc(hidden)]
 pub mod state;
 
-pub use client::{Client, ClockSource, Config, Decision, Error, Task};
+/// The wire protocol, a crate of its own ([`sluice_protocol`]); re-exported (hidden) so that
+/// paths of 0.1 (`sluice::protocol::…`) keep compiling.
+#[doc(hidden)]
+pub use sluice_protocol as protocol;
+
+pub use client::{Client, ClockSource, Config, ConfigBuilder, Decision, Error, RedisCalls, Task};
+pub use concurrency::PermitStats;
+pub use shm::SegmentError;
+pub use sluice_protocol::NameError;
+pub use sluice_protocol::conn::{RedisSecurity, SecurityError};
+
+/// Task slots of a host segment by default ([`Config::max_tasks`]).
+pub const DEFAULT_MAX_TASKS: u32 = shm::DEFAULT_SLOTS;
+/// The most task slots a host segment can have ([`Config::max_tasks`]).
+pub const MAX_TASKS: u32 = shm::MAX_SLOTS;
+/// Entries of the host's key table by default ([`Config::key_slots`]).
+pub const DEFAULT_KEY_SLOTS: u32 = keyed::DEFAULT_KEY_SLOTS;
+/// The most entries the host's key table can have ([`Config::key_slots`]).
+pub const MAX_KEY_SLOTS: u32 = keyed::MAX_KEY_SLOTS;
 pub use concurrency::{Permit, PermitError};
 pub use health::Outcome;
 pub use keyed::Key;
-pub use lock::{LockError, LockGuard};
+pub use lock::{LockError, LockGuard, MIN_LOCK_TTL};
 pub use multi::{AllDecision, Limit, acquire_all, acquire_all_blocking, try_acquire_all};
 pub use state::HostState;
+
+/// The crate README's examples, compiled as doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+struct ReadmeDoctests;

@@ -31,6 +31,7 @@ use crate::shm::{parity, tag_of};
 
 /// One part of an all-or-nothing decision: a limit and the permits it is charged.
 #[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
 pub enum Limit<'a> {
     /// A task (as a whole).
     Task(&'a Task, u64),

@@ -295,7 +295,7 @@ pub struct LimiterCells {
 pub const HOLDERS: usize = 128;
 
 /// Mode `concurrency` on this host: the leased block of permits and who uses them
-/// (see [`crate::concurrency`]).
+/// (see [`Permit`](crate::Permit)).
 ///
 /// `permits` packs `limit:32 | in_use:32`: a permit is handed out by one compare-and-swap
 /// that raises `in_use` while it is below `limit`, and the lease holder lowers `limit` with a

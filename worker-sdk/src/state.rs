@@ -98,6 +98,7 @@ impl Health {
 
 /// The state of a task on a host, as shown to users.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum HostState {
     /// The task's meta has not been read yet (and no process of this host knew it).
     Unknown,
