@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Runs every check and test of Sluice against real servers:
 #   system packages (installed when missing, as root) → etcd + Redis on free loopback ports →
-#   cargo fmt --check → dashboard build → clippy -D warnings → build → cargo test (unit, doc,
+#   cargo fmt --check → dashboard build → clippy -D warnings → the deployment kit's validators
+#   (check-deploy.sh) → the crates as published (check-crates.sh: rustdoc -D warnings, each
+#   feature alone, the MSRV build, cargo package) → build → cargo test (unit, doc,
 #   end-to-end) → a 60 s slice of the soak (random seed, printed) → the side-by-side
 #   benchmark's smoke test (scripts/bench.sh --quick) → browser tests of the dashboard.
 # Everything started here is stopped by PID on exit, failure or Ctrl-C.
@@ -9,7 +11,8 @@
 # Environment: SLUICE_TEST_FILTER=<name> runs only matching Rust tests (and skips the soak and
 # the browser tests); SLUICE_SKIP_BROWSER=1 skips the browser tests; SLUICE_SKIP_SOAK=1 skips
 # the soak slice; SLUICE_SOAK_SECONDS sets its length (default 60); SLUICE_SKIP_BENCH=1 skips the
-# benchmark smoke test.
+# benchmark smoke test; SLUICE_SKIP_MSRV=1 / SLUICE_SKIP_PACKAGE=1 skip the MSRV build / the
+# package verification.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib.sh
@@ -33,6 +36,7 @@ fi
 log "clippy"
 cargo clippy --workspace --all-targets -- -D warnings
 scripts/check-deploy.sh
+scripts/check-crates.sh
 
 log "building binaries and examples"
 cargo build --workspace --bins --examples

@@ -38,7 +38,7 @@
 //! What no lease can bound: a permit already handed out is the caller's until it drops it.
 //! A host cut off from Redis for longer than the margin keeps its permits in use while Redis
 //! lets others take them after the TTL: hold times should be far below the TTL, and work that
-//! must never overlap needs a fenced resource ([`crate::lock`]).
+//! must never overlap needs a fenced resource ([`Client::lock`](crate::Client::lock)).
 //!
 //! # FAILED
 //!

@@ -68,7 +68,7 @@ struct Args {
     proc: u32,
 }
 
-/// The article's INCR limiter (KEYS[1] = window key; ARGV: limit, expiry seconds).
+/// The article's INCR limiter (`KEYS[1]` = window key; ARGV: limit, expiry seconds).
 const FIXED_WINDOW: &str = r#"
 local count = redis.call('incr', KEYS[1])
 if count == 1 then
@@ -80,7 +80,7 @@ end
 return 1
 "#;
 
-/// The article's ZSET limiter (KEYS[1] = key; ARGV: now - window, now, limit, member,
+/// The article's ZSET limiter (`KEYS[1]` = key; ARGV: now - window, now, limit, member,
 /// window ms) with the key's expiry added.
 const SLIDING_LOG: &str = r#"
 redis.call('zremrangebyscore', KEYS[1], 0, ARGV[1])
