@@ -31,16 +31,18 @@ done
 
 msrv=$(sed -n 's/^rust-version = "\(.*\)"$/\1/p' Cargo.toml)
 [ -n "$msrv" ] || die "no rust-version in Cargo.toml's [workspace.package]"
+# rust-version "1.88" means 1.88.0; rustup's toolchain "1.88" would be a second copy of it.
+case $msrv in *.*.*) toolchain=$msrv ;; *) toolchain=$msrv.0 ;; esac
 if [ -n "${SLUICE_SKIP_MSRV:-}" ]; then
   log "crates: MSRV build SKIPPED (SLUICE_SKIP_MSRV)"
 else
   command -v rustup >/dev/null || die "rustup is needed for the MSRV build (rust-version $msrv)"
-  if ! rustup run "$msrv" rustc --version >/dev/null 2>&1; then
-    log "crates: installing Rust $msrv (rustup, minimal profile)"
-    rustup toolchain install "$msrv" --profile minimal --no-self-update
+  if ! rustup run "$toolchain" rustc --version >/dev/null 2>&1; then
+    log "crates: installing Rust $toolchain (rustup, minimal profile)"
+    rustup toolchain install "$toolchain" --profile minimal --no-self-update
   fi
-  log "crates: MSRV build with $(rustup run "$msrv" rustc --version) (target/msrv)"
-  CARGO_TARGET_DIR=target/msrv cargo "+$msrv" check --locked --quiet "${pkgs[@]}" -p sluice-manager
+  log "crates: MSRV build with $(rustup run "$toolchain" rustc --version) (target/msrv)"
+  CARGO_TARGET_DIR=target/msrv cargo "+$toolchain" check --locked --quiet "${pkgs[@]}" -p sluice-manager
 fi
 
 if [ -n "${SLUICE_SKIP_PACKAGE:-}" ]; then
