@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Checks the crates as a user of crates.io gets them (docs/sdk.md, "Publishing"):
 #   rustdoc with -D warnings for the workspace · every feature of the published crates alone
-#   (--no-default-features + one feature, clippy -D warnings) · the MSRV build: `cargo check`
+#   (--no-default-features + one feature, clippy -D warnings), the protocol's unit tests without
+#   features · the MSRV build: `cargo check`
 #   of the published crates and the manager with the toolchain named by `rust-version` in
 #   Cargo.toml (installed with rustup when missing; its own target dir, target/msrv) ·
 #   `cargo package` of every published crate, verified (each tarball built on its own against
@@ -28,6 +29,11 @@ for spec in "sluice-protocol:" "sluice-protocol:tls" "sluice-protocol:cluster" \
   log "  $crate --no-default-features ${feature:+--features $feature}"
   cargo clippy --quiet -p "$crate" --no-default-features ${feature:+--features "$feature"} -- -D warnings
 done
+
+# The protocol's unit tests without its features: URLs that need a missing feature are refused
+# by name (the SDK's tests need Redis and the segment; they run with the defaults).
+log "crates: sluice-protocol's unit tests with --no-default-features"
+cargo test --quiet -p sluice-protocol --no-default-features --lib
 
 msrv=$(sed -n 's/^rust-version = "\(.*\)"$/\1/p' Cargo.toml)
 [ -n "$msrv" ] || die "no rust-version in Cargo.toml's [workspace.package]"

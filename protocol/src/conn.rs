@@ -734,7 +734,31 @@ mod tests {
             .map(|_| ())
     }
 
+    /// Built without `cluster` / `tls` (scripts/check-crates.sh runs these with
+    /// `--no-default-features`): the URL that needs the feature is refused, naming it.
     #[test]
+    #[cfg(not(feature = "cluster"))]
+    fn without_cluster_a_seed_list_names_the_feature() {
+        let e = RedisTarget::parse("redis://a:1,redis://b:2").unwrap_err();
+        assert!(e.contains("`cluster` feature"), "{e}");
+        assert!(RedisTarget::parse("redis://a:1").is_ok());
+    }
+
+    #[test]
+    #[cfg(not(feature = "tls"))]
+    fn without_tls_rediss_names_the_feature() {
+        let e = RedisTarget::parse("rediss://u:hunter2@a:1").unwrap_err();
+        assert!(e.contains("`tls` feature") && !e.contains("hunter2"), "{e}");
+        let ins = RedisSecurity {
+            insecure: true,
+            ..RedisSecurity::default()
+        };
+        let e = check("redis://a:1", &ins).unwrap_err();
+        assert_eq!(e.field, "insecure", "{e}");
+    }
+
+    #[test]
+    #[cfg(feature = "tls")]
     fn security_rules_name_the_field_never_the_secret() {
         let dir = std::env::temp_dir().join(format!("sluice-conn-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
