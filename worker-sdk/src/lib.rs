@@ -4,11 +4,20 @@
 //! nanoseconds. See `docs/sdk.md` for a tour.
 //!
 //! ```no_run
-//! let client = sluice::Client::new(sluice::Config::new("redis://127.0.0.1:6379"))?;
-//! let task = client.task("checkout")?;
-//! if task.try_acquire(1).is_allowed() {
-//!     // do the work, then say how it went
-//!     task.report(sluice::Outcome::Ok, std::time::Duration::from_millis(3));
+//! use sluice::{Client, Config, Outcome};
+//! use std::time::Instant;
+//!
+//! let mut cfg = Config::new("redis://127.0.0.1:6379"); // or "redis://a:7000,redis://b:7001" (Cluster)
+//! cfg.namespace = "sluice".into(); // host id defaults to the hostname
+//! let client = Client::new(cfg)?; // opens /dev/shm/sluice.<ns>.<host>
+//! let checkout = client.task("checkout")?; // a task created in the manager; Clone + Send + Sync
+//! let started = Instant::now();
+//! let d = checkout.try_acquire(1); // sync, no network, no allocation
+//! if d.is_allowed() {
+//!     // do the work, then say how it went (feeds dynamic limits and the dashboard)
+//!     checkout.report(Outcome::Ok, started.elapsed());
+//! } else {
+//!     println!("limited, retry in {:?}", d.retry_after()); // Limited / FallbackDenied
 //! }
 //! # Ok::<(), sluice::Error>(())
 //! ```
