@@ -7,7 +7,10 @@
 //!   fields and the example's JSON body; admitted answers carry the fields too.
 //! * One client running out leaves the others untouched; `POST /api/export` costs
 //!   `--export-cost` permits of the same limit; `/healthz` is not limited.
-//! * SIGTERM stops it with exit code 0; bad flags exit with an error naming the flag.
+//! * The manager's per-key counts (`GET /api/v1/tasks/api/keys`) are exactly the permits the
+//!   example admitted and refused.
+//! * SIGTERM stops it with exit code 0; bad flags exit with an error naming the flag (and no
+//!   password from `--redis`).
 //!
 //! Needs `cargo build -p sluice-example-axum` (scripts/test.sh builds every binary first).
 
@@ -316,6 +319,43 @@ async fn example_service_gives_each_client_its_own_limit_and_429s_say_when_to_re
         "{gold_q}"
     );
 
+    // The manager sees what the example admitted and refused per key, exactly (the SDK
+    // reports its busiest keys about once a second; this namespace is the test's own).
+    let key_of = |c: &str| match c {
+        "ip" => "ip:127.0.0.1".to_string(),
+        c => format!("key:{c}"),
+    };
+    let mut sent: BTreeMap<(&str, String), u64> = BTreeMap::new();
+    for a in &answers {
+        let list = if a.status == 429 {
+            "top_rejected"
+        } else {
+            "top_admitted"
+        };
+        *sent.entry((list, key_of(a.client))).or_default() += a.cost;
+    }
+    let seen = wait_until(
+        "the example's counts in GET /api/v1/tasks/api/keys",
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+        || async {
+            let v = m.get_json("/api/v1/tasks/api/keys?minutes=5").await?;
+            let mut seen = BTreeMap::new();
+            for (list, key) in sent.keys() {
+                let n = v[*list].as_array()?.iter().find_map(|e| {
+                    (e["key"] == key.as_str())
+                        .then(|| e["permits"].as_u64())
+                        .flatten()
+                })?;
+                seen.insert((*list, key.clone()), n);
+            }
+            seen.iter().all(|(k, n)| *n >= sent[k]).then_some(seen)
+        },
+    )
+    .await;
+    eprintln!("the manager's per-key permits: {seen:?}");
+    assert_eq!(seen, sent, "the manager's counts are the example's answers");
+
     // SIGTERM: a graceful stop, exit code 0.
     assert_eq!(
         example.stop_with(libc::SIGTERM, Duration::from_secs(10)),
@@ -350,7 +390,9 @@ fn example_service_refuses_bad_flags_naming_them() {
     ]);
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("--task \"no spaces allowed\""), "{out}");
-    let (code, out) = run_to_exit(&["--redis", "http://127.0.0.1:1"]);
+    // Not a Redis URL: named, and the password in it is not printed.
+    let (code, out) = run_to_exit(&["--redis", "http://user:s3cret@127.0.0.1:1"]);
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("--redis"), "{out}");
+    assert!(!out.contains("s3cret"), "the password was printed: {out}");
 }
