@@ -89,7 +89,7 @@ async fn main() -> ExitCode {
 
 async fn run(args: Args) -> Result<()> {
     // 1. One Sluice client per process. It owns a background thread (pulls quota, flushes
-    //    counts) and must live as long as the server: it is dropped at the end of `main`.
+    //    counts) and must live as long as the server: it is dropped at the end of `run`.
     let mut cfg = sluice::Config::new(args.redis.clone());
     cfg.namespace = args.namespace.clone();
     if let Some(h) = &args.host_id {
@@ -106,7 +106,8 @@ async fn run(args: Args) -> Result<()> {
     })?;
     // A wrong password or TLS setting will not fix itself: stop. An unreachable Redis is only
     // a warning: the SDK decides with the task's `on_failure` policy and reconnects by itself.
-    match client.check_redis() {
+    // (`check_redis` blocks for a moment: `block_in_place` keeps the runtime's other work going.)
+    match tokio::task::block_in_place(|| client.check_redis()) {
         Ok(()) => {}
         Err(e @ CheckError::Config { .. }) => {
             return Err(e).context("--redis: the Redis link is misconfigured");
@@ -118,7 +119,7 @@ async fn run(args: Args) -> Result<()> {
     let task = client
         .task(&args.task)
         .with_context(|| format!("--task {:?}", args.task))?;
-    check_task(&task, &args).await?;
+    check_task(&task, &args);
 
     // 3. The layer: which key a request is limited under, and what it costs.
     let export_cost = args.export_cost;
@@ -231,10 +232,9 @@ async fn start_export() -> (StatusCode, Json<Value>) {
 /// Waits (at most `--wait-ready-ms`) until the task's spec has reached this host, and says
 /// what is wrong if it has not or if the task is not keyed. Never fatal: the service runs
 /// either way, and picks the spec up when it is created or changed.
-async fn check_task(task: &sluice::Task, args: &Args) -> Result<()> {
+fn check_task(task: &sluice::Task, args: &Args) {
     let wait = Duration::from_millis(args.wait_ready_ms);
-    let t = task.clone();
-    let ready = tokio::task::spawn_blocking(move || t.wait_ready(wait)).await?;
+    let ready = tokio::task::block_in_place(|| task.wait_ready(wait));
     if !ready {
         tracing::warn!(
             "task {:?} is unknown in namespace {:?} after {wait:?}: requests are admitted \
@@ -251,7 +251,6 @@ async fn check_task(task: &sluice::Task, args: &Args) -> Result<()> {
             args.task
         );
     }
-    Ok(())
 }
 
 /// Resolves on Ctrl-C or SIGTERM: the server stops accepting, finishes what it serves, and
