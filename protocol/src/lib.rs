@@ -48,8 +48,9 @@ use serde::{Deserialize, Serialize};
 /// * 3: shadow mode (`shadow` meta field, `wrej` slice counter: PULL and FLUSH take 6 or 7
 ///   counters per slice) and paced slices (`pacing`/`pace_burst` meta fields, `pace`/`burst`
 ///   slice fields written by ROLL, honoured by PULL). Additive: a v2 SDK keeps working
-///   against v3 data (it enforces, never sees shadow, and a paced slice's pulls are paced by
-///   the script whatever the SDK).
+///   against v3 data, but it enforces (never sees shadow) and does not pace: each worker
+///   sends its own build's PULL script, and v2's knows no `pace`; the slice's cap still
+///   bounds it.
 pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The default namespace.

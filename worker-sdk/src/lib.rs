@@ -85,8 +85,9 @@ pub use sluice_protocol as protocol;
 pub use client::{Client, ClockSource, Config, ConfigBuilder, Decision, Error, RedisCalls, Task};
 pub use concurrency::PermitStats;
 pub use shm::SegmentError;
-pub use sluice_protocol::NameError;
-pub use sluice_protocol::conn::{RedisSecurity, SecurityError};
+// Protocol types in the SDK's signatures (`Client::check_redis`, `Task::meta`, `Config`).
+pub use sluice_protocol::conn::{CheckError, RedisSecurity, SecurityError};
+pub use sluice_protocol::{Fallback, FallbackAlgorithm, Mode, NameError, OnFailure, TaskMeta};
 
 /// Task slots of a host segment by default ([`Config::max_tasks`]).
 pub const DEFAULT_MAX_TASKS: u32 = shm::DEFAULT_SLOTS;

@@ -28,7 +28,7 @@ use axum::{Json, Router};
 use clap::Parser;
 use serde_json::{Value, json};
 use sluice::layer::{KeyExtractor, RejectReason, Rejection, SluiceLayer};
-use sluice_protocol::conn::CheckError;
+use sluice::CheckError;
 
 /// Command-line flags. Every flag has a default that works next to `scripts/dev.sh` except
 /// `--redis` (dev.sh picks a free port and prints the URL).
