@@ -8,11 +8,9 @@
 
 use std::collections::HashMap;
 
-use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Path, Query, State};
 use axum::http::StatusCode;
-use axum::routing::{get, post};
 use serde_json::{Value, json};
 
 use super::AppState;
@@ -21,14 +19,16 @@ use crate::alerts;
 use crate::dynamic::{self, HealthReport};
 use crate::settings::{self, Settings};
 use crate::spec::FieldError;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// The routes of this module.
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/alerts", get(list_alerts))
-        .route("/settings", get(get_settings).put(put_settings))
-        .route("/tasks/{name}/health", post(post_health))
-        .route("/tasks/{name}/adjustments", get(list_adjustments))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_alerts))
+        .routes(routes!(get_settings, put_settings))
+        .routes(routes!(post_health))
+        .routes(routes!(list_adjustments))
 }
 
 fn bad(field: &str, error: impl Into<String>) -> ApiError {
@@ -49,6 +49,19 @@ fn limit_param(q: &HashMap<String, String>) -> ApiResult<usize> {
     }
 }
 
+/// Recent alerts, newest first.
+#[utoipa::path(
+    get,
+    path = "/alerts",
+    tag = "ops",
+    params(("limit" = Option<u32>, Query, description = "At most this many (default 100)", minimum = 1, maximum = 1000)),
+    responses(
+        (status = 200, description = "The alerts", body = super::openapi::Alerts),
+        (status = 400, description = "Bad `limit`", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "Redis cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn list_alerts(
     State(s): State<AppState>,
     Query(q): Query<HashMap<String, String>>,
@@ -65,6 +78,18 @@ fn settings_json(st: &Settings, version: i64) -> Value {
     v
 }
 
+/// The global settings (webhook URLs redacted) with their `version`.
+#[utoipa::path(
+    get,
+    path = "/settings",
+    tag = "ops",
+    responses(
+        (status = 200, description = "The settings", body = super::openapi::SettingsDoc),
+        (status = 422, description = "The stored settings fail validation", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn get_settings(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
     let (st, version) = settings::load(&s.etcd, &s.keys).await?;
     Ok(axum::Json(settings_json(&st, version)))
@@ -72,6 +97,20 @@ async fn get_settings(State(s): State<AppState>) -> ApiResult<axum::Json<Value>>
 
 /// Validates (400 naming the field), keeps the stored URL of each redacted webhook sent back,
 /// checks every destination (private ones only with `--webhook-allow-private`), then writes.
+#[utoipa::path(
+    put,
+    path = "/settings",
+    tag = "ops",
+    request_body(content = super::openapi::SettingsDoc, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Written; the settings as stored (webhooks redacted)", body = super::openapi::SettingsDoc),
+        (status = 400, description = "Bad body, or a webhook destination refused (`field` names it)", body = super::openapi::ErrorBody),
+        (status = 409, description = "`version` is stale (the body has `current_version`)", body = super::openapi::ErrorBody),
+        (status = 422, description = "The stored settings fail validation", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn put_settings(State(s): State<AppState>, body: Bytes) -> ApiResult<axum::Json<Value>> {
     let bad_request = |e| ApiError::field(StatusCode::BAD_REQUEST, e);
     let mut req = settings::parse_request(&body).map_err(bad_request)?;
@@ -175,6 +214,21 @@ fn parse_health(body: &[u8]) -> ApiResult<(String, HealthReport)> {
     ))
 }
 
+/// A health report for dynamic limiting (error rate and/or latency, by source).
+#[utoipa::path(
+    post,
+    path = "/tasks/{name}/health",
+    tag = "ops",
+    params(("name" = String, Path, description = "Task name", pattern = "^[A-Za-z0-9_.-]{1,64}$")),
+    request_body(content = super::openapi::HealthReportDoc, content_type = "application/json"),
+    responses(
+        (status = 204, description = "Recorded"),
+        (status = 400, description = "Bad name or body (`field` names it)", body = super::openapi::ErrorBody),
+        (status = 404, description = "No such task", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd or Redis cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn post_health(
     State(s): State<AppState>,
     Path(name): Path<String>,
@@ -186,6 +240,23 @@ async fn post_health(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// The dynamic controller's recent threshold changes of a task, newest first.
+#[utoipa::path(
+    get,
+    path = "/tasks/{name}/adjustments",
+    tag = "ops",
+    params(
+        ("name" = String, Path, description = "Task name", pattern = "^[A-Za-z0-9_.-]{1,64}$"),
+        ("limit" = Option<u32>, Query, description = "At most this many (default 100)", minimum = 1, maximum = 1000),
+    ),
+    responses(
+        (status = 200, description = "The adjustments", body = super::openapi::Adjustments),
+        (status = 400, description = "Bad name or `limit`", body = super::openapi::ErrorBody),
+        (status = 404, description = "No such task", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd or Redis cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn list_adjustments(
     State(s): State<AppState>,
     Path(name): Path<String>,
