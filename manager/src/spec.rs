@@ -160,6 +160,49 @@ pub struct FieldError {
     pub field: String,
 }
 
+/// Deserializes a JSON body with serde (`#[serde(deny_unknown_fields)]` types), or says which
+/// field is wrong: its JSON path (`serde_path_to_error`: `a.b`, `list[2].c`; `""` for the whole
+/// body) and serde's words, after `hint(path)` when it has one (what the field takes, with its
+/// range: serde names the type it expected, not the range). serde reports a missing field at
+/// the object that lacks it: the field's own name is added to the path then.
+///
+/// ```
+/// use sluice_manager::spec::from_json;
+/// #[derive(Debug, serde::Deserialize)]
+/// #[serde(deny_unknown_fields)]
+/// struct B { rate: f64 }
+/// let e = from_json::<B>(&serde_json::json!({"rate": "x"}), |_| Some("a number")).unwrap_err();
+/// assert_eq!((e.field.as_str(), e.error.as_str()),
+///            ("rate", "a number (invalid type: string \"x\", expected f64)"));
+/// let e = from_json::<B>(&serde_json::json!({}), |_| None).unwrap_err();
+/// assert_eq!((e.field.as_str(), e.error.as_str()), ("rate", "missing field `rate`"));
+/// let e = from_json::<B>(&serde_json::json!({"rate": 1, "x": 2}), |_| None).unwrap_err();
+/// assert_eq!(e.field, "x");
+/// ```
+pub fn from_json<T: serde::de::DeserializeOwned>(
+    v: &Value,
+    hint: impl Fn(&str) -> Option<&'static str>,
+) -> Result<T, FieldError> {
+    serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
+        let mut field = e.path().to_string();
+        if field == "." {
+            field.clear();
+        }
+        let words = e.inner().to_string();
+        if let Some(name) = words
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split('`').next())
+        {
+            field = join(&field, name);
+        }
+        let error = match hint(&field) {
+            Some(h) => format!("{h} ({words})"),
+            None => words,
+        };
+        FieldError { error, field }
+    })
+}
+
 fn fe(field: impl Into<String>, error: impl Into<String>) -> FieldError {
     FieldError {
         error: error.into(),

@@ -161,48 +161,53 @@ async fn task_exists(s: &AppState, name: &str) -> ApiResult<()> {
     }
 }
 
-/// Parses `{"error_rate": 0..1, "latency_ms": ≥ 0, "source": "..."}`; at least one measure.
+/// The body of a health report (the document's schema is [`super::openapi::HealthReportDoc`]).
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct HealthBody {
+    #[serde(default)]
+    error_rate: Option<f64>,
+    #[serde(default)]
+    latency_ms: Option<f64>,
+    #[serde(default)]
+    source: Option<String>,
+}
+
+/// Most `latency_ms` of a report (an hour).
+const MAX_LATENCY_MS: f64 = 3_600_000.0;
+
+/// Parses `{"error_rate": 0..1, "latency_ms": ≥ 0, "source": "..."}`; at least one measure
+/// (`null` counts as absent). The structure and types by serde, the ranges here.
 fn parse_health(body: &[u8]) -> ApiResult<(String, HealthReport)> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| bad("", format!("malformed JSON: {e}")))?;
-    let m = v
-        .as_object()
-        .ok_or_else(|| bad("", "must be a JSON object"))?;
-    if let Some(k) = m
-        .keys()
-        .find(|k| !["error_rate", "latency_ms", "source"].contains(&k.as_str()))
-    {
-        return Err(bad(
-            k,
-            "unknown field; expected one of: error_rate, latency_ms, source",
-        ));
+    if !v.is_object() {
+        return Err(bad("", "must be a JSON object"));
     }
-    let num = |k: &str, max: f64| -> ApiResult<Option<f64>> {
-        match m.get(k).filter(|v| !v.is_null()) {
-            None => Ok(None),
-            Some(x) => x
-                .as_f64()
-                .filter(|f| (0.0..=max).contains(f))
-                .map(Some)
-                .ok_or_else(|| bad(k, format!("must be a number from 0 to {max}"))),
+    let b: HealthBody = crate::spec::from_json(&v, |field| match field {
+        "error_rate" => Some("must be a number from 0 to 1"),
+        "latency_ms" => Some("must be a number from 0 to 3600000"),
+        "source" => Some("must be a string"),
+        _ => None,
+    })
+    .map_err(|e| ApiError::field(StatusCode::BAD_REQUEST, e))?;
+    let range = |k: &str, x: Option<f64>, max: f64| match x {
+        Some(f) if !(0.0..=max).contains(&f) => {
+            Err(bad(k, format!("must be a number from 0 to {max}, got {f}")))
         }
+        _ => Ok(x),
     };
-    let error_rate = num("error_rate", 1.0)?;
-    let latency_ms = num("latency_ms", 3_600_000.0)?;
+    let error_rate = range("error_rate", b.error_rate, 1.0)?;
+    let latency_ms = range("latency_ms", b.latency_ms, MAX_LATENCY_MS)?;
     if error_rate.is_none() && latency_ms.is_none() {
         return Err(bad("error_rate", "give error_rate and/or latency_ms"));
     }
-    let source = match m.get("source").filter(|v| !v.is_null()) {
+    let source = match b.source {
         None => "default".to_string(),
-        Some(x) => {
-            let s = x
-                .as_str()
-                .ok_or_else(|| bad("source", "must be a string"))?;
-            if s.is_empty() || s.len() > 64 {
-                return Err(bad("source", "must be 1 to 64 characters"));
-            }
-            s.to_string()
+        Some(s) if s.is_empty() || s.len() > 64 => {
+            return Err(bad("source", "must be 1 to 64 characters"));
         }
+        Some(s) => s,
     };
     Ok((
         source,
@@ -266,4 +271,45 @@ async fn list_adjustments(
     task_exists(&s, &name).await?;
     let a = dynamic::adjustments(&s.redis, &s.keys, &name, limit).await?;
     Ok(axum::Json(json!({ "adjustments": a })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::response::IntoResponse;
+
+    fn field_of(body: &str) -> (String, String) {
+        let e = parse_health(body.as_bytes()).unwrap_err().into_response();
+        assert_eq!(e.status(), StatusCode::BAD_REQUEST, "{body}");
+        let v: Value = futures::executor::block_on(async {
+            let b = axum::body::to_bytes(e.into_body(), 1 << 16).await.unwrap();
+            serde_json::from_slice(&b).unwrap()
+        });
+        (
+            v["field"].as_str().unwrap().to_string(),
+            v["error"].as_str().unwrap().to_string(),
+        )
+    }
+
+    #[test]
+    fn health_reports_are_checked_field_by_field() {
+        for (body, field, words) in [
+            ("nope", "", "malformed JSON"),
+            ("[1]", "", "must be a JSON object"),
+            (r#"{"error_rate": 1.5}"#, "error_rate", "from 0 to 1, got 1.5"),
+            (r#"{"error_rate": "x"}"#, "error_rate", "must be a number from 0 to 1 (invalid type: string"),
+            (r#"{"latency_ms": -1}"#, "latency_ms", "from 0 to 3600000"),
+            (r#"{}"#, "error_rate", "give error_rate and/or latency_ms"),
+            (r#"{"error_rate": null, "latency_ms": null}"#, "error_rate", "give"),
+            (r#"{"error_rate": 0.1, "source": ""}"#, "source", "1 to 64"),
+            (r#"{"error_rate": 0.1, "source": 3}"#, "source", "must be a string"),
+            (r#"{"error_rate": 0.1, "extra": 1}"#, "extra", "unknown field `extra`, expected one of `error_rate`, `latency_ms`, `source`"),
+        ] {
+            let (f, m) = field_of(body);
+            assert_eq!(f, field, "{body}: {m}");
+            assert!(m.contains(words), "{body}: {m}");
+        }
+        let (source, r) = parse_health(br#"{"latency_ms": 12.5, "source": null}"#).unwrap();
+        assert_eq!((source.as_str(), r.error_rate, r.latency_ms), ("default", None, Some(12.5)));
+    }
 }
