@@ -47,7 +47,7 @@ if [ "${1:-}" != --in-netns ]; then
     echo "${PY_PACKAGES[*]}" >"$VENV/.packages"
   fi
   log "building the binaries (nothing to do after scripts/test.sh's build)"
-  cargo build --workspace --bins
+  cargo build --workspace --bins --examples
   if [ "$(id -u)" -eq 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null \
     && unshare --net true 2>/dev/null; then
     log "check-openapi: continuing in a network namespace with loopback only"
@@ -61,7 +61,7 @@ else
 fi
 
 for b in sluice-manager sluice-agent; do
-  [ -x "$BIN/$b" ] || die "$BIN/$b is missing (cargo build --workspace --bins)"
+  [ -x "$BIN/$b" ] || die "$BIN/$b is missing (cargo build --workspace --bins --examples)"
 done
 
 start_etcd

@@ -239,8 +239,12 @@ fn checked(r: DecideRequest, at: &str) -> Result<Req, (String, String)> {
     })
 }
 
+/// The requests of a body, each with its JSON path (`""`, `requests[3]`), and whether it was a
+/// batch.
+type Parsed = (bool, Vec<(String, Req)>);
+
 /// Parses a body: one request, or `{"requests": [...]}` (told apart by `requests`).
-fn parse_body(v: &Value) -> Result<(bool, Vec<(String, Req)>), (String, String)> {
+fn parse_body(v: &Value) -> Result<Parsed, (String, String)> {
     // serde would also take a struct from an array (`["t", null, 1]`): requests are objects.
     let must_be_object = |at: String| (at, "must be an object".to_string());
     if !v.is_object() {
@@ -476,28 +480,63 @@ mod tests {
         for (body, field, words) in [
             (json!({}), "task", "missing field `task`"),
             (json!({"task": 7}), "task", "expected a string"),
-            (json!({"task": "t", "cost": 1}), "cost", "unknown field `cost`"),
+            (
+                json!({"task": "t", "cost": 1}),
+                "cost",
+                "unknown field `cost`",
+            ),
             (json!({"task": "t", "key": 7}), "key", "expected a string"),
             (json!({"task": "t", "hits": 0}), "hits", "1 ..= 4294967295"),
             (json!({"task": "t", "hits": -1}), "hits", "expected u64"),
             (json!({"task": "t", "hits": 1.5}), "hits", "expected u64"),
-            (json!({"task": "t", "hits": 4_294_967_296_u64}), "hits", "1 ..= 4294967295"),
+            (
+                json!({"task": "t", "hits": 4_294_967_296_u64}),
+                "hits",
+                "1 ..= 4294967295",
+            ),
             (json!([1]), "", "must be an object"),
             (json!(["t", null, 1]), "", "must be an object"),
             (json!({"requests": {}}), "requests", "expected a sequence"),
             (json!({"requests": []}), "requests", "1 ..= 1000"),
-            (json!({"requests": [{"task": "t"}], "x": 1}), "x", "unknown field `x`"),
-            (json!({"requests": [{"task": "t"}, {"task": "t", "hits": 0}]}), "requests[1].hits", "1 ..= "),
-            (json!({"requests": [{"task": "t"}, {}]}), "requests[1].task", "missing field `task`"),
-            (json!({"requests": [{"task": "t"}, 3]}), "requests[1]", "must be an object"),
-            (json!({"requests": [["t"]]}), "requests[0]", "must be an object"),
-            (json!({"requests": [{"task": "t", "k": 1}]}), "requests[0].k", "unknown field `k`"),
+            (
+                json!({"requests": [{"task": "t"}], "x": 1}),
+                "x",
+                "unknown field `x`",
+            ),
+            (
+                json!({"requests": [{"task": "t"}, {"task": "t", "hits": 0}]}),
+                "requests[1].hits",
+                "1 ..= ",
+            ),
+            (
+                json!({"requests": [{"task": "t"}, {}]}),
+                "requests[1].task",
+                "missing field `task`",
+            ),
+            (
+                json!({"requests": [{"task": "t"}, 3]}),
+                "requests[1]",
+                "must be an object",
+            ),
+            (
+                json!({"requests": [["t"]]}),
+                "requests[0]",
+                "must be an object",
+            ),
+            (
+                json!({"requests": [{"task": "t", "k": 1}]}),
+                "requests[0].k",
+                "unknown field `k`",
+            ),
         ] {
             let (f, m) = parse(body.clone()).unwrap_err();
             assert_eq!(f, field, "{body}: {m}");
             assert!(m.contains(words), "{body}: {m}");
         }
-        assert_eq!(parse(json!({"task": "t"})).unwrap(), vec![(String::new(), 1)]);
+        assert_eq!(
+            parse(json!({"task": "t"})).unwrap(),
+            vec![(String::new(), 1)]
+        );
         assert_eq!(
             parse(json!({"task": "t", "key": null, "hits": 3})).unwrap(),
             vec![(String::new(), 3)]

@@ -1,9 +1,16 @@
 //! Task specs: the JSON users write, its validation, and what the SDK gets from it.
 //!
 //! This module is the only place a spec is validated. Parsing goes through
-//! [`serde_json::Value`] by hand rather than `#[derive(Deserialize)]` so that every error names
-//! the exact field (`schedules[1].cron`, `dynamic.min`), which the API returns as
-//! `{"error": ..., "field": ...}` with status 400.
+//! [`serde_json::Value`] by hand rather than `#[derive(Deserialize)]`: every error names the
+//! exact field (`schedules[1].cron`, `dynamic.min`), which the API returns as
+//! `{"error": ..., "field": ...}` with status 400, and says what the field takes in the
+//! user's words (`must be a whole number from 0 to 1000000000000`, not serde's `expected
+//! u64`). `serde_path_to_error` would give the path (the health report and the agent's bodies
+//! use it: [`from_json`]), but most of a spec's rules are not types: ranges, defaults taken
+//! from other fields (`local_limit` = `threshold`, `dynamic.max`), `null` as absent, fields
+//! allowed by `mode` only, `key_overrides["<key>"]` paths with the key validated, and the same
+//! rules applied to documents read back from etcd ([`parse_stored`]). A derive would hold the
+//! structure and leave all of that here, with messages for type errors that say less.
 
 use std::collections::BTreeMap;
 

@@ -158,22 +158,21 @@ impl Modify for AccessRules {
                     );
                 }
                 if matches!(method, "PUT" | "POST" | "PATCH") {
-                    add(
-                        op,
-                        "415",
-                        "The body is not sent as application/json",
-                    );
-                    op.responses.responses.entry("413".into()).or_insert_with(|| {
-                        ResponseBuilder::new()
-                            .description("The body is larger than 2 MiB (axum's limit; plain text)")
-                            .content("text/plain", ContentBuilder::new().build())
-                            .build()
-                            .into()
-                    });
+                    add(op, "415", "The body is not sent as application/json");
+                    op.responses
+                        .responses
+                        .entry("413".into())
+                        .or_insert_with(|| {
+                            ResponseBuilder::new()
+                                .description(
+                                    "The body is larger than 2 MiB (axum's limit; plain text)",
+                                )
+                                .content("text/plain", ContentBuilder::new().build())
+                                .build()
+                                .into()
+                        });
                 }
-                if read && super::needs_token_to_read(&format!("/api/v1{path}"))
-                    || read && super::needs_token_to_read(path)
-                {
+                if read && super::needs_token_to_read(path) {
                     op.security = Some(vec![
                         SecurityRequirement::new::<_, [&str; 0], &str>(ADMIN, []),
                         SecurityRequirement::new::<_, [&str; 0], &str>(READER, []),
@@ -438,7 +437,12 @@ pub struct SettingsDoc {
 pub struct HealthReportDoc {
     #[schema(required = false, nullable = false, minimum = 0.0, maximum = 1.0)]
     error_rate: Option<f64>,
-    #[schema(required = false, nullable = false, minimum = 0.0, maximum = 3_600_000.0)]
+    #[schema(
+        required = false,
+        nullable = false,
+        minimum = 0.0,
+        maximum = 3_600_000.0
+    )]
     latency_ms: Option<f64>,
     /// Who measured (1 to 64 characters); `default` unless given.
     #[schema(required = false, nullable = false, min_length = 1, max_length = 64)]

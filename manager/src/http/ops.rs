@@ -296,20 +296,43 @@ mod tests {
         for (body, field, words) in [
             ("nope", "", "malformed JSON"),
             ("[1]", "", "must be a JSON object"),
-            (r#"{"error_rate": 1.5}"#, "error_rate", "from 0 to 1, got 1.5"),
-            (r#"{"error_rate": "x"}"#, "error_rate", "must be a number from 0 to 1 (invalid type: string"),
+            (
+                r#"{"error_rate": 1.5}"#,
+                "error_rate",
+                "from 0 to 1, got 1.5",
+            ),
+            (
+                r#"{"error_rate": "x"}"#,
+                "error_rate",
+                "must be a number from 0 to 1 (invalid type: string",
+            ),
             (r#"{"latency_ms": -1}"#, "latency_ms", "from 0 to 3600000"),
             (r#"{}"#, "error_rate", "give error_rate and/or latency_ms"),
-            (r#"{"error_rate": null, "latency_ms": null}"#, "error_rate", "give"),
+            (
+                r#"{"error_rate": null, "latency_ms": null}"#,
+                "error_rate",
+                "give",
+            ),
             (r#"{"error_rate": 0.1, "source": ""}"#, "source", "1 to 64"),
-            (r#"{"error_rate": 0.1, "source": 3}"#, "source", "must be a string"),
-            (r#"{"error_rate": 0.1, "extra": 1}"#, "extra", "unknown field `extra`, expected one of `error_rate`, `latency_ms`, `source`"),
+            (
+                r#"{"error_rate": 0.1, "source": 3}"#,
+                "source",
+                "must be a string",
+            ),
+            (
+                r#"{"error_rate": 0.1, "extra": 1}"#,
+                "extra",
+                "unknown field `extra`, expected one of `error_rate`, `latency_ms`, `source`",
+            ),
         ] {
             let (f, m) = field_of(body);
             assert_eq!(f, field, "{body}: {m}");
             assert!(m.contains(words), "{body}: {m}");
         }
         let (source, r) = parse_health(br#"{"latency_ms": 12.5, "source": null}"#).unwrap();
-        assert_eq!((source.as_str(), r.error_rate, r.latency_ms), ("default", None, Some(12.5)));
+        assert_eq!(
+            (source.as_str(), r.error_rate, r.latency_ms),
+            ("default", None, Some(12.5))
+        );
     }
 }
