@@ -178,7 +178,7 @@ pub struct FieldError {
 /// #[derive(Debug, serde::Deserialize)]
 /// #[serde(deny_unknown_fields)]
 /// struct B { rate: f64 }
-/// let e = from_json::<B>(&serde_json::json!({"rate": "x"}), |_| Some("a number")).unwrap_err();
+/// let e = from_json::<B>(&serde_json::json!({"rate": "x"}), |_| Some("a number".into())).unwrap_err();
 /// assert_eq!((e.field.as_str(), e.error.as_str()),
 ///            ("rate", "a number (invalid type: string \"x\", expected f64)"));
 /// let e = from_json::<B>(&serde_json::json!({}), |_| None).unwrap_err();
@@ -188,7 +188,7 @@ pub struct FieldError {
 /// ```
 pub fn from_json<T: serde::de::DeserializeOwned>(
     v: &Value,
-    hint: impl Fn(&str) -> Option<&'static str>,
+    hint: impl Fn(&str) -> Option<String>,
 ) -> Result<T, FieldError> {
     serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
         let mut field = e.path().to_string();

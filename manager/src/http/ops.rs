@@ -185,9 +185,9 @@ fn parse_health(body: &[u8]) -> ApiResult<(String, HealthReport)> {
         return Err(bad("", "must be a JSON object"));
     }
     let b: HealthBody = crate::spec::from_json(&v, |field| match field {
-        "error_rate" => Some("must be a number from 0 to 1"),
-        "latency_ms" => Some("must be a number from 0 to 3600000"),
-        "source" => Some("must be a string"),
+        "error_rate" => Some("must be a number from 0 to 1".into()),
+        "latency_ms" => Some(format!("must be a number from 0 to {MAX_LATENCY_MS}")),
+        "source" => Some("must be a string".into()),
         _ => None,
     })
     .map_err(|e| ApiError::field(StatusCode::BAD_REQUEST, e))?;
