@@ -25,7 +25,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 PY_PACKAGES=(schemathesis==4.32.5)
-VENV=${SLUICE_OPENAPI_VENV:-target/openapi-venv}
+VENV=$(realpath -m "${SLUICE_OPENAPI_VENV:-target/openapi-venv}")
 SEED=${SLUICE_OPENAPI_SEED:-20261202}
 EXAMPLES=${SLUICE_OPENAPI_EXAMPLES:-100}
 AGENT_EXAMPLES=${SLUICE_OPENAPI_AGENT_EXAMPLES:-300}
@@ -103,9 +103,11 @@ fuzz() {
   log "schemathesis on the $name: seed $SEED, $n examples per operation, checks $CHECKS"
   t0=$SECONDS
   # The token is passed as a header; schemathesis prints [Filtered] for Authorization.
-  timeout 300 "$VENV/bin/schemathesis" run "$url/api/v1/openapi.json" --url "$url" \
-    --checks "$CHECKS" --max-examples "$n" --seed "$SEED" \
-    --request-timeout 10 --no-color --warnings off "$@" \
+  # From the run's temp dir: schemathesis keeps a cache (.schemathesis/, crashes it replays)
+  # in its working directory; no example database either, so every run starts alike.
+  (cd "$dir" && timeout 300 "$VENV/bin/schemathesis" run "$url/api/v1/openapi.json" --url "$url" \
+    --checks "$CHECKS" --max-examples "$n" --seed "$SEED" --generation-database none \
+    --request-timeout 10 --no-color --warnings off "$@") \
     >"$dir/$name-schemathesis.txt" 2>&1 || rc=$?
   sed -n '/^=* *SUMMARY/,$p' "$dir/$name-schemathesis.txt" >&2
   if [ $rc -ne 0 ]; then

@@ -5,8 +5,7 @@
 //! (task spec, settings) that fails validation (written into etcd by hand), 503 when etcd or
 //! Redis cannot be reached.
 
-use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use redis::AsyncCommands;
@@ -19,6 +18,7 @@ use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
 
 use super::AppState;
+use super::extract::{ApiBody, ApiPath};
 use super::openapi::{Cluster, ErrorBody, TaskList, TaskSpecDoc};
 use crate::election::ETCD_TIMEOUT;
 use crate::election::cluster_view;
@@ -303,7 +303,7 @@ async fn concurrency_status(s: &AppState, t: &TaskEntry) -> Value {
 )]
 async fn get_task(
     State(s): State<AppState>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
 ) -> ApiResult<axum::Json<Value>> {
     check_name(&name)?;
     let t = match s.store.get(&name).await? {
@@ -345,8 +345,8 @@ async fn get_task(
 )]
 async fn put_task(
     State(s): State<AppState>,
-    Path(name): Path<String>,
-    body: Bytes,
+    ApiPath(name): ApiPath<String>,
+    ApiBody(body): ApiBody,
 ) -> ApiResult<Response> {
     check_name(&name)?;
     let req =
@@ -397,7 +397,10 @@ async fn put_task(
         (status = 503, description = "etcd cannot be reached", body = ErrorBody),
     )
 )]
-async fn delete_task(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<StatusCode> {
+async fn delete_task(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<StatusCode> {
     check_name(&name)?;
     let Some((revision, epoch)) = s.store.delete(&name).await? else {
         return Err(ApiError::new(

@@ -5,14 +5,14 @@
 //! a line is at fault: 400 bad YAML or a config Sluice cannot express, 409 a task name that
 //! belongs to someone else (or writes that kept racing), 404 unknown domain.
 
-use axum::body::Bytes;
-use axum::extract::{Path, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use serde_json::{Value, json};
 use tracing::info;
 
 use super::AppState;
 use super::api::{ApiError, ApiResult};
+use super::extract::{ApiBody, ApiPath};
 use crate::envoy_import::{self, ImportError, Refused};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -76,7 +76,7 @@ fn bad(status: StatusCode, e: ImportError) -> ApiError {
         (status = 503, description = "etcd cannot be reached", body = super::openapi::ErrorBody),
     )
 )]
-async fn import(State(s): State<AppState>, body: Bytes) -> ApiResult<axum::Json<Value>> {
+async fn import(State(s): State<AppState>, ApiBody(body): ApiBody) -> ApiResult<axum::Json<Value>> {
     let text = std::str::from_utf8(&body).map_err(|e| {
         bad(
             StatusCode::BAD_REQUEST,
@@ -182,7 +182,7 @@ async fn list_domains(State(s): State<AppState>) -> ApiResult<axum::Json<Value>>
 )]
 async fn delete_domain(
     State(s): State<AppState>,
-    Path(domain): Path<String>,
+    ApiPath(domain): ApiPath<String>,
 ) -> ApiResult<axum::Json<Value>> {
     if domain.is_empty()
         || domain.len() > envoy_import::MAX_DOMAIN_LEN

@@ -14,7 +14,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
@@ -24,6 +24,7 @@ use sluice::protocol::{HostReport, meta_field, slice, unix_ms, validate_task_nam
 
 use super::AppState;
 use super::api::{ApiError, invalid_task_body};
+use super::extract::ApiPath;
 use crate::error::{Error, Result as CrateResult, redis as redis_err};
 use crate::history::{self, MINUTES, Record, SECONDS, Series, SliceSample};
 use crate::tasks::Stored;
@@ -193,7 +194,7 @@ fn record_json(r: &Record) -> Value {
 )]
 async fn task_history(
     State(s): State<AppState>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Reply {
     check_task_name("name", &name)?;

@@ -19,13 +19,14 @@
 
 use std::collections::HashMap;
 
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use serde_json::{Map, Value, json};
 use sluice::protocol::{unix_ms, validate_key, validate_task_name};
 
 use super::AppState;
 use super::api::{ApiError, ApiResult, invalid_task_body};
+use super::extract::ApiPath;
 use crate::spec::FieldError;
 use crate::tasks::Stored;
 use utoipa_axum::router::OpenApiRouter;
@@ -191,7 +192,7 @@ fn list(v: &[(String, u64)]) -> Value {
 )]
 async fn task_keys(
     State(s): State<AppState>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<axum::Json<Value>> {
     validate_task_name(&name).map_err(|e| {

@@ -5,6 +5,7 @@
 
 pub mod api;
 pub mod envoy;
+pub mod extract;
 pub mod history;
 pub mod keys;
 pub mod openapi;

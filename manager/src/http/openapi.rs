@@ -4,7 +4,7 @@
 //! parameters, body and the statuses it answers), and the router is built from those handlers
 //! with `utoipa_axum::routes!` ([`super::api_router`]), so a route cannot be registered without
 //! being documented. What the access middleware ([`super::access`]) adds to every change
-//! (401/403/415, the bearer tokens) and what axum's body extractor adds (413) is added here by
+//! (401/403/415, the bearer tokens) and what the body extractor adds (413, [`super::extract`]) is added here by
 //! [`AccessRules`], from the same rules, rather than repeated on each handler.
 //!
 //! The types below are the document's schemas only (the handlers build their JSON with
@@ -159,18 +159,7 @@ impl Modify for AccessRules {
                 }
                 if matches!(method, "PUT" | "POST" | "PATCH") {
                     add(op, "415", "The body is not sent as application/json");
-                    op.responses
-                        .responses
-                        .entry("413".into())
-                        .or_insert_with(|| {
-                            ResponseBuilder::new()
-                                .description(
-                                    "The body is larger than 2 MiB (axum's limit; plain text)",
-                                )
-                                .content("text/plain", ContentBuilder::new().build())
-                                .build()
-                                .into()
-                        });
+                    add(op, "413", "The body is larger than 2 MiB");
                 }
                 if read && super::needs_token_to_read(path) {
                     op.security = Some(vec![

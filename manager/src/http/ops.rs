@@ -8,13 +8,13 @@
 
 use std::collections::HashMap;
 
-use axum::body::Bytes;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use serde_json::{Value, json};
 
 use super::AppState;
 use super::api::{ApiError, ApiResult};
+use super::extract::{ApiBody, ApiPath};
 use crate::alerts;
 use crate::dynamic::{self, HealthReport};
 use crate::settings::{self, Settings};
@@ -111,7 +111,10 @@ async fn get_settings(State(s): State<AppState>) -> ApiResult<axum::Json<Value>>
         (status = 503, description = "etcd cannot be reached", body = super::openapi::ErrorBody),
     )
 )]
-async fn put_settings(State(s): State<AppState>, body: Bytes) -> ApiResult<axum::Json<Value>> {
+async fn put_settings(
+    State(s): State<AppState>,
+    ApiBody(body): ApiBody,
+) -> ApiResult<axum::Json<Value>> {
     let bad_request = |e| ApiError::field(StatusCode::BAD_REQUEST, e);
     let mut req = settings::parse_request(&body).map_err(bad_request)?;
     if req.settings.has_redacted() {
@@ -236,8 +239,8 @@ fn parse_health(body: &[u8]) -> ApiResult<(String, HealthReport)> {
 )]
 async fn post_health(
     State(s): State<AppState>,
-    Path(name): Path<String>,
-    body: Bytes,
+    ApiPath(name): ApiPath<String>,
+    ApiBody(body): ApiBody,
 ) -> ApiResult<StatusCode> {
     task_exists(&s, &name).await?;
     let (source, report) = parse_health(&body)?;
@@ -264,7 +267,7 @@ async fn post_health(
 )]
 async fn list_adjustments(
     State(s): State<AppState>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<axum::Json<Value>> {
     let limit = limit_param(&q)?;
