@@ -3,7 +3,7 @@
 //! It is built from the code: every handler carries a `#[utoipa::path]` attribute (its path,
 //! parameters, body and the statuses it answers), and the router is built from those handlers
 //! with `utoipa_axum::routes!` ([`super::api_router`]), so a route cannot be registered without
-//! being documented. What the access middleware ([`super::access`]) adds to every change
+//! being documented. What the access middleware (`super::access`) adds to every change
 //! (401/403/415, the bearer tokens) and what the body extractor adds (413, [`super::extract`]) is added here by
 //! [`AccessRules`], from the same rules, rather than repeated on each handler.
 //!
@@ -72,7 +72,7 @@ pub async fn openapi_json() -> impl IntoResponse {
 }
 
 /// Adds the access middleware's answers and the security schemes to every operation it
-/// guards (rules in [`super::access`]).
+/// guards (rules in `super::access`).
 pub struct AccessRules;
 
 const ADMIN: &str = "admin_token";
