@@ -4,14 +4,16 @@
 #   cargo fmt --check → dashboard build → clippy -D warnings → the deployment kit's validators
 #   (check-deploy.sh) → the crates as published (check-crates.sh: rustdoc -D warnings, each
 #   feature alone, the MSRV build, cargo package) → build → cargo test (unit, doc,
-#   end-to-end) → a 60 s slice of the soak (random seed, printed) → the side-by-side
-#   benchmark's smoke test (scripts/bench.sh --quick) → browser tests of the dashboard.
+#   end-to-end) → schemathesis against a live manager and agent (scripts/check-openapi.sh) →
+#   a 60 s slice of the soak (random seed, printed) → the side-by-side benchmark's smoke test
+#   (scripts/bench.sh --quick) → browser tests of the dashboard.
 # Everything started here is stopped by PID on exit, failure or Ctrl-C.
 #
 # Environment: SLUICE_TEST_FILTER=<name> runs only matching Rust tests (and skips the soak and
 # the browser tests); SLUICE_SKIP_BROWSER=1 skips the browser tests; SLUICE_SKIP_SOAK=1 skips
 # the soak slice; SLUICE_SOAK_SECONDS sets its length (default 60); SLUICE_SKIP_BENCH=1 skips the
-# benchmark smoke test; SLUICE_SKIP_MSRV=1 / SLUICE_SKIP_PACKAGE=1 skip the MSRV build / the
+# benchmark smoke test; SLUICE_SKIP_OPENAPI=1 skips the OpenAPI fuzz test (also skipped with
+# SLUICE_TEST_FILTER); SLUICE_SKIP_MSRV=1 / SLUICE_SKIP_PACKAGE=1 skip the MSRV build / the
 # package verification.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,6 +50,8 @@ export SLUICE_TEST_ETCD="$ETCD_ENDPOINT" SLUICE_TEST_REDIS="$REDIS_URL"
 log "cargo test"
 # End-to-end tests start several managers each; two at a time keeps a 2-core machine honest.
 cargo test --workspace --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-2}" ${SLUICE_TEST_FILTER:-}
+
+[ -n "${SLUICE_TEST_FILTER:-}${SLUICE_SKIP_OPENAPI:-}" ] || scripts/check-openapi.sh
 
 if [ -z "${SLUICE_TEST_FILTER:-}" ] && [ -z "${SLUICE_SKIP_SOAK:-}" ]; then
   log "soak: a ${SLUICE_SOAK_SECONDS:-60} s slice with a random seed (replay: scripts/soak.sh --seed S)"

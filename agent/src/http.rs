@@ -13,17 +13,21 @@
 //! 400 naming the field (`requests[2].hits`), an unknown task a 404 naming it; in a batch
 //! every request is checked before any is decided, so a refused batch consumed nothing.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use axum::Router;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use sluice::Decision;
+use utoipa::openapi::security::SecurityRequirement;
+use utoipa::{OpenApi, ToSchema};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::AppState;
 use crate::decide::{DecideError, Part};
@@ -35,15 +39,76 @@ pub const MAX_HITS: u64 = u32::MAX as u64;
 /// Largest accepted body.
 const MAX_BODY: usize = 1 << 20;
 
+/// The OpenAPI document's skeleton; the paths come from the handlers ([`api_router`]).
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "Sluice agent HTTP API",
+        description = "The agent's decision API (docs/agent.md) and its health and metrics \
+endpoints. No authentication: the agent listens on loopback (or the pod's network) by default. \
+Errors are `{\"error\": \"...\", \"field\": \"...\"}`, `field` naming the JSON path at fault \
+(`requests[2].hits`); in a batch every request is checked before any is decided, so a refused \
+batch consumed nothing.",
+        license(name = "Apache-2.0")
+    ),
+    components(schemas(ErrorBody)),
+    tags((name = "agent", description = "Decisions, health, metrics"))
+)]
+struct ApiDoc;
+
+/// Every route, documented: the router and the OpenAPI document are built from the same list.
+pub fn api_router() -> OpenApiRouter<Arc<AppState>> {
+    OpenApiRouter::with_openapi(ApiDoc::openapi())
+        .routes(routes!(decide))
+        .routes(routes!(metrics))
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(openapi_json))
+}
+
 /// The router.
-pub fn router(state: Arc<AppState>) -> Router {
-    Router::new()
-        .route("/v1/decide", post(decide))
-        .route("/metrics", get(metrics))
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
+pub fn router(state: Arc<AppState>) -> axum::Router {
+    let (router, _) = api_router().split_for_parts();
+    router
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .with_state(state)
+}
+
+/// The served OpenAPI document (built once).
+pub fn document() -> &'static str {
+    static DOC: OnceLock<String> = OnceLock::new();
+    DOC.get_or_init(|| {
+        let mut doc = api_router().into_openapi();
+        // Open: say so, rather than leave clients to guess.
+        for item in doc.paths.paths.values_mut() {
+            for op in [&mut item.get, &mut item.post].into_iter().flatten() {
+                op.security = Some(vec![SecurityRequirement::default()]);
+            }
+        }
+        doc.to_pretty_json()
+            .expect("the OpenAPI document serializes")
+    })
+}
+
+/// `GET /api/v1/openapi.json`: this document.
+#[utoipa::path(
+    get,
+    path = "/api/v1/openapi.json",
+    tag = "agent",
+    responses((status = 200, description = "This document (OpenAPI 3.1)", content_type = "application/json", body = Object))
+)]
+async fn openapi_json() -> impl IntoResponse {
+    ([(header::CONTENT_TYPE, "application/json")], document())
+}
+
+/// An error answer.
+#[derive(ToSchema)]
+#[allow(dead_code)] // Describes JSON built with `json!`.
+struct ErrorBody {
+    /// What is wrong.
+    error: String,
+    /// JSON path of the field at fault (`requests[2].hits`, `task`), `""` for the whole body.
+    field: String,
 }
 
 fn bad(status: StatusCode, field: String, message: String) -> Response {
@@ -54,51 +119,160 @@ fn bad(status: StatusCode, field: String, message: String) -> Response {
         .into_response()
 }
 
+/// One decision request.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DecideRequest {
+    /// The task.
+    task: String,
+    /// The key, for keyed tasks (at most 256 bytes); null or absent for the others.
+    #[serde(default)]
+    #[schema(nullable = true, required = false, max_length = 256)]
+    key: Option<String>,
+    /// Permits asked for (1 ..= 4294967295), 1 unless given.
+    #[serde(default = "one")]
+    #[schema(required = false, minimum = 1, maximum = 4_294_967_295_u64)]
+    hits: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+/// A batch: each request decided on its own, in order.
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DecideBatch {
+    /// 1 ..= 1000 requests.
+    #[schema(min_items = 1, max_items = 1000)]
+    requests: Vec<DecideRequest>,
+}
+
+/// The body of `POST /v1/decide`: one request, or a batch.
+#[derive(Deserialize, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)] // The document's schema only: the handler tells them apart by `requests`.
+enum DecideBody {
+    One(DecideRequest),
+    Batch(DecideBatch),
+}
+
+/// One decision.
+#[derive(serde::Serialize, ToSchema)]
+#[allow(dead_code)] // Describes JSON built with `json!`.
+struct DecideAnswer {
+    allowed: bool,
+    /// `allowed`, `limited`, `fallback_allowed` or `fallback_denied`.
+    decision: String,
+    /// When a retry may succeed (0 when allowed).
+    retry_after_ms: u64,
+    /// A shadow task's would-be rejection (answered `allowed`).
+    #[schema(required = false)]
+    shadow_limited: bool,
+}
+
+/// The answer to a batch: one decision per request, in order.
+#[derive(serde::Serialize, ToSchema)]
+#[allow(dead_code)] // Describes JSON built with `json!`.
+struct DecideResults {
+    results: Vec<DecideAnswer>,
+}
+
+/// The answer of `POST /v1/decide`.
+#[derive(serde::Serialize, ToSchema)]
+#[serde(untagged)]
+#[allow(dead_code)] // The document's schema only.
+enum DecideReply {
+    One(DecideAnswer),
+    Batch(DecideResults),
+}
+
+/// Deserializes `v` into `T`, or says which field is wrong (its JSON path, as
+/// `requests[1].hits`) and how. serde reports a missing field at the object that lacks it: the
+/// field's own name is added to the path then.
+pub fn from_json<T: DeserializeOwned>(v: &Value, at: &str) -> Result<T, (String, String)> {
+    serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
+        let mut path = e.path().to_string();
+        if path == "." {
+            path.clear();
+        }
+        let message = e.inner().to_string();
+        if let Some(name) = message
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split('`').next())
+        {
+            path = if path.is_empty() {
+                name.to_string()
+            } else {
+                format!("{path}.{name}")
+            };
+        }
+        let field = match (at.is_empty(), path.is_empty()) {
+            (true, _) => path,
+            (false, true) => at.to_string(),
+            (false, false) if path.starts_with('[') => format!("{at}{path}"),
+            (false, false) => format!("{at}.{path}"),
+        };
+        (field, message)
+    })
+}
+
 struct Req {
     task: String,
     key: Option<String>,
     hits: u64,
 }
 
-fn parse_one(v: &Value, at: &str) -> Result<Req, (String, String)> {
-    let field = |f: &str| {
-        if at.is_empty() {
-            f.to_string()
+fn checked(r: DecideRequest, at: &str) -> Result<Req, (String, String)> {
+    if !(1..=MAX_HITS).contains(&r.hits) {
+        let field = if at.is_empty() {
+            "hits".to_string()
         } else {
-            format!("{at}.{f}")
-        }
-    };
-    let o = v
-        .as_object()
-        .ok_or_else(|| (at.to_string(), "must be an object".to_string()))?;
-    for k in o.keys() {
-        if !matches!(k.as_str(), "task" | "key" | "hits") {
-            return Err((field(k), "unknown field (expected task, key, hits)".into()));
-        }
+            format!("{at}.hits")
+        };
+        return Err((field, format!("must be an integer in 1 ..= {MAX_HITS}")));
     }
-    let task = match o.get("task") {
-        Some(Value::String(s)) => s.clone(),
-        Some(_) => return Err((field("task"), "must be a string".into())),
-        None => return Err((field("task"), "is required".into())),
-    };
-    let key = match o.get("key") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err((field("key"), "must be a string".into())),
-    };
-    let hits = match o.get("hits") {
-        None => 1,
-        Some(h) => match h.as_u64() {
-            Some(n) if (1..=MAX_HITS).contains(&n) => n,
-            _ => {
-                return Err((
-                    field("hits"),
-                    format!("must be an integer in 1 ..= {MAX_HITS}"),
-                ));
-            }
-        },
-    };
-    Ok(Req { task, key, hits })
+    Ok(Req {
+        task: r.task,
+        key: r.key,
+        hits: r.hits,
+    })
+}
+
+/// The requests of a body, each with its JSON path (`""`, `requests[3]`), and whether it was a
+/// batch.
+type Parsed = (bool, Vec<(String, Req)>);
+
+/// Parses a body: one request, or `{"requests": [...]}` (told apart by `requests`).
+fn parse_body(v: &Value) -> Result<Parsed, (String, String)> {
+    // serde would also take a struct from an array (`["t", null, 1]`): requests are objects.
+    let must_be_object = |at: String| (at, "must be an object".to_string());
+    if !v.is_object() {
+        return Err(must_be_object(String::new()));
+    }
+    if let Some(list) = v.get("requests").and_then(Value::as_array)
+        && let Some(i) = list.iter().position(|r| !r.is_object())
+    {
+        return Err(must_be_object(format!("requests[{i}]")));
+    }
+    if v.get("requests").is_none() {
+        let r: DecideRequest = from_json(v, "")?;
+        return Ok((false, vec![(String::new(), checked(r, "")?)]));
+    }
+    let b: DecideBatch = from_json(v, "")?;
+    if b.requests.is_empty() || b.requests.len() > MAX_BATCH {
+        return Err((
+            "requests".into(),
+            format!("must hold 1 ..= {MAX_BATCH} requests"),
+        ));
+    }
+    let mut out = Vec::with_capacity(b.requests.len());
+    for (i, r) in b.requests.into_iter().enumerate() {
+        let at = format!("requests[{i}]");
+        let q = checked(r, &at)?;
+        out.push((at, q));
+    }
+    Ok((true, out))
 }
 
 fn answer(d: &Decision) -> Value {
@@ -149,6 +323,20 @@ fn refused(e: DecideError, at: &str, s: &AppState) -> Response {
     }
 }
 
+/// One decision, or a batch of them.
+#[utoipa::path(
+    post,
+    path = "/v1/decide",
+    tag = "agent",
+    request_body(content = DecideBody, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Decided (a batch: one answer per request, in order)", body = DecideReply),
+        (status = 400, description = "Bad body: `field` names the JSON path at fault (a concurrency task cannot be decided here: field `task`)", body = ErrorBody),
+        (status = 404, description = "Unknown task (`field` names it)", body = ErrorBody),
+        (status = 413, description = "The body is larger than 1 MiB (plain text)", content_type = "text/plain"),
+        (status = 503, description = "The SDK could not decide (segment or Redis trouble; `field` names the task)", body = ErrorBody),
+    )
+)]
 async fn decide(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     let t0 = Instant::now();
     let v: Value = match serde_json::from_slice(&body) {
@@ -162,54 +350,11 @@ async fn decide(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
             );
         }
     };
-    let batch = v.get("requests").is_some();
-    let reqs: Vec<(String, Req)> = if batch {
-        if let Some(k) = v
-            .as_object()
-            .and_then(|o| o.keys().find(|k| k.as_str() != "requests"))
-        {
+    let (batch, reqs) = match parse_body(&v) {
+        Ok(r) => r,
+        Err((f, m)) => {
             s.metrics.error("http", "invalid");
-            return bad(
-                StatusCode::BAD_REQUEST,
-                k.clone(),
-                "unknown field (a batch has only requests)".into(),
-            );
-        }
-        let Some(list) = v["requests"].as_array() else {
-            s.metrics.error("http", "invalid");
-            return bad(
-                StatusCode::BAD_REQUEST,
-                "requests".into(),
-                "must be an array".into(),
-            );
-        };
-        if list.is_empty() || list.len() > MAX_BATCH {
-            s.metrics.error("http", "invalid");
-            return bad(
-                StatusCode::BAD_REQUEST,
-                "requests".into(),
-                format!("must hold 1 ..= {MAX_BATCH} requests"),
-            );
-        }
-        let mut out = Vec::with_capacity(list.len());
-        for (i, r) in list.iter().enumerate() {
-            let at = format!("requests[{i}]");
-            match parse_one(r, &at) {
-                Ok(q) => out.push((at, q)),
-                Err((f, m)) => {
-                    s.metrics.error("http", "invalid");
-                    return bad(StatusCode::BAD_REQUEST, f, m);
-                }
-            }
-        }
-        out
-    } else {
-        match parse_one(&v, "") {
-            Ok(q) => vec![(String::new(), q)],
-            Err((f, m)) => {
-                s.metrics.error("http", "invalid");
-                return bad(StatusCode::BAD_REQUEST, f, m);
-            }
+            return bad(StatusCode::BAD_REQUEST, f, m);
         }
     };
     // Every request resolved before any is decided: a refused batch consumes nothing.
@@ -234,6 +379,13 @@ async fn decide(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     }
 }
 
+/// Prometheus metrics (OpenMetrics).
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "agent",
+    responses((status = 200, description = "The agent's metrics (docs/agent.md)", body = String, content_type = "application/openmetrics-text"))
+)]
 async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     (
         [(
@@ -244,6 +396,13 @@ async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     )
 }
 
+/// Liveness.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "agent",
+    responses((status = 200, description = "Alive", body = Object, example = json!({"status": "ok", "host_id": "h1", "namespace": "sluice", "segment": "/dev/shm/sluice-h1"})))
+)]
 async fn healthz(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     axum::Json(json!({
         "status": "ok",
@@ -255,6 +414,15 @@ async fn healthz(State(s): State<Arc<AppState>>) -> impl IntoResponse {
 
 /// Ready when the Envoy domain configurations were read from Redis recently (the agent can
 /// resolve descriptors and Redis answers).
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "agent",
+    responses(
+        (status = 200, description = "Ready", body = Ready),
+        (status = 503, description = "Not ready: `redis.reason` says why", body = Ready),
+    )
+)]
 async fn readyz(State(s): State<Arc<AppState>>) -> impl IntoResponse {
     let age = s.routes_age();
     let limit = (s.cfg.routes_refresh * 3).max(std::time::Duration::from_secs(3));
@@ -278,4 +446,138 @@ async fn readyz(State(s): State<Arc<AppState>>) -> impl IntoResponse {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, axum::Json(body))
+}
+
+/// `GET /readyz`.
+#[derive(ToSchema)]
+#[allow(dead_code)] // Describes JSON built with `json!`.
+struct Ready {
+    ready: bool,
+    redis: Check,
+    /// Envoy domains known.
+    domains: u64,
+}
+
+/// A dependency check.
+#[derive(ToSchema)]
+#[allow(dead_code)] // Describes JSON built with `json!`.
+struct Check {
+    ok: bool,
+    #[schema(required = false)]
+    reason: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: Value) -> Result<Vec<(String, u64)>, (String, String)> {
+        parse_body(&v).map(|(_, r)| r.into_iter().map(|(at, q)| (at, q.hits)).collect())
+    }
+
+    #[test]
+    fn errors_name_the_json_path() {
+        for (body, field, words) in [
+            (json!({}), "task", "missing field `task`"),
+            (json!({"task": 7}), "task", "expected a string"),
+            (
+                json!({"task": "t", "cost": 1}),
+                "cost",
+                "unknown field `cost`",
+            ),
+            (json!({"task": "t", "key": 7}), "key", "expected a string"),
+            (json!({"task": "t", "hits": 0}), "hits", "1 ..= 4294967295"),
+            (json!({"task": "t", "hits": -1}), "hits", "expected u64"),
+            (json!({"task": "t", "hits": 1.5}), "hits", "expected u64"),
+            (
+                json!({"task": "t", "hits": 4_294_967_296_u64}),
+                "hits",
+                "1 ..= 4294967295",
+            ),
+            (json!([1]), "", "must be an object"),
+            (json!(["t", null, 1]), "", "must be an object"),
+            (json!({"requests": {}}), "requests", "expected a sequence"),
+            (json!({"requests": []}), "requests", "1 ..= 1000"),
+            (
+                json!({"requests": [{"task": "t"}], "x": 1}),
+                "x",
+                "unknown field `x`",
+            ),
+            (
+                json!({"requests": [{"task": "t"}, {"task": "t", "hits": 0}]}),
+                "requests[1].hits",
+                "1 ..= ",
+            ),
+            (
+                json!({"requests": [{"task": "t"}, {}]}),
+                "requests[1].task",
+                "missing field `task`",
+            ),
+            (
+                json!({"requests": [{"task": "t"}, 3]}),
+                "requests[1]",
+                "must be an object",
+            ),
+            (
+                json!({"requests": [["t"]]}),
+                "requests[0]",
+                "must be an object",
+            ),
+            (
+                json!({"requests": [{"task": "t", "k": 1}]}),
+                "requests[0].k",
+                "unknown field `k`",
+            ),
+        ] {
+            let (f, m) = parse(body.clone()).unwrap_err();
+            assert_eq!(f, field, "{body}: {m}");
+            assert!(m.contains(words), "{body}: {m}");
+        }
+        assert_eq!(
+            parse(json!({"task": "t"})).unwrap(),
+            vec![(String::new(), 1)]
+        );
+        assert_eq!(
+            parse(json!({"task": "t", "key": null, "hits": 3})).unwrap(),
+            vec![(String::new(), 3)]
+        );
+        assert_eq!(
+            parse(json!({"requests": [{"task": "t"}, {"task": "u", "hits": 2}]})).unwrap(),
+            vec![("requests[0]".into(), 1), ("requests[1]".into(), 2)]
+        );
+    }
+
+    #[test]
+    fn every_route_is_documented() {
+        let d: Value = serde_json::from_str(document()).unwrap();
+        let mut got: Vec<(String, Vec<String>)> = d["paths"]
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(p, i)| (p.clone(), i.as_object().unwrap().keys().cloned().collect()))
+            .collect();
+        got.sort();
+        let want: Vec<(String, Vec<String>)> = [
+            ("/api/v1/openapi.json", "get"),
+            ("/healthz", "get"),
+            ("/metrics", "get"),
+            ("/readyz", "get"),
+            ("/v1/decide", "post"),
+        ]
+        .iter()
+        .map(|(p, m)| (p.to_string(), vec![m.to_string()]))
+        .collect();
+        assert_eq!(got, want);
+        let src = include_str!("http.rs");
+        assert!(
+            !src.contains(concat!(".route", "(")),
+            "a route registered outside utoipa_axum::routes! is not documented"
+        );
+        let codes = d["paths"]["/v1/decide"]["post"]["responses"]
+            .as_object()
+            .unwrap();
+        for c in ["200", "400", "404", "413", "503"] {
+            assert!(codes.contains_key(c), "{c}");
+        }
+    }
 }

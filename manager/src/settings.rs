@@ -62,56 +62,65 @@ pub struct SettingsRequest {
     pub version: Option<i64>,
 }
 
+/// A `PUT /api/v1/settings` body as serde reads it (types and structure; the ranges and the
+/// URLs are checked in [`parse_request`]). `null` counts as absent.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SettingsBody {
+    #[serde(default)]
+    webhooks: Option<Vec<String>>,
+    #[serde(default)]
+    skew_threshold_ms: Option<u64>,
+    #[serde(default)]
+    alert_quiet_ms: Option<u64>,
+    #[serde(default)]
+    version: Option<i64>,
+}
+
+/// Ranges of the counts: (field, min, max).
+const SKEW_THRESHOLD_MS: (&str, u64, u64) = ("skew_threshold_ms", 1, 60_000);
+const ALERT_QUIET_MS: (&str, u64, u64) = ("alert_quiet_ms", 1_000, 3_600_000);
+const VERSION_HINT: &str = "must be a whole number ≥ 0 (as returned by GET)";
+
+fn count_hint((_, min, max): (&str, u64, u64)) -> String {
+    format!("must be a whole number from {min} to {max}")
+}
+
 /// Parses and validates a `PUT /api/v1/settings` body. Absent fields keep their defaults.
 pub fn parse_request(body: &[u8]) -> std::result::Result<SettingsRequest, FieldError> {
     let v: Value =
         serde_json::from_slice(body).map_err(|e| fe("", format!("malformed JSON: {e}")))?;
-    let map = v
-        .as_object()
-        .ok_or_else(|| fe("", "must be a JSON object"))?;
-    const FIELDS: &[&str] = &["webhooks", "skew_threshold_ms", "alert_quiet_ms", "version"];
-    for k in map.keys() {
-        if !FIELDS.contains(&k.as_str()) {
-            return Err(fe(
-                k.as_str(),
-                format!("unknown field; expected one of: {}", FIELDS.join(", ")),
-            ));
-        }
+    if !v.is_object() {
+        return Err(fe("", "must be a JSON object"));
     }
+    let b: SettingsBody = crate::spec::from_json(&v, |field| match field {
+        "webhooks" => Some("must be a list of URLs".into()),
+        f if f.starts_with("webhooks[") => Some("must be a string".into()),
+        "skew_threshold_ms" => Some(count_hint(SKEW_THRESHOLD_MS)),
+        "alert_quiet_ms" => Some(count_hint(ALERT_QUIET_MS)),
+        "version" => Some(VERSION_HINT.into()),
+        _ => None,
+    })?;
     let mut s = Settings::default();
-    if let Some(w) = map.get("webhooks").filter(|v| !v.is_null()) {
-        let arr = w
-            .as_array()
-            .ok_or_else(|| fe("webhooks", "must be a list of URLs"))?;
-        if arr.len() > MAX_WEBHOOKS {
+    if let Some(list) = b.webhooks {
+        if list.len() > MAX_WEBHOOKS {
             return Err(fe("webhooks", format!("at most {MAX_WEBHOOKS} webhooks")));
         }
-        for (i, u) in arr.iter().enumerate() {
-            let field = format!("webhooks[{i}]");
-            let u = u.as_str().ok_or_else(|| fe(&field, "must be a string"))?;
-            webhook::check_syntax(u).map_err(|e| fe(&field, e))?;
-            s.webhooks.push(u.to_string());
+        for (i, u) in list.into_iter().enumerate() {
+            webhook::check_syntax(&u).map_err(|e| fe(format!("webhooks[{i}]"), e))?;
+            s.webhooks.push(u);
         }
     }
-    let count =
-        |k: &str, min: u64, max: u64, default: u64| -> std::result::Result<u64, FieldError> {
-            match map.get(k).filter(|v| !v.is_null()) {
-                None => Ok(default),
-                Some(v) => v
-                    .as_u64()
-                    .filter(|n| (min..=max).contains(n))
-                    .ok_or_else(|| fe(k, format!("must be a whole number from {min} to {max}"))),
-            }
-        };
-    s.skew_threshold_ms = count("skew_threshold_ms", 1, 60_000, s.skew_threshold_ms)?;
-    s.alert_quiet_ms = count("alert_quiet_ms", 1_000, 3_600_000, s.alert_quiet_ms)?;
-    let version = match map.get("version").filter(|v| !v.is_null()) {
-        None => None,
-        Some(v) => Some(
-            v.as_i64()
-                .filter(|n| *n >= 0)
-                .ok_or_else(|| fe("version", "must be a whole number ≥ 0 (as returned by GET)"))?,
-        ),
+    let count = |(k, min, max): (&str, u64, u64), given: Option<u64>, default: u64| match given {
+        None => Ok(default),
+        Some(n) if (min..=max).contains(&n) => Ok(n),
+        Some(n) => Err(fe(k, format!("{}, got {n}", count_hint((k, min, max))))),
+    };
+    s.skew_threshold_ms = count(SKEW_THRESHOLD_MS, b.skew_threshold_ms, s.skew_threshold_ms)?;
+    s.alert_quiet_ms = count(ALERT_QUIET_MS, b.alert_quiet_ms, s.alert_quiet_ms)?;
+    let version = match b.version {
+        Some(n) if n < 0 => return Err(fe("version", format!("{VERSION_HINT}, got {n}"))),
+        v => v,
     };
     Ok(SettingsRequest {
         settings: s,
@@ -351,5 +360,41 @@ mod tests {
             let e = parse_request(body).unwrap_err();
             assert_eq!(e.field, field, "{}", String::from_utf8_lossy(body));
         }
+        // The messages: what the field takes (serde's words after it for a wrong type).
+        for (body, words) in [
+            (
+                &br#"{"webhooks": "http://x"}"#[..],
+                "must be a list of URLs (invalid type: string",
+            ),
+            (
+                br#"{"webhooks": [5]}"#,
+                "must be a string (invalid type: integer `5`",
+            ),
+            (
+                br#"{"skew_threshold_ms": 0}"#,
+                "must be a whole number from 1 to 60000, got 0",
+            ),
+            (
+                br#"{"skew_threshold_ms": -1}"#,
+                "must be a whole number from 1 to 60000 (invalid value",
+            ),
+            (br#"{"version": -2}"#, "≥ 0 (as returned by GET), got -2"),
+            (
+                br#"{"webhook": []}"#,
+                "unknown field `webhook`, expected one of `webhooks`",
+            ),
+            (br#"[]"#, "must be a JSON object"),
+        ] {
+            let e = parse_request(body).unwrap_err();
+            assert!(
+                e.error.contains(words),
+                "{}: {}",
+                String::from_utf8_lossy(body),
+                e.error
+            );
+        }
+        let r = parse_request(br#"{"webhooks": null, "version": null, "alert_quiet_ms": null}"#)
+            .unwrap();
+        assert_eq!((r.settings, r.version), (Settings::default(), None));
     }
 }

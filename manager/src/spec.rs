@@ -1,9 +1,16 @@
 //! Task specs: the JSON users write, its validation, and what the SDK gets from it.
 //!
 //! This module is the only place a spec is validated. Parsing goes through
-//! [`serde_json::Value`] by hand rather than `#[derive(Deserialize)]` so that every error names
-//! the exact field (`schedules[1].cron`, `dynamic.min`), which the API returns as
-//! `{"error": ..., "field": ...}` with status 400.
+//! [`serde_json::Value`] by hand rather than `#[derive(Deserialize)]`: every error names the
+//! exact field (`schedules[1].cron`, `dynamic.min`), which the API returns as
+//! `{"error": ..., "field": ...}` with status 400, and says what the field takes in the
+//! user's words (`must be a whole number from 0 to 1000000000000`, not serde's `expected
+//! u64`). `serde_path_to_error` would give the path (the health report and the agent's bodies
+//! use it: [`from_json`]), but most of a spec's rules are not types: ranges, defaults taken
+//! from other fields (`local_limit` = `threshold`, `dynamic.max`), `null` as absent, fields
+//! allowed by `mode` only, `key_overrides["<key>"]` paths with the key validated, and the same
+//! rules applied to documents read back from etcd ([`parse_stored`]). A derive would hold the
+//! structure and leave all of that here, with messages for type errors that say less.
 
 use std::collections::BTreeMap;
 
@@ -158,6 +165,49 @@ pub struct FieldError {
     pub error: String,
     /// JSON path of the field (`threshold`, `schedules[0].cron`), or `""` for the whole body.
     pub field: String,
+}
+
+/// Deserializes a JSON body with serde (`#[serde(deny_unknown_fields)]` types), or says which
+/// field is wrong: its JSON path (`serde_path_to_error`: `a.b`, `list[2].c`; `""` for the whole
+/// body) and serde's words, after `hint(path)` when it has one (what the field takes, with its
+/// range: serde names the type it expected, not the range). serde reports a missing field at
+/// the object that lacks it: the field's own name is added to the path then.
+///
+/// ```
+/// use sluice_manager::spec::from_json;
+/// #[derive(Debug, serde::Deserialize)]
+/// #[serde(deny_unknown_fields)]
+/// struct B { rate: f64 }
+/// let e = from_json::<B>(&serde_json::json!({"rate": "x"}), |_| Some("a number".into())).unwrap_err();
+/// assert_eq!((e.field.as_str(), e.error.as_str()),
+///            ("rate", "a number (invalid type: string \"x\", expected f64)"));
+/// let e = from_json::<B>(&serde_json::json!({}), |_| None).unwrap_err();
+/// assert_eq!((e.field.as_str(), e.error.as_str()), ("rate", "missing field `rate`"));
+/// let e = from_json::<B>(&serde_json::json!({"rate": 1, "x": 2}), |_| None).unwrap_err();
+/// assert_eq!(e.field, "x");
+/// ```
+pub fn from_json<T: serde::de::DeserializeOwned>(
+    v: &Value,
+    hint: impl Fn(&str) -> Option<String>,
+) -> Result<T, FieldError> {
+    serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
+        let mut field = e.path().to_string();
+        if field == "." {
+            field.clear();
+        }
+        let words = e.inner().to_string();
+        if let Some(name) = words
+            .strip_prefix("missing field `")
+            .and_then(|rest| rest.split('`').next())
+        {
+            field = join(&field, name);
+        }
+        let error = match hint(&field) {
+            Some(h) => format!("{h} ({words})"),
+            None => words,
+        };
+        FieldError { error, field }
+    })
 }
 
 fn fe(field: impl Into<String>, error: impl Into<String>) -> FieldError {

@@ -27,8 +27,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Parser;
 use serde_json::{Value, json};
-use sluice::layer::{KeyExtractor, RejectReason, Rejection, SluiceLayer};
 use sluice::CheckError;
+use sluice::layer::{KeyExtractor, RejectReason, Rejection, SluiceLayer};
 
 /// Command-line flags. Every flag has a default that works next to `scripts/dev.sh` except
 /// `--redis` (dev.sh picks a free port and prints the URL).

@@ -5,20 +5,21 @@
 //! (task spec, settings) that fails validation (written into etcd by hand), 503 when etcd or
 //! Redis cannot be reached.
 
-use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use redis::AsyncCommands;
 use serde_json::{Value, json};
 use sluice_protocol::scripts;
 use sluice_protocol::scripts::{Fence, RetireOutcome};
 use sluice_protocol::{Mode, meta_field, slice, slice_field, unix_ms, validate_task_name};
 use tracing::{info, warn};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use super::AppState;
+use super::extract::{ApiBody, ApiPath};
+use super::openapi::{Cluster, ErrorBody, TaskList, TaskSpecDoc};
 use crate::election::ETCD_TIMEOUT;
 use crate::election::cluster_view;
 use crate::error::Error;
@@ -108,15 +109,13 @@ impl From<Error> for ApiError {
 /// Result of a handler.
 pub type ApiResult<T> = Result<T, ApiError>;
 
-/// The API routes.
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/cluster", get(cluster))
-        .route("/tasks", get(list_tasks))
-        .route(
-            "/tasks/{name}",
-            get(get_task).put(put_task).delete(delete_task),
-        )
+/// The API routes (every one documented: [`super::openapi`]).
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(super::openapi::openapi_json))
+        .routes(routes!(cluster))
+        .routes(routes!(list_tasks))
+        .routes(routes!(get_task, put_task, delete_task))
         .merge(super::envoy::routes())
         .merge(super::history::routes())
         .merge(super::keys::routes())
@@ -136,6 +135,17 @@ fn check_name(name: &str) -> ApiResult<()> {
     })
 }
 
+/// The leader, the registered members and this replica.
+#[utoipa::path(
+    get,
+    path = "/cluster",
+    tag = "cluster",
+    responses(
+        (status = 200, description = "The cluster", body = Cluster),
+        (status = 500, description = "An unexpected backend error (stored data that cannot be decoded)", body = ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = ErrorBody),
+    )
+)]
 async fn cluster(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
     let view = cluster_view(&s.etcd, &s.keys).await?;
     Ok(axum::Json(json!({
@@ -145,6 +155,17 @@ async fn cluster(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
     })))
 }
 
+/// Every task: the valid specs, and the stored ones that fail validation.
+#[utoipa::path(
+    get,
+    path = "/tasks",
+    tag = "tasks",
+    responses(
+        (status = 200, description = "The tasks", body = TaskList),
+        (status = 500, description = "An unexpected backend error (stored data that cannot be decoded)", body = ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = ErrorBody),
+    )
+)]
 async fn list_tasks(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
     let (valid, invalid) = s.store.list().await?;
     let tasks: Vec<Value> = valid
@@ -264,9 +285,25 @@ async fn concurrency_status(s: &AppState, t: &TaskEntry) -> Value {
     }
 }
 
+/// A task's spec with its live `status` (read from Redis; its fields are null and `error`
+/// says why when Redis cannot be read).
+#[utoipa::path(
+    get,
+    path = "/tasks/{name}",
+    tag = "tasks",
+    params(("name" = String, Path, description = "Task name", pattern = "^[A-Za-z0-9_.-]{1,64}$")),
+    responses(
+        (status = 200, description = "The task", body = TaskSpecDoc),
+        (status = 400, description = "Not a task name (field `name`)", body = ErrorBody),
+        (status = 404, description = "No such task", body = ErrorBody),
+        (status = 422, description = "The stored spec fails validation (written into etcd by hand)", body = ErrorBody),
+        (status = 500, description = "An unexpected backend error (stored data that cannot be decoded)", body = ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = ErrorBody),
+    )
+)]
 async fn get_task(
     State(s): State<AppState>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
 ) -> ApiResult<axum::Json<Value>> {
     check_name(&name)?;
     let t = match s.store.get(&name).await? {
@@ -289,10 +326,27 @@ async fn get_task(
     Ok(axum::Json(v))
 }
 
+/// Creates (201) or replaces (200) a task. The body is validated as a whole before anything is
+/// written: a 400 names the field at fault (`schedules[1].cron`).
+#[utoipa::path(
+    put,
+    path = "/tasks/{name}",
+    tag = "tasks",
+    params(("name" = String, Path, description = "Task name", pattern = "^[A-Za-z0-9_.-]{1,64}$")),
+    request_body(content = TaskSpecDoc, content_type = "application/json"),
+    responses(
+        (status = 200, description = "Replaced", body = TaskSpecDoc),
+        (status = 201, description = "Created", body = TaskSpecDoc),
+        (status = 400, description = "Bad name or body: `field` names the JSON path at fault", body = ErrorBody),
+        (status = 409, description = "`version` is stale (the body has `current_version`)", body = ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = ErrorBody),
+    )
+)]
 async fn put_task(
     State(s): State<AppState>,
-    Path(name): Path<String>,
-    body: Bytes,
+    ApiPath(name): ApiPath<String>,
+    ApiBody(body): ApiBody,
 ) -> ApiResult<Response> {
     check_name(&name)?;
     let req =
@@ -329,7 +383,24 @@ async fn put_task(
     }
 }
 
-async fn delete_task(State(s): State<AppState>, Path(name): Path<String>) -> ApiResult<StatusCode> {
+/// Deletes a task (its meta hash is retired in Redis by the API or the leader).
+#[utoipa::path(
+    delete,
+    path = "/tasks/{name}",
+    tag = "tasks",
+    params(("name" = String, Path, description = "Task name", pattern = "^[A-Za-z0-9_.-]{1,64}$")),
+    responses(
+        (status = 204, description = "Deleted"),
+        (status = 400, description = "Not a task name (field `name`)", body = ErrorBody),
+        (status = 404, description = "No such task", body = ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = ErrorBody),
+    )
+)]
+async fn delete_task(
+    State(s): State<AppState>,
+    ApiPath(name): ApiPath<String>,
+) -> ApiResult<StatusCode> {
     check_name(&name)?;
     let Some((revision, epoch)) = s.store.delete(&name).await? else {
         return Err(ApiError::new(

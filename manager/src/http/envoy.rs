@@ -5,26 +5,26 @@
 //! a line is at fault: 400 bad YAML or a config Sluice cannot express, 409 a task name that
 //! belongs to someone else (or writes that kept racing), 404 unknown domain.
 
-use axum::Router;
-use axum::body::Bytes;
-use axum::extract::{Path, Request, State};
+use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
-use axum::routing::{delete, get};
 use serde_json::{Value, json};
 use tracing::info;
 
 use super::AppState;
 use super::api::{ApiError, ApiResult};
+use super::extract::{ApiBody, ApiPath};
 use crate::envoy_import::{self, ImportError, Refused};
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// Path of the import endpoint (below `/api/v1`).
 const IMPORT_PATH: &str = "/import/envoy-ratelimit";
 
 /// The routes, merged into `/api/v1`.
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route(IMPORT_PATH, get(list_domains).post(import))
-        .route(&format!("{IMPORT_PATH}/{{domain}}"), delete(delete_domain))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(list_domains, import))
+        .routes(routes!(delete_domain))
 }
 
 /// Whether a change request is a YAML import (it may then be sent as `application/yaml`,
@@ -53,7 +53,30 @@ fn bad(status: StatusCode, e: ImportError) -> ApiError {
     a
 }
 
-async fn import(State(s): State<AppState>, body: Bytes) -> ApiResult<axum::Json<Value>> {
+/// Imports one envoyproxy/ratelimit domain config (YAML, or JSON), creating, updating and
+/// deleting that domain's tasks.
+#[utoipa::path(
+    post,
+    path = "/import/envoy-ratelimit",
+    tag = "import",
+    request_body(description = "An envoyproxy/ratelimit config (`domain`, `descriptors`)",
+        content(
+            (String = "application/yaml"),
+            (String = "application/x-yaml"),
+            (String = "text/yaml"),
+            (String = "text/x-yaml"),
+            (Object = "application/json"),
+        )),
+    responses(
+        (status = 200, description = "Imported", body = super::openapi::Imported),
+        (status = 400, description = "Bad YAML, or a config Sluice cannot express (`field`, and `line` when a line is at fault)", body = super::openapi::ErrorBody),
+        (status = 404, description = "No such imported domain", body = super::openapi::ErrorBody),
+        (status = 409, description = "A task of that name belongs to someone else (`task`), or the writes kept racing", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
+async fn import(State(s): State<AppState>, ApiBody(body): ApiBody) -> ApiResult<axum::Json<Value>> {
     let text = std::str::from_utf8(&body).map_err(|e| {
         bad(
             StatusCode::BAD_REQUEST,
@@ -115,6 +138,17 @@ fn refused(domain: &str, r: Refused) -> ApiError {
     }
 }
 
+/// The imported domains.
+#[utoipa::path(
+    get,
+    path = "/import/envoy-ratelimit",
+    tag = "import",
+    responses(
+        (status = 200, description = "The domains", body = super::openapi::Domains),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn list_domains(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
     let (docs, _) = envoy_import::list(&s.etcd, &s.keys).await?;
     let domains: Vec<Value> = docs
@@ -131,9 +165,24 @@ async fn list_domains(State(s): State<AppState>) -> ApiResult<axum::Json<Value>>
     Ok(axum::Json(json!({ "domains": domains })))
 }
 
+/// Deletes an imported domain and its tasks.
+#[utoipa::path(
+    delete,
+    path = "/import/envoy-ratelimit/{domain}",
+    tag = "import",
+    params(("domain" = String, Path, description = "Domain name (A-Z a-z 0-9 _ -)", pattern = "^[A-Za-z0-9_-]+$")),
+    responses(
+        (status = 200, description = "Deleted", body = super::openapi::DomainDeleted),
+        (status = 400, description = "Not a domain name (field `domain`)", body = super::openapi::ErrorBody),
+        (status = 404, description = "No such imported domain", body = super::openapi::ErrorBody),
+        (status = 409, description = "The domain or its tasks kept changing; retry", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn delete_domain(
     State(s): State<AppState>,
-    Path(domain): Path<String>,
+    ApiPath(domain): ApiPath<String>,
 ) -> ApiResult<axum::Json<Value>> {
     if domain.is_empty()
         || domain.len() > envoy_import::MAX_DOMAIN_LEN

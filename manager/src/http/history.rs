@@ -14,11 +14,9 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use axum::Router;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use futures::StreamExt;
 use serde_json::{Value, json};
 use sluice_protocol::conn::RedisConn;
@@ -26,9 +24,12 @@ use sluice_protocol::{HostReport, meta_field, slice, unix_ms, validate_task_name
 
 use super::AppState;
 use super::api::{ApiError, invalid_task_body};
+use super::extract::ApiPath;
 use crate::error::{Error, Result as CrateResult, redis as redis_err};
 use crate::history::{self, MINUTES, Record, SECONDS, Series, SliceSample};
 use crate::tasks::Stored;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// Longest history that can be asked for: the one-minute ring's span (7 days).
 pub const MAX_SECONDS: u64 = 7 * 86_400;
@@ -51,11 +52,11 @@ pub const FLUSH_LAG_MS: i64 = 2_000;
 const HOSTS_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The routes of this module (merged into [`super::api::routes`]).
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/tasks/{name}/history", get(task_history))
-        .route("/hosts", get(hosts))
-        .route("/traffic", get(traffic))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new()
+        .routes(routes!(task_history))
+        .routes(routes!(hosts))
+        .routes(routes!(traffic))
 }
 
 /// A failed request: a backend error (mapped like every API error), or a status with a body.
@@ -171,9 +172,29 @@ fn record_json(r: &Record) -> Value {
     })
 }
 
+/// A task's history: the harvested ring records plus, at resolution 1s, what the live slices
+/// hold that the harvest has not written yet.
+#[utoipa::path(
+    get,
+    path = "/tasks/{name}/history",
+    tag = "traffic",
+    params(
+        ("name" = String, Path, description = "Task name", pattern = "^[A-Za-z0-9_.-]{1,64}$"),
+        ("seconds" = Option<u64>, Query, description = "How far back (default 300)", minimum = 1, maximum = 604_800),
+        ("resolution" = Option<String>, Query, description = "`1s` (kept for the 1 s ring's span) or `1m`; chosen by `seconds` unless given", pattern = "^(1s|1m)$"),
+    ),
+    responses(
+        (status = 200, description = "The history", body = super::openapi::History),
+        (status = 400, description = "Bad name or parameter (`field` names it; unknown parameters are refused)", body = super::openapi::ErrorBody),
+        (status = 404, description = "No such task", body = super::openapi::ErrorBody),
+        (status = 422, description = "The stored spec fails validation", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd or Redis cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn task_history(
     State(s): State<AppState>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> Reply {
     check_task_name("name", &name)?;
@@ -279,6 +300,19 @@ async fn read_hosts(s: &AppState) -> CrateResult<Vec<(String, String)>> {
     Ok(v)
 }
 
+/// The hosts that report to `NS:hosts`, parsed (optionally only those that run `task`).
+#[utoipa::path(
+    get,
+    path = "/hosts",
+    tag = "traffic",
+    params(("task" = Option<String>, Query, description = "Only hosts running this task", pattern = "^[A-Za-z0-9_.-]{1,64}$")),
+    responses(
+        (status = 200, description = "The hosts", body = super::openapi::Hosts),
+        (status = 400, description = "Bad parameter (`field` names it; unknown parameters are refused)", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "Redis cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn hosts(State(s): State<AppState>, Query(q): Query<HashMap<String, String>>) -> Reply {
     check_params(&q, &["task"])?;
     let task = q.get("task").map(String::as_str);
@@ -422,6 +456,17 @@ async fn concurrency_traffic(mut conn: RedisConn, s: &AppState, name: &str) -> C
     }))
 }
 
+/// Every task's threshold now, admitted/rejected rates and host states (the dashboard's list).
+#[utoipa::path(
+    get,
+    path = "/traffic",
+    tag = "traffic",
+    responses(
+        (status = 200, description = "The summary", body = super::openapi::Traffic),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd or Redis cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn traffic(State(s): State<AppState>) -> Reply {
     let (tasks, _invalid) = s.store.list().await.map_err(backend)?;
     let conn = s

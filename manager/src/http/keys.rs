@@ -19,17 +19,18 @@
 
 use std::collections::HashMap;
 
-use axum::Router;
-use axum::extract::{Path, Query, State};
+use axum::extract::{Query, State};
 use axum::http::StatusCode;
-use axum::routing::get;
 use serde_json::{Map, Value, json};
 use sluice_protocol::{unix_ms, validate_key, validate_task_name};
 
 use super::AppState;
 use super::api::{ApiError, ApiResult, invalid_task_body};
+use super::extract::ApiPath;
 use crate::spec::FieldError;
 use crate::tasks::Stored;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// Minutes merged when `minutes` is not given.
 pub const DEFAULT_MINUTES: u32 = 5;
@@ -50,8 +51,8 @@ pub const PER_MINUTE: isize = 1_000;
 const READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// The routes of this module (merged into [`super::api::routes`]).
-pub fn routes() -> Router<AppState> {
-    Router::new().route("/tasks/{name}/keys", get(task_keys))
+pub fn routes() -> OpenApiRouter<AppState> {
+    OpenApiRouter::new().routes(routes!(task_keys))
 }
 
 /// The validated query of a top-keys request.
@@ -169,9 +170,29 @@ fn list(v: &[(String, u64)]) -> Value {
     )
 }
 
+/// A keyed task's busiest keys over the last `minutes` minutes (an unkeyed task answers empty
+/// lists).
+#[utoipa::path(
+    get,
+    path = "/tasks/{name}/keys",
+    tag = "traffic",
+    params(
+        ("name" = String, Path, description = "Task name", pattern = "^[A-Za-z0-9_.-]{1,64}$"),
+        ("minutes" = Option<u32>, Query, description = "Minutes merged, the current one included (default 5)", minimum = 1, maximum = 10),
+        ("limit" = Option<u32>, Query, description = "Entries of each list (default 20)", minimum = 1, maximum = 100),
+    ),
+    responses(
+        (status = 200, description = "The busiest keys", body = super::openapi::TopKeys),
+        (status = 400, description = "Bad name or parameter (`field` names it; unknown parameters are refused)", body = super::openapi::ErrorBody),
+        (status = 404, description = "No such task", body = super::openapi::ErrorBody),
+        (status = 422, description = "The stored spec fails validation", body = super::openapi::ErrorBody),
+        (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
+        (status = 503, description = "etcd or Redis cannot be reached", body = super::openapi::ErrorBody),
+    )
+)]
 async fn task_keys(
     State(s): State<AppState>,
-    Path(name): Path<String>,
+    ApiPath(name): ApiPath<String>,
     Query(q): Query<HashMap<String, String>>,
 ) -> ApiResult<axum::Json<Value>> {
     validate_task_name(&name).map_err(|e| {

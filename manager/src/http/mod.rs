@@ -5,8 +5,10 @@
 
 pub mod api;
 pub mod envoy;
+pub mod extract;
 pub mod history;
 pub mod keys;
+pub mod openapi;
 pub mod ops;
 pub mod tls;
 pub mod ui;
@@ -18,11 +20,13 @@ use axum::extract::{Request, State};
 use axum::http::{Method, StatusCode, header};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
 use etcd_client::Client;
 use sluice_protocol::Keys;
 use sluice_protocol::conn::Redis;
 use tokio::sync::watch;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 use crate::config::Config;
 use crate::election::Role;
@@ -48,18 +52,32 @@ pub struct AppState {
     pub role: watch::Receiver<Role>,
 }
 
+/// Every documented route, with the OpenAPI document they make ([`openapi`]): the router
+/// serves exactly these (plus the dashboard's fallback).
+pub fn api_router() -> OpenApiRouter<AppState> {
+    OpenApiRouter::with_openapi(openapi::ApiDoc::openapi())
+        .routes(routes!(healthz))
+        .routes(routes!(readyz))
+        .routes(routes!(metrics))
+        .nest("/api/v1", api::routes())
+}
+
 /// The whole router.
 pub fn router(state: AppState) -> Router {
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .nest("/api/v1", api::routes())
+    let (router, _doc) = api_router().split_for_parts();
+    router
         .fallback(ui::serve)
         .layer(middleware::from_fn_with_state(state.clone(), access))
         .with_state(state)
 }
 
+/// Liveness: the process answers.
+#[utoipa::path(
+    get,
+    path = "/healthz",
+    tag = "cluster",
+    responses((status = 200, description = "Alive", body = openapi::Health))
+)]
 async fn healthz(State(s): State<AppState>) -> impl IntoResponse {
     let role = *s.role.borrow();
     axum::Json(serde_json::json!({
@@ -81,6 +99,15 @@ fn check_json(r: Result<(), String>) -> serde_json::Value {
 
 /// Ready to serve: etcd answers, the task watch is in sync, Redis answers (200); 503 with the
 /// reason of each failed check otherwise. Every check is bounded by 1 s and they run at once.
+#[utoipa::path(
+    get,
+    path = "/readyz",
+    tag = "cluster",
+    responses(
+        (status = 200, description = "Ready", body = openapi::Ready),
+        (status = 503, description = "Not ready: each failed check says why", body = openapi::Ready),
+    )
+)]
 async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
     let etcd_check = async {
         let mut c = s.etcd.clone();
@@ -146,6 +173,16 @@ async fn readyz(State(s): State<AppState>) -> impl IntoResponse {
 
 /// OpenMetrics for clients that ask for it (Prometheus does), the classic text format
 /// otherwise (`curl`, `promtool check metrics`).
+#[utoipa::path(
+    get,
+    path = "/metrics",
+    tag = "cluster",
+    responses((status = 200, description = "Prometheus metrics (docs/metrics.md): OpenMetrics when the Accept header asks for application/openmetrics-text, the classic text format otherwise",
+        content(
+            (String = "text/plain"),
+            (String = "application/openmetrics-text"),
+        )))
+)]
 async fn metrics(State(s): State<AppState>, req: Request) -> impl IntoResponse {
     let openmetrics = req
         .headers()
