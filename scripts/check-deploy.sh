@@ -23,20 +23,7 @@ VENV=${SLUICE_DEPLOY_VENV:-target/deploy-venv}
 
 ensure_packages promtool:prometheus systemd-analyze:systemd
 python3 -c 'import tomllib' 2>/dev/null || die "python3 >= 3.11 needed (tomllib; Debian 12 has 3.11)"
-if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
-  # Debian ships venv's ensurepip in its own package.
-  [ "$(id -u)" -eq 0 ] || die "python3-venv missing; run: sudo apt-get update && sudo apt-get install -y python3-venv"
-  log "installing python3-venv"
-  DEBIAN_FRONTEND=noninteractive apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
-fi
-if [ ! -x "$VENV/bin/python" ] || [ "$(cat "$VENV/.packages" 2>/dev/null)" != "${PY_PACKAGES[*]}" ]; then
-  log "installing ${PY_PACKAGES[*]} into $VENV"
-  rm -rf "$VENV"
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
-  echo "${PY_PACKAGES[*]}" >"$VENV/.packages"
-fi
+ensure_venv "$VENV" "${PY_PACKAGES[@]}"
 PY="$VENV/bin/python"
 X="scripts/check-deploy.py"
 

@@ -38,14 +38,7 @@ done
 
 if [ "${1:-}" != --in-netns ]; then
   ensure_base_packages
-  python3 -c 'import venv, ensurepip' 2>/dev/null || ensure_packages python3-venv:python3-venv
-  if [ ! -x "$VENV/bin/schemathesis" ] || [ "$(cat "$VENV/.packages" 2>/dev/null)" != "${PY_PACKAGES[*]}" ]; then
-    log "installing ${PY_PACKAGES[*]} into $VENV"
-    rm -rf "$VENV"
-    python3 -m venv "$VENV"
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check "${PY_PACKAGES[@]}"
-    echo "${PY_PACKAGES[*]}" >"$VENV/.packages"
-  fi
+  ensure_venv "$VENV" "${PY_PACKAGES[@]}"
   log "building the binaries (nothing to do after scripts/test.sh's build)"
   cargo build --workspace --bins --examples
   if [ "$(id -u)" -eq 0 ] && command -v unshare >/dev/null && command -v ip >/dev/null \

@@ -29,6 +29,27 @@ ensure_base_packages() {
     redis-cli:redis-tools faketime:faketime curl:curl promtool:prometheus openssl:openssl
 }
 
+# ensure_venv DIR PACKAGE==VERSION ... — a Python venv at DIR holding exactly these pinned
+# packages: made (python3-venv installed as root when missing) or remade when the list changed;
+# a no-op when it is current. The list is kept in DIR/.packages.
+ensure_venv() {
+  local venv=$1; shift
+  if ! python3 -c 'import venv, ensurepip' 2>/dev/null; then
+    # Debian ships venv's ensurepip in its own package (whose command is not on PATH).
+    [ "$(id -u)" -eq 0 ] || die "python3-venv missing; run: sudo apt-get update && sudo apt-get install -y python3-venv"
+    log "installing python3-venv"
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv >/dev/null
+  fi
+  if [ ! -x "$venv/bin/python" ] || [ "$(cat "$venv/.packages" 2>/dev/null)" != "$*" ]; then
+    log "installing $* into $venv"
+    rm -rf "$venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet --disable-pip-version-check "$@"
+    echo "$*" >"$venv/.packages"
+  fi
+}
+
 # free_port — prints a free TCP port on 127.0.0.1.
 free_port() {
   python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
