@@ -313,6 +313,7 @@ async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, 
                         if slot.meta().as_ref() != Some(&meta) {
                             tracing::info!(task = %t.name, version = meta.version,
                                 mode = %meta.mode, slice_ms = meta.slice_ms, "task meta loaded");
+                            warn_if_newer_protocol(&t.name, &pairs);
                             slot.store_meta(&meta, generation);
                         }
                     }
@@ -326,7 +327,10 @@ async fn refresh_meta(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, 
                             Ordering::Relaxed,
                         );
                     }
-                    Err(e) => tracing::warn!(task = %t.name, error = %e, "unreadable task meta"),
+                    Err(e) => {
+                        tracing::warn!(task = %t.name, error = %e, "unreadable task meta");
+                        warn_if_newer_protocol(&t.name, &pairs);
+                    }
                 }
             }
             return;
@@ -889,4 +893,50 @@ async fn report_host(sh: &Shared) {
 /// Start (Unix ms) of the slice of length `slice_ms` containing `now_us`.
 fn slice_start(now_us: i64, slice_ms: u64) -> i64 {
     crate::protocol::slice::start(now_us.div_euclid(1_000), slice_ms)
+}
+
+/// The protocol version a task's meta hash was written with (`proto`), when it is newer than
+/// this build's: the managers were upgraded past this worker. Nothing refuses the mix
+/// (docs/deploy.md, "Version-skew policy"); this says so where an operator looks.
+fn newer_protocol(pairs: &[(String, String)]) -> Option<u32> {
+    let (_, v) = pairs.iter().find(|(k, _)| k == meta_field::PROTO)?;
+    let v: u32 = v.parse().ok()?;
+    (v > crate::protocol::PROTOCOL_VERSION).then_some(v)
+}
+
+fn warn_if_newer_protocol(task: &str, pairs: &[(String, String)]) {
+    if let Some(v) = newer_protocol(pairs) {
+        tracing::warn!(
+            task = %task,
+            meta_protocol = v,
+            sdk_protocol = crate::protocol::PROTOCOL_VERSION,
+            "task meta was written by managers of a newer protocol than this SDK speaks; \
+             upgrade this host's workers (docs/deploy.md, version-skew policy)"
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pairs(proto: &str) -> Vec<(String, String)> {
+        vec![
+            ("mode".into(), "pooled".into()),
+            (meta_field::PROTO.into(), proto.into()),
+        ]
+    }
+
+    #[test]
+    fn only_a_newer_protocol_in_the_meta_is_reported() {
+        let mine = crate::protocol::PROTOCOL_VERSION;
+        assert_eq!(
+            newer_protocol(&pairs(&(mine + 1).to_string())),
+            Some(mine + 1)
+        );
+        assert_eq!(newer_protocol(&pairs(&mine.to_string())), None);
+        assert_eq!(newer_protocol(&pairs("1")), None);
+        assert_eq!(newer_protocol(&pairs("x")), None);
+        assert_eq!(newer_protocol(&[]), None);
+    }
 }
