@@ -49,8 +49,8 @@
 //! # Stability
 //!
 //! The items at the crate root and in [`layer`] are the API. The hidden modules (`shm`,
-//! `keyed`, `concurrency`, `state`, `pull`, `limiter`, `clock`) are public only for Sluice's own tests,
-//! benchmarks and agent: they change without notice.
+//! `keyed`, `concurrency`, `state`, `pull`, `limiter`, `clock`) are public only for Sluice's
+//! own tests, benchmarks and agent: they change without notice.
 #![warn(missing_docs, unnameable_types)]
 
 mod background;
