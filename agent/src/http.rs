@@ -190,7 +190,7 @@ enum DecideReply {
 /// Deserializes `v` into `T`, or says which field is wrong (its JSON path, as
 /// `requests[1].hits`) and how. serde reports a missing field at the object that lacks it: the
 /// field's own name is added to the path then.
-pub fn from_json<T: DeserializeOwned>(v: &Value, at: &str) -> Result<T, (String, String)> {
+fn from_json<T: DeserializeOwned>(v: &Value) -> Result<T, (String, String)> {
     serde_path_to_error::deserialize::<_, T>(v).map_err(|e| {
         let mut path = e.path().to_string();
         if path == "." {
@@ -207,13 +207,7 @@ pub fn from_json<T: DeserializeOwned>(v: &Value, at: &str) -> Result<T, (String,
                 format!("{path}.{name}")
             };
         }
-        let field = match (at.is_empty(), path.is_empty()) {
-            (true, _) => path,
-            (false, true) => at.to_string(),
-            (false, false) if path.starts_with('[') => format!("{at}{path}"),
-            (false, false) => format!("{at}.{path}"),
-        };
-        (field, message)
+        (path, message)
     })
 }
 
@@ -256,10 +250,10 @@ fn parse_body(v: &Value) -> Result<Parsed, (String, String)> {
         return Err(must_be_object(format!("requests[{i}]")));
     }
     if v.get("requests").is_none() {
-        let r: DecideRequest = from_json(v, "")?;
+        let r: DecideRequest = from_json(v)?;
         return Ok((false, vec![(String::new(), checked(r, "")?)]));
     }
-    let b: DecideBatch = from_json(v, "")?;
+    let b: DecideBatch = from_json(v)?;
     if b.requests.is_empty() || b.requests.len() > MAX_BATCH {
         return Err((
             "requests".into(),
