@@ -23,8 +23,8 @@ use sluice_protocol::{
 
 use crate::schedule::{DEFAULT_TIMEZONE, parse_cron, parse_timezone};
 
-/// Largest threshold (permits per slice) and other counts.
-pub const MAX_COUNT: u64 = 1_000_000_000_000;
+/// Largest threshold (permits per slice) and other counts (the protocol's, shared by every door).
+pub use sluice_protocol::MAX_COUNT;
 /// Most schedule entries per task.
 pub const MAX_SCHEDULES: usize = 64;
 /// Longest description, in characters.

@@ -68,6 +68,11 @@ pub const MAX_SLICE_MS: u64 = 86_400_000;
 /// Longest key of a keyed task, in bytes (any UTF-8).
 pub const MAX_KEY_LEN: usize = 256;
 
+/// Largest threshold (permits per slice) a spec may give, and so the largest cost any decision
+/// can ever be admitted for: every door (SDK, tower layer, agent RLS/HTTP) refuses a larger cost
+/// without counting it, so no counter of a slice can be pushed past what Redis can add.
+pub const MAX_COUNT: u64 = 1_000_000_000_000;
+
 /// Most `key_overrides` one keyed task may have.
 pub const MAX_KEY_OVERRIDES: usize = 1_000;
 
