@@ -76,7 +76,7 @@ pub struct Cli {
     #[arg(long, env = "SLUICE_AGENT_ROUTES_REFRESH")]
     pub routes_refresh: Option<String>,
     /// RLQS: lifetime of the assignments made while Redis is unusable (FAILED), capped to the
-    /// slice's end [default: 10s]
+    /// slice's end; at least 1s (Envoy counts whole seconds) [default: 10s]
     #[arg(long, env = "SLUICE_AGENT_RLQS_ASSIGNMENT_TTL")]
     pub rlqs_assignment_ttl: Option<String>,
     /// RLQS: a bucket without reports for this long is abandoned [default: 60s]
@@ -423,10 +423,11 @@ impl Config {
             Duration::from_millis(50),
             Duration::from_secs(300),
         )?;
+        // Envoy counts whole seconds of a TTL: under 1 s it would expire at once.
         let rlqs_assignment_ttl = bounded(
             "rlqs-assignment-ttl",
             &pick!(rlqs_assignment_ttl, "10s"),
-            Duration::from_millis(100),
+            Duration::from_secs(1),
             Duration::from_secs(86_400),
         )?;
         let rlqs_abandon_after = bounded(
@@ -611,10 +612,118 @@ mod tests {
                 "http-listen",
             ),
             (vec!["--redis", "http://x"], "redis"),
+            // Envoy counts whole seconds of an RLQS TTL (issue 23 item 18).
+            (
+                vec!["--rlqs-assignment-ttl", "500ms"],
+                "rlqs-assignment-ttl",
+            ),
+            (vec!["--max-agent-tasks", "0"], "max-agent-tasks"),
+            (
+                vec!["--max-tasks", "8", "--max-agent-tasks", "9"],
+                "max-agent-tasks",
+            ),
+            (vec!["--max-batch", "0"], "max-batch"),
+            (vec!["--max-request-bytes", "10"], "max-request-bytes"),
+            (
+                vec!["--max-concurrent-requests", "0"],
+                "max-concurrent-requests",
+            ),
+            (vec!["--request-timeout", "10ms"], "request-timeout"),
+            (vec!["--rlqs-max-streams", "0"], "rlqs-max-streams"),
+            (
+                vec![
+                    "--rlqs-max-buckets",
+                    "5",
+                    "--rlqs-max-buckets-per-stream",
+                    "6",
+                ],
+                "rlqs-max-buckets-per-stream",
+            ),
         ] {
             let e = cfg(&args).unwrap_err();
             assert_eq!(e.flag, flag, "{args:?}: {e}");
         }
+    }
+
+    #[test]
+    fn bounds_have_defaults() {
+        let c = cfg(&["--host-id", "h1"]).unwrap();
+        assert_eq!(c.max_agent_tasks, sluice::DEFAULT_MAX_TASKS / 2);
+        assert_eq!(c.max_concurrent_requests, 1_024);
+        assert_eq!(c.request_timeout, Duration::from_secs(2));
+        assert_eq!(c.max_batch, 1_000);
+        assert_eq!(c.max_request_bytes, 1 << 20);
+        assert_eq!(c.rlqs_max_streams, 256);
+        assert_eq!(c.rlqs_max_buckets_per_stream, 10_000);
+        assert_eq!(c.rlqs_max_buckets, 50_000);
+        assert_eq!(
+            cfg(&["--max-tasks", "1"]).unwrap().max_agent_tasks,
+            1,
+            "at least one"
+        );
+    }
+
+    /// Issue 23 item 16: nothing listens beyond loopback without a token unless told so.
+    #[test]
+    fn listeners_beyond_loopback_need_a_token_or_the_flag() {
+        for (flag, addr) in [
+            ("grpc-listen", "0.0.0.0:18081"),
+            ("http-listen", "0.0.0.0:18082"),
+            ("http-listen", "[::]:18082"),
+            ("grpc-listen", "10.1.2.3:18081"),
+        ] {
+            let e = cfg(&[&format!("--{flag}"), addr]).unwrap_err();
+            assert_eq!(e.flag, flag, "{e}");
+            assert!(
+                e.message.contains("--api-token") && e.message.contains("--insecure-listen"),
+                "{e}"
+            );
+            cfg(&[&format!("--{flag}"), addr, "--insecure-listen"]).unwrap();
+            cfg(&[&format!("--{flag}"), addr, "--api-token", "t0k3n"]).unwrap();
+        }
+        // Loopback, v4 and v6, needs neither.
+        cfg(&[
+            "--grpc-listen",
+            "127.0.0.2:18081",
+            "--http-listen",
+            "[::1]:18082",
+        ])
+        .unwrap();
+    }
+
+    /// The token: inline or from a file (not both, never empty), never shown by `Debug`.
+    #[test]
+    fn the_token_is_read_and_never_shown() {
+        let dir = std::env::temp_dir().join(format!("sluice-agent-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("token");
+        std::fs::write(&f, "s3cret-t0ken\n").unwrap();
+        let path = f.to_str().unwrap();
+        let c = cfg(&["--api-token-file", path]).unwrap();
+        assert!(c.api_token.as_ref().unwrap().matches("s3cret-t0ken"));
+        assert!(!format!("{c:?}").contains("s3cret"), "{c:?}");
+        let c = cfg(&["--api-token", "inline-s3cret"]).unwrap();
+        assert!(c.api_token.as_ref().unwrap().matches("inline-s3cret"));
+        assert!(!format!("{c:?}").contains("s3cret"), "{c:?}");
+        let empty = dir.join("empty");
+        std::fs::write(&empty, "\n").unwrap();
+        for (args, flag) in [
+            (
+                vec!["--api-token", "x", "--api-token-file", path],
+                "api-token",
+            ),
+            (vec!["--api-token", " "], "api-token"),
+            (vec!["--api-token-file", "/nonexistent/t"], "api-token-file"),
+            (
+                vec!["--api-token-file", empty.to_str().unwrap()],
+                "api-token-file",
+            ),
+        ] {
+            let e = cfg(&args).unwrap_err();
+            assert_eq!(e.flag, flag, "{args:?}: {e}");
+            assert!(!e.message.contains("s3cret"), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -22,7 +22,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use axum::body::Bytes;
+use axum::body::{Body, Bytes};
 use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
 use axum::middleware::Next;
@@ -411,14 +411,42 @@ fn refused(e: DecideError, at: &str, s: &AppState) -> Response {
         (status = 401, description = "The agent runs with --api-token and the request has no `Authorization: Bearer <token>`, or a wrong one", body = ErrorBody),
         (status = 403, description = "A request from a browser (it carries `Origin`)", body = ErrorBody),
         (status = 404, description = "Unknown task (`field` names it)", body = ErrorBody),
+        (status = 408, description = "The body did not arrive within --request-timeout", body = ErrorBody),
         (status = 413, description = "The body is larger than --max-request-bytes (1 MiB by default; plain text)", content_type = "text/plain"),
         (status = 503, description = "Not decided: the task could not be verified in Redis, the agent's share of the host segment's slots is taken, the SDK refused (`field` names the task); the request's deadline passed while its tasks were looked up; or --max-concurrent-requests requests are in flight (`field` empty)", body = ErrorBody),
     )
 )]
-async fn decide(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn decide(State(s): State<Arc<AppState>>, body: Body) -> Response {
     let t0 = Instant::now();
-    // The whole request — lookups and decisions — ends by then.
+    // The whole request — reading its body, lookups and decisions — ends by then: a client
+    // sending its body slowly holds its permit (see [`guard`]) no longer.
     let deadline = t0 + s.cfg.request_timeout;
+    let limit = s.cfg.max_request_bytes as usize;
+    let body: Bytes =
+        match tokio::time::timeout_at(deadline.into(), axum::body::to_bytes(body, limit)).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(_)) => {
+                s.metrics.error("http", "too_large");
+                return (
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!(
+                        "the body is larger than --max-request-bytes ({limit} bytes), or broken"
+                    ),
+                )
+                    .into_response();
+            }
+            Err(_) => {
+                s.metrics.error("http", "deadline");
+                return bad(
+                    StatusCode::REQUEST_TIMEOUT,
+                    String::new(),
+                    format!(
+                        "the body did not arrive within --request-timeout ({})",
+                        humantime::format_duration(s.cfg.request_timeout)
+                    ),
+                );
+            }
+        };
     let v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => {
@@ -682,7 +710,7 @@ mod tests {
         let codes = d["paths"]["/v1/decide"]["post"]["responses"]
             .as_object()
             .unwrap();
-        for c in ["200", "400", "401", "403", "404", "413", "503"] {
+        for c in ["200", "400", "401", "403", "404", "408", "413", "503"] {
             assert!(codes.contains_key(c), "{c}");
         }
     }
