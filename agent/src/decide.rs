@@ -66,7 +66,7 @@ pub const IDLE_CLOSE: Duration = Duration::from_secs(60);
 /// reclaims a slot only once it has been idle this long (`Config::reclaim_idle`'s default).
 pub const SLOT_RELEASE: Duration = Duration::from_secs(60);
 /// The retry hint of a decision cut by its request's deadline.
-const CUT_RETRY: Duration = Duration::from_millis(100);
+pub const CUT_RETRY: Duration = Duration::from_millis(100);
 
 /// Why a decision could not be made.
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]

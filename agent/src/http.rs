@@ -363,8 +363,10 @@ fn answer(d: &Decision) -> Value {
         Decision::FallbackDenied { .. } => ("fallback_denied", false),
         _ => ("limited", false),
     };
+    // Not decided without a wait the request had no time left for: retry shortly.
     let retry = d
         .retry_after()
+        .or((*d == Decision::WouldBlock).then_some(crate::decide::CUT_RETRY))
         .map(|r| r.as_micros().div_ceil(1_000) as u64)
         .unwrap_or(0);
     let mut v = json!({"allowed": d.is_allowed(), "decision": name, "retry_after_ms": retry});

@@ -129,3 +129,154 @@ async fn futures_join_all<F: std::future::Future>(futs: Vec<F>) -> Vec<F::Output
     .await;
     out.into_iter().map(|o| o.expect("ready")).collect()
 }
+
+/// Sends the head of a `POST /v1/decide` whose body never completes (it holds one of
+/// `--max-concurrent-requests` until `--request-timeout`).
+async fn slow_body(http_addr: &str) -> tokio::net::TcpStream {
+    use tokio::io::AsyncWriteExt;
+    let mut s = tokio::net::TcpStream::connect(http_addr).await.unwrap();
+    s.write_all(
+        b"POST /v1/decide HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n\
+          content-length: 100\r\n\r\n{\"task\"",
+    )
+    .await
+    .unwrap();
+    s
+}
+
+/// The status line of the answer on `s` (within 10 s).
+async fn status_of(mut s: tokio::net::TcpStream) -> String {
+    use tokio::io::AsyncReadExt;
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read(&mut buf))
+        .await
+        .expect("an answer within 10 s")
+        .unwrap();
+    String::from_utf8_lossy(&buf[..n])
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_string()
+}
+
+/// Issue 23 item 14 (HTTP): batch items, body size, requests in flight and the time a body may
+/// take are bounded; each over-limit request gets a clear status and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http_requests_are_bounded() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("ahbound");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    task(&m, "t", r#"{"threshold":100000,"slice_ms":60000}"#).await;
+    let a = Agent::start(
+        &redis,
+        &ns,
+        "h1",
+        &[
+            "--max-batch",
+            "5",
+            "--max-request-bytes",
+            "4096",
+            "--max-concurrent-requests",
+            "2",
+            "--acquire-timeout",
+            "100ms",
+            "--request-timeout",
+            "1500ms",
+        ],
+    )
+    .await;
+    let batch =
+        |n: usize| json!({"requests": (0..n).map(|_| json!({"task": "t"})).collect::<Vec<_>>()});
+    let (s, v) = a.decide(&batch(6)).await;
+    assert_eq!((s, &v["field"]), (400, &json!("requests")), "{v}");
+    assert!(v["error"].as_str().unwrap().contains("--max-batch"), "{v}");
+    let (s, v) = a.decide(&batch(5)).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["results"].as_array().unwrap().len(), 5);
+    // A body over --max-request-bytes: 413 (before any of it is parsed).
+    let r = http()
+        .post(a.url("/v1/decide"))
+        .json(&json!({"task": "t", "key": "k".repeat(5_000)}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 413);
+
+    // Two requests whose bodies never complete hold both permits: the next request is
+    // refused at once (503, naming the flag) until they time out (408 at --request-timeout).
+    let s1 = slow_body(&a.http).await;
+    let s2 = slow_body(&a.http).await;
+    let v = wait_until(
+        "a request refused while two are in flight",
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || async {
+            let (s, v) = a.decide(&json!({"task": "t"})).await;
+            (s == 503).then_some(v)
+        },
+    )
+    .await;
+    assert_eq!(v["field"], "", "{v}");
+    assert!(
+        v["error"]
+            .as_str()
+            .unwrap()
+            .contains("--max-concurrent-requests (2)"),
+        "{v}"
+    );
+    let (l1, l2) = (status_of(s1).await, status_of(s2).await);
+    assert!(l1.contains("408") && l2.contains("408"), "{l1} / {l2}");
+    let (s, v) = a.decide(&json!({"task": "t"})).await;
+    assert_eq!((s, &v["decision"]), (200, &json!("allowed")), "{v}");
+    let metrics = a.metrics().await;
+    for reason in ["busy", "too_large", "deadline", "invalid"] {
+        assert!(
+            metrics.contains(&format!(r#"api="http",reason="{reason}""#)),
+            "{reason}: {metrics}"
+        );
+    }
+}
+
+/// Issue 23 item 14 (deadline): a batch ends within `--request-timeout`, however many of its
+/// items would wait (here: exact tasks, one Redis call each, with Redis paused); the items
+/// past the deadline are decided without waiting.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_ends_within_its_deadline() {
+    let etcd = shared_etcd();
+    let r = RedisServer::start();
+    let redis = r.url();
+    let ns = unique_ns("adeadline");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    task(
+        &m,
+        "exact",
+        r#"{"threshold":1000,"slice_ms":60000,"mode":"exact_fixed","on_failure":"allow"}"#,
+    )
+    .await;
+    let a = Agent::start(&redis, &ns, "h1", &["--request-timeout", "1500ms"]).await;
+    let (s, v) = a.decide(&json!({"task": "exact"})).await;
+    assert_eq!((s, &v["decision"]), (200, &json!("allowed")), "{v}");
+
+    signal(r.pid(), libc::SIGSTOP);
+    let _resume = Resume(r.pid());
+    let t0 = Instant::now();
+    let body = json!({"requests": (0..8).map(|_| json!({"task": "exact"})).collect::<Vec<_>>()});
+    let resp = http()
+        .post(a.url("/v1/decide"))
+        .timeout(Duration::from_secs(30))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    let took = t0.elapsed();
+    let status = resp.status().as_u16();
+    let v: Value = resp.json().await.unwrap();
+    eprintln!("8 exact decisions with Redis paused answered in {took:?}: {v}");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["results"].as_array().unwrap().len(), 8, "{v}");
+    // 1.5 s of deadline; each waiting item would take a Redis timeout (1 s) without it.
+    assert!(
+        took < Duration::from_secs(4),
+        "the batch took {took:?}, past its --request-timeout of 1.5 s"
+    );
+}
