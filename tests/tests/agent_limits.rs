@@ -4,12 +4,39 @@
 //! * a task name the agent has never verified in Redis never claims a slot of the host
 //!   segment: random names sent while Redis is paused (SIGSTOP) get 503 naming `task`, and an
 //!   SDK process of the host can still claim its own task's slot afterwards;
-//! * the agent's share of the host segment's task slots (`--max-agent-tasks`) is bounded.
+//! * the agent's share of the host segment's task slots (`--max-agent-tasks`) is bounded;
+//! * HTTP: batch items, body bytes, requests in flight (shared with RLS), the time a body may
+//!   take, and a whole batch's time (`--request-timeout`) are bounded; gRPC messages too.
 
 use std::time::{Duration, Instant};
 
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::RateLimitRequest;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use serde_json::{Value, json};
 use sluice_tests::*;
+
+/// An RLS request for task `task` (direct form) with one more entry of value `extra`.
+fn rls_request(task: &str, extra: &str) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: "d".into(),
+        descriptors: vec![RateLimitDescriptor {
+            entries: vec![
+                Entry {
+                    key: "sluice_task".into(),
+                    value: task.into(),
+                },
+                Entry {
+                    key: "other".into(),
+                    value: extra.into(),
+                },
+            ],
+            ..Default::default()
+        }],
+        hits_addend: 1,
+    }
+}
 
 async fn task(m: &Manager, name: &str, body: &str) {
     let (status, resp) = m.put(&format!("/api/v1/tasks/{name}"), body).await;
@@ -224,11 +251,28 @@ async fn http_requests_are_bounded() {
             .contains("--max-concurrent-requests (2)"),
         "{v}"
     );
+    // The permits are shared with RLS: a call is refused RESOURCE_EXHAUSTED meanwhile.
+    let mut rls = RateLimitServiceClient::connect(a.grpc_url()).await.unwrap();
+    let e = rls
+        .should_rate_limit(rls_request("t", "x"))
+        .await
+        .expect_err("RLS beyond --max-concurrent-requests");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    assert!(e.message().contains("--max-concurrent-requests"), "{e:?}");
     let (l1, l2) = (status_of(s1).await, status_of(s2).await);
     assert!(l1.contains("408") && l2.contains("408"), "{l1} / {l2}");
     let (s, v) = a.decide(&json!({"task": "t"})).await;
     assert_eq!((s, &v["decision"]), (200, &json!("allowed")), "{v}");
+    // A gRPC message over --max-request-bytes is refused before it is decoded.
+    let e = rls
+        .should_rate_limit(rls_request("t", &"v".repeat(5_000)))
+        .await
+        .expect_err("an RLS message over --max-request-bytes");
+    assert_eq!(e.code(), tonic::Code::OutOfRange, "{e:?}");
+    let ok = rls.should_rate_limit(rls_request("t", "x")).await;
+    assert!(ok.is_ok(), "{ok:?}");
     let metrics = a.metrics().await;
+    assert!(metrics.contains(r#"api="rls",reason="busy""#), "{metrics}");
     for reason in ["busy", "too_large", "deadline", "invalid"] {
         assert!(
             metrics.contains(&format!(r#"api="http",reason="{reason}""#)),
@@ -279,4 +323,54 @@ async fn a_batch_ends_within_its_deadline() {
         took < Duration::from_secs(4),
         "the batch took {took:?}, past its --request-timeout of 1.5 s"
     );
+}
+
+/// Issue 23 item 13: the agent holds at most `--max-agent-tasks` slots of the host segment;
+/// the next task gets 503 naming the flag, and SDK processes keep the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_agents_share_of_slots_is_bounded() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("ashare");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    for t in ["a", "b", "c", "d", "e", "f"] {
+        task(&m, t, r#"{"threshold":1000,"slice_ms":1000}"#).await;
+    }
+    let a = Agent::start(
+        &redis,
+        &ns,
+        "h1",
+        &["--max-tasks", "4", "--max-agent-tasks", "2"],
+    )
+    .await;
+    for t in ["a", "b"] {
+        let (s, v) = a.decide(&json!({"task": t})).await;
+        assert_eq!(s, 200, "{t}: {v}");
+    }
+    let (s, v) = a.decide(&json!({"task": "c"})).await;
+    assert_eq!((s, &v["field"]), (503, &json!("task")), "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("--max-agent-tasks 2"),
+        "{v}"
+    );
+    // The open ones keep being decided.
+    let (s, v) = a.decide(&json!({"task": "a"})).await;
+    assert_eq!(s, 200, "{v}");
+    let metrics = a.metrics().await;
+    assert_eq!(
+        metric_value(&metrics, "sluice_agent_open_tasks"),
+        Some(2.0),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(r#"sluice_agent_task_refusals_total{reason="slots_full"}"#),
+        "{metrics}"
+    );
+    // An SDK process of the host has the other two slots.
+    let mut cfg = sdk_config(&redis, &ns, "h1");
+    cfg.shm_dir = a.segment_dir.clone();
+    cfg.max_tasks = 4;
+    let client = sluice::Client::new(cfg).expect("SDK client");
+    let e = client.task("e");
+    let f = client.task("f");
+    assert!(e.is_ok() && f.is_ok(), "{e:?} {f:?}");
 }
