@@ -278,6 +278,32 @@ fn token(
     }
 }
 
+/// A TOML error as `line L, column C: what`, never quoting the file: the line at fault may
+/// hold the token or a Redis URL with its password. serde's "invalid type/value" messages name
+/// the value found (`integer \`12345\``): that value is left out too.
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let at = e.span().map(|sp| {
+        let start = sp.start.min(text.len());
+        let before = &text[..start];
+        let line = before.matches('\n').count() + 1;
+        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        format!("line {line}, column {col}: ")
+    });
+    let mut msg = e.message().trim().to_string();
+    if msg.starts_with("invalid") {
+        let mut out = String::new();
+        for (i, part) in msg.split('`').enumerate() {
+            out.push_str(if i % 2 == 1 {
+                "(value not shown)"
+            } else {
+                part
+            });
+        }
+        msg = out;
+    }
+    format!("{}{}", at.unwrap_or_default(), msg.replace('\n', "; "))
+}
+
 /// A count flag within `min ..= max`.
 fn count(flag: &'static str, v: u32, min: u32, max: u32) -> Result<u32, ConfigError> {
     if v < min || v > max {
@@ -332,8 +358,12 @@ impl Config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
-                toml::from_str::<FileConfig>(&text)
-                    .map_err(|e| err("config", format!("{}: {e}", path.display())))?
+                toml::from_str::<FileConfig>(&text).map_err(|e| {
+                    err(
+                        "config",
+                        format!("{}: {}", path.display(), toml_error(&text, &e)),
+                    )
+                })?
             }
             None => FileConfig::default(),
         };
@@ -722,6 +752,32 @@ mod tests {
             let e = cfg(&args).unwrap_err();
             assert_eq!(e.flag, flag, "{args:?}: {e}");
             assert!(!e.message.contains("s3cret"), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A TOML error never quotes the file's text: the line at fault may hold the token (or a
+    /// Redis URL with its password).
+    #[test]
+    fn file_errors_never_quote_the_file() {
+        let dir = std::env::temp_dir().join(format!("sluice-agent-toml-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("agent.toml");
+        for text in [
+            "api_token = s3cret-unquoted\n",
+            "api_token = \"s3cret-quoted\nhost_id = \"h\"\n",
+            "redis = redis://u:s3cretpw@h:6379\n",
+            "api_token = [\"s3cret-in-a-list\"]\n",
+            "api_token = 5339\n",
+        ] {
+            std::fs::write(&f, text).unwrap();
+            let e = cfg(&["--config", f.to_str().unwrap()]).unwrap_err();
+            assert_eq!(e.flag, "config", "{e}");
+            assert!(
+                !e.message.contains("s3cret") && !e.message.contains("5339"),
+                "{text:?}: {e}"
+            );
+            assert!(e.message.contains("line 1"), "{text:?}: {e}");
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
