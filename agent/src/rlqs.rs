@@ -834,8 +834,25 @@ async fn run_stream(
         short_ttl_logged: HashSet::new(),
         domain: String::new(),
     };
+    let mut idle_since: Option<Instant> = None;
     loop {
-        let wake = s.timers.next();
+        // A stream without buckets for --rlqs-abandon-after is ended: streams that never
+        // report must not hold the --rlqs-max-streams permits forever.
+        let now = Instant::now();
+        if s.buckets.is_empty() {
+            let since = *idle_since.get_or_insert(now);
+            if now.duration_since(since) >= state.cfg.rlqs_abandon_after {
+                tracing::debug!("RLQS stream without buckets ended");
+                break;
+            }
+        } else {
+            idle_since = None;
+        }
+        let idle_end = idle_since.map(|t| t + state.cfg.rlqs_abandon_after);
+        let wake = match (s.timers.next(), idle_end) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let sent = tokio::select! {
             m = inbound.message() => match m {
                 Ok(Some(m)) => {
@@ -855,7 +872,7 @@ async fn run_stream(
                     Some(w) => tokio::time::sleep_until(w.into()).await,
                     None => std::future::pending().await,
                 }
-            } => s.on_timer(&tx).await,
+            } => if s.buckets.is_empty() { Ok(()) } else { s.on_timer(&tx).await },
             _ = tx.closed() => break,
         };
         if sent.is_err() {

@@ -1090,3 +1090,47 @@ async fn slices_under_one_second_get_no_assignment_and_short_ttls_are_counted() 
         "the short TTLs are logged"
     );
 }
+
+/// Adversarial review (issue 23): a stream that tracks no bucket for `--rlqs-abandon-after`
+/// is ended by the agent, so streams that never report cannot hold every one of
+/// `--rlqs-max-streams` forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_streams_are_ended() {
+    let redis = shared_redis();
+    let ns = unique_ns("rlqsidle");
+    let a = Agent::start(
+        &redis,
+        &ns,
+        &format!("{ns}-h1"),
+        &["--rlqs-max-streams", "1", "--rlqs-abandon-after", "1s"],
+    )
+    .await;
+    let mut rpc = RateLimitQuotaServiceClient::connect(a.grpc_url())
+        .await
+        .expect("connect");
+    let (tx, rx) = mpsc::channel::<RateLimitQuotaUsageReports>(1);
+    let resp = rpc
+        .stream_rate_limit_quotas(tonic::codegen::tokio_stream::wrappers::ReceiverStream::new(
+            rx,
+        ))
+        .await
+        .expect("the first stream");
+    let mut inbound = resp.into_inner();
+    let e = open_stream(&a).await.expect_err("a second stream");
+    assert_eq!(e.code(), tonic::Code::ResourceExhausted, "{e:?}");
+    // The client keeps its side open and sends nothing: the agent ends the stream.
+    let t0 = Instant::now();
+    let end = tokio::time::timeout(Duration::from_secs(10), inbound.message())
+        .await
+        .expect("the idle stream is ended within 10 s");
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    eprintln!("idle stream ended after {:?}", t0.elapsed());
+    drop(tx);
+    wait_until(
+        "a new stream accepted",
+        Duration::from_secs(5),
+        Duration::from_millis(50),
+        || async { open_stream(&a).await.ok() },
+    )
+    .await;
+}
