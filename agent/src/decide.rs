@@ -127,6 +127,8 @@ struct Cache {
     closed: VecDeque<Instant>,
     /// Never-verified names are refused without a lookup until then.
     backoff_until: Option<Instant>,
+    /// Slots being claimed now (counted against the share).
+    opening: usize,
 }
 
 impl Cache {
@@ -155,7 +157,25 @@ impl Cache {
         {
             self.closed.pop_front();
         }
-        self.open.len() + self.closed.len()
+        self.open.len() + self.closed.len() + self.opening
+    }
+}
+
+/// A slot being claimed (`Cache::opening`). If the request is dropped while the claim runs,
+/// the reservation is given back and counted as a closed handle: the claim may still have
+/// taken a slot, idle from then on.
+struct Opening<'a> {
+    decider: &'a Decider,
+    done: bool,
+}
+
+impl Drop for Opening<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let mut c = self.decider.lock();
+            c.opening -= 1;
+            c.closed.push_back(Instant::now());
+        }
     }
 }
 
@@ -316,13 +336,13 @@ impl Decider {
                 }
             }
         }
-        let (t, hold) = {
+        let existing = {
             let mut c = self.lock();
             let now = Instant::now();
             if let Some(o) = c.open.get_mut(name) {
                 // Opened by a concurrent request meanwhile.
                 o.used = now;
-                (o.task.clone(), o.hold.clone())
+                Some((o.task.clone(), o.hold.clone()))
             } else {
                 if c.share_used(now) >= self.max_tasks {
                     // Close what nobody used for a while (it frees the share SLOT_RELEASE later).
@@ -352,22 +372,51 @@ impl Decider {
                         SLOT_RELEASE.as_secs()
                     )));
                 }
-                let t = self.client.task(name).map_err(|e| {
-                    self.metrics.refusal("segment_full");
-                    DecideError::Sdk(e.to_string())
-                })?;
-                let hold = Arc::new(());
-                c.open.insert(
-                    name.to_string(),
-                    Open {
-                        task: t.clone(),
-                        used: now,
-                        rechecked: None,
-                        hold: hold.clone(),
-                    },
-                );
-                self.metrics.open_tasks(c.open.len());
-                (t, hold)
+                // Reserved while the slot is claimed, without the lock held.
+                c.opening += 1;
+                None
+            }
+        };
+        let (t, hold) = match existing {
+            Some(h) => h,
+            None => {
+                // Claiming a slot may wait on the segment's cross-process allocation lock: off
+                // the async workers, and without the cache's lock held.
+                let mut reserved = Opening {
+                    decider: self,
+                    done: false,
+                };
+                let client = self.client.clone();
+                let owned = name.to_string();
+                let claimed = tokio::task::spawn_blocking(move || client.task(&owned)).await;
+                let mut c = self.lock();
+                c.opening -= 1;
+                reserved.done = true;
+                let t = match claimed {
+                    Ok(Ok(t)) => t,
+                    Ok(Err(e)) => {
+                        drop(c);
+                        self.metrics.refusal("segment_full");
+                        return Err(DecideError::Sdk(e.to_string()));
+                    }
+                    Err(e) => {
+                        drop(c);
+                        return Err(DecideError::Sdk(format!("opening task {name:?}: {e}")));
+                    }
+                };
+                let now = Instant::now();
+                let o = c.open.entry(name.to_string()).or_insert_with(|| Open {
+                    task: t,
+                    used: now,
+                    rechecked: None,
+                    hold: Arc::new(()),
+                });
+                o.used = now;
+                let h = (o.task.clone(), o.hold.clone());
+                let n = c.open.len();
+                drop(c);
+                self.metrics.open_tasks(n);
+                h
             }
         };
         // A handle made just now has no meta yet: wait for the SDK's first read of it (one
