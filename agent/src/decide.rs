@@ -108,6 +108,8 @@ impl DecideError {
 /// An open task handle.
 struct Open {
     task: Task,
+    /// When it was opened (its meta is being read for up to [`LOOKUP_TIMEOUT`] after).
+    opened: Instant,
     /// The last time a request asked for it.
     used: Instant,
     /// When it was last looked up again while it had no meta.
@@ -278,18 +280,23 @@ impl Decider {
             let mut c = self.lock();
             c.open.get_mut(name).map(|o| {
                 o.used = now;
+                let meta_due = o.opened + LOOKUP_TIMEOUT;
                 // Known once, no meta now: deleted (then "unknown" again), or Redis is down
                 // (the SDK's on_failure decides). Looked up again at most once a NEGATIVE_TTL.
                 let due = o.task.meta().is_none()
+                    && now >= meta_due
                     && o.rechecked
                         .is_none_or(|at| now.duration_since(at) >= NEGATIVE_TTL);
                 if due {
                     o.rechecked = Some(now);
                 }
-                (o.task.clone(), o.hold.clone(), due)
+                (o.task.clone(), o.hold.clone(), due, meta_due)
             })
         };
-        if let Some((t, hold, due)) = hit {
+        if let Some((t, hold, due, meta_due)) = hit {
+            // Opened just now by another request: its meta is on its way; wait for it as the
+            // opener does (not decided by the unknown-task fallback meanwhile).
+            wait_meta(&t, deadline.min(meta_due)).await;
             if due && self.exists(name, deadline).await == Some(false) {
                 let mut c = self.lock();
                 c.close(name, Instant::now());
@@ -407,6 +414,7 @@ impl Decider {
                 let now = Instant::now();
                 let o = c.open.entry(name.to_string()).or_insert_with(|| Open {
                     task: t,
+                    opened: now,
                     used: now,
                     rechecked: None,
                     hold: Arc::new(()),
@@ -421,10 +429,7 @@ impl Decider {
         };
         // A handle made just now has no meta yet: wait for the SDK's first read of it (one
         // Redis round trip, once per task per host), bounded.
-        let until = deadline.min(Instant::now() + LOOKUP_TIMEOUT);
-        while t.meta().is_none() && Instant::now() < until {
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
+        wait_meta(&t, deadline.min(Instant::now() + LOOKUP_TIMEOUT)).await;
         Ok((t, hold))
     }
 
@@ -582,6 +587,13 @@ impl Decider {
             sluice::acquire_all(&limits).await
         };
         detached(wait, left).await.unwrap_or_else(cut)
+    }
+}
+
+/// Waits until `t`'s meta is known, at most until `until`.
+async fn wait_meta(t: &Task, until: Instant) {
+    while t.meta().is_none() && Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
 }
 

@@ -374,3 +374,37 @@ async fn the_agents_share_of_slots_is_bounded() {
     let f = client.task("f");
     assert!(e.is_ok() && f.is_ok(), "{e:?} {f:?}");
 }
+
+/// Adversarial review (issue 23): requests racing the first one for a task (which opens its
+/// handle and waits for its meta) wait for the meta too, instead of being decided by the
+/// unknown-task fallback (`fallback_allowed` with Redis healthy).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_racing_a_tasks_first_one_wait_for_its_meta() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("arace");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    let names: Vec<String> = (0..4).map(|i| format!("fresh{i}")).collect();
+    for n in &names {
+        task(&m, n, r#"{"threshold":100000,"slice_ms":60000}"#).await;
+    }
+    let a = Agent::start(&redis, &ns, "h1", &[]).await;
+    a.wait_ready().await;
+    for n in &names {
+        let answers = futures_join_all(
+            (0..16)
+                .map(|_| {
+                    let a = &a;
+                    async move { a.decide(&json!({"task": n})).await }
+                })
+                .collect(),
+        )
+        .await;
+        for (s, v) in &answers {
+            assert_eq!(
+                (*s, &v["decision"]),
+                (200, &json!("allowed")),
+                "{n}: a request decided before the task's meta was read: {v}"
+            );
+        }
+    }
+}
