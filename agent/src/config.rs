@@ -76,7 +76,7 @@ pub struct Cli {
     #[arg(long, env = "SLUICE_AGENT_ROUTES_REFRESH")]
     pub routes_refresh: Option<String>,
     /// RLQS: lifetime of the assignments made while Redis is unusable (FAILED), capped to the
-    /// slice's end [default: 10s]
+    /// slice's end; at least 1s (Envoy counts whole seconds) [default: 10s]
     #[arg(long, env = "SLUICE_AGENT_RLQS_ASSIGNMENT_TTL")]
     pub rlqs_assignment_ttl: Option<String>,
     /// RLQS: a bucket without reports for this long is abandoned [default: 60s]
@@ -85,6 +85,45 @@ pub struct Cli {
     /// Log as JSON lines
     #[arg(long, env = "SLUICE_AGENT_LOG_JSON", num_args = 0..=1, default_missing_value = "true")]
     pub log_json: Option<bool>,
+    // ── Authentication (docs/agent.md, "Authentication") ──
+    /// Bearer token required on decisions: HTTP `POST /v1/decide` (`Authorization: Bearer …`)
+    /// and gRPC RLS/RLQS (metadata `authorization: Bearer …`) (unset = no auth)
+    #[arg(long, env = "SLUICE_AGENT_API_TOKEN", hide_env_values = true)]
+    pub api_token: Option<String>,
+    /// File holding the API token (instead of --api-token, kept out of the process list)
+    #[arg(long, env = "SLUICE_AGENT_API_TOKEN_FILE")]
+    pub api_token_file: Option<PathBuf>,
+    /// Serve listeners beyond loopback without a token (anyone who reaches them can spend any
+    /// task's quota)
+    #[arg(long, env = "SLUICE_AGENT_INSECURE_LISTEN", num_args = 0..=1, default_missing_value = "true")]
+    pub insecure_listen: Option<bool>,
+    // ── Bounds (docs/agent.md, "Bounds") ──
+    /// Most tasks the agent holds open at once, each a slot of the host segment [default: half
+    /// of --max-tasks]
+    #[arg(long, env = "SLUICE_AGENT_MAX_AGENT_TASKS")]
+    pub max_agent_tasks: Option<u32>,
+    /// Most decision requests handled at once (HTTP `POST /v1/decide` and RLS calls together)
+    /// [default: 1024]
+    #[arg(long, env = "SLUICE_AGENT_MAX_CONCURRENT_REQUESTS")]
+    pub max_concurrent_requests: Option<u32>,
+    /// Longest time one decision request (a whole batch, an RLS call) takes [default: 2s]
+    #[arg(long, env = "SLUICE_AGENT_REQUEST_TIMEOUT")]
+    pub request_timeout: Option<String>,
+    /// Most requests in one `POST /v1/decide` batch [default: 1000]
+    #[arg(long, env = "SLUICE_AGENT_MAX_BATCH")]
+    pub max_batch: Option<u32>,
+    /// Largest HTTP body and gRPC message accepted, in bytes [default: 1048576]
+    #[arg(long, env = "SLUICE_AGENT_MAX_REQUEST_BYTES")]
+    pub max_request_bytes: Option<u32>,
+    /// Most RLQS streams open at once [default: 256]
+    #[arg(long, env = "SLUICE_AGENT_RLQS_MAX_STREAMS")]
+    pub rlqs_max_streams: Option<u32>,
+    /// Most RLQS buckets tracked per stream [default: 10000]
+    #[arg(long, env = "SLUICE_AGENT_RLQS_MAX_BUCKETS_PER_STREAM")]
+    pub rlqs_max_buckets_per_stream: Option<u32>,
+    /// Most RLQS buckets tracked over all streams [default: 50000]
+    #[arg(long, env = "SLUICE_AGENT_RLQS_MAX_BUCKETS")]
+    pub rlqs_max_buckets: Option<u32>,
 }
 
 /// The TOML file: the same settings as [`Cli`]; unknown keys are errors.
@@ -111,6 +150,17 @@ struct FileConfig {
     rlqs_assignment_ttl: Option<String>,
     rlqs_abandon_after: Option<String>,
     log_json: Option<bool>,
+    api_token: Option<String>,
+    api_token_file: Option<PathBuf>,
+    insecure_listen: Option<bool>,
+    max_agent_tasks: Option<u32>,
+    max_concurrent_requests: Option<u32>,
+    request_timeout: Option<String>,
+    max_batch: Option<u32>,
+    max_request_bytes: Option<u32>,
+    rlqs_max_streams: Option<u32>,
+    rlqs_max_buckets_per_stream: Option<u32>,
+    rlqs_max_buckets: Option<u32>,
 }
 
 /// A configuration error, naming the flag.
@@ -163,6 +213,103 @@ pub struct Config {
     pub rlqs_abandon_after: Duration,
     /// JSON logs.
     pub log_json: bool,
+    /// Token required on decisions (HTTP and gRPC); `None`: no authentication.
+    pub api_token: Option<Token>,
+    /// Listeners beyond loopback are allowed without a token.
+    pub insecure_listen: bool,
+    /// Most tasks the agent holds open (segment slots) at once.
+    pub max_agent_tasks: u32,
+    /// Most decision requests handled at once.
+    pub max_concurrent_requests: u32,
+    /// Longest time of one decision request (a whole batch, an RLS call).
+    pub request_timeout: Duration,
+    /// Most requests in one batch.
+    pub max_batch: u32,
+    /// Largest HTTP body / gRPC message.
+    pub max_request_bytes: u32,
+    /// Most RLQS streams open at once.
+    pub rlqs_max_streams: u32,
+    /// Most RLQS buckets per stream.
+    pub rlqs_max_buckets_per_stream: u32,
+    /// Most RLQS buckets over all streams.
+    pub rlqs_max_buckets: u32,
+}
+
+/// A secret (the API token): its `Debug` never shows it, and it is compared in constant time.
+#[derive(Clone)]
+pub struct Token(String);
+
+impl Token {
+    /// A token (tests, embedding).
+    pub fn new(s: impl Into<String>) -> Self {
+        Self(s.into())
+    }
+
+    /// Is `given` this token? Constant time in the token's content.
+    pub fn matches(&self, given: &str) -> bool {
+        let (a, b) = (self.0.as_bytes(), given.as_bytes());
+        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    }
+}
+
+impl std::fmt::Debug for Token {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
+}
+
+/// A token given inline (`--x`) or in a file (`--x-file`), not both; never empty (as the
+/// manager's `--api-token` / `--api-token-file`).
+fn token(
+    (flag, inline): (&'static str, Option<String>),
+    (file_flag, path): (&'static str, Option<PathBuf>),
+) -> Result<Option<Token>, ConfigError> {
+    match (inline, path) {
+        (Some(_), Some(_)) => Err(err(
+            flag,
+            format!("give --{flag} or --{file_flag}, not both"),
+        )),
+        (Some(t), None) if t.trim().is_empty() => Err(err(flag, "must not be empty when set")),
+        (Some(t), None) => Ok(Some(Token(t))),
+        (None, Some(p)) => sluice_protocol::tls::read_secret_file(&p)
+            .map(|t| Some(Token(t)))
+            .map_err(|e| err(file_flag, e)),
+        (None, None) => Ok(None),
+    }
+}
+
+/// A TOML error as `line L, column C: what`, never quoting the file: the line at fault may
+/// hold the token or a Redis URL with its password. serde's "invalid type/value" messages name
+/// the value found (`integer \`12345\``): that value is left out too.
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let at = e.span().map(|sp| {
+        let start = sp.start.min(text.len());
+        let before = &text[..start];
+        let line = before.matches('\n').count() + 1;
+        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        format!("line {line}, column {col}: ")
+    });
+    let mut msg = e.message().trim().to_string();
+    if msg.starts_with("invalid") {
+        let mut out = String::new();
+        for (i, part) in msg.split('`').enumerate() {
+            out.push_str(if i % 2 == 1 {
+                "(value not shown)"
+            } else {
+                part
+            });
+        }
+        msg = out;
+    }
+    format!("{}{}", at.unwrap_or_default(), msg.replace('\n', "; "))
+}
+
+/// A count flag within `min ..= max`.
+fn count(flag: &'static str, v: u32, min: u32, max: u32) -> Result<u32, ConfigError> {
+    if v < min || v > max {
+        return Err(err(flag, format!("{v} is outside {min} ..= {max}")));
+    }
+    Ok(v)
 }
 
 fn duration(flag: &'static str, raw: &str) -> Result<Duration, ConfigError> {
@@ -211,8 +358,12 @@ impl Config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
-                toml::from_str::<FileConfig>(&text)
-                    .map_err(|e| err("config", format!("{}: {e}", path.display())))?
+                toml::from_str::<FileConfig>(&text).map_err(|e| {
+                    err(
+                        "config",
+                        format!("{}: {}", path.display(), toml_error(&text, &e)),
+                    )
+                })?
             }
             None => FileConfig::default(),
         };
@@ -302,10 +453,11 @@ impl Config {
             Duration::from_millis(50),
             Duration::from_secs(300),
         )?;
+        // Envoy counts whole seconds of a TTL: under 1 s it would expire at once.
         let rlqs_assignment_ttl = bounded(
             "rlqs-assignment-ttl",
             &pick!(rlqs_assignment_ttl, "10s"),
-            Duration::from_millis(100),
+            Duration::from_secs(1),
             Duration::from_secs(86_400),
         )?;
         let rlqs_abandon_after = bounded(
@@ -313,6 +465,103 @@ impl Config {
             &pick!(rlqs_abandon_after, "60s"),
             Duration::from_millis(100),
             Duration::from_secs(86_400),
+        )?;
+        let api_token = token(
+            (
+                "api-token",
+                cli.api_token.clone().or(file.api_token.clone()),
+            ),
+            (
+                "api-token-file",
+                cli.api_token_file.clone().or(file.api_token_file.clone()),
+            ),
+        )?;
+        let insecure_listen = cli
+            .insecure_listen
+            .or(file.insecure_listen)
+            .unwrap_or(false);
+        // Anyone who reaches a decision listener can spend any task's quota: beyond loopback
+        // only with a token, or when told so.
+        if api_token.is_none() && !insecure_listen {
+            for (flag, addr) in [("grpc-listen", grpc_listen), ("http-listen", http_listen)] {
+                if !addr.ip().is_loopback() {
+                    return Err(err(
+                        flag,
+                        format!(
+                            "{addr} is reachable beyond loopback and the agent has no \
+                             --api-token: set --api-token (or --api-token-file) to require \
+                             a token, or --insecure-listen to serve it without one"
+                        ),
+                    ));
+                }
+            }
+        }
+        let max_agent_tasks = match cli.max_agent_tasks.or(file.max_agent_tasks) {
+            Some(n) => count("max-agent-tasks", n, 1, max_tasks)?,
+            None => (max_tasks / 2).max(1),
+        };
+        let max_concurrent_requests = count(
+            "max-concurrent-requests",
+            cli.max_concurrent_requests
+                .or(file.max_concurrent_requests)
+                .unwrap_or(1_024),
+            1,
+            1_000_000,
+        )?;
+        let request_timeout = bounded(
+            "request-timeout",
+            &pick!(request_timeout, "2s"),
+            Duration::from_millis(1),
+            Duration::from_secs(600),
+        )?;
+        if request_timeout < acquire_timeout {
+            return Err(err(
+                "request-timeout",
+                format!(
+                    "{} is shorter than --acquire-timeout ({}): a request must be able to wait \
+                     for one decision",
+                    humantime::format_duration(request_timeout),
+                    humantime::format_duration(acquire_timeout)
+                ),
+            ));
+        }
+        let max_batch = count(
+            "max-batch",
+            cli.max_batch.or(file.max_batch).unwrap_or(1_000),
+            1,
+            100_000,
+        )?;
+        let max_request_bytes = count(
+            "max-request-bytes",
+            cli.max_request_bytes
+                .or(file.max_request_bytes)
+                .unwrap_or(1 << 20),
+            1 << 10,
+            64 << 20,
+        )?;
+        let rlqs_max_streams = count(
+            "rlqs-max-streams",
+            cli.rlqs_max_streams
+                .or(file.rlqs_max_streams)
+                .unwrap_or(256),
+            1,
+            100_000,
+        )?;
+        let rlqs_max_buckets = count(
+            "rlqs-max-buckets",
+            cli.rlqs_max_buckets
+                .or(file.rlqs_max_buckets)
+                .unwrap_or(50_000),
+            1,
+            10_000_000,
+        )?;
+        let rlqs_max_buckets_per_stream = count(
+            "rlqs-max-buckets-per-stream",
+            cli.rlqs_max_buckets_per_stream
+                .or(file.rlqs_max_buckets_per_stream)
+                .unwrap_or(10_000.min(rlqs_max_buckets)),
+            1,
+            rlqs_max_buckets,
         )?;
         Ok(Self {
             redis,
@@ -333,6 +582,16 @@ impl Config {
             rlqs_assignment_ttl,
             rlqs_abandon_after,
             log_json: cli.log_json.or(file.log_json).unwrap_or(false),
+            api_token,
+            insecure_listen,
+            max_agent_tasks,
+            max_concurrent_requests,
+            request_timeout,
+            max_batch,
+            max_request_bytes,
+            rlqs_max_streams,
+            rlqs_max_buckets_per_stream,
+            rlqs_max_buckets,
         })
     }
 
@@ -383,10 +642,144 @@ mod tests {
                 "http-listen",
             ),
             (vec!["--redis", "http://x"], "redis"),
+            // Envoy counts whole seconds of an RLQS TTL (issue 23 item 18).
+            (
+                vec!["--rlqs-assignment-ttl", "500ms"],
+                "rlqs-assignment-ttl",
+            ),
+            (vec!["--max-agent-tasks", "0"], "max-agent-tasks"),
+            (
+                vec!["--max-tasks", "8", "--max-agent-tasks", "9"],
+                "max-agent-tasks",
+            ),
+            (vec!["--max-batch", "0"], "max-batch"),
+            (vec!["--max-request-bytes", "10"], "max-request-bytes"),
+            (
+                vec!["--max-concurrent-requests", "0"],
+                "max-concurrent-requests",
+            ),
+            (vec!["--request-timeout", "10ms"], "request-timeout"),
+            (vec!["--rlqs-max-streams", "0"], "rlqs-max-streams"),
+            (
+                vec![
+                    "--rlqs-max-buckets",
+                    "5",
+                    "--rlqs-max-buckets-per-stream",
+                    "6",
+                ],
+                "rlqs-max-buckets-per-stream",
+            ),
         ] {
             let e = cfg(&args).unwrap_err();
             assert_eq!(e.flag, flag, "{args:?}: {e}");
         }
+    }
+
+    #[test]
+    fn bounds_have_defaults() {
+        let c = cfg(&["--host-id", "h1"]).unwrap();
+        assert_eq!(c.max_agent_tasks, sluice::DEFAULT_MAX_TASKS / 2);
+        assert_eq!(c.max_concurrent_requests, 1_024);
+        assert_eq!(c.request_timeout, Duration::from_secs(2));
+        assert_eq!(c.max_batch, 1_000);
+        assert_eq!(c.max_request_bytes, 1 << 20);
+        assert_eq!(c.rlqs_max_streams, 256);
+        assert_eq!(c.rlqs_max_buckets_per_stream, 10_000);
+        assert_eq!(c.rlqs_max_buckets, 50_000);
+        assert_eq!(
+            cfg(&["--max-tasks", "1"]).unwrap().max_agent_tasks,
+            1,
+            "at least one"
+        );
+    }
+
+    /// Issue 23 item 16: nothing listens beyond loopback without a token unless told so.
+    #[test]
+    fn listeners_beyond_loopback_need_a_token_or_the_flag() {
+        for (flag, addr) in [
+            ("grpc-listen", "0.0.0.0:18081"),
+            ("http-listen", "0.0.0.0:18082"),
+            ("http-listen", "[::]:18082"),
+            ("grpc-listen", "10.1.2.3:18081"),
+        ] {
+            let e = cfg(&[&format!("--{flag}"), addr]).unwrap_err();
+            assert_eq!(e.flag, flag, "{e}");
+            assert!(
+                e.message.contains("--api-token") && e.message.contains("--insecure-listen"),
+                "{e}"
+            );
+            cfg(&[&format!("--{flag}"), addr, "--insecure-listen"]).unwrap();
+            cfg(&[&format!("--{flag}"), addr, "--api-token", "t0k3n"]).unwrap();
+        }
+        // Loopback, v4 and v6, needs neither.
+        cfg(&[
+            "--grpc-listen",
+            "127.0.0.2:18081",
+            "--http-listen",
+            "[::1]:18082",
+        ])
+        .unwrap();
+    }
+
+    /// The token: inline or from a file (not both, never empty), never shown by `Debug`.
+    #[test]
+    fn the_token_is_read_and_never_shown() {
+        let dir = std::env::temp_dir().join(format!("sluice-agent-tok-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("token");
+        std::fs::write(&f, "s3cret-t0ken\n").unwrap();
+        let path = f.to_str().unwrap();
+        let c = cfg(&["--api-token-file", path]).unwrap();
+        assert!(c.api_token.as_ref().unwrap().matches("s3cret-t0ken"));
+        assert!(!format!("{c:?}").contains("s3cret"), "{c:?}");
+        let c = cfg(&["--api-token", "inline-s3cret"]).unwrap();
+        assert!(c.api_token.as_ref().unwrap().matches("inline-s3cret"));
+        assert!(!format!("{c:?}").contains("s3cret"), "{c:?}");
+        let empty = dir.join("empty");
+        std::fs::write(&empty, "\n").unwrap();
+        for (args, flag) in [
+            (
+                vec!["--api-token", "x", "--api-token-file", path],
+                "api-token",
+            ),
+            (vec!["--api-token", " "], "api-token"),
+            (vec!["--api-token-file", "/nonexistent/t"], "api-token-file"),
+            (
+                vec!["--api-token-file", empty.to_str().unwrap()],
+                "api-token-file",
+            ),
+        ] {
+            let e = cfg(&args).unwrap_err();
+            assert_eq!(e.flag, flag, "{args:?}: {e}");
+            assert!(!e.message.contains("s3cret"), "{e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A TOML error never quotes the file's text: the line at fault may hold the token (or a
+    /// Redis URL with its password).
+    #[test]
+    fn file_errors_never_quote_the_file() {
+        let dir = std::env::temp_dir().join(format!("sluice-agent-toml-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("agent.toml");
+        for text in [
+            "api_token = s3cret-unquoted\n",
+            "api_token = \"s3cret-quoted\nhost_id = \"h\"\n",
+            "redis = redis://u:s3cretpw@h:6379\n",
+            "api_token = [\"s3cret-in-a-list\"]\n",
+            "api_token = 5339\n",
+        ] {
+            std::fs::write(&f, text).unwrap();
+            let e = cfg(&["--config", f.to_str().unwrap()]).unwrap_err();
+            assert_eq!(e.flag, "config", "{e}");
+            assert!(
+                !e.message.contains("s3cret") && !e.message.contains("5339"),
+                "{text:?}: {e}"
+            );
+            assert!(e.message.contains("line 1"), "{text:?}: {e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

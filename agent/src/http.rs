@@ -12,19 +12,26 @@
 //! task's would-be rejection answers `allowed` with `"shadow_limited": true`. Bad input is a
 //! 400 naming the field (`requests[2].hits`), an unknown task a 404 naming it; in a batch
 //! every request is checked before any is decided, so a refused batch consumed nothing.
+//!
+//! Before the handler, a middleware ([`guard`]) refuses a decision request without the token
+//! (401, with `--api-token`), from a browser (403: it carries `Origin`), or beyond
+//! `--max-concurrent-requests` (503). A whole request — every lookup and every decision of a
+//! batch — ends within `--request-timeout`: decisions still to make when it passes are made
+//! from what the host holds, without waiting.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use axum::body::Bytes;
-use axum::extract::State;
+use axum::body::{Body, Bytes};
+use axum::extract::{Request, State};
 use axum::http::{StatusCode, header};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use sluice::Decision;
-use utoipa::openapi::security::SecurityRequirement;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
 use utoipa::{OpenApi, ToSchema};
 use utoipa_axum::router::OpenApiRouter;
 use utoipa_axum::routes;
@@ -32,12 +39,13 @@ use utoipa_axum::routes;
 use crate::AppState;
 use crate::decide::{DecideError, Part};
 
-/// Most requests in one batch.
+/// Most requests in one batch by default (`--max-batch`).
 pub const MAX_BATCH: usize = 1_000;
-/// Most permits one request may ask for.
-pub const MAX_HITS: u64 = u32::MAX as u64;
-/// Largest accepted body.
-const MAX_BODY: usize = 1 << 20;
+/// Most permits one request may ask for: the largest threshold a task may have, so the
+/// largest cost a slice can ever admit (a larger one is refused, never counted).
+pub const MAX_HITS: u64 = sluice_protocol::MAX_COUNT;
+/// The path of decisions (the one the guard applies to).
+pub const DECIDE_PATH: &str = "/v1/decide";
 
 /// The OpenAPI document's skeleton; the paths come from the handlers ([`api_router`]).
 #[derive(OpenApi)]
@@ -45,8 +53,10 @@ const MAX_BODY: usize = 1 << 20;
     info(
         title = "Sluice agent HTTP API",
         description = "The agent's decision API (docs/agent.md) and its health and metrics \
-endpoints. No authentication: the agent listens on loopback (or the pod's network) by default. \
-Errors are `{\"error\": \"...\", \"field\": \"...\"}`, `field` naming the JSON path at fault \
+endpoints. `POST /v1/decide` needs `Authorization: Bearer <token>` when the agent runs with \
+`--api-token` (401 otherwise; without a token the agent listens on loopback only unless \
+`--insecure-listen`); requests from browsers (with an `Origin` header) are refused (403). \
+`/metrics`, `/healthz`, `/readyz` and this document are open. Errors are `{\"error\": \"...\", \"field\": \"...\"}`, `field` naming the JSON path at fault \
 (`requests[2].hits`); in a batch every request is checked before any is decided, so a refused \
 batch consumed nothing.",
         license(name = "Apache-2.0")
@@ -70,8 +80,66 @@ pub fn api_router() -> OpenApiRouter<Arc<AppState>> {
 pub fn router(state: Arc<AppState>) -> axum::Router {
     let (router, _) = api_router().split_for_parts();
     router
-        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
+        .layer(axum::extract::DefaultBodyLimit::max(
+            state.cfg.max_request_bytes as usize,
+        ))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), guard))
         .with_state(state)
+}
+
+/// Before a decision's handler (and its body is read): the token, no browser, a permit of
+/// `--max-concurrent-requests` (held until the answer is made). Other paths pass.
+async fn guard(State(s): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if req.uri().path() != DECIDE_PATH {
+        return next.run(req).await;
+    }
+    if !crate::guard::authorized(
+        s.cfg.api_token.as_ref(),
+        req.headers().get(header::AUTHORIZATION),
+    ) {
+        s.metrics.error("http", "unauthenticated");
+        let mut r = bad(
+            StatusCode::UNAUTHORIZED,
+            String::new(),
+            "this call needs Authorization: Bearer <token> (the agent runs with --api-token): \
+             missing or wrong"
+                .into(),
+        );
+        r.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            header::HeaderValue::from_static("Bearer"),
+        );
+        return r;
+    }
+    // A browser sends `Origin` with every POST; the agent serves no page, so such a request
+    // comes from some page the user visits, spending quota through a loopback agent.
+    if req.headers().contains_key(header::ORIGIN) {
+        s.metrics.error("http", "cross_origin");
+        return bad(
+            StatusCode::FORBIDDEN,
+            String::new(),
+            "requests from browsers (with an Origin header) cannot decide: the agent serves \
+             programs, not pages"
+                .into(),
+        );
+    }
+    let Some(permit) = crate::guard::admit(&s.inflight) else {
+        s.metrics.error("http", "busy");
+        let mut r = bad(
+            StatusCode::SERVICE_UNAVAILABLE,
+            String::new(),
+            format!(
+                "the agent is handling --max-concurrent-requests ({}) decision requests; retry",
+                s.cfg.max_concurrent_requests
+            ),
+        );
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        return r;
+    };
+    let r = next.run(req).await;
+    drop(permit);
+    r
 }
 
 /// The served OpenAPI document (built once).
@@ -79,10 +147,24 @@ pub fn document() -> &'static str {
     static DOC: OnceLock<String> = OnceLock::new();
     DOC.get_or_init(|| {
         let mut doc = api_router().into_openapi();
-        // Open: say so, rather than leave clients to guess.
-        for item in doc.paths.paths.values_mut() {
+        doc.components
+            .get_or_insert_with(Default::default)
+            .add_security_scheme(
+                "bearer",
+                SecurityScheme::Http(HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build()),
+            );
+        // Decisions: the token when the agent has one; the rest is open. Say so, rather than
+        // leave clients to guess.
+        for (path, item) in doc.paths.paths.iter_mut() {
             for op in [&mut item.get, &mut item.post].into_iter().flatten() {
-                op.security = Some(vec![SecurityRequirement::default()]);
+                op.security = Some(if path == DECIDE_PATH {
+                    vec![
+                        SecurityRequirement::new("bearer", Vec::<String>::new()),
+                        SecurityRequirement::default(),
+                    ]
+                } else {
+                    vec![SecurityRequirement::default()]
+                });
             }
         }
         doc.to_pretty_json()
@@ -129,9 +211,10 @@ pub struct DecideRequest {
     #[serde(default)]
     #[schema(nullable = true, required = false, max_length = 256)]
     key: Option<String>,
-    /// Permits asked for (1 ..= 4294967295), 1 unless given.
+    /// Permits asked for (1 ..= 1000000000000, the largest threshold a task may have), 1
+    /// unless given.
     #[serde(default = "one")]
-    #[schema(required = false, minimum = 1, maximum = 4_294_967_295_u64)]
+    #[schema(required = false, minimum = 1, maximum = 1_000_000_000_000_u64)]
     hits: u64,
 }
 
@@ -143,7 +226,7 @@ fn one() -> u64 {
 #[derive(Debug, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DecideBatch {
-    /// 1 ..= 1000 requests.
+    /// 1 ..= 1000 requests (`--max-batch`).
     #[schema(min_items = 1, max_items = 1000)]
     requests: Vec<DecideRequest>,
 }
@@ -237,29 +320,31 @@ fn checked(r: DecideRequest, at: &str) -> Result<Req, (String, String)> {
 /// batch.
 type Parsed = (bool, Vec<(String, Req)>);
 
-/// Parses a body: one request, or `{"requests": [...]}` (told apart by `requests`).
-fn parse_body(v: &Value) -> Result<Parsed, (String, String)> {
+/// Parses a body: one request, or `{"requests": [...]}` (told apart by `requests`) of at most
+/// `max_batch` requests.
+fn parse_body(v: &Value, max_batch: usize) -> Result<Parsed, (String, String)> {
     // serde would also take a struct from an array (`["t", null, 1]`): requests are objects.
     let must_be_object = |at: String| (at, "must be an object".to_string());
     if !v.is_object() {
         return Err(must_be_object(String::new()));
     }
-    if let Some(list) = v.get("requests").and_then(Value::as_array)
-        && let Some(i) = list.iter().position(|r| !r.is_object())
-    {
-        return Err(must_be_object(format!("requests[{i}]")));
+    if let Some(list) = v.get("requests").and_then(Value::as_array) {
+        // Counted before anything is built from it.
+        if list.is_empty() || list.len() > max_batch {
+            return Err((
+                "requests".into(),
+                format!("must hold 1 ..= {max_batch} requests (--max-batch)"),
+            ));
+        }
+        if let Some(i) = list.iter().position(|r| !r.is_object()) {
+            return Err(must_be_object(format!("requests[{i}]")));
+        }
     }
     if v.get("requests").is_none() {
         let r: DecideRequest = from_json(v)?;
         return Ok((false, vec![(String::new(), checked(r, "")?)]));
     }
     let b: DecideBatch = from_json(v)?;
-    if b.requests.is_empty() || b.requests.len() > MAX_BATCH {
-        return Err((
-            "requests".into(),
-            format!("must hold 1 ..= {MAX_BATCH} requests"),
-        ));
-    }
     let mut out = Vec::with_capacity(b.requests.len());
     for (i, r) in b.requests.into_iter().enumerate() {
         let at = format!("requests[{i}]");
@@ -278,8 +363,10 @@ fn answer(d: &Decision) -> Value {
         Decision::FallbackDenied { .. } => ("fallback_denied", false),
         _ => ("limited", false),
     };
+    // Not decided without a wait the request had no time left for: retry shortly.
     let retry = d
         .retry_after()
+        .or((*d == Decision::WouldBlock).then_some(crate::decide::CUT_RETRY))
         .map(|r| r.as_micros().div_ceil(1_000) as u64)
         .unwrap_or(0);
     let mut v = json!({"allowed": d.is_allowed(), "decision": name, "retry_after_ms": retry});
@@ -289,31 +376,28 @@ fn answer(d: &Decision) -> Value {
     v
 }
 
+/// `field` of request `at` (`""` for a single request, `requests[3]` in a batch).
+fn field_of(at: &str, f: &str) -> String {
+    if at.is_empty() {
+        f.to_string()
+    } else {
+        format!("{at}.{f}")
+    }
+}
+
 fn refused(e: DecideError, at: &str, s: &AppState) -> Response {
-    let field = |f: &str| {
-        if at.is_empty() {
-            f.to_string()
-        } else {
-            format!("{at}.{f}")
-        }
-    };
+    s.metrics.error("http", e.reason());
     match e {
         DecideError::Invalid { field: f, message } => {
-            s.metrics.error("http", "invalid");
-            bad(StatusCode::BAD_REQUEST, field(f), message)
+            bad(StatusCode::BAD_REQUEST, field_of(at, f), message)
         }
         e @ DecideError::UnknownTask(_) => {
-            s.metrics.error("http", "unknown_task");
-            bad(StatusCode::NOT_FOUND, field("task"), e.to_string())
+            bad(StatusCode::NOT_FOUND, field_of(at, "task"), e.to_string())
         }
         e @ DecideError::Concurrency(_) => {
-            s.metrics.error("http", "concurrency");
-            bad(StatusCode::BAD_REQUEST, field("task"), e.to_string())
+            bad(StatusCode::BAD_REQUEST, field_of(at, "task"), e.to_string())
         }
-        DecideError::Sdk(m) => {
-            s.metrics.error("http", "sdk");
-            bad(StatusCode::SERVICE_UNAVAILABLE, field("task"), m)
-        }
+        DecideError::Sdk(m) => bad(StatusCode::SERVICE_UNAVAILABLE, field_of(at, "task"), m),
     }
 }
 
@@ -326,13 +410,45 @@ fn refused(e: DecideError, at: &str, s: &AppState) -> Response {
     responses(
         (status = 200, description = "Decided (a batch: one answer per request, in order)", body = DecideReply),
         (status = 400, description = "Bad body: `field` names the JSON path at fault (a concurrency task cannot be decided here: field `task`)", body = ErrorBody),
+        (status = 401, description = "The agent runs with --api-token and the request has no `Authorization: Bearer <token>`, or a wrong one", body = ErrorBody),
+        (status = 403, description = "A request from a browser (it carries `Origin`)", body = ErrorBody),
         (status = 404, description = "Unknown task (`field` names it)", body = ErrorBody),
-        (status = 413, description = "The body is larger than 1 MiB (plain text)", content_type = "text/plain"),
-        (status = 503, description = "The SDK could not decide (segment or Redis trouble; `field` names the task)", body = ErrorBody),
+        (status = 408, description = "The body did not arrive within --request-timeout", body = ErrorBody),
+        (status = 413, description = "The body is larger than --max-request-bytes (1 MiB by default; plain text)", content_type = "text/plain"),
+        (status = 503, description = "Not decided: the task could not be verified in Redis, the agent's share of the host segment's slots is taken, the SDK refused (`field` names the task); the request's deadline passed while its tasks were looked up; or --max-concurrent-requests requests are in flight (`field` empty)", body = ErrorBody),
     )
 )]
-async fn decide(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
+async fn decide(State(s): State<Arc<AppState>>, body: Body) -> Response {
     let t0 = Instant::now();
+    // The whole request — reading its body, lookups and decisions — ends by then: a client
+    // sending its body slowly holds its permit (see [`guard`]) no longer.
+    let deadline = t0 + s.cfg.request_timeout;
+    let limit = s.cfg.max_request_bytes as usize;
+    let body: Bytes =
+        match tokio::time::timeout_at(deadline.into(), axum::body::to_bytes(body, limit)).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(_)) => {
+                s.metrics.error("http", "too_large");
+                return (
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    format!(
+                        "the body is larger than --max-request-bytes ({limit} bytes), or broken"
+                    ),
+                )
+                    .into_response();
+            }
+            Err(_) => {
+                s.metrics.error("http", "deadline");
+                return bad(
+                    StatusCode::REQUEST_TIMEOUT,
+                    String::new(),
+                    format!(
+                        "the body did not arrive within --request-timeout ({})",
+                        humantime::format_duration(s.cfg.request_timeout)
+                    ),
+                );
+            }
+        };
     let v: Value = match serde_json::from_slice(&body) {
         Ok(v) => v,
         Err(e) => {
@@ -344,7 +460,7 @@ async fn decide(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
             );
         }
     };
-    let (batch, reqs) = match parse_body(&v) {
+    let (batch, reqs) = match parse_body(&v, s.cfg.max_batch as usize) {
         Ok(r) => r,
         Err((f, m)) => {
             s.metrics.error("http", "invalid");
@@ -354,14 +470,30 @@ async fn decide(State(s): State<Arc<AppState>>, body: Bytes) -> Response {
     // Every request resolved before any is decided: a refused batch consumes nothing.
     let mut parts: Vec<Part> = Vec::with_capacity(reqs.len());
     for (at, r) in &reqs {
-        match s.decider.part(&r.task, r.key.as_deref(), r.hits).await {
+        if Instant::now() >= deadline {
+            s.metrics.error("http", "deadline");
+            return bad(
+                StatusCode::SERVICE_UNAVAILABLE,
+                field_of(at, "task"),
+                format!(
+                    "the request's deadline (--request-timeout {}) passed while its tasks were \
+                     looked up; nothing was decided",
+                    humantime::format_duration(s.cfg.request_timeout)
+                ),
+            );
+        }
+        match s
+            .decider
+            .part_by(&r.task, r.key.as_deref(), r.hits, deadline)
+            .await
+        {
             Ok(p) => parts.push(p),
             Err(e) => return refused(e, at, &s),
         }
     }
     let mut results = Vec::with_capacity(parts.len());
     for p in &parts {
-        let d = s.decider.decide(p).await;
+        let d = s.decider.decide_by(p, deadline).await;
         s.metrics.decision("http", crate::decide::decision_name(&d));
         results.push(answer(&d));
     }
@@ -466,7 +598,7 @@ mod tests {
     use super::*;
 
     fn parse(v: Value) -> Result<Vec<(String, u64)>, (String, String)> {
-        parse_body(&v).map(|(_, r)| r.into_iter().map(|(at, q)| (at, q.hits)).collect())
+        parse_body(&v, MAX_BATCH).map(|(_, r)| r.into_iter().map(|(at, q)| (at, q.hits)).collect())
     }
 
     #[test]
@@ -480,13 +612,23 @@ mod tests {
                 "unknown field `cost`",
             ),
             (json!({"task": "t", "key": 7}), "key", "expected a string"),
-            (json!({"task": "t", "hits": 0}), "hits", "1 ..= 4294967295"),
+            (
+                json!({"task": "t", "hits": 0}),
+                "hits",
+                "1 ..= 1000000000000",
+            ),
             (json!({"task": "t", "hits": -1}), "hits", "expected u64"),
             (json!({"task": "t", "hits": 1.5}), "hits", "expected u64"),
             (
-                json!({"task": "t", "hits": 4_294_967_296_u64}),
+                json!({"task": "t", "hits": 1_000_000_000_001_u64}),
                 "hits",
-                "1 ..= 4294967295",
+                "1 ..= 1000000000000",
+            ),
+            (json!({"task": "t", "hits": u64::MAX}), "hits", "1 ..= "),
+            (
+                json!({"requests": (0..1001).map(|_| json!({"task": "t"})).collect::<Vec<_>>()}),
+                "requests",
+                "1 ..= 1000",
             ),
             (json!([1]), "", "must be an object"),
             (json!(["t", null, 1]), "", "must be an object"),
@@ -570,7 +712,7 @@ mod tests {
         let codes = d["paths"]["/v1/decide"]["post"]["responses"]
             .as_object()
             .unwrap();
-        for c in ["200", "400", "404", "413", "503"] {
+        for c in ["200", "400", "401", "403", "404", "408", "413", "503"] {
             assert!(codes.contains_key(c), "{c}");
         }
     }

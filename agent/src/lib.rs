@@ -10,12 +10,14 @@
 //! * [`rlqs`]: Envoy's rate-limit quota service (`StreamRateLimitQuotas`): usage reports in,
 //!   quota assignments out, sized from the slice quota;
 //! * [`http`]: `POST /v1/decide` for everything else, `/metrics`, `/healthz`, `/readyz`;
-//! * [`decide`]: the decisions all of them share; [`config`]: flags, environment, TOML.
+//! * [`decide`]: the decisions all of them share; [`config`]: flags, environment, TOML;
+//! * [`guard`]: authentication and the bound on requests in flight, before any handler.
 //!
 //! See docs/agent.md.
 
 pub mod config;
 pub mod decide;
+pub mod guard;
 pub mod http;
 pub mod metrics;
 pub mod rlqs;
@@ -25,16 +27,17 @@ pub mod routes;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use sluice_protocol::Keys;
 use sluice_protocol::conn::{CheckError, ConnOptions, Redis, RedisTarget};
+use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::decide::Decider;
+use crate::decide::{Decider, DeciderLimits};
 use crate::metrics::Metrics;
 use crate::routes::RouteTable;
 
@@ -47,7 +50,13 @@ pub struct AppState {
     /// Envoy domains.
     pub routes: RouteTable,
     /// Metrics.
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
+    /// Permits of the decision requests handled at once (HTTP and RLS together).
+    pub inflight: Arc<Semaphore>,
+    /// Permits of the open RLQS streams.
+    pub rlqs_streams: Arc<Semaphore>,
+    /// RLQS buckets tracked over all streams.
+    pub rlqs_buckets: AtomicUsize,
     started: Instant,
     /// Milliseconds since `started` of the last successful read of the domains (-1: never).
     routes_read_ms: AtomicI64,
@@ -82,10 +91,19 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> anyhow::Res
     }
     let keys = Keys::new(&cfg.namespace)?;
     let client = sluice::Client::new(cfg.sdk()).context("starting the Sluice client")?;
+    let metrics = Arc::new(Metrics::new());
+    let limits = DeciderLimits {
+        max_tasks: cfg.max_agent_tasks,
+        max_waits: cfg.max_concurrent_requests,
+        request_timeout: cfg.request_timeout,
+    };
     let state = Arc::new(AppState {
-        decider: Decider::new(client, redis, keys),
+        decider: Decider::new(client, redis, keys, metrics.clone(), limits),
         routes: RouteTable::default(),
-        metrics: Metrics::new(),
+        metrics,
+        inflight: Arc::new(Semaphore::new(cfg.max_concurrent_requests as usize)),
+        rlqs_streams: Arc::new(Semaphore::new(cfg.rlqs_max_streams as usize)),
+        rlqs_buckets: AtomicUsize::new(0),
         started: Instant::now(),
         routes_read_ms: AtomicI64::new(-1),
         cfg,
@@ -100,10 +118,18 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> anyhow::Res
     let poller = tokio::spawn(poll_routes(state.clone(), stop.clone()));
     let grpc_task = {
         let stop = stop.clone();
-        let rls = rls::service(state.clone());
-        let rlqs = rlqs::service(state.clone());
+        let max = state.cfg.max_request_bytes as usize;
+        let rls = rls::service(state.clone()).max_decoding_message_size(max);
+        let rlqs = rlqs::service(state.clone()).max_decoding_message_size(max);
+        let guard = guard::GrpcGuardLayer::new(
+            state.cfg.api_token.clone(),
+            state.inflight.clone(),
+            state.cfg.max_concurrent_requests,
+            state.metrics.clone(),
+        );
         tokio::spawn(async move {
             let r = tonic::transport::Server::builder()
+                .layer(guard)
                 .add_service(rls)
                 .add_service(rlqs)
                 .serve_with_incoming_shutdown(
@@ -140,6 +166,7 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()>) -> anyhow::Res
         host_id = %state.cfg.host_id,
         namespace = %state.cfg.namespace,
         segment = %state.decider.client().segment_path().display(),
+        auth = if state.cfg.api_token.is_some() { "token" } else { "none" },
         "sluice-agent serving"
     );
     let failed = tokio::select! {

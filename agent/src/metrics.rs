@@ -38,6 +38,14 @@ pub struct Metrics {
     route_errors: Counter,
     rlqs_streams: Gauge,
     rlqs_buckets: Gauge,
+    open_tasks: Gauge,
+    task_refusals: Family<Reason, Counter>,
+    rlqs_short_ttl: Counter,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct Reason {
+    reason: &'static str,
 }
 
 impl Default for Metrics {
@@ -92,6 +100,24 @@ impl Metrics {
             "RLQS buckets tracked over all streams",
             rlqs_buckets.clone(),
         );
+        let open_tasks = Gauge::default();
+        registry.register(
+            "open_tasks",
+            "Tasks the agent holds open, each a slot of the host segment (at most --max-agent-tasks)",
+            open_tasks.clone(),
+        );
+        let task_refusals = Family::<Reason, Counter>::default();
+        registry.register(
+            "task_refusals",
+            "Tasks not opened: unverified (Redis did not answer the first-sight lookup), slots_full (--max-agent-tasks), segment_full (the host segment)",
+            task_refusals.clone(),
+        );
+        let rlqs_short_ttl = Counter::default();
+        registry.register(
+            "rlqs_short_ttl",
+            "RLQS assignments sent with a time to live under 1 s (Envoy counts whole seconds: it expires them at once)",
+            rlqs_short_ttl.clone(),
+        );
         Self {
             registry,
             decisions,
@@ -102,7 +128,25 @@ impl Metrics {
             route_errors,
             rlqs_streams,
             rlqs_buckets,
+            open_tasks,
+            task_refusals,
+            rlqs_short_ttl,
         }
+    }
+
+    /// Task handles open now.
+    pub fn open_tasks(&self, n: usize) {
+        self.open_tasks.set(n as i64);
+    }
+
+    /// A task not opened, and why.
+    pub fn refusal(&self, reason: &'static str) {
+        self.task_refusals.get_or_create(&Reason { reason }).inc();
+    }
+
+    /// An RLQS assignment sent with a TTL under 1 s.
+    pub fn rlqs_short_ttl(&self) {
+        self.rlqs_short_ttl.inc();
     }
 
     /// Counts a decision.

@@ -5,9 +5,10 @@
 //! * A bucket names its task in the `BucketId` entry `sluice_task`; the other entries, sorted
 //!   by key, `k=v` joined with `|` (`\` escapes `|` and `\`; `sha256:<hex>` past 256 bytes),
 //!   are the key of a keyed task (ignored for a task that is not keyed). A bucket without
-//!   `sluice_task`, naming an unknown task or a concurrency task, or beyond
-//!   [`MAX_BUCKETS_PER_STREAM`], gets no assignment (the client keeps its
-//!   `no_assignment_behavior`); logged once per bucket, counted.
+//!   `sluice_task`, naming an unknown task, a concurrency task or a task whose slice is under
+//!   1 s (Envoy would expire every assignment at once: it counts whole seconds of a TTL), or
+//!   beyond `--rlqs-max-buckets-per-stream` / `--rlqs-max-buckets`, gets no assignment (the
+//!   client keeps its `no_assignment_behavior`); logged once per bucket, counted.
 //! * Sizing: per bucket the agent estimates the demand (allowed + denied per second, from the
 //!   reports); at the first report of a bucket, at each slice boundary of its task while the
 //!   bucket is tracked, and when a report shows denials under the current assignment (top-up),
@@ -29,12 +30,15 @@
 //! * A bucket reporting no usage for `--rlqs-abandon-after` gets an `AbandonAction` and is
 //!   dropped; when the stream ends every bucket of it is dropped.
 //!
-//! One tokio task per stream; it sleeps until the next slice boundary or abandonment of its
-//! buckets, or the next message.
+//! One tokio task per stream (at most `--rlqs-max-streams`); it sleeps until the next slice
+//! boundary, renewal or abandonment of one of its buckets ([`Timers`]: ordered, so a wake-up
+//! or a message costs work in proportion to the buckets it concerns, never a scan of all), or
+//! the next message.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::r#type::v3::rate_limit_strategy::{BlanketRule, Strategy};
@@ -52,7 +56,7 @@ use envoy_types::pb::envoy::service::rate_limit_quota::v3::{
 use envoy_types::pb::google::protobuf::{Duration as PbDuration, UInt32Value};
 use sluice::Decision;
 use sluice_protocol::OnFailure;
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
 use tokio_stream::Stream;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
@@ -63,8 +67,12 @@ use crate::routes::key_of;
 
 /// The `BucketId` entry naming the Sluice task.
 pub const TASK_ENTRY: &str = "sluice_task";
-/// Most buckets tracked per stream (more get no assignment).
-pub const MAX_BUCKETS_PER_STREAM: usize = 10_000;
+/// Most entries of one `BucketId` (a bucket with more is refused as invalid).
+pub const MAX_BUCKET_ENTRIES: usize = 32;
+/// The shortest slice RLQS assigns for: Envoy arms an assignment's expiry with the whole
+/// seconds of its TTL, and a TTL ends at the slice's end, so with shorter slices every
+/// assignment would expire at once.
+pub const MIN_SLICE: Duration = Duration::from_secs(1);
 /// The `fill_interval` of every token bucket assigned: with `tokens_per_fill` 1, one token a
 /// day, i.e. no refill within any slice (0 is not a valid `tokens_per_fill`; Envoy computes
 /// the rate from whole seconds of the interval, so it must be at least 1 s).
@@ -103,9 +111,16 @@ impl RateLimitQuotaService for Rlqs {
         &self,
         request: Request<Streaming<RateLimitQuotaUsageReports>>,
     ) -> Result<Response<Self::StreamRateLimitQuotasStream>, Status> {
+        let Ok(permit) = self.state.rlqs_streams.clone().try_acquire_owned() else {
+            self.state.metrics.error("rlqs", "too_many_streams");
+            return Err(Status::resource_exhausted(format!(
+                "the agent serves --rlqs-max-streams ({}) RLQS streams already",
+                self.state.cfg.rlqs_max_streams
+            )));
+        };
         let inbound = request.into_inner();
         let (tx, rx) = mpsc::channel(64);
-        tokio::spawn(run_stream(self.state.clone(), inbound, tx));
+        tokio::spawn(run_stream(self.state.clone(), inbound, tx, permit));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
@@ -155,9 +170,51 @@ fn bucket_key(id: &BucketId) -> BucketKey {
     v
 }
 
+/// The wake-up times of a stream's buckets (by bucket number), ordered: the next one is the
+/// first, and the due ones are taken from the front — O(log n) per change, never a scan.
+#[derive(Debug, Default)]
+struct Timers {
+    by_time: BTreeSet<(Instant, u64)>,
+    at: HashMap<u64, Instant>,
+}
+
+impl Timers {
+    /// Sets (or clears) the wake-up of bucket `n`.
+    fn set(&mut self, n: u64, when: Option<Instant>) {
+        if let Some(old) = self.at.remove(&n) {
+            self.by_time.remove(&(old, n));
+        }
+        if let Some(w) = when {
+            self.by_time.insert((w, n));
+            self.at.insert(n, w);
+        }
+    }
+
+    /// The earliest wake-up.
+    fn next(&self) -> Option<Instant> {
+        self.by_time.first().map(|(t, _)| *t)
+    }
+
+    /// Takes the buckets due at `now` (their wake-ups are cleared).
+    fn due(&mut self, now: Instant) -> Vec<u64> {
+        let mut out = Vec::new();
+        while let Some(&(t, n)) = self.by_time.first() {
+            if t > now {
+                break;
+            }
+            self.by_time.pop_first();
+            self.at.remove(&n);
+            out.push(n);
+        }
+        out
+    }
+}
+
 /// One tracked bucket of a stream.
 struct Bucket {
     id: BucketId,
+    /// Its number in the stream (for [`Timers`]).
+    num: u64,
     /// `None`: refused (no assignment), since `refused_at`.
     part: Option<Part>,
     refused_at: Instant,
@@ -194,8 +251,15 @@ impl Bucket {
 struct StreamState {
     state: Arc<AppState>,
     buckets: HashMap<BucketKey, Bucket>,
-    /// Buckets refused because the stream tracks too many (logged once per stream).
+    /// Bucket number → key.
+    nums: HashMap<u64, BucketKey>,
+    next_num: u64,
+    timers: Timers,
+    /// Buckets refused because the stream (or the agent) tracks too many (logged once per
+    /// stream).
     overflow_logged: bool,
+    /// Tasks whose assignments went out with a TTL under 1 s (logged once per task).
+    short_ttl_logged: HashSet<String>,
     domain: String,
 }
 
@@ -323,35 +387,94 @@ async fn acquire_up_to(state: &AppState, part: &Part, want: u64, wait: bool) -> 
     (got, last)
 }
 
+fn ttl_of(a: &BucketAction) -> Option<Duration> {
+    match &a.bucket_action {
+        Some(Action::QuotaAssignmentAction(q)) => q
+            .assignment_time_to_live
+            .map(|d| Duration::new(d.seconds.max(0) as u64, d.nanos.max(0) as u32)),
+        _ => None,
+    }
+}
+
 impl StreamState {
-    /// Resolves a bucket seen for the first time: `None` when it gets no assignment.
-    async fn resolve(&mut self, id: &BucketId) -> Option<Part> {
+    /// Resolves a bucket seen for the first time: `Err(why)` when it gets no assignment.
+    async fn resolve(&mut self, id: &BucketId) -> Result<Part, &'static str> {
         let s = &self.state;
+        let refuse = |why: &'static str| {
+            s.metrics.decision("rlqs", why);
+            Err(why)
+        };
         let (task, key) = match bucket_target(&id.bucket) {
-            BucketTarget::NoTask => {
-                s.metrics.decision("rlqs", "no_task");
-                return None;
-            }
+            BucketTarget::NoTask => return refuse("no_task"),
             BucketTarget::Task { task, key } => (task, key),
         };
         let keyed = match s.decider.task(&task).await {
             Ok(t) => t.meta().is_some_and(|m| m.keyed),
-            Err(e) => {
-                s.metrics.decision("rlqs", refusal_name(&e));
-                return None;
-            }
+            Err(e) => return refuse(refusal_name(&e)),
         };
         match s
             .decider
             .part(&task, keyed.then_some(key.as_str()), 1)
             .await
         {
-            Ok(p) => Some(p),
-            Err(e) => {
-                s.metrics.decision("rlqs", refusal_name(&e));
-                None
+            Ok(p)
+                if p.task
+                    .meta()
+                    .is_some_and(|m| Duration::from_millis(m.slice_ms) < MIN_SLICE) =>
+            {
+                refuse("slice_under_1s")
             }
+            Ok(p) => Ok(p),
+            Err(e) => refuse(refusal_name(&e)),
         }
+    }
+
+    /// When bucket `b` must be looked at again: its abandonment, its renewal, or just past its
+    /// task's next slice boundary (so that the new slice is the current one).
+    fn wake_of(&self, b: &Bucket, now: Instant) -> Instant {
+        let mut w = b.last_usage + self.state.cfg.rlqs_abandon_after;
+        if let Some(r) = b.renew_at {
+            w = w.min(r);
+        }
+        if let Some(p) = &b.part
+            && let Some(d) = until_slice_end(&p.task)
+        {
+            w = w.min(now + d + Duration::from_micros(500));
+        }
+        w
+    }
+
+    /// Re-arms the wake-up of bucket `key`.
+    fn reschedule(&mut self, key: &BucketKey, now: Instant) {
+        if let Some(b) = self.buckets.get(key) {
+            let w = self.wake_of(b, now);
+            self.timers.set(b.num, Some(w));
+        }
+    }
+
+    /// Stops tracking bucket `key`.
+    fn remove(&mut self, key: &BucketKey) -> Option<Bucket> {
+        let b = self.buckets.remove(key)?;
+        self.nums.remove(&b.num);
+        self.timers.set(b.num, None);
+        self.state.rlqs_buckets.fetch_sub(1, Ordering::AcqRel);
+        self.state.metrics.rlqs(0, -1);
+        Some(b)
+    }
+
+    /// Room for one more bucket, per stream and over the agent (reserved when there is).
+    fn reserve(&mut self) -> bool {
+        let cfg = &self.state.cfg;
+        if self.buckets.len() >= cfg.rlqs_max_buckets_per_stream as usize {
+            return false;
+        }
+        let max = cfg.rlqs_max_buckets as usize;
+        self.state
+            .rlqs_buckets
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
     }
 
     /// Handles one message of reports, sending each action as soon as it is made (`Err`: the
@@ -371,6 +494,10 @@ impl StreamState {
                 self.state.metrics.error("rlqs", "no_bucket_id");
                 continue;
             }
+            if id.bucket.len() > MAX_BUCKET_ENTRIES {
+                self.state.metrics.error("rlqs", "invalid");
+                continue;
+            }
             let key = bucket_key(&id);
             // The time this report covers.
             let covered: Duration;
@@ -385,25 +512,35 @@ impl StreamState {
                 })
                 .filter(|d| !d.is_zero());
             if !self.buckets.contains_key(&key) {
-                if self.buckets.len() >= MAX_BUCKETS_PER_STREAM {
+                if !self.reserve() {
                     self.state.metrics.decision("rlqs", "too_many_buckets");
                     if !self.overflow_logged {
-                        tracing::warn!(domain = %self.domain, max = MAX_BUCKETS_PER_STREAM, "RLQS stream reports more buckets than tracked per stream; the others get no assignment");
+                        tracing::warn!(domain = %self.domain,
+                            per_stream = self.state.cfg.rlqs_max_buckets_per_stream,
+                            total = self.state.cfg.rlqs_max_buckets,
+                            "RLQS stream reports more buckets than tracked (--rlqs-max-buckets-per-stream, --rlqs-max-buckets); the others get no assignment");
                         self.overflow_logged = true;
                     }
                     continue;
                 }
-                let part = self.resolve(&id).await;
-                if part.is_none() {
-                    // Entry names and the task only: values may be user data.
-                    let entries: Vec<&str> = key.iter().map(|(k, _)| k.as_str()).collect();
-                    let task = id.bucket.get(TASK_ENTRY).map(String::as_str).unwrap_or("");
-                    tracing::warn!(domain = %self.domain, task, entries = ?entries, "RLQS bucket gets no assignment: it names no task of this namespace (BucketId entry `sluice_task`), an unknown task, or a task in mode concurrency");
-                }
+                let part = match self.resolve(&id).await {
+                    Ok(p) => Some(p),
+                    Err(why) => {
+                        // Entry names and the task only: values may be user data.
+                        let entries: Vec<&str> = key.iter().map(|(k, _)| k.as_str()).collect();
+                        let task = id.bucket.get(TASK_ENTRY).map(String::as_str).unwrap_or("");
+                        tracing::warn!(domain = %self.domain, task, entries = ?entries, why, "RLQS bucket gets no assignment: it names no task of this namespace (BucketId entry `sluice_task`), an unknown task, a task in mode concurrency or with a slice under 1 s, or the task cannot be opened now");
+                        None
+                    }
+                };
+                let num = self.next_num;
+                self.next_num += 1;
+                self.nums.insert(num, key.clone());
                 self.buckets.insert(
                     key.clone(),
                     Bucket {
                         id: id.clone(),
+                        num,
                         part,
                         refused_at: now,
                         win_count: 0.0,
@@ -443,12 +580,13 @@ impl StreamState {
                 if b.part.is_none() && now.duration_since(b.refused_at) >= RECHECK {
                     b.refused_at = now;
                     let id = b.id.clone();
-                    let part = self.resolve(&id).await;
+                    let part = self.resolve(&id).await.ok();
                     if let Some(b) = self.buckets.get_mut(&key) {
                         b.part = part;
                     }
                 }
             }
+            self.reschedule(&key, now);
             let Some(b) = self.buckets.get_mut(&key) else {
                 continue;
             };
@@ -465,6 +603,7 @@ impl StreamState {
             if (fresh || topup)
                 && let Some(a) = self.assign(&key, now, Instant::now() < round_end).await
             {
+                self.reschedule(&key, Instant::now());
                 send(tx, a).await?;
             }
         }
@@ -552,6 +691,19 @@ impl StreamState {
         b.renew_at = failed_sent
             .filter(|ttl| !local || *ttl + Duration::from_millis(20) < ttl_to_end)
             .map(|ttl| Instant::now() + renew_after(ttl));
+        // Envoy expires an assignment after the whole seconds of its TTL: one under 1 s at
+        // once (then its `expired_assignment_behavior` applies). Counted, logged once per task.
+        if ttl_of(&action).is_some_and(|t| t < Duration::from_secs(1)) {
+            state.metrics.rlqs_short_ttl();
+            let task = part.task.name();
+            if self.short_ttl_logged.len() < 1_024 && self.short_ttl_logged.insert(task.into()) {
+                tracing::warn!(
+                    task,
+                    slice_ms = slice.as_millis() as u64,
+                    "RLQS assignment sent with a time to live under 1 s (the rest of the slice, or a short retry): Envoy counts whole seconds and expires it at once; use slices of several seconds for RLQS (docs/agent.md)"
+                );
+            }
+        }
         Some(action)
     }
 
@@ -586,64 +738,45 @@ impl StreamState {
         })
     }
 
-    /// When the stream task must wake: the next slice boundary of a tracked bucket, or the
-    /// next abandonment.
-    fn next_wake(&self, now: Instant) -> Option<Instant> {
-        let abandon = self.state.cfg.rlqs_abandon_after;
-        let mut wake: Option<Instant> = None;
-        let mut consider = |t: Instant| {
-            wake = Some(wake.map_or(t, |w| w.min(t)));
-        };
-        for b in self.buckets.values() {
-            consider(b.last_usage + abandon);
-            if let Some(r) = b.renew_at {
-                consider(r);
-            }
-            if let Some(p) = &b.part
-                && let Some(d) = until_slice_end(&p.task)
-            {
-                // Just past the boundary, so that the new slice is the current one.
-                consider(now + d + Duration::from_micros(500));
-            }
-        }
-        wake
-    }
-
-    /// Abandons idle buckets and assigns the new slice to every other tracked bucket.
+    /// Abandons the due buckets that are idle and assigns the new slice (or renews a FAILED
+    /// assignment) of the other due ones; only the due buckets are looked at.
     async fn on_timer(&mut self, tx: &Tx) -> Result<(), ()> {
         let now = Instant::now();
         let abandon = self.state.cfg.rlqs_abandon_after;
         let mut out = Vec::new();
-        let idle: Vec<BucketKey> = self
-            .buckets
-            .iter()
-            .filter(|(_, b)| now.duration_since(b.last_usage) >= abandon)
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in idle {
-            if let Some(b) = self.buckets.remove(&k) {
-                self.state.metrics.rlqs(0, -1);
-                if b.part.is_some() {
+        let mut due = Vec::new();
+        for n in self.timers.due(now) {
+            let Some(key) = self.nums.get(&n).cloned() else {
+                continue;
+            };
+            let Some(b) = self.buckets.get(&key) else {
+                continue;
+            };
+            if now.duration_since(b.last_usage) >= abandon {
+                if let Some(b) = self.remove(&key)
+                    && b.part.is_some()
+                {
                     self.state.metrics.decision("rlqs", "abandoned");
                     out.push(BucketAction {
                         bucket_id: Some(b.id),
                         bucket_action: Some(Action::AbandonAction(AbandonAction {})),
                     });
                 }
+                continue;
             }
-        }
-        let due: Vec<BucketKey> = self
-            .buckets
-            .iter()
-            .filter(|(_, b)| match &b.part {
+            let assign = match &b.part {
                 Some(p) => {
                     slice_index(p).is_some_and(|(i, _)| b.assigned != Some(i))
                         || b.renew_at.is_some_and(|r| r <= now)
                 }
                 None => false,
-            })
-            .map(|(k, _)| k.clone())
-            .collect();
+            };
+            if assign {
+                due.push(key);
+            } else {
+                self.reschedule(&key, now);
+            }
+        }
         if !out.is_empty() {
             tx.send(Ok(RateLimitQuotaResponse { bucket_action: out }))
                 .await
@@ -651,7 +784,9 @@ impl StreamState {
         }
         let round_end = Instant::now() + ROUND_BUDGET;
         for k in due {
-            if let Some(a) = self.assign(&k, now, Instant::now() < round_end).await {
+            let a = self.assign(&k, now, Instant::now() < round_end).await;
+            self.reschedule(&k, Instant::now());
+            if let Some(a) = a {
                 send(tx, a).await?;
             }
         }
@@ -676,7 +811,7 @@ fn refusal_name(e: &DecideError) -> &'static str {
         DecideError::UnknownTask(_) => "unknown_task",
         DecideError::Concurrency(_) => "concurrency",
         DecideError::Invalid { .. } => "invalid",
-        DecideError::Sdk(_) => "sdk_error",
+        DecideError::Sdk(_) => "unavailable",
     }
 }
 
@@ -684,16 +819,40 @@ async fn run_stream(
     state: Arc<AppState>,
     mut inbound: Streaming<RateLimitQuotaUsageReports>,
     tx: Tx,
+    permit: OwnedSemaphorePermit,
 ) {
+    // One of --rlqs-max-streams, held while the stream lives.
+    let _permit = permit;
     state.metrics.rlqs(1, 0);
     let mut s = StreamState {
         state: state.clone(),
         buckets: HashMap::new(),
+        nums: HashMap::new(),
+        next_num: 0,
+        timers: Timers::default(),
         overflow_logged: false,
+        short_ttl_logged: HashSet::new(),
         domain: String::new(),
     };
+    let mut idle_since: Option<Instant> = None;
     loop {
-        let wake = s.next_wake(Instant::now());
+        // A stream without buckets for --rlqs-abandon-after is ended: streams that never
+        // report must not hold the --rlqs-max-streams permits forever.
+        let now = Instant::now();
+        if s.buckets.is_empty() {
+            let since = *idle_since.get_or_insert(now);
+            if now.duration_since(since) >= state.cfg.rlqs_abandon_after {
+                tracing::debug!("RLQS stream without buckets ended");
+                break;
+            }
+        } else {
+            idle_since = None;
+        }
+        let idle_end = idle_since.map(|t| t + state.cfg.rlqs_abandon_after);
+        let wake = match (s.timers.next(), idle_end) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
         let sent = tokio::select! {
             m = inbound.message() => match m {
                 Ok(Some(m)) => {
@@ -713,14 +872,16 @@ async fn run_stream(
                     Some(w) => tokio::time::sleep_until(w.into()).await,
                     None => std::future::pending().await,
                 }
-            } => s.on_timer(&tx).await,
+            } => if s.buckets.is_empty() { Ok(()) } else { s.on_timer(&tx).await },
             _ = tx.closed() => break,
         };
         if sent.is_err() {
             break;
         }
     }
-    state.metrics.rlqs(-1, -(s.buckets.len() as i64));
+    let n = s.buckets.len();
+    state.rlqs_buckets.fetch_sub(n, Ordering::AcqRel);
+    state.metrics.rlqs(-1, -(n as i64));
 }
 
 #[cfg(test)]
@@ -766,6 +927,29 @@ mod tests {
             panic!()
         };
         assert!(key.starts_with("sha256:") && key.len() == 7 + 64, "{key}");
+    }
+
+    #[test]
+    fn timers_take_only_the_due_buckets_in_order() {
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut t = Timers::default();
+        assert_eq!(t.next(), None);
+        for n in 0..1_000u64 {
+            t.set(n, Some(ms(1_000 + n)));
+        }
+        t.set(7, Some(ms(5)));
+        t.set(3, Some(ms(2)));
+        t.set(3, Some(ms(4))); // moved: its old time is gone
+        t.set(9, None); // cleared
+        assert_eq!(t.next(), Some(ms(4)));
+        assert_eq!(t.due(ms(3)), Vec::<u64>::new());
+        assert_eq!(t.due(ms(5)), vec![3, 7]);
+        assert_eq!(t.due(ms(5)), Vec::<u64>::new(), "taken once");
+        assert_eq!(t.due(ms(1_002)), vec![0, 1, 2]);
+        assert_eq!(t.due(ms(1_009)), vec![4, 5, 6, 8]);
+        assert_eq!(t.by_time.len(), t.at.len());
+        assert_eq!(t.at.len(), 1_000 - 10);
     }
 
     #[test]

@@ -284,3 +284,84 @@ async fn redis_down_follows_on_failure_and_readyz() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// `adm` and `rej` of the slice of `task` containing `at_ms` (slices of `slice_ms`).
+fn counted(redis: &str, ns: &str, task: &str, slice_ms: i64, at_ms: i64) -> (u64, u64) {
+    let keys = sluice_protocol::Keys::new(ns).unwrap();
+    let start = at_ms - at_ms.rem_euclid(slice_ms);
+    let mut c = redis_conn(redis);
+    let (a, r): (Option<u64>, Option<u64>) = redis::cmd("HMGET")
+        .arg(keys.slice(task, start))
+        .arg(sluice_protocol::slice_field::ADMITTED)
+        .arg(sluice_protocol::slice_field::REJECTED)
+        .query(&mut c)
+        .unwrap();
+    (a.unwrap_or(0), r.unwrap_or(0))
+}
+
+/// Issue 23 item 4 (the HTTP door): a cost above `sluice_protocol::MAX_COUNT` (the largest
+/// threshold a task may have, so the largest a slice can ever admit) is refused with a 400
+/// naming the field, alone or in a batch, and counted nowhere; `MAX_COUNT` itself is a cost
+/// like any other (refused by the limit, counted as rejected).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn costs_above_max_count_are_refused_and_counted_nowhere() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("acost");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    task(&m, "five", r#"{"threshold":5,"slice_ms":60000}"#).await;
+    let into = now_ms().rem_euclid(60_000);
+    if into > 50_000 {
+        tokio::time::sleep(Duration::from_millis((60_000 - into + 200) as u64)).await;
+    }
+    let t0 = now_ms();
+    let a = Agent::start(&redis, &ns, "h1", &[]).await;
+    let max = sluice_protocol::MAX_COUNT;
+    for (body, field) in [
+        (json!({"task": "five", "hits": max + 1}), "hits"),
+        (json!({"task": "five", "hits": u64::MAX}), "hits"),
+        (json!({"task": "five", "hits": 1u64 << 63}), "hits"),
+        (
+            json!({"requests": [{"task": "five"}, {"task": "five", "hits": max + 1}]}),
+            "requests[1].hits",
+        ),
+    ] {
+        let (s, v) = a.decide(&body).await;
+        assert_eq!(s, 400, "{body}: {v}");
+        assert_eq!(v["field"], field, "{body}: {v}");
+        assert!(
+            v["error"].as_str().unwrap().contains("1000000000000"),
+            "{v}"
+        );
+    }
+    let metrics = a.metrics().await;
+    assert!(
+        !metrics.contains(r#"sluice_agent_decisions_total{api="http""#),
+        "nothing decided: {metrics}"
+    );
+    // The refused requests consumed nothing: 5 admitted, then limited.
+    let (_, v) = a
+        .decide(&json!({"requests": (0..6).map(|_| json!({"task": "five"})).collect::<Vec<_>>()}))
+        .await;
+    assert_eq!(
+        decisions(&v),
+        [
+            "allowed", "allowed", "allowed", "allowed", "allowed", "limited"
+        ],
+        "{v}"
+    );
+    // MAX_COUNT is a cost like any other: refused by the limit, not by the door.
+    let (s, v) = a.decide(&json!({"task": "five", "hits": max})).await;
+    assert_eq!((s, &v["decision"]), (200, &json!("limited")), "{v}");
+    // What reaches Redis (flushed within ~1 s): 5 admitted, 1 + MAX_COUNT rejected; none of
+    // the refused costs.
+    wait_until(
+        "the agent's counts flushed",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            let got = counted(&redis, &ns, "five", 60_000, t0);
+            async move { (got == (5, 1 + max)).then_some(()) }
+        },
+    )
+    .await;
+}
