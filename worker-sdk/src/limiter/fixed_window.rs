@@ -95,6 +95,7 @@ pub(super) fn current(ws: Words<'_>, g: &Grid) -> (Grid, u64, u64, u64) {
             };
             return (at, x, c, prev);
         }
+        let mut clear_prev = false;
         let (new_prev, carried) = if e <= g.cs {
             // The counted window is over. If it ended within the window before now's, its
             // admissions are (at most) that window's.
@@ -109,6 +110,7 @@ pub(super) fn current(ws: Words<'_>, g: &Grid) -> (Grid, u64, u64, u64) {
             // counted may lie in now's window, and so may the previous word's if that ended
             // after now's start.
             let extra = if pe > g.cs { pc } else { 0 };
+            clear_prev = extra > 0;
             (None, c.saturating_add(extra).min(COUNT_MAX))
         };
         if let Some(np) = new_prev
@@ -117,7 +119,12 @@ pub(super) fn current(ws: Words<'_>, g: &Grid) -> (Grid, u64, u64, u64) {
         {
             continue;
         }
-        let _ = cas(cell, x, pack(g.ce, carried));
+        if cas(cell, x, pack(g.ce, carried)) && clear_prev {
+            // The previous word's count now is in the window word: taken out of the previous
+            // word only after (a process stopped in between leaves it counted twice, which
+            // only denies more).
+            let _ = cas(prev_cell, px, pack(pe, 0));
+        }
     }
 }
 

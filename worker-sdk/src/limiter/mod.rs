@@ -55,6 +55,9 @@ pub mod sliding_log;
 pub mod sliding_window;
 pub mod token_bucket;
 
+#[cfg(test)]
+mod model;
+
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::protocol::FallbackAlgorithm;
@@ -67,6 +70,10 @@ pub const COUNT_MAX: u64 = (1 << COUNT_BITS) - 1;
 const COUNT_BITS: u32 = 36;
 const TIME_BITS: u32 = 28;
 const TIME_MASK: u64 = (1 << TIME_BITS) - 1;
+
+/// Longest window: the longest slice (one day). The window words read times within ±37 hours
+/// of now, so they tell a window, its successor and its predecessor apart.
+const MAX_WINDOW_US: u64 = crate::protocol::MAX_SLICE_MS * 1_000;
 
 /// Cell 0: which family of algorithms last decided (0 = none yet).
 const FAMILY: usize = 0;
@@ -239,17 +246,19 @@ fn decide_in(ws: Words<'_>, alg: FallbackAlgorithm, p: &Params, now_us: i64, n: 
     if n == 0 {
         return Verdict::Admit;
     }
-    if p.window_us == 0 || p.limit == 0 || n > p.limit {
-        // Zero window or limit: a meta that allows nothing. A cost above the limit can never
-        // be admitted; the window is the nearest honest "later".
+    if p.window_us == 0 || p.window_us > MAX_WINDOW_US || p.limit == 0 || n > p.limit {
+        // Zero window or limit: a meta that allows nothing; a window beyond the longest slice:
+        // a meta no manager writes (the words could not tell its windows apart). A cost above
+        // the limit can never be admitted. The window is the nearest honest "later".
         return Verdict::Deny {
-            retry_after_us: p.window_us.max(1_000_000),
+            retry_after_us: p.window_us.clamp(1_000_000, MAX_WINDOW_US),
         };
     }
     let i = Input {
         alg,
         p: *p,
-        now_us: now_us.max(0),
+        // Unix time before 1970 or after the year 36,000 is no time a host has.
+        now_us: now_us.clamp(0, 1 << 60),
         n,
     };
     switch_family(ws, &i);

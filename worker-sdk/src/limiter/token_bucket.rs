@@ -77,13 +77,14 @@ pub(super) struct Gcra {
 
 impl Gcra {
     pub(super) fn new(i: &Input, burst: u64) -> Self {
-        let w = i.p.window_us as u128 * PS_PER_US;
+        // Saturating: parameters read back from the segment are not trusted to be in range.
+        let w = (i.p.window_us as u128 * PS_PER_US).min(TAU_MAX_PS);
         let limit = i.p.limit as u128;
         Self {
-            tau: (burst as u128 * w / limit).min(TAU_MAX_PS),
+            tau: ((burst as u128).saturating_mul(w) / limit).min(TAU_MAX_PS),
             slack: (burst as u128).min(1 << 40),
-            inc: (i.n as u128 * w).div_ceil(limit),
-            window: w.min(TAU_MAX_PS),
+            inc: (i.n as u128).saturating_mul(w).div_ceil(limit),
+            window: w,
             now: (i.now_us as u64).wrapping_mul(PS_PER_US as u64),
         }
     }
