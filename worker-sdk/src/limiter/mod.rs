@@ -479,3 +479,153 @@ mod stalled_holder {
         }
     }
 }
+
+/// Processes killed (`SIGKILL`) or stopped (`SIGSTOP`) at random points of their decisions,
+/// while others go on deciding on the same slot: nothing is stuck and no two writers corrupt
+/// anything. Every process decides cost 1 at one fixed time (no refill), so exactly `LIMIT` can
+/// ever be admitted; each admission is appended to a file after the decision. At the end:
+/// `reported + what is still admitted ≤ LIMIT` (never more than the limit), and at most one
+/// permit per killed process is lost (killed between its decision and its report, or, for the
+/// sliding log, between adding its cost and committing it).
+#[cfg(test)]
+mod crashes {
+    use std::io::Write;
+    use std::process::{Child, Command};
+    use std::time::{Duration, Instant};
+
+    use super::*;
+    use crate::protocol::FallbackAlgorithm::*;
+    use crate::shm::Segment;
+
+    const LIMIT: u64 = 1_000_000;
+    const P: Params = Params {
+        limit: LIMIT,
+        window_us: 10_000_000,
+        // The leaky bucket's default (1 %) would hold only 10,000 at one time.
+        burst: LIMIT,
+    };
+    const T: i64 = 1_700_000_000_123_456;
+    const ALGS: [FallbackAlgorithm; 5] = [
+        TokenBucket,
+        LeakyBucket,
+        FixedWindow,
+        SlidingWindow,
+        SlidingLog,
+    ];
+    const ENV: &str = "SLUICE_LIMITER_CHILD";
+
+    /// The child: decides on the slot until killed (does nothing unless started by the parent).
+    #[test]
+    fn child_hammer() {
+        let Ok(spec) = std::env::var(ENV) else {
+            return;
+        };
+        let parts: Vec<&str> = spec.split('|').collect();
+        let (seg, _) = Segment::open(parts[0].as_ref(), ALGS.len() as u32).unwrap();
+        let k: usize = parts[1].parse().unwrap();
+        let slot = seg.slot(k).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(parts[2])
+            .unwrap();
+        loop {
+            if decide_shared(&seg, slot, ALGS[k], &P, T, 1).admitted() {
+                f.write_all(b"x").unwrap();
+            }
+        }
+    }
+
+    fn spawn(seg: &std::path::Path, k: usize, report: &std::path::Path) -> Child {
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "limiter::crashes::child_hammer",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ENV, format!("{}|{k}|{}", seg.display(), report.display()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    }
+
+    fn signal(c: &Child, sig: i32) {
+        // SAFETY: kill(2) on a child of ours that has not been reaped yet.
+        unsafe { libc::kill(c.id() as i32, sig) };
+    }
+
+    #[test]
+    fn killed_and_stopped_processes_leave_nothing_stuck() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("seg");
+        let (seg, _) = Segment::open(&path, ALGS.len() as u32).unwrap();
+        let mut rng = crate::protocol::unix_ms() as u64 | 1;
+        let mut next = move |m: u64| {
+            // xorshift: enough to pick victims and pauses.
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % m
+        };
+        for (k, alg) in ALGS.into_iter().enumerate() {
+            let report = dir.path().join(format!("admitted-{k}"));
+            std::fs::write(&report, b"").unwrap();
+            let slot = seg.slot(k).unwrap();
+            let mut children: Vec<(Child, bool)> =
+                (0..4).map(|_| (spawn(&path, k, &report), false)).collect();
+            let (mut kills, mut mine) = (0u64, 0u64);
+            let deadline = Instant::now() + Duration::from_millis(1_000);
+            while Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(5 + next(30)));
+                let v = next(children.len() as u64) as usize;
+                match next(3) {
+                    0 => {
+                        signal(&children[v].0, libc::SIGKILL);
+                        children[v].0.wait().unwrap();
+                        kills += 1;
+                        children[v] = (spawn(&path, k, &report), false);
+                    }
+                    _ => {
+                        let stopped = children[v].1;
+                        signal(
+                            &children[v].0,
+                            if stopped {
+                                libc::SIGCONT
+                            } else {
+                                libc::SIGSTOP
+                            },
+                        );
+                        children[v].1 = !stopped;
+                    }
+                }
+                // The parent decides too, whoever is stopped where: it never waits.
+                for _ in 0..100 {
+                    mine += decide_shared(&seg, slot, alg, &P, T, 1).admitted() as u64;
+                }
+            }
+            for (c, _) in &mut children {
+                signal(c, libc::SIGKILL);
+                c.wait().unwrap();
+                kills += 1;
+            }
+            let reported = std::fs::metadata(&report).unwrap().len();
+            let mut left = 0u64;
+            for chunk in [1_000, 1] {
+                while decide_shared(&seg, slot, alg, &P, T, chunk).admitted() {
+                    left += chunk;
+                    assert!(left <= LIMIT, "{alg:?}: admits without end");
+                }
+            }
+            let total = reported + mine + left;
+            eprintln!(
+                "{alg:?}: children reported {reported}, parent {mine}, left {left}, {kills} kills"
+            );
+            assert!(total <= LIMIT, "{alg:?}: {total} admitted, limit {LIMIT}");
+            assert!(
+                total + kills >= LIMIT,
+                "{alg:?}: {total} admitted + {kills} kills < limit {LIMIT}: permits lost"
+            );
+        }
+    }
+}
