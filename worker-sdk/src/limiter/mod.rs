@@ -386,6 +386,33 @@ mod tests {
         }
     }
 
+    /// A change to another family of algorithms (their states share nothing) starts the new
+    /// one full: the window of the change never holds both algorithms' limits.
+    #[test]
+    fn a_change_of_family_admits_nothing_more_in_its_window() {
+        let p = Params {
+            limit: 10,
+            window_us: 1_000_000,
+            burst: 0,
+        };
+        for from in ALL {
+            for to in ALL {
+                if family(from) == family(to) {
+                    continue;
+                }
+                let c = MemCells::default();
+                let t = 5_000_000;
+                assert!(decide(from, &p, &c, t, 1).admitted(), "{from:?}");
+                assert!(!decide(to, &p, &c, t + 1_000, 1).admitted(), "{from:?} → {to:?}");
+                // Within two windows it admits again.
+                assert!(
+                    decide(to, &p, &c, t + 2_100_000, 1).admitted(),
+                    "{from:?} → {to:?} stays full"
+                );
+            }
+        }
+    }
+
     #[test]
     fn words_read_times_near_the_reference() {
         let now = 1_700_000_123_456i64;
