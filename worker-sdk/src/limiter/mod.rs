@@ -403,7 +403,10 @@ mod tests {
                 let c = MemCells::default();
                 let t = 5_000_000;
                 assert!(decide(from, &p, &c, t, 1).admitted(), "{from:?}");
-                assert!(!decide(to, &p, &c, t + 1_000, 1).admitted(), "{from:?} → {to:?}");
+                assert!(
+                    !decide(to, &p, &c, t + 1_000, 1).admitted(),
+                    "{from:?} → {to:?}"
+                );
                 // Within two windows it admits again.
                 assert!(
                     decide(to, &p, &c, t + 2_100_000, 1).admitted(),

@@ -195,6 +195,30 @@ mod tests {
         assert!(!decide(TokenBucket, &p, &c, 5_000_000, 1).admitted());
     }
 
+    /// 30,000,000 per 100 ms: `T` = 3.33 ns. Rounded down to whole nanoseconds (before), the
+    /// bucket refilled 11 % too fast; in picoseconds, rounded up, it never refills faster.
+    #[test]
+    fn a_high_rate_is_never_rounded_up() {
+        let p = Params {
+            limit: 30_000_000,
+            window_us: 100_000,
+            burst: 0,
+        };
+        let c = MemCells::default();
+        let mut admitted = 0u64;
+        // Demand 4,000,000 every 10 ms for 1 s, in requests of 1,000,000.
+        for step in 0..100 {
+            for _ in 0..4 {
+                if decide(TokenBucket, &p, &c, 9_000_000 + step * 10_000, 1_000_000).admitted() {
+                    admitted += 1_000_000;
+                }
+            }
+        }
+        // At most the burst (one window) plus ten windows.
+        assert!(admitted <= 330_000_000, "{admitted}");
+        assert!(admitted >= 320_000_000, "{admitted}");
+    }
+
     /// A clock stepped back by an hour: the bucket is empty at the new now, then refills as
     /// usual (nothing stuck for the hour).
     #[test]
