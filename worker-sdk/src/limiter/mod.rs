@@ -30,11 +30,14 @@
 //!
 //! The clock may step back (an NTP correction, or simply two processes whose reads of the clock
 //! reach the limiter out of order). A decision at a time earlier than what the state has seen
-//! never forgets what was counted: a window count whose window lies ahead is carried into the
-//! window of now (and forgotten when that one ends), a bucket far ahead is moved to now, and a
-//! token bucket deeper in debt than its burst is set to "just empty". So a step back costs at
-//! most about a window of admissions, and admits nothing extra: the limits hold on the clock
-//! that stands still while the host clock steps back ("effective time").
+//! never forgets what was counted: a decision one window behind the window words is made in
+//! their window (the clock "stands still": a late caller never drags the window back); a window
+//! count further ahead is carried into the window of now (and forgotten when that one ends); a
+//! bucket far ahead is moved to now; a token bucket deeper in debt than any admission leaves is
+//! set to "just empty". So a step back costs at most about a window of admissions. The bucket
+//! algorithms' limits hold on the clock that stands still while the host clock steps back
+//! ("effective time"); a window the clock revisits after stepping back by more than a window
+//! counts afresh from what was carried (up to twice the limit by timestamps).
 //!
 //! # Changes of the limit, the window and the algorithm
 //!
@@ -47,7 +50,9 @@
 //! limit): nothing more is admitted in the window of the change, so a window straddling the
 //! change never holds both algorithms' limits.
 //!
-//! Every algorithm is tested against a plain reference model (see `tests`).
+//! Every algorithm is tested against a plain reference model (`model.rs`: seeded property tests
+//! of safety, liveness and no panic), and processes deciding on one slot are SIGKILLed and
+//! SIGSTOPped at random (`crashes`).
 
 pub mod fixed_window;
 pub mod leaky_bucket;
