@@ -7,9 +7,8 @@
 //!
 //! # Retries
 //!
-//! [`pull`] (by request id) and [`flush`] (by sequence number) are idempotent, so a caller may
-//! send them again after a lost or late answer. [`take`] and [`slide`] are not: a caller
-//! retries them only when the first attempt surely never reached Redis.
+//! [`pull`], [`take`] and [`slide`] (by request id) and [`flush`] (by sequence number) are
+//! idempotent, so a caller may send them again after a lost or late answer.
 //!
 //! # Fencing
 //!
@@ -483,16 +482,29 @@ return {1, 0}
 
 /// `exact_fixed`: takes exactly `n` permits from one slice, or none.
 ///
-/// `KEYS[1]` slice. `ARGV`: n, slice start (Unix ms), slice length (ms). Counts the decision
-/// in the slice (`adm` or `rej`), so exact decisions need no flush. Returns `{status,
-/// remaining, cap, time_s, time_us, 0}` with status 1 = taken, 0 = refused (fewer than `n`
-/// left), -1 = the slice does not exist (never created), -2 = outside the slice's window (the
-/// same window as [`PULL_LUA`]; nothing taken or counted).
+/// `KEYS[1]` slice. `ARGV`: n, slice start (Unix ms), slice length (ms), request id (may be
+/// empty). Counts the decision in the slice (`adm` or `rej`), so exact decisions need no
+/// flush. Returns `{status, remaining, cap, time_s, time_us, 0}` with status 1 = taken, 0 =
+/// refused (fewer than `n` left), -1 = the slice does not exist (never created), -2 = outside
+/// the slice's window (the same window as [`PULL_LUA`]; nothing taken or counted).
+///
+/// **Idempotent by request id**: an admission records `r:<request id> = n` in the slice hash
+/// (which expires with the slice); a call whose request id is recorded there is answered
+/// "taken" again and changes nothing, even after the window closed. One field per admitted
+/// decision: the exact modes are for low rates. A refusal records nothing (a retry is decided
+/// afresh, and counted in `rej` again).
 pub const TAKE_LUA: &str = r#"
 local t = redis.call('TIME')
 local h = redis.call('HMGET', KEYS[1], 'rem', 'cap')
 if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
 local rem = tonumber(h[1])
+local rf = nil
+if ARGV[4] and ARGV[4] ~= '' then
+  rf = 'r:' .. ARGV[4]
+  if redis.call('HEXISTS', KEYS[1], rf) == 1 then
+    return {1, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
+  end
+end
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local start = tonumber(ARGV[2])
 local len = tonumber(ARGV[3])
@@ -504,6 +516,7 @@ local n = tonumber(ARGV[1])
 if rem >= n then
   rem = redis.call('HINCRBY', KEYS[1], 'rem', -n)
   redis.call('HINCRBY', KEYS[1], 'adm', n)
+  if rf then redis.call('HSET', KEYS[1], rf, n) end
   return {1, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
 end
 redis.call('HINCRBY', KEYS[1], 'rej', n)
@@ -520,10 +533,15 @@ return {0, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
 /// `KEYS[1]` the log, `KEYS[2]` the current slice (its `cap` is the limit, effective
 /// threshold included; the decision is counted there), `KEYS[3]` the log's sequence
 /// (`NS:{T}:log:seq`). `ARGV`: n (≤ 1,000), window (ms), the caller's nonce (random per
-/// client), the slice's start (Unix ms; a refusal by `rem` retries at the slice's end). Members are `<nonce>:<seq>:<i>` with `seq` from `INCR` of `KEYS[3]`, so they are
-/// unique by construction (across clients, processes and restarts); the sequence expires with
-/// the log. Returns `{status, remaining, cap, time_s, time_us, retry_after_us}` with status 1
-/// = admitted, 0 = refused, -1 = the slice does not exist.
+/// client), the slice's start (Unix ms; a refusal by `rem` retries at the slice's end), request
+/// id (may be empty). Members are `<nonce>:<seq>:<i>` with `seq` from `INCR` of `KEYS[3]`, so
+/// they are unique by construction (across clients, processes and restarts); the sequence
+/// expires with the log. Returns `{status, remaining, cap, time_s, time_us, retry_after_us}`
+/// with status 1 = admitted, 0 = refused, -1 = the slice does not exist.
+///
+/// **Idempotent by request id**, as [`TAKE_LUA`]: an admission records `r:<request id> = n` in
+/// the slice hash; a call whose request id is recorded is answered "admitted" again and adds
+/// nothing to the log or the slice.
 pub const SLIDE_LUA: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
@@ -533,6 +551,14 @@ local cap = tonumber(h[1])
 local rem = tonumber(h[2]) or 0
 local n = tonumber(ARGV[1])
 local window = tonumber(ARGV[2]) * 1000
+local rf = nil
+if ARGV[5] and ARGV[5] ~= '' then
+  rf = 'r:' .. ARGV[5]
+  if redis.call('HEXISTS', KEYS[2], rf) == 1 then
+    local inside = redis.call('ZCOUNT', KEYS[1], '(' .. (now - window), '+inf')
+    return {1, math.min(cap - inside, rem), cap, tonumber(t[1]), tonumber(t[2]), 0}
+  end
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
 local count = redis.call('ZCARD', KEYS[1])
 if count + n <= cap and rem >= n and n <= 1000 then
@@ -542,6 +568,7 @@ if count + n <= cap and rem >= n and n <= 1000 then
   redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[2]) * 2)
   rem = redis.call('HINCRBY', KEYS[2], 'rem', -n)
   redis.call('HINCRBY', KEYS[2], 'adm', n)
+  if rf then redis.call('HSET', KEYS[2], rf, n) end
   return {1, math.min(cap - count - n, rem), cap, tonumber(t[1]), tonumber(t[2]), 0}
 end
 redis.call('HINCRBY', KEYS[2], 'rej', n)
@@ -1376,8 +1403,24 @@ fn exact_reply(v: Value) -> RedisResult<ExactReply> {
     })
 }
 
+/// Longest request id of [`take`] and [`slide`], bytes.
+pub const MAX_REQUEST_ID_LEN: usize = 64;
+
+fn check_request_id(request_id: &str) -> RedisResult<()> {
+    if request_id.len() > MAX_REQUEST_ID_LEN {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::InvalidClientConfig,
+            "exact decision",
+            format!("request id longer than {MAX_REQUEST_ID_LEN} bytes"),
+        )));
+    }
+    Ok(())
+}
+
 /// Runs [`TAKE_LUA`] (`exact_fixed`) on the slice of `task` starting at `slice_start_ms`
-/// (slices of `slice_ms`). Not idempotent: never retry it after it may have reached Redis.
+/// (slices of `slice_ms`). Idempotent by `request_id` (unique per decision, at most
+/// [`MAX_REQUEST_ID_LEN`] bytes; empty: not idempotent): a retry with the same id and slice
+/// never takes twice.
 pub async fn take<C>(
     conn: &mut C,
     keys: &Keys,
@@ -1385,15 +1428,18 @@ pub async fn take<C>(
     slice_start_ms: i64,
     slice_ms: u64,
     n: u64,
+    request_id: &str,
 ) -> RedisResult<ExactReply>
 where
     C: redis::aio::ConnectionLike,
 {
+    check_request_id(request_id)?;
     exact_reply(
         TAKE.key(keys.slice(task, slice_start_ms))
             .arg(n)
             .arg(slice_start_ms)
             .arg(slice_ms)
+            .arg(request_id)
             .invoke_async(conn)
             .await?,
     )
@@ -1401,7 +1447,8 @@ where
 
 /// Runs [`SLIDE_LUA`] (`exact_sliding`) with the log of `task` and its slice starting at
 /// `slice_start_ms`; `nonce` is random per client (members are made unique by a Redis-side
-/// sequence under it). Not idempotent: never retry it after it may have reached Redis.
+/// sequence under it). Idempotent by `request_id`, as [`take`].
+#[allow(clippy::too_many_arguments)]
 pub async fn slide<C>(
     conn: &mut C,
     keys: &Keys,
@@ -1410,10 +1457,12 @@ pub async fn slide<C>(
     window_ms: u64,
     n: u64,
     nonce: &str,
+    request_id: &str,
 ) -> RedisResult<ExactReply>
 where
     C: redis::aio::ConnectionLike,
 {
+    check_request_id(request_id)?;
     exact_reply(
         SLIDE
             .key(keys.sliding_log(task))
@@ -1423,6 +1472,7 @@ where
             .arg(window_ms)
             .arg(nonce)
             .arg(slice_start_ms)
+            .arg(request_id)
             .invoke_async(conn)
             .await?,
     )

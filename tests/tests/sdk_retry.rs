@@ -2,9 +2,9 @@
 //!
 //! A private Redis is made to stall with `DEBUG SLEEP` while the SDK's call is in flight: the
 //! SDK's first attempt goes unanswered for more than half the pull timeout, so `call()` may
-//! retry on a fresh connection; when Redis wakes up it executes whatever reached it. A TAKE
-//! (exact_fixed) must not be retried (it would take twice); a PULL retry carries the same
-//! request id, so Redis grants once.
+//! retry on a fresh connection; when Redis wakes up it executes whatever reached it. A PULL
+//! and a TAKE (exact_fixed) retry carry the same request id as their first attempt, so Redis
+//! grants (takes) once.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -279,7 +279,9 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
             "slice {s}"
         );
         assert!(matches!(
-            scripts::take(&mut c, &keys, "t", s, len, 1).await.unwrap(),
+            scripts::take(&mut c, &keys, "t", s, len, 1, "")
+                .await
+                .unwrap(),
             ExactReply::OutsideWindow { .. }
         ));
         let (rem, adm, rej): (i64, Option<u64>, Option<u64>) = redis::cmd("HMGET")
@@ -317,7 +319,7 @@ async fn a_mode_switch_inside_a_slice_keeps_one_cap() {
     let mut fixed = 0;
     for _ in 0..6 {
         fixed += admitted(
-            scripts::take(&mut c, &keys, "t", start, 60_000, 1)
+            scripts::take(&mut c, &keys, "t", start, 60_000, 1, "")
                 .await
                 .unwrap(),
         ) as u32;
@@ -329,7 +331,7 @@ async fn a_mode_switch_inside_a_slice_keeps_one_cap() {
     let mut sent_ms = 0;
     for _ in 0..10 {
         sent_ms = now_ms();
-        let r = scripts::slide(&mut c, &keys, "t", start, 60_000, 1, "n1")
+        let r = scripts::slide(&mut c, &keys, "t", start, 60_000, 1, "n1", "")
             .await
             .unwrap();
         sliding += admitted(r) as u32;
@@ -351,7 +353,7 @@ async fn a_mode_switch_inside_a_slice_keeps_one_cap() {
     }
     // And back to exact_fixed: nothing left.
     assert!(!admitted(
-        scripts::take(&mut c, &keys, "t", start, 60_000, 1)
+        scripts::take(&mut c, &keys, "t", start, 60_000, 1, "")
             .await
             .unwrap()
     ));

@@ -802,15 +802,18 @@ pub(crate) async fn exact(
 ) -> Option<ExactReply> {
     let start_ms = (index * m.slice_ms) as i64;
     let nonce = format!("{:016x}", sh.nonce);
-    // Not idempotent: sent at most once unless it surely never reached Redis.
-    let res = call(&sh, Retry::OnlyUnsent, |mut c| {
-        let (sh, name, nonce) = (&sh, &name, &nonce);
+    // Idempotent by request id (unique per decision of this client), so resent like a pull.
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let rid = format!("{nonce}:{}", SEQ.fetch_add(1, Ordering::Relaxed));
+    let res = call(&sh, Retry::Idempotent, |mut c| {
+        let (sh, name, nonce, rid) = (&sh, &name, &nonce, &rid);
         async move {
             match m.mode {
                 Mode::ExactSliding => {
-                    scripts::slide(&mut c, &sh.keys, name, start_ms, m.slice_ms, n, nonce).await
+                    let w = m.slice_ms;
+                    scripts::slide(&mut c, &sh.keys, name, start_ms, w, n, nonce, rid).await
                 }
-                _ => scripts::take(&mut c, &sh.keys, name, start_ms, m.slice_ms, n).await,
+                _ => scripts::take(&mut c, &sh.keys, name, start_ms, m.slice_ms, n, rid).await,
             }
         }
     })

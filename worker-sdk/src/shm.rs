@@ -17,7 +17,7 @@
 //!  │          control  state word (NORMAL/FAILED), next probe, pull + flush lock │
 //!  │          quota[2] packed quota word per slice parity + accounting           │
 //!  │          ring[16] per-slice counters (adm, rej, ok, err, lat) to flush      │
-//!  │          limiter  lock + cells + log of the local (fallback) limiter        │
+//!  │          limiter  cells + bucket ring of the local (fallback) limiter       │
 //!  │          conc     mode concurrency: permit word (limit | in use), lease     │
 //!  │                   validity, lease lock + seq, demand, per-process holders  │
 //!  ├──────────────────────────────────────────────────────────────────────────────┤
@@ -108,7 +108,10 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"SLUICE\x00\x01");
 /// * 3: [`ConcCells`] at the end of each slot (mode `concurrency`).
 /// * 4: shadow (bit 61) and pacing (bit 62) in the meta fast word, `Control::pace_burst`, a
 ///   seventh counter (`wrej`, would-reject) in each [`CounterEntry`].
-pub const LAYOUT_VERSION: u64 = 4;
+/// * 5: the local limiter is lock-free (`crate::limiter`): its cells and log hold other
+///   words (no lock; the sliding log is a bucket ring), so a process of layout 4 must not share
+///   them.
+pub const LAYOUT_VERSION: u64 = 5;
 
 /// Slots per segment unless configured otherwise.
 pub const DEFAULT_SLOTS: u32 = 64;
@@ -125,7 +128,7 @@ pub const RING: usize = 16;
 /// Words of the local limiter's state.
 pub const LIMITER_CELLS: usize = 8;
 
-/// Entries of the sliding-log limiter's log.
+/// Words of the local limiter's log (the sliding log's bucket ring uses the first 128).
 pub const LOG_CAP: usize = 1_024;
 
 /// Largest count a quota word holds.
@@ -280,11 +283,12 @@ pub struct CounterEntry {
     pub values: [AtomicU64; 7],
 }
 
-/// State of the local limiter (fallback and mode `local`).
+/// State of the local limiter (fallback and mode `local`); see `crate::limiter` for what
+/// each word holds. Lock-free since layout 5.
 #[repr(C, align(64))]
 #[derive(Debug)]
 pub struct LimiterCells {
-    /// A [`ShmLock`] guarding `cells` and the log.
+    /// Unused since layout 5 (was the limiter's lock); kept so the layout did not move.
     pub lock: AtomicU64,
     _pad: [AtomicU64; 7],
     /// Algorithm state.
@@ -371,7 +375,7 @@ pub struct Slot {
     pub ring: [CounterEntry; RING],
     /// The local limiter.
     pub limiter: LimiterCells,
-    /// The sliding-log limiter's ring of `(ms:44 | count:20)` entries.
+    /// The local limiter's log words (the sliding log's ring of `(end:28 | count:36)` buckets).
     pub log: [AtomicU64; LOG_CAP],
     /// Mode `concurrency`.
     pub conc: ConcCells,

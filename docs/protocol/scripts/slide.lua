@@ -7,6 +7,14 @@ local cap = tonumber(h[1])
 local rem = tonumber(h[2]) or 0
 local n = tonumber(ARGV[1])
 local window = tonumber(ARGV[2]) * 1000
+local rf = nil
+if ARGV[5] and ARGV[5] ~= '' then
+  rf = 'r:' .. ARGV[5]
+  if redis.call('HEXISTS', KEYS[2], rf) == 1 then
+    local inside = redis.call('ZCOUNT', KEYS[1], '(' .. (now - window), '+inf')
+    return {1, math.min(cap - inside, rem), cap, tonumber(t[1]), tonumber(t[2]), 0}
+  end
+end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
 local count = redis.call('ZCARD', KEYS[1])
 if count + n <= cap and rem >= n and n <= 1000 then
@@ -16,6 +24,7 @@ if count + n <= cap and rem >= n and n <= 1000 then
   redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[2]) * 2)
   rem = redis.call('HINCRBY', KEYS[2], 'rem', -n)
   redis.call('HINCRBY', KEYS[2], 'adm', n)
+  if rf then redis.call('HSET', KEYS[2], rf, n) end
   return {1, math.min(cap - count - n, rem), cap, tonumber(t[1]), tonumber(t[2]), 0}
 end
 redis.call('HINCRBY', KEYS[2], 'rej', n)

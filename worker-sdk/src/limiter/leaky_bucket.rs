@@ -2,39 +2,30 @@
 //! `limit` per window; a request that would overflow the bucket (`burst` units, default 1 % of
 //! the limit, at least 1) is denied. The output is a nearly constant drain.
 //!
-//! Mathematically this is the token bucket with a small burst (both are GCRA); it is kept as
-//! its own water-level implementation because that is how operators reason about it, and its
-//! default is the smooth one.
+//! The water level at `now` is `max(drained − now, 0)` where `drained` is the time the bucket
+//! would be empty: the very word GCRA keeps as its theoretical arrival time, with the bucket's
+//! size as the tolerance. So the leaky bucket *is* [`super::token_bucket`]'s algorithm with a
+//! small default burst, and shares its word (switching between the two keeps the level). It
+//! stays a name of its own because that is how operators reason about it, and its default is
+//! the smooth one.
 
-use super::{Cells, Params, Verdict};
+use super::{Input, Verdict, Words, token_bucket};
 
-pub(super) fn decide(p: &Params, cells: &mut impl Cells, now_us: u64, n: u64) -> Verdict {
-    if p.limit == 0 {
-        return Verdict::Deny {
-            retry_after_us: p.window_us,
-        };
-    }
-    let unit_ns = ((p.window_us as u128 * 1_000) / p.limit as u128).max(1) as u64;
-    let burst = if p.burst == 0 {
-        (p.limit / 100).max(1)
+/// The bucket's size in permits: `burst`, or 1 % of the limit (at least 1) when 0.
+fn size(i: &Input) -> u64 {
+    if i.p.burst == 0 {
+        (i.p.limit / 100).max(1)
     } else {
-        p.burst
-    };
-    let size = unit_ns.saturating_mul(burst);
-    let now = now_us.saturating_mul(1_000);
-    let last = cells.get(2);
-    let leaked = now.saturating_sub(last);
-    let level = cells.get(1).saturating_sub(leaked);
-    cells.set(2, now.max(last));
-    let pour = unit_ns.saturating_mul(n);
-    if level.saturating_add(pour) > size {
-        cells.set(1, level);
-        return Verdict::Deny {
-            retry_after_us: (level + pour - size).div_ceil(1_000),
-        };
+        i.p.burst
     }
-    cells.set(1, level + pour);
-    Verdict::Admit
+}
+
+pub(super) fn decide(ws: Words<'_>, i: &Input) -> Verdict {
+    token_bucket::gcra(ws, i, size(i))
+}
+
+pub(super) fn fill(ws: Words<'_>, i: &Input) {
+    token_bucket::fill_gcra(ws, i, size(i))
 }
 
 #[cfg(test)]
@@ -50,10 +41,10 @@ mod tests {
             window_us: 1_000_000,
             burst: 1,
         };
-        let mut c = MemCells::default();
-        assert!(decide(LeakyBucket, &p, &mut c, 0, 1).admitted());
-        assert!(!decide(LeakyBucket, &p, &mut c, 50_000, 1).admitted());
-        assert!(decide(LeakyBucket, &p, &mut c, 100_000, 1).admitted());
+        let c = MemCells::default();
+        assert!(decide(LeakyBucket, &p, &c, 0, 1).admitted());
+        assert!(!decide(LeakyBucket, &p, &c, 50_000, 1).admitted());
+        assert!(decide(LeakyBucket, &p, &c, 100_000, 1).admitted());
         let w = admitted_per_window(LeakyBucket, &p, 0, 1_000, 3_000_000);
         assert!(w.iter().all(|x| *x == 10), "{w:?}");
     }
