@@ -278,14 +278,14 @@ fn set_limit(k: &ConcCells, limit: u64) {
 
 /// Releases one permit of this process: its holder entry first, then the host's count (a
 /// crash in between strands one permit, never hands out one too many).
-fn release(seg: &Segment, k: &ConcCells) {
+pub fn release(seg: &Segment, k: &ConcCells) {
     if holder_sub(seg, k) {
         sub_in_use(k, 1);
     }
 }
 
 /// Gives the permits of dead processes back to the host; returns how many.
-pub(crate) fn reclaim_dead(seg: &Segment, k: &ConcCells) -> u64 {
+pub fn reclaim_dead(seg: &Segment, k: &ConcCells) -> u64 {
     let mut total = 0;
     for h in &k.holders {
         let w = h.load(Ordering::Acquire);
@@ -313,6 +313,81 @@ pub(crate) fn reclaim_dead(seg: &Segment, k: &ConcCells) -> u64 {
         k.reclaimed.fetch_add(total, Ordering::Relaxed);
     }
     total
+}
+
+/// The decision of [`Task::try_permit`] on the host's cells (pure: no network, no clock but
+/// `clock`, which is read before the swap and again after it): takes one permit for the
+/// calling process (`seg`'s participant) and answers whether it is a FAILED-path
+/// (`on_failure`) permit. A refusal counts as demand (`denied`).
+pub fn take(seg: &Segment, k: &ConcCells, clock: impl Fn() -> i64) -> Result<bool, PermitError> {
+    let regime = k.regime.load(Ordering::Acquire);
+    let fallback = regime != REGIME_LEASE;
+    let res = match regime {
+        REGIME_DENY => Err(PermitError::Failed),
+        REGIME_ALLOW => k
+            .permits
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                let (l, u) = unpack(w);
+                (u < IN_USE).then(|| pack(l, u + 1))
+            })
+            .map(|_| ())
+            .map_err(|_| PermitError::Full),
+        _ => {
+            let leased = regime == REGIME_LEASE;
+            if leased && clock() >= k.valid_until_ms.load(Ordering::Acquire) {
+                Err(PermitError::NoLease)
+            } else {
+                // After a threshold decrease the holdings may exceed the new cap: then
+                // `room` (cap − others) binds until in flight here has fallen below it.
+                let room = if leased {
+                    k.room.load(Ordering::Acquire)
+                } else {
+                    u64::MAX
+                };
+                let r = k
+                    .permits
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                        let (l, u) = unpack(w);
+                        (u < l && u < room).then(|| pack(l, u + 1))
+                    })
+                    .map(|_| ())
+                    .map_err(|_| {
+                        if leased {
+                            PermitError::Full
+                        } else {
+                            PermitError::Failed
+                        }
+                    });
+                // Re-check after the swap: a process stopped between the first check and
+                // the swap must not hand out a permit of a lease that lapsed meanwhile.
+                if r.is_ok()
+                    && leased
+                    && (k.regime.load(Ordering::Acquire) != REGIME_LEASE
+                        || clock() >= k.valid_until_ms.load(Ordering::Acquire))
+                {
+                    sub_in_use(k, 1);
+                    Err(PermitError::NoLease)
+                } else {
+                    r
+                }
+            }
+        }
+    };
+    if let Err(e) = res {
+        k.denied.fetch_add(1, Ordering::Relaxed);
+        return Err(e);
+    }
+    if !holder_add(seg, k) {
+        // Entries of processes that exited without permits are freed by the scan only
+        // while permits are in use: free them now and try once more.
+        reclaim_dead(seg, k);
+        if !holder_add(seg, k) {
+            sub_in_use(k, 1);
+            return Err(PermitError::TooManyHolders);
+        }
+    }
+    k.granted.fetch_add(1, Ordering::Relaxed);
+    Ok(fallback)
 }
 
 /// This host's view of a concurrency task (from the segment).
@@ -368,85 +443,23 @@ impl Task {
     pub fn try_permit(&self) -> Result<Permit, PermitError> {
         let (slot, r, _) = self.conc_slot()?;
         let k = &slot.conc;
-        let regime = k.regime.load(Ordering::Acquire);
-        let fallback = regime != REGIME_LEASE;
-        let res = match regime {
-            REGIME_DENY => Err(PermitError::Failed),
-            REGIME_ALLOW => k
-                .permits
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                    let (l, u) = unpack(w);
-                    (u < IN_USE).then(|| pack(l, u + 1))
-                })
-                .map(|_| ())
-                .map_err(|_| PermitError::Full),
-            _ => {
-                let leased = regime == REGIME_LEASE;
-                if leased && boot_ms() >= k.valid_until_ms.load(Ordering::Acquire) {
-                    Err(PermitError::NoLease)
-                } else {
-                    // After a threshold decrease the holdings may exceed the new cap: then
-                    // `room` (cap − others) binds until in flight here has fallen below it.
-                    let room = if leased {
-                        k.room.load(Ordering::Acquire)
-                    } else {
-                        u64::MAX
-                    };
-                    let r = k
-                        .permits
-                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                            let (l, u) = unpack(w);
-                            (u < l && u < room).then(|| pack(l, u + 1))
-                        })
-                        .map(|_| ())
-                        .map_err(|_| {
-                            if leased {
-                                PermitError::Full
-                            } else {
-                                PermitError::Failed
-                            }
-                        });
-                    // Re-check after the swap: a process stopped between the first check and
-                    // the swap must not hand out a permit of a lease that lapsed meanwhile.
-                    if r.is_ok()
-                        && leased
-                        && (k.regime.load(Ordering::Acquire) != REGIME_LEASE
-                            || boot_ms() >= k.valid_until_ms.load(Ordering::Acquire))
-                    {
-                        sub_in_use(k, 1);
-                        Err(PermitError::NoLease)
-                    } else {
-                        r
-                    }
+        match take(&self.shared.seg, k, boot_ms) {
+            Ok(fallback) => Ok(Permit {
+                task: self.clone(),
+                slot: r,
+                fallback,
+                live: true,
+            }),
+            Err(e) => {
+                // Wake the background thread for the host's first demand only: after that its
+                // rounds (every millisecond while a caller waits) see the demand; waking it on
+                // every refusal would turn waiting into spinning.
+                if k.sent_ok_ms.load(Ordering::Relaxed) == 0 {
+                    self.shared.wake.notify_one();
                 }
-            }
-        };
-        if let Err(e) = res {
-            k.denied.fetch_add(1, Ordering::Relaxed);
-            // Wake the background thread for the host's first demand only: after that its
-            // rounds (every millisecond while a caller waits) see the demand; waking it on
-            // every refusal would turn waiting into spinning.
-            if k.sent_ok_ms.load(Ordering::Relaxed) == 0 {
-                self.shared.wake.notify_one();
-            }
-            return Err(e);
-        }
-        if !holder_add(&self.shared.seg, k) {
-            // Entries of processes that exited without permits are freed by the scan only
-            // while permits are in use: free them now and try once more.
-            reclaim_dead(&self.shared.seg, k);
-            if !holder_add(&self.shared.seg, k) {
-                sub_in_use(k, 1);
-                return Err(PermitError::TooManyHolders);
+                Err(e)
             }
         }
-        k.granted.fetch_add(1, Ordering::Relaxed);
-        Ok(Permit {
-            task: self.clone(),
-            slot: r,
-            fallback,
-            live: true,
-        })
     }
 
     /// Takes one permit, waiting for one at most [`crate::Config::acquire_timeout`].
@@ -599,49 +612,48 @@ fn regime_for(on_failure: OnFailure) -> u64 {
     }
 }
 
+/// What the leasing decisions need of a task's meta.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseParams {
+    /// What decides while the host holds no lease and Redis does not answer.
+    pub on_failure: OnFailure,
+    /// Permits in flight on this host while FAILED with `on_failure = local`.
+    pub local_limit: u64,
+    /// The threshold of the meta, the cap until a LEASE reply tells it.
+    pub threshold: u64,
+}
+
+impl LeaseParams {
+    fn of(slot: &Slot, m: &FastMeta) -> Self {
+        Self {
+            on_failure: m.on_failure,
+            local_limit: slot.meta.local_limit.load(Ordering::Relaxed),
+            threshold: slot.meta.threshold.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// FAILED, once the lease has lapsed: `on_failure` decides from now on.
-fn fail(slot: &Slot, m: &FastMeta, now: i64) {
-    let k = &slot.conc;
+fn fail(k: &ConcCells, p: &LeaseParams, now: i64) {
     if now < k.valid_until_ms.load(Ordering::Acquire) {
         // The lease is still good: keep handing out under it while retrying.
         return;
     }
-    let regime = regime_for(m.on_failure);
+    let regime = regime_for(p.on_failure);
     if regime == REGIME_LOCAL {
-        set_limit(k, slot.meta.local_limit.load(Ordering::Relaxed));
+        set_limit(k, p.local_limit);
     }
     if k.regime.swap(regime, Ordering::AcqRel) == REGIME_LEASE {
-        tracing::warn!(on_failure = %m.on_failure,
+        tracing::warn!(on_failure = %p.on_failure,
             "concurrency lease lost and Redis unreachable: FAILED, deciding by on_failure");
     }
 }
 
-/// One background round for a concurrency task: reclaim dead processes' permits, and lease
-/// (grow, renew, shrink) when due. True when it wants the next round soon.
-pub(crate) async fn step(sh: &Shared, slot: &Slot, m: &FastMeta) -> bool {
-    let k = &slot.conc;
-    let now = boot_ms();
+/// The bookkeeping of a background round before any call (pure: the host's cells and `now`,
+/// boot-clock ms): counts a lapsed lease once, and answers whether a LEASE call is due now
+/// (renewal, growth for callers that wait, or a retry while FAILED).
+pub fn round_due(k: &ConcCells, now: i64) -> bool {
     let (limit, in_use) = unpack(k.permits.load(Ordering::Acquire));
-    let scanned = k.scanned_ms.load(Ordering::Relaxed);
-    if in_use > 0
-        && now - scanned >= SCAN_MS
-        && k.scanned_ms
-            .compare_exchange(scanned, now, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-    {
-        let n = reclaim_dead(&sh.seg, k);
-        if n > 0 {
-            tracing::info!(
-                permits = n,
-                "gave the permits of a dead process back to the host"
-            );
-        }
-    }
-    let (limit, in_use) = if in_use > 0 {
-        unpack(k.permits.load(Ordering::Acquire))
-    } else {
-        (limit, in_use)
-    };
     let regime = k.regime.load(Ordering::Acquire);
     let valid_until = k.valid_until_ms.load(Ordering::Acquire);
     if regime == REGIME_LEASE && valid_until != 0 && now >= valid_until {
@@ -673,20 +685,49 @@ pub(crate) async fn step(sh: &Shared, slot: &Slot, m: &FastMeta) -> bool {
     let grow_due = demand
         && (sent_ok == 0 || limit < cap || regime != REGIME_LEASE)
         && now >= k.grow_after_ms.load(Ordering::Relaxed);
-    if !(renew_due || grow_due) || now < k.next_try_ms.load(Ordering::Relaxed) {
+    (renew_due || grow_due) && now >= k.next_try_ms.load(Ordering::Relaxed)
+}
+
+/// One background round for a concurrency task: reclaim dead processes' permits, and lease
+/// (grow, renew, shrink) when due. True when it wants the next round soon.
+pub(crate) async fn step(sh: &Shared, slot: &Slot, m: &FastMeta) -> bool {
+    let k = &slot.conc;
+    let now = boot_ms();
+    let in_use = unpack(k.permits.load(Ordering::Acquire)).1;
+    let scanned = k.scanned_ms.load(Ordering::Relaxed);
+    if in_use > 0
+        && now - scanned >= SCAN_MS
+        && k.scanned_ms
+            .compare_exchange(scanned, now, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    {
+        let n = reclaim_dead(&sh.seg, k);
+        if n > 0 {
+            tracing::info!(
+                permits = n,
+                "gave the permits of a dead process back to the host"
+            );
+        }
+    }
+    let waiting = k.waiting.load(Ordering::Acquire);
+    if !round_due(k, now) {
         return waiting > 0;
     }
     let lock = sh.seg.lock(&k.lease_lock);
-    let token = match lock.try_lock(
-        crate::clock::host_ms(),
-        (sh.cfg.pull_timeout.as_millis() as u64).saturating_mul(3),
-    ) {
+    let token = match lock.try_lock(crate::clock::host_ms(), lease_lock_timeout_ms(sh)) {
         LockAttempt::Acquired { token, .. } => token,
         LockAttempt::Busy { .. } => return waiting > 0,
     };
+    let denied = k.denied.load(Ordering::Relaxed);
     lease_call(sh, slot, m, denied).await;
     lock.unlock(token);
     waiting > 0
+}
+
+/// A lease lock held longer than this is taken over (its holder is stuck): three pull
+/// timeouts, three times the longest a LEASE call may take.
+fn lease_lock_timeout_ms(sh: &Shared) -> u64 {
+    (sh.cfg.pull_timeout.as_millis() as u64).saturating_mul(3)
 }
 
 /// The last round of a process that stops using the task: give the host's idle permits back
@@ -703,10 +744,9 @@ pub(crate) async fn give_back(sh: &Shared, slot: &Slot, m: &FastMeta) {
         return;
     }
     let lock = sh.seg.lock(&k.lease_lock);
-    let LockAttempt::Acquired { token, .. } = lock.try_lock(
-        crate::clock::host_ms(),
-        (sh.cfg.pull_timeout.as_millis() as u64).saturating_mul(3),
-    ) else {
+    let LockAttempt::Acquired { token, .. } =
+        lock.try_lock(crate::clock::host_ms(), lease_lock_timeout_ms(sh))
+    else {
         return;
     };
     // No demand: the target is what is in use (plus an eighth unless others wait).
@@ -716,13 +756,48 @@ pub(crate) async fn give_back(sh: &Shared, slot: &Slot, m: &FastMeta) {
     lock.unlock(token);
 }
 
-async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
-    let k = &slot.conc;
+/// A LEASE call planned by [`begin_call`]: send `want` with `seq`, then hand the outcome to
+/// [`finish_call`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseCall {
+    /// The absolute number of permits to ask for.
+    pub want: u64,
+    /// The call's sequence number (strictly increasing per host).
+    pub seq: u64,
+    /// Boot-clock ms when the call was planned, before it was sent: the lease it wins is
+    /// valid from here.
+    pub t0: i64,
+    /// The host's refusals counted when the call was planned (its demand).
+    pub denied: u64,
+    /// The local limit when the call was planned.
+    pub limit: u64,
+}
+
+/// What became of a LEASE call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseOutcome {
+    /// Redis answered.
+    Reply(LeaseReply),
+    /// An error or a timeout: the call may or may not have run.
+    Failed,
+}
+
+/// Plans a LEASE call (pure: the host's cells, `now` on the boot clock and `host_us`, the
+/// host's clock in µs for the sequence number), by the holder of the host's lease lock:
+/// sizes the block from demand ([`target`]), lowers the local limit first when the call
+/// shrinks the block, and draws the call's sequence number.
+pub fn begin_call(
+    k: &ConcCells,
+    p: &LeaseParams,
+    denied: u64,
+    now: i64,
+    host_us: i64,
+) -> LeaseCall {
     let (limit, in_use) = unpack(k.permits.load(Ordering::Acquire));
     let waiting = k.waiting.load(Ordering::Acquire);
     let denied_new = denied.saturating_sub(k.denied_seen.load(Ordering::Relaxed));
     let cap = match k.cap.load(Ordering::Relaxed) {
-        0 => slot.meta.threshold.load(Ordering::Relaxed),
+        0 => p.threshold,
         c => c,
     };
     let others = k.others.load(Ordering::Relaxed);
@@ -748,33 +823,40 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
         want = want.max(unpack(w).1);
     }
     let seq = {
-        let host_us = crate::clock::host_us().max(0) as u64;
+        let host_us = host_us.max(0) as u64;
         let prev = k.seq.load(Ordering::Acquire);
         let next = (prev + 1).max(host_us);
         k.seq.store(next, Ordering::Release);
         next
     };
-    let t0 = boot_ms();
-    let before_us = crate::clock::host_us();
-    let task = slot.name().unwrap_or_default();
-    let res = crate::background::call(sh, crate::background::Retry::Idempotent, |mut c| {
-        let (task, host) = (&task, &sh.cfg.host_id);
-        async move { lease::lease(&mut c, &sh.keys, task, host, want, seq).await }
-    })
-    .await;
-    let now = boot_ms();
-    match res {
-        Ok(Ok(LeaseReply::Held {
+    LeaseCall {
+        want,
+        seq,
+        t0: now,
+        denied,
+        limit,
+    }
+}
+
+/// Applies the outcome of a LEASE call planned by [`begin_call`] (pure: the host's cells and
+/// `now`, boot-clock ms after the answer came).
+pub fn finish_call(
+    k: &ConcCells,
+    p: &LeaseParams,
+    call: &LeaseCall,
+    outcome: LeaseOutcome,
+    now: i64,
+) {
+    match outcome {
+        LeaseOutcome::Reply(LeaseReply::Held {
             holding,
             cap,
             others,
             lease_ms,
             others_unmet,
-            redis_time_us,
             ..
-        })) => {
-            // The clock offset to Redis, as every pull measures it (skew detection).
-            crate::background::record_clock(sh, before_us, crate::clock::host_us(), redis_time_us);
+        }) => {
+            let t0 = call.t0;
             let lease_ms = lease_ms.max(1);
             k.others_unmet.store(others_unmet, Ordering::Relaxed);
             k.room.store(cap.saturating_sub(others), Ordering::Release);
@@ -783,7 +865,7 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
             k.others.store(others, Ordering::Relaxed);
             k.lease_ms.store(lease_ms, Ordering::Relaxed);
             k.sent_ok_ms.store(t0, Ordering::Relaxed);
-            k.denied_seen.store(denied, Ordering::Relaxed);
+            k.denied_seen.store(call.denied, Ordering::Relaxed);
             k.failing_since_ms.store(0, Ordering::Relaxed);
             k.next_try_ms.store(0, Ordering::Relaxed);
             let until = t0 + valid_for_ms(lease_ms);
@@ -791,39 +873,63 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
             if k.regime.swap(REGIME_LEASE, Ordering::AcqRel) != REGIME_LEASE {
                 tracing::info!("concurrency lease held again: back from FAILED");
             }
-            let grew = holding > limit || holding >= want;
+            let grew = holding > call.limit || holding >= call.want;
             let pause = ((lease_ms / 10) as i64).max(GROW_RETRY_MIN_MS);
             k.grow_after_ms
                 .store(if grew { 0 } else { now + pause }, Ordering::Relaxed);
         }
-        Ok(Ok(LeaseReply::Stale { .. })) => {
+        LeaseOutcome::Reply(LeaseReply::Stale { .. }) => {
             // Another call of this host had a higher sequence number (a clock step back):
             // the next call's seq is above it.
             tracing::debug!("LEASE refused as stale; retrying with a higher sequence number");
         }
-        Ok(Ok(LeaseReply::Unknown)) => {
+        LeaseOutcome::Reply(LeaseReply::Unknown) => {
             k.next_try_ms
                 .store(now + FAILED_RETRY_MS, Ordering::Relaxed);
-            fail(slot, m, now);
+            fail(k, p, now);
+        }
+        LeaseOutcome::Failed => {
+            let _ =
+                k.failing_since_ms
+                    .compare_exchange(0, now, Ordering::AcqRel, Ordering::Relaxed);
+            k.next_try_ms
+                .store(now + FAILED_RETRY_MS, Ordering::Relaxed);
+            fail(k, p, now);
+        }
+    }
+}
+
+async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
+    let k = &slot.conc;
+    let p = LeaseParams::of(slot, m);
+    let call = begin_call(k, &p, denied, boot_ms(), crate::clock::host_us());
+    let before_us = crate::clock::host_us();
+    let task = slot.name().unwrap_or_default();
+    let res = crate::background::call(sh, crate::background::Retry::Idempotent, |mut c| {
+        let (task, host) = (&task, &sh.cfg.host_id);
+        async move { lease::lease(&mut c, &sh.keys, task, host, call.want, call.seq).await }
+    })
+    .await;
+    let outcome = match res {
+        Ok(Ok(reply)) => {
+            if let LeaseReply::Held { redis_time_us, .. } = reply {
+                // The clock offset to Redis, as every pull measures it (skew detection).
+                crate::background::record_clock(
+                    sh,
+                    before_us,
+                    crate::clock::host_us(),
+                    redis_time_us,
+                );
+            }
+            LeaseOutcome::Reply(reply)
         }
         Ok(Err(e)) => {
             tracing::debug!(error = %e, "LEASE failed");
-            let _ =
-                k.failing_since_ms
-                    .compare_exchange(0, now, Ordering::AcqRel, Ordering::Relaxed);
-            k.next_try_ms
-                .store(now + FAILED_RETRY_MS, Ordering::Relaxed);
-            fail(slot, m, now);
+            LeaseOutcome::Failed
         }
-        Err(()) => {
-            let _ =
-                k.failing_since_ms
-                    .compare_exchange(0, now, Ordering::AcqRel, Ordering::Relaxed);
-            k.next_try_ms
-                .store(now + FAILED_RETRY_MS, Ordering::Relaxed);
-            fail(slot, m, now);
-        }
-    }
+        Err(()) => LeaseOutcome::Failed,
+    };
+    finish_call(k, &p, &call, outcome, boot_ms());
 }
 
 #[cfg(test)]
