@@ -30,7 +30,9 @@ pub fn prop_config(name: &str, default_cases: u32) -> Config {
             .expect("SLUICE_PROP_CASES must be an unsigned integer"),
         _ => default_cases,
     };
-    eprintln!("property {name}: SLUICE_PROP_SEED={seed} SLUICE_PROP_CASES={cases} (replay with these)");
+    eprintln!(
+        "property {name}: SLUICE_PROP_SEED={seed} SLUICE_PROP_CASES={cases} (replay with these)"
+    );
     Config {
         cases,
         rng_seed: RngSeed::Fixed(seed),

@@ -56,7 +56,7 @@ use crate::client::{Shared, Task, TaskInner};
 use crate::clock::boot_ms;
 use crate::protocol::lease::{self, LeaseReply};
 use crate::protocol::{Mode, OnFailure};
-use crate::shm::{ConcCells, FastMeta, Holder, LockAttempt, Segment, Slot, SlotRef};
+use crate::shm::{ConcCells, FastMeta, Holder, LockAttempt, Segment, ShmLock, Slot, SlotRef};
 
 /// How often a host looks for permits of dead processes (while any are in use).
 pub const SCAN_MS: i64 = 20;
@@ -89,6 +89,19 @@ pub fn pack(limit: u64, in_use: u64) -> u64 {
 #[inline]
 pub fn unpack(w: u64) -> (u64, u64) {
     (w >> 32, w & IN_USE)
+}
+
+/// The `bound` of a [`ConcCells::bound`] word: under a lease no permit is handed out while
+/// this many or more are in use on the host.
+#[inline]
+pub fn bound_of(w: u64) -> u64 {
+    w & IN_USE
+}
+
+/// Writes `bound` into a [`ConcCells::bound`] word, bumping its generation.
+#[inline]
+fn bound_word(prev: u64, bound: u64) -> u64 {
+    (((prev >> 32) + 1) << 32 & !IN_USE) | bound.min(IN_USE)
 }
 
 /// How long permits may be handed out after a successful LEASE sent at `t0`: the TTL minus
@@ -337,10 +350,13 @@ pub fn take(seg: &Segment, k: &ConcCells, clock: impl Fn() -> i64) -> Result<boo
             if leased && clock() >= k.valid_until_ms.load(Ordering::Acquire) {
                 Err(PermitError::NoLease)
             } else {
-                // After a threshold decrease the holdings may exceed the new cap: then
-                // `room` (cap − others) binds until in flight here has fallen below it.
-                let room = if leased {
-                    k.room.load(Ordering::Acquire)
+                // Under a lease, `bound` (min(holding, cap − others) of the reply applied
+                // last, lowered to `want` while a call runs) binds too: it is what Redis is
+                // sure to count for the host even if `limit` was written by a late answer.
+                // After a threshold decrease cap − others binds until in flight here has
+                // fallen below it.
+                let bound = if leased {
+                    bound_of(k.bound.load(Ordering::Acquire))
                 } else {
                     u64::MAX
                 };
@@ -348,9 +364,9 @@ pub fn take(seg: &Segment, k: &ConcCells, clock: impl Fn() -> i64) -> Result<boo
                     .permits
                     .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
                         let (l, u) = unpack(w);
-                        (u < l && u < room).then(|| pack(l, u + 1))
+                        (u < l && u < bound).then(|| pack(l, u + 1))
                     })
-                    .map(|_| ())
+                    .map(|w| unpack(w).1 + 1)
                     .map_err(|_| {
                         if leased {
                             PermitError::Full
@@ -359,16 +375,23 @@ pub fn take(seg: &Segment, k: &ConcCells, clock: impl Fn() -> i64) -> Result<boo
                         }
                     });
                 // Re-check after the swap: a process stopped between the first check and
-                // the swap must not hand out a permit of a lease that lapsed meanwhile.
-                if r.is_ok()
-                    && leased
-                    && (k.regime.load(Ordering::Acquire) != REGIME_LEASE
-                        || clock() >= k.valid_until_ms.load(Ordering::Acquire))
-                {
-                    sub_in_use(k, 1);
-                    Err(PermitError::NoLease)
-                } else {
-                    r
+                // the swap must not hand out a permit of a lease that lapsed meanwhile, nor
+                // one above a bound a LEASE call lowered meanwhile.
+                match r {
+                    Ok(_)
+                        if leased
+                            && (k.regime.load(Ordering::Acquire) != REGIME_LEASE
+                                || clock() >= k.valid_until_ms.load(Ordering::Acquire)) =>
+                    {
+                        sub_in_use(k, 1);
+                        Err(PermitError::NoLease)
+                    }
+                    Ok(after) if leased && after > bound_of(k.bound.load(Ordering::Acquire)) => {
+                        sub_in_use(k, 1);
+                        Err(PermitError::Full)
+                    }
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(e),
                 }
             }
         }
@@ -719,7 +742,7 @@ pub(crate) async fn step(sh: &Shared, slot: &Slot, m: &FastMeta) -> bool {
         LockAttempt::Busy { .. } => return waiting > 0,
     };
     let denied = k.denied.load(Ordering::Relaxed);
-    lease_call(sh, slot, m, denied).await;
+    lease_call(sh, slot, m, denied, &lock, token).await;
     lock.unlock(token);
     waiting > 0
 }
@@ -752,7 +775,7 @@ pub(crate) async fn give_back(sh: &Shared, slot: &Slot, m: &FastMeta) {
     // No demand: the target is what is in use (plus an eighth unless others wait).
     let denied = k.denied.load(Ordering::Relaxed);
     k.denied_seen.store(denied, Ordering::Relaxed);
-    lease_call(sh, slot, m, denied).await;
+    lease_call(sh, slot, m, denied, &lock, token).await;
     lock.unlock(token);
 }
 
@@ -822,13 +845,26 @@ pub fn begin_call(
         let (Ok(w) | Err(w)) = r;
         want = want.max(unpack(w).1);
     }
-    let seq = {
-        let host_us = host_us.max(0) as u64;
-        let prev = k.seq.load(Ordering::Acquire);
-        let next = (prev + 1).max(host_us);
-        k.seq.store(next, Ordering::Release);
-        next
-    };
+    // The sequence number, drawn in one atomic step: calls are ordered by it in Redis (an
+    // older one arriving late is refused) and here (only the answer to the newest call begun
+    // is applied), so both orders agree even when two processes both believe they hold the
+    // lease lock (one was stalled past the lock's timeout).
+    let host_us = host_us.max(0) as u64;
+    let prev = k
+        .seq
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |prev| {
+            Some((prev + 1).max(host_us))
+        });
+    let (Ok(prev) | Err(prev)) = prev;
+    let seq = (prev + 1).max(host_us);
+    // Until its answer is applied, hand out no more than the call asks for: whatever Redis
+    // does with it (or with an older call still on its way), it then counts at least
+    // min(what it counted, want) for the host, and `bound` never exceeded what it counted.
+    let _ = k
+        .bound
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+            Some(bound_word(b, bound_of(b).min(want)))
+        });
     LeaseCall {
         want,
         seq,
@@ -838,15 +874,47 @@ pub fn begin_call(
     }
 }
 
+/// What [`finish_call`] did with an outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// The host holds the lease the reply granted.
+    Applied,
+    /// Redis refused the call as older than one it already ran (nothing changed there).
+    Stale,
+    /// The task is unknown to Redis, or the call failed: FAILED once the lease lapses.
+    Failed,
+    /// Ignored: the caller lost the lease lock, or a newer call has begun since; its answer
+    /// decides.
+    Superseded,
+}
+
 /// Applies the outcome of a LEASE call planned by [`begin_call`] (pure: the host's cells and
-/// `now`, boot-clock ms after the answer came).
+/// `now`, boot-clock ms after the answer came), if it is still the host's latest call and the
+/// caller still holds the lease lock (`holds_lock`).
+///
+/// A process stalled past the lease lock's timeout (SIGSTOP, a VM pause, a starved thread)
+/// may come back with the answer to a call that another process has since superseded: a
+/// newer call may have given the permits back, and the threshold may have been lowered.
+/// Applying the old answer would raise the host's limit above what Redis counts for it. So an
+/// answer is applied only when no newer call has begun (`seq`) and its `bound` is written by
+/// one compare-and-swap against the word read *before* that check: a call that begins after
+/// the check bumps the word's generation, and the swap fails.
 pub fn finish_call(
     k: &ConcCells,
     p: &LeaseParams,
     call: &LeaseCall,
     outcome: LeaseOutcome,
     now: i64,
-) {
+    holds_lock: bool,
+) -> Finished {
+    let b0 = k.bound.load(Ordering::Acquire);
+    if !holds_lock || k.seq.load(Ordering::Acquire) != call.seq {
+        tracing::debug!(
+            seq = call.seq,
+            "LEASE answer ignored: a newer call has begun or the lease lock was taken over"
+        );
+        return Finished::Superseded;
+    }
     match outcome {
         LeaseOutcome::Reply(LeaseReply::Held {
             holding,
@@ -856,10 +924,25 @@ pub fn finish_call(
             others_unmet,
             ..
         }) => {
+            let bound = holding.min(cap.saturating_sub(others));
+            if k.bound
+                .compare_exchange(
+                    b0,
+                    bound_word(b0, bound),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_err()
+            {
+                tracing::debug!(
+                    seq = call.seq,
+                    "LEASE answer ignored: a newer call has begun"
+                );
+                return Finished::Superseded;
+            }
             let t0 = call.t0;
             let lease_ms = lease_ms.max(1);
             k.others_unmet.store(others_unmet, Ordering::Relaxed);
-            k.room.store(cap.saturating_sub(others), Ordering::Release);
             set_limit(k, holding);
             k.cap.store(cap, Ordering::Relaxed);
             k.others.store(others, Ordering::Relaxed);
@@ -877,16 +960,19 @@ pub fn finish_call(
             let pause = ((lease_ms / 10) as i64).max(GROW_RETRY_MIN_MS);
             k.grow_after_ms
                 .store(if grew { 0 } else { now + pause }, Ordering::Relaxed);
+            Finished::Applied
         }
         LeaseOutcome::Reply(LeaseReply::Stale { .. }) => {
             // Another call of this host had a higher sequence number (a clock step back):
             // the next call's seq is above it.
             tracing::debug!("LEASE refused as stale; retrying with a higher sequence number");
+            Finished::Stale
         }
         LeaseOutcome::Reply(LeaseReply::Unknown) => {
             k.next_try_ms
                 .store(now + FAILED_RETRY_MS, Ordering::Relaxed);
             fail(k, p, now);
+            Finished::Failed
         }
         LeaseOutcome::Failed => {
             let _ =
@@ -895,11 +981,19 @@ pub fn finish_call(
             k.next_try_ms
                 .store(now + FAILED_RETRY_MS, Ordering::Relaxed);
             fail(k, p, now);
+            Finished::Failed
         }
     }
 }
 
-async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
+async fn lease_call(
+    sh: &Shared,
+    slot: &Slot,
+    m: &FastMeta,
+    denied: u64,
+    lock: &ShmLock<'_>,
+    token: u64,
+) {
     let k = &slot.conc;
     let p = LeaseParams::of(slot, m);
     let call = begin_call(k, &p, denied, boot_ms(), crate::clock::host_us());
@@ -929,7 +1023,7 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
         }
         Err(()) => LeaseOutcome::Failed,
     };
-    finish_call(k, &p, &call, outcome, boot_ms());
+    finish_call(k, &p, &call, outcome, boot_ms(), lock.holds(token));
 }
 
 #[cfg(test)]
