@@ -187,3 +187,45 @@ async fn a_late_lease_reply_after_a_takeover_hands_out_nothing_redis_counts_as_f
          another host, cap 2)"
     );
 }
+
+/// Waits given by the caller are bounded by nothing but the caller: `Duration::MAX` (a wait
+/// too long to add to the clock) is a wait without end, never a panic; lock TTLs outside
+/// 100 ms ..= 1 day are refused by name.
+#[tokio::test]
+async fn waits_of_any_length_never_panic_and_lock_ttls_are_bounded() {
+    let ns = unique_ns("waitmax");
+    let keys = Keys::new(&ns).unwrap();
+    let mut c = protocol_conn(&shared_redis()).await;
+    write_meta(&mut c, &keys, "t", &conc_meta(2, 60_000, 1)).await;
+    let host = format!("{ns}-h");
+    let _segments = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let client = sluice::Client::new(sdk_config(&shared_redis(), &ns, &host)).unwrap();
+    let task = client.task("t").unwrap();
+    assert!(task.wait_ready(std::time::Duration::from_secs(10)));
+    let p = task
+        .permit_timeout(std::time::Duration::MAX)
+        .await
+        .expect("a free permit");
+    let q = task
+        .permit_blocking(std::time::Duration::MAX)
+        .expect("the second");
+    drop((p, q));
+    let g = client
+        .lock_timeout(
+            "l",
+            std::time::Duration::from_secs(5),
+            std::time::Duration::MAX,
+        )
+        .await
+        .expect("a free lock");
+    assert!(g.release().await.unwrap());
+    for ttl in [
+        std::time::Duration::from_millis(99),
+        sluice::MAX_LOCK_TTL + std::time::Duration::from_millis(1),
+        std::time::Duration::MAX,
+    ] {
+        let e = client.try_lock("l", ttl).await.expect_err("refused");
+        assert_eq!(e, sluice::LockError::Ttl(ttl));
+        assert!(e.to_string().contains("ttl"), "{e}");
+    }
+}

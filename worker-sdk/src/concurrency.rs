@@ -493,7 +493,7 @@ impl Task {
     /// Takes one permit, waiting for one at most `timeout`. Works on any executor: the
     /// client's background thread wakes waiters every millisecond while any wait.
     pub async fn permit_timeout(&self, timeout: Duration) -> Result<Permit, PermitError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now().checked_add(timeout);
         let mut waiting: Option<WaitGuard<'_>> = None;
         loop {
             let notified = self.inner.deposited.notified();
@@ -506,10 +506,11 @@ impl Task {
 
     /// One round of a wait for a permit: the answer when there is one (a permit, an error
     /// waiting cannot cure, or the deadline passed); otherwise registers the wait (once) so
-    /// the background thread grows the lease, and None: wait and try again.
+    /// the background thread grows the lease, and None: wait and try again. No `deadline`
+    /// (a timeout too long to add to the clock): no end.
     fn wait_step<'a>(
         &'a self,
-        deadline: Instant,
+        deadline: Option<Instant>,
         waiting: &mut Option<WaitGuard<'a>>,
     ) -> Option<Result<Permit, PermitError>> {
         match self.try_permit() {
@@ -517,7 +518,7 @@ impl Task {
             Err(e @ (PermitError::NotConcurrency | PermitError::TooManyHolders)) => {
                 return Some(Err(e));
             }
-            Err(e) if Instant::now() >= deadline => {
+            Err(e) if deadline.is_some_and(|d| Instant::now() >= d) => {
                 return Some(Err(match e {
                     PermitError::Full | PermitError::NoLease => PermitError::Timeout,
                     other => other,
@@ -534,7 +535,7 @@ impl Task {
 
     /// [`Task::permit`] for programs without an async runtime: sleeps in short steps.
     pub fn permit_blocking(&self, timeout: Duration) -> Result<Permit, PermitError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now().checked_add(timeout);
         let mut waiting: Option<WaitGuard<'_>> = None;
         loop {
             if let Some(done) = self.wait_step(deadline, &mut waiting) {
