@@ -229,3 +229,562 @@ async fn waits_of_any_length_never_panic_and_lock_ttls_are_bounded() {
         assert!(e.to_string().contains("ttl"), "{e}");
     }
 }
+
+// ─── The reference model of mode `concurrency` and its property ───
+//
+// The model: a cluster-wide cap N (the threshold, changed at any step), hosts of one to
+// three processes each, and the permits each live process holds (with the real time it took
+// each). A step is one of: a process takes a permit, releases one, stalls holding the lease
+// lock with a LEASE call whose answer it keeps, delivers that answer late, the host's wall
+// clock steps (a forward step makes a stalled holder's lease lock look stale: taken over),
+// the threshold changes, a process or a whole host crashes (its permits are gone; a dead
+// host's Redis entry lapses after the TTL), or time passes. Between steps every live,
+// unstalled process runs a background round, as its background thread would; callers honour
+// the documented contract and release a permit within a quarter TTL (`HOLD_MS`), except those
+// of a stalled (stopped) process.
+//
+// Safety, checked at every step:
+// * S1, at every hand-out: the host's permits in use ≤ what Redis counts for it (its live
+//   entry at the time of the hand-out);
+// * S2, at every LEASE call: Redis' holdings never grow past the cap (after a decrease they
+//   only fall);
+// * S3, at every hand-out: the permits taken within the last quarter TTL, cluster-wide — the
+//   ones the contract covers — are at most max(N, what Redis counts), i.e. at most N unless a
+//   decrease is still being absorbed (in flight falls by attrition).
+// Liveness, at the end of each case (stalled processes resumed): every free permit of the
+// model (N − permits held by live processes) is handed out to a waiting caller within 4 TTLs
+// (a dead host's entry lapses within one; idle permits go back at renewals). Nothing stuck:
+// each live host's in-use count equals the model's permits of its live processes. No panic.
+
+use std::time::{Duration, Instant};
+
+use proptest::prelude::*;
+use sluice::concurrency::Clocks;
+
+const MODEL_LEASE_MS: u64 = 1_000;
+/// Callers release a permit within this (a quarter TTL): the contract S3 relies on.
+const HOLD_MS: u64 = MODEL_LEASE_MS / 4;
+const PULL_TIMEOUT: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone)]
+enum Step {
+    Take(usize, usize),
+    Release(usize, usize),
+    Stall(usize, usize),
+    Resume(usize, usize),
+    ClockStep(usize, i64),
+    SetCap(u64),
+    CrashProcess(usize, usize),
+    CrashHost(usize),
+    Sleep(u64),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let hp = || (0..3usize, 0..3usize);
+    prop_oneof![
+        8 => hp().prop_map(|(h, p)| Step::Take(h, p)),
+        3 => hp().prop_map(|(h, p)| Step::Release(h, p)),
+        2 => hp().prop_map(|(h, p)| Step::Stall(h, p)),
+        2 => hp().prop_map(|(h, p)| Step::Resume(h, p)),
+        1 => (0..3usize, -5_000..5_000i64).prop_map(|(h, ms)| Step::ClockStep(h, ms)),
+        2 => (0..=6u64).prop_map(Step::SetCap),
+        1 => hp().prop_map(|(h, p)| Step::CrashProcess(h, p)),
+        1 => (0..3usize).prop_map(Step::CrashHost),
+        2 => (0..400u64).prop_map(Step::Sleep),
+    ]
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    procs: Vec<usize>,
+    cap: u64,
+    steps: Vec<Step>,
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (
+        proptest::collection::vec(1..=3usize, 2..=3),
+        1..=6u64,
+        proptest::collection::vec(step(), 5..30),
+    )
+        .prop_map(|(procs, cap, steps)| Case { procs, cap, steps })
+}
+
+/// A host's clocks: the real boot clock (lease validity), its wall clock with a step offset.
+struct HostClocks {
+    skew_us: std::cell::Cell<i64>,
+}
+
+impl Clocks for HostClocks {
+    fn boot_ms(&self) -> i64 {
+        sluice::clock::boot_ms()
+    }
+    fn host_us(&self) -> i64 {
+        sluice::clock::host_us() + self.skew_us.get()
+    }
+}
+
+struct Stalled {
+    call: conc::LeaseCall,
+    token: u64,
+    outcome: LeaseOutcome,
+}
+
+struct ModelProcess {
+    p: Option<Process>,
+    /// When each permit it holds was taken.
+    permits: Vec<Instant>,
+    stalled: Option<Stalled>,
+}
+
+struct ModelHost {
+    id: String,
+    procs: Vec<ModelProcess>,
+    clocks: HostClocks,
+}
+
+struct World {
+    keys: Keys,
+    conn: sluice_protocol::conn::RedisConn,
+    cap: u64,
+    version: i64,
+    hosts: Vec<ModelHost>,
+    takes: u64,
+    calls: u64,
+}
+
+/// Live entries of the lease hash, by Redis' clock: host → (permits, expires_ms), and Redis
+/// time (ms).
+fn lease_entries(keys: &Keys) -> (std::collections::HashMap<String, (u64, i64)>, i64) {
+    let mut c = redis_conn(&shared_redis());
+    let (all, (s, us)): (Vec<(String, String)>, (i64, i64)) = redis::pipe()
+        .cmd("HGETALL")
+        .arg(keys.lease("t"))
+        .cmd("TIME")
+        .query(&mut c)
+        .unwrap();
+    let now = s * 1_000 + us / 1_000;
+    let mut m = std::collections::HashMap::new();
+    for (h, v) in all {
+        let f: Vec<i64> = v.split(':').filter_map(|x| x.parse().ok()).collect();
+        assert!(f.len() >= 3, "malformed lease entry {h} = {v}");
+        m.insert(h, (f[0].max(0) as u64, f[1]));
+    }
+    (m, now)
+}
+
+fn live_sum(m: &std::collections::HashMap<String, (u64, i64)>, now: i64) -> u64 {
+    m.values().filter(|(_, e)| *e > now).map(|(p, _)| p).sum()
+}
+
+impl World {
+    fn params(&self) -> LeaseParams {
+        LeaseParams {
+            on_failure: OnFailure::Deny,
+            local_limit: 0,
+            threshold: self.cap,
+        }
+    }
+
+    /// LEASE for host `h`, with S2 checked around it.
+    async fn send(&mut self, h: usize, call: conc::LeaseCall) -> LeaseOutcome {
+        let (before, t) = lease_entries(&self.keys);
+        let before = live_sum(&before, t);
+        let id = self.hosts[h].id.clone();
+        let r = lease::lease(&mut self.conn, &self.keys, "t", &id, call.want, call.seq).await;
+        self.calls += 1;
+        let (after, t) = lease_entries(&self.keys);
+        let after = live_sum(&after, t);
+        assert!(
+            after <= self.cap || after <= before,
+            "S2: Redis' holdings grew to {after} (from {before}) past the cap {}",
+            self.cap
+        );
+        match r {
+            Ok(reply) => LeaseOutcome::Reply(reply),
+            Err(_) => LeaseOutcome::Failed,
+        }
+    }
+
+    /// One background round of every live, unstalled process.
+    async fn background(&mut self) {
+        for h in 0..self.hosts.len() {
+            for i in 0..self.hosts[h].procs.len() {
+                self.round(h, i).await;
+            }
+        }
+    }
+
+    async fn round(&mut self, h: usize, i: usize) {
+        let mp = &self.hosts[h].procs[i];
+        let Some(p) = mp.p.as_ref().filter(|_| mp.stalled.is_none()) else {
+            return;
+        };
+        let k = p.k();
+        conc::reclaim_dead(&p.seg, k);
+        if !conc::round_due(k, sluice::clock::boot_ms()) {
+            return;
+        }
+        let lock = p.seg.lock(&k.lease_lock);
+        let clocks = &self.hosts[h].clocks;
+        let LockAttempt::Acquired { token, .. } = lock.try_lock(
+            clocks.host_us().div_euclid(1_000),
+            conc::lease_lock_timeout_ms(PULL_TIMEOUT),
+        ) else {
+            return;
+        };
+        let call = conc::begin_call(
+            k,
+            &self.params(),
+            k.denied.load(std::sync::atomic::Ordering::Relaxed),
+            clocks.boot_ms(),
+            clocks.host_us(),
+        );
+        let outcome = self.send(h, call).await;
+        let p = self.hosts[h].procs[i].p.as_ref().unwrap();
+        let (k, lock) = (p.k(), p.seg.lock(&p.k().lease_lock));
+        conc::finish_call(
+            k,
+            &self.params(),
+            &call,
+            outcome,
+            sluice::clock::boot_ms(),
+            lock.holds(token),
+        );
+        lock.unlock(token);
+    }
+
+    /// Releases, as callers do, every permit held for `HOLD_MS` or longer (not those of a
+    /// stalled process: it is stopped).
+    fn contract_releases(&mut self) {
+        for host in &mut self.hosts {
+            for mp in &mut host.procs {
+                let (Some(p), None) = (mp.p.as_ref(), mp.stalled.as_ref()) else {
+                    continue;
+                };
+                while mp
+                    .permits
+                    .first()
+                    .is_some_and(|t| t.elapsed() >= Duration::from_millis(HOLD_MS))
+                {
+                    mp.permits.remove(0);
+                    conc::release(&p.seg, p.k());
+                }
+            }
+        }
+    }
+
+    fn live_permits(&self) -> usize {
+        self.hosts
+            .iter()
+            .flat_map(|h| &h.procs)
+            .filter(|p| p.p.is_some())
+            .map(|p| p.permits.len())
+            .sum()
+    }
+
+    /// Process `i` of host `h` takes a permit; S1 and S3 checked when it gets one.
+    fn take(&mut self, h: usize, i: usize) -> bool {
+        let mp = &self.hosts[h].procs[i];
+        let (Some(p), None) = (mp.p.as_ref(), mp.stalled.as_ref()) else {
+            return false;
+        };
+        let at = Instant::now();
+        if conc::take(&p.seg, p.k(), sluice::clock::boot_ms).is_err() {
+            return false;
+        }
+        let in_use = conc::unpack(p.k().permits.load(std::sync::atomic::Ordering::Acquire)).1;
+        self.hosts[h].procs[i].permits.push(at);
+        self.takes += 1;
+        let (m, now) = lease_entries(&self.keys);
+        let since = at.elapsed().as_millis() as i64;
+        // S1: live when handed out (Redis' clock, allowing for the time since).
+        let (held, exp) = m.get(&self.hosts[h].id).copied().unwrap_or((0, 0));
+        assert!(
+            exp + since + 1 > now && in_use <= held,
+            "S1: host {h} has {in_use} permits in use; Redis counts {held} (expiring at {exp}, \
+             now {now}, {since} ms after the hand-out)"
+        );
+        // S3: the permits of the last quarter TTL, cluster-wide.
+        let fresh = self
+            .hosts
+            .iter()
+            .flat_map(|h| &h.procs)
+            .flat_map(|p| &p.permits)
+            .filter(|t| t.elapsed() < Duration::from_millis(HOLD_MS))
+            .count() as u64;
+        let counted = live_sum(&m, now - since);
+        assert!(
+            fresh <= self.cap.max(counted),
+            "S3: {fresh} permits taken within {HOLD_MS} ms are in flight; cap {}, Redis \
+             counts {counted}",
+            self.cap
+        );
+        true
+    }
+
+    async fn apply(&mut self, s: &Step) {
+        let hn = self.hosts.len();
+        let pick = |h: usize, i: usize, w: &World| (h % hn, i % w.hosts[h % hn].procs.len());
+        match *s {
+            Step::Take(h, i) => {
+                let (h, i) = pick(h, i, self);
+                self.take(h, i);
+            }
+            Step::Release(h, i) => {
+                let (h, i) = pick(h, i, self);
+                let mp = &mut self.hosts[h].procs[i];
+                if let (Some(p), None) = (mp.p.as_ref(), mp.stalled.as_ref())
+                    && !mp.permits.is_empty()
+                {
+                    mp.permits.remove(0);
+                    conc::release(&p.seg, p.k());
+                }
+            }
+            Step::Stall(h, i) => {
+                let (h, i) = pick(h, i, self);
+                let mp = &self.hosts[h].procs[i];
+                let Some(p) = mp.p.as_ref().filter(|_| mp.stalled.is_none()) else {
+                    return;
+                };
+                let k = p.k();
+                let clocks = &self.hosts[h].clocks;
+                let lock = p.seg.lock(&k.lease_lock);
+                let LockAttempt::Acquired { token, .. } = lock.try_lock(
+                    clocks.host_us().div_euclid(1_000),
+                    conc::lease_lock_timeout_ms(PULL_TIMEOUT),
+                ) else {
+                    return;
+                };
+                let call = conc::begin_call(
+                    k,
+                    &self.params(),
+                    k.denied.load(std::sync::atomic::Ordering::Relaxed),
+                    clocks.boot_ms(),
+                    clocks.host_us(),
+                );
+                let outcome = self.send(h, call).await;
+                self.hosts[h].procs[i].stalled = Some(Stalled {
+                    call,
+                    token,
+                    outcome,
+                });
+            }
+            Step::Resume(h, i) => {
+                let (h, i) = pick(h, i, self);
+                self.resume(h, i);
+            }
+            Step::ClockStep(h, ms) => {
+                let c = &self.hosts[h % hn].clocks;
+                c.skew_us.set(c.skew_us.get() + ms * 1_000);
+            }
+            Step::SetCap(cap) => {
+                self.cap = cap;
+                self.version += 1;
+                write_meta(
+                    &mut self.conn,
+                    &self.keys,
+                    "t",
+                    &conc_meta(cap, MODEL_LEASE_MS, self.version),
+                )
+                .await;
+            }
+            Step::CrashProcess(h, i) => {
+                let (h, i) = pick(h, i, self);
+                let mp = &mut self.hosts[h].procs[i];
+                mp.p = None;
+                mp.permits.clear();
+                mp.stalled = None;
+            }
+            Step::CrashHost(h) => {
+                for mp in &mut self.hosts[h % hn].procs {
+                    mp.p = None;
+                    mp.permits.clear();
+                    mp.stalled = None;
+                }
+            }
+            Step::Sleep(ms) => {
+                // Time passes; the background threads run meanwhile.
+                let until = Instant::now() + Duration::from_millis(ms);
+                while Instant::now() < until {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    self.contract_releases();
+                    self.background().await;
+                }
+            }
+        }
+    }
+
+    fn resume(&mut self, h: usize, i: usize) {
+        let params = self.params();
+        let mp = &mut self.hosts[h].procs[i];
+        let (Some(p), Some(st)) = (mp.p.as_ref(), mp.stalled.take()) else {
+            return;
+        };
+        let k = p.k();
+        let lock = p.seg.lock(&k.lease_lock);
+        conc::finish_call(
+            k,
+            &params,
+            &st.call,
+            st.outcome,
+            sluice::clock::boot_ms(),
+            lock.holds(st.token),
+        );
+        lock.unlock(st.token);
+    }
+
+    /// Liveness and nothing stuck, at the end of a case.
+    async fn settle(&mut self) {
+        for h in 0..self.hosts.len() {
+            for i in 0..self.hosts[h].procs.len() {
+                self.resume(h, i);
+            }
+        }
+        let deadline = Instant::now() + Duration::from_millis(4 * MODEL_LEASE_MS);
+        let live: Vec<(usize, usize)> = (0..self.hosts.len())
+            .flat_map(|h| (0..self.hosts[h].procs.len()).map(move |i| (h, i)))
+            .filter(|&(h, i)| self.hosts[h].procs[i].p.is_some())
+            .collect();
+        if live.is_empty() {
+            return;
+        }
+        let mut turn = 0;
+        while (self.live_permits() as u64) < self.cap {
+            let (h, i) = live[turn % live.len()];
+            turn += 1;
+            if !self.take(h, i) {
+                self.background().await;
+                assert!(
+                    Instant::now() < deadline,
+                    "liveness: {} of {} permits handed out {} ms after the last step; \
+                     hosts' in use {:?}",
+                    self.live_permits(),
+                    self.cap,
+                    4 * MODEL_LEASE_MS,
+                    self.in_use()
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            // The settle holds every permit (no contract releases): renewals keep them.
+        }
+        // Nothing stuck: each live host counts exactly its live processes' permits.
+        for h in 0..self.hosts.len() {
+            for i in 0..self.hosts[h].procs.len() {
+                if let Some(p) = self.hosts[h].procs[i].p.as_ref() {
+                    conc::reclaim_dead(&p.seg, p.k());
+                }
+            }
+            let model: usize = self.hosts[h]
+                .procs
+                .iter()
+                .filter(|p| p.p.is_some())
+                .map(|p| p.permits.len())
+                .sum();
+            if let Some(k) = self.hosts[h]
+                .procs
+                .iter()
+                .find_map(|p| p.p.as_ref().map(|p| p.k()))
+            {
+                let in_use = conc::unpack(k.permits.load(std::sync::atomic::Ordering::Acquire)).1;
+                assert_eq!(in_use, model as u64, "host {h}: in use vs the model");
+            }
+        }
+    }
+
+    fn in_use(&self) -> Vec<Option<u64>> {
+        self.hosts
+            .iter()
+            .map(|h| {
+                h.procs.iter().find_map(|p| {
+                    p.p.as_ref().map(|p| {
+                        conc::unpack(p.k().permits.load(std::sync::atomic::Ordering::Acquire)).1
+                    })
+                })
+            })
+            .collect()
+    }
+}
+
+async fn run_case(c: &Case) -> (u64, u64) {
+    let ns = unique_ns("pmodel");
+    let keys = Keys::new(&ns).unwrap();
+    let mut conn = protocol_conn(&shared_redis()).await;
+    write_meta(&mut conn, &keys, "t", &conc_meta(c.cap, MODEL_LEASE_MS, 1)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = c
+        .procs
+        .iter()
+        .enumerate()
+        .map(|(h, &n)| {
+            let path = dir.path().join(format!("host{h}"));
+            ModelHost {
+                id: format!("h{h}"),
+                procs: (0..n)
+                    .map(|_| ModelProcess {
+                        p: Some(Process::open(&path, "t")),
+                        permits: Vec::new(),
+                        stalled: None,
+                    })
+                    .collect(),
+                clocks: HostClocks {
+                    skew_us: std::cell::Cell::new(0),
+                },
+            }
+        })
+        .collect();
+    let mut w = World {
+        keys,
+        conn,
+        cap: c.cap,
+        version: 1,
+        hosts,
+        takes: 0,
+        calls: 0,
+    };
+    for s in &c.steps {
+        w.contract_releases();
+        w.apply(s).await;
+        w.background().await;
+    }
+    w.settle().await;
+    (w.takes, w.calls)
+}
+
+#[test]
+fn permits_never_exceed_the_model_and_free_permits_are_handed_out() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut cfg = sluice_testkit::prop_config("permits_model", 8);
+    cfg.max_shrink_iters = 64;
+    let mut runner = proptest::test_runner::TestRunner::new(cfg);
+    let totals = std::cell::Cell::new((0u64, 0u64, 0u32));
+    runner
+        .run(&case(), |c| {
+            let (takes, calls) = rt.block_on(run_case(&c));
+            let (t, l, n) = totals.get();
+            totals.set((t + takes, l + calls, n + 1));
+            Ok(())
+        })
+        .unwrap();
+    let (t, l, n) = totals.get();
+    eprintln!("permits model: {n} cases, {t} permits handed out, {l} LEASE calls");
+}
+
+/// Found by the model: a host whose last LEASE answer said cap 0 (threshold 0) holds nothing,
+/// so it never renews, and it believed the cap reached, so it never grew: a threshold raised
+/// later never reached it (seed 14413755746203448581, shrunk).
+#[test]
+fn a_threshold_raised_from_zero_reaches_a_host_that_holds_nothing() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(run_case(&Case {
+        procs: vec![1, 1],
+        cap: 0,
+        steps: vec![Step::Take(0, 0), Step::Take(1, 0), Step::SetCap(3)],
+    }));
+}

@@ -56,7 +56,7 @@ use crate::client::{Shared, Task, TaskInner};
 use crate::clock::boot_ms;
 use crate::protocol::lease::{self, LeaseReply};
 use crate::protocol::{Mode, OnFailure};
-use crate::shm::{ConcCells, FastMeta, Holder, LockAttempt, Segment, ShmLock, Slot, SlotRef};
+use crate::shm::{ConcCells, FastMeta, Holder, LockAttempt, Segment, Slot, SlotRef};
 
 /// How often a host looks for permits of dead processes (while any are in use).
 pub const SCAN_MS: i64 = 20;
@@ -706,8 +706,12 @@ pub fn round_due(k: &ConcCells, now: i64) -> bool {
     let holds = limit > 0 || in_use > 0 || regime != REGIME_LEASE;
     let renew_due = holds && (sent_ok == 0 || now - sent_ok >= (lease_ms / 4) as i64);
     let cap = k.cap.load(Ordering::Relaxed);
+    // With demand, ask again when the last answer left room to grow, and in any case every
+    // quarter TTL: the cap of the last answer may be stale (a host that holds nothing never
+    // renews, and one told "cap 0" would otherwise never learn of a raised threshold).
+    let stale = now - sent_ok >= (lease_ms / 4) as i64;
     let grow_due = demand
-        && (sent_ok == 0 || limit < cap || regime != REGIME_LEASE)
+        && (sent_ok == 0 || limit < cap || regime != REGIME_LEASE || stale)
         && now >= k.grow_after_ms.load(Ordering::Relaxed);
     (renew_due || grow_due) && now >= k.next_try_ms.load(Ordering::Relaxed)
 }
@@ -734,24 +738,17 @@ pub(crate) async fn step(sh: &Shared, slot: &Slot, m: &FastMeta) -> bool {
         }
     }
     let waiting = k.waiting.load(Ordering::Acquire);
-    if !round_due(k, now) {
-        return waiting > 0;
+    if round_due(k, now) {
+        let denied = k.denied.load(Ordering::Relaxed);
+        lease_call(sh, slot, m, denied).await;
     }
-    let lock = sh.seg.lock(&k.lease_lock);
-    let token = match lock.try_lock(crate::clock::host_ms(), lease_lock_timeout_ms(sh)) {
-        LockAttempt::Acquired { token, .. } => token,
-        LockAttempt::Busy { .. } => return waiting > 0,
-    };
-    let denied = k.denied.load(Ordering::Relaxed);
-    lease_call(sh, slot, m, denied, &lock, token).await;
-    lock.unlock(token);
     waiting > 0
 }
 
 /// A lease lock held longer than this is taken over (its holder is stuck): three pull
 /// timeouts, three times the longest a LEASE call may take.
-fn lease_lock_timeout_ms(sh: &Shared) -> u64 {
-    (sh.cfg.pull_timeout.as_millis() as u64).saturating_mul(3)
+pub fn lease_lock_timeout_ms(pull_timeout: std::time::Duration) -> u64 {
+    (pull_timeout.as_millis() as u64).saturating_mul(3)
 }
 
 /// The last round of a process that stops using the task: give the host's idle permits back
@@ -767,17 +764,62 @@ pub(crate) async fn give_back(sh: &Shared, slot: &Slot, m: &FastMeta) {
     {
         return;
     }
-    let lock = sh.seg.lock(&k.lease_lock);
-    let LockAttempt::Acquired { token, .. } =
-        lock.try_lock(crate::clock::host_ms(), lease_lock_timeout_ms(sh))
-    else {
-        return;
-    };
     // No demand: the target is what is in use (plus an eighth unless others wait).
     let denied = k.denied.load(Ordering::Relaxed);
     k.denied_seen.store(denied, Ordering::Relaxed);
-    lease_call(sh, slot, m, denied, &lock, token).await;
+    lease_call(sh, slot, m, denied).await;
+}
+
+/// The clocks a leasing round reads: the boot clock (lease validity, ms) and the host's
+/// wall clock (the lease lock's age, ms; sequence numbers, µs). A model passes its own.
+pub trait Clocks {
+    /// `CLOCK_BOOTTIME`, ms.
+    fn boot_ms(&self) -> i64;
+    /// `CLOCK_REALTIME`, µs.
+    fn host_us(&self) -> i64;
+}
+
+/// The system's clocks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClocks;
+
+impl Clocks for SystemClocks {
+    fn boot_ms(&self) -> i64 {
+        boot_ms()
+    }
+    fn host_us(&self) -> i64 {
+        crate::clock::host_us()
+    }
+}
+
+/// One LEASE call under the host's lease lock: takes the lock (`None` when a live holder has
+/// it, younger than `lock_timeout_ms`), plans the call ([`begin_call`]), runs `send`, applies
+/// the outcome ([`finish_call`], only while the lock is still this caller's) and unlocks.
+/// `denied`: the host's refusals, read before.
+pub async fn locked_call<C, F, Fut>(
+    seg: &Segment,
+    k: &ConcCells,
+    p: &LeaseParams,
+    clocks: &C,
+    lock_timeout_ms: u64,
+    denied: u64,
+    send: F,
+) -> Option<Finished>
+where
+    C: Clocks + ?Sized,
+    F: FnOnce(LeaseCall) -> Fut,
+    Fut: std::future::Future<Output = LeaseOutcome>,
+{
+    let lock = seg.lock(&k.lease_lock);
+    let token = match lock.try_lock(clocks.host_us().div_euclid(1_000), lock_timeout_ms) {
+        LockAttempt::Acquired { token, .. } => token,
+        LockAttempt::Busy { .. } => return None,
+    };
+    let call = begin_call(k, p, denied, clocks.boot_ms(), clocks.host_us());
+    let outcome = send(call).await;
+    let done = finish_call(k, p, &call, outcome, clocks.boot_ms(), lock.holds(token));
     lock.unlock(token);
+    Some(done)
 }
 
 /// A LEASE call planned by [`begin_call`]: send `want` with `seq`, then hand the outcome to
@@ -987,44 +1029,39 @@ pub fn finish_call(
     }
 }
 
-async fn lease_call(
-    sh: &Shared,
-    slot: &Slot,
-    m: &FastMeta,
-    denied: u64,
-    lock: &ShmLock<'_>,
-    token: u64,
-) {
+async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
     let k = &slot.conc;
     let p = LeaseParams::of(slot, m);
-    let call = begin_call(k, &p, denied, boot_ms(), crate::clock::host_us());
-    let before_us = crate::clock::host_us();
     let task = slot.name().unwrap_or_default();
-    let res = crate::background::call(sh, crate::background::Retry::Idempotent, |mut c| {
-        let (task, host) = (&task, &sh.cfg.host_id);
-        async move { lease::lease(&mut c, &sh.keys, task, host, call.want, call.seq).await }
-    })
-    .await;
-    let outcome = match res {
-        Ok(Ok(reply)) => {
-            if let LeaseReply::Held { redis_time_us, .. } = reply {
-                // The clock offset to Redis, as every pull measures it (skew detection).
-                crate::background::record_clock(
-                    sh,
-                    before_us,
-                    crate::clock::host_us(),
-                    redis_time_us,
-                );
+    let send = |call: LeaseCall| async move {
+        let before_us = crate::clock::host_us();
+        let res = crate::background::call(sh, crate::background::Retry::Idempotent, |mut c| {
+            let (task, host) = (&task, &sh.cfg.host_id);
+            async move { lease::lease(&mut c, &sh.keys, task, host, call.want, call.seq).await }
+        })
+        .await;
+        match res {
+            Ok(Ok(reply)) => {
+                if let LeaseReply::Held { redis_time_us, .. } = reply {
+                    // The clock offset to Redis, as every pull measures it (skew detection).
+                    crate::background::record_clock(
+                        sh,
+                        before_us,
+                        crate::clock::host_us(),
+                        redis_time_us,
+                    );
+                }
+                LeaseOutcome::Reply(reply)
             }
-            LeaseOutcome::Reply(reply)
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "LEASE failed");
+                LeaseOutcome::Failed
+            }
+            Err(()) => LeaseOutcome::Failed,
         }
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "LEASE failed");
-            LeaseOutcome::Failed
-        }
-        Err(()) => LeaseOutcome::Failed,
     };
-    finish_call(k, &p, &call, outcome, boot_ms(), lock.holds(token));
+    let timeout = lease_lock_timeout_ms(sh.cfg.pull_timeout);
+    locked_call(&sh.seg, k, &p, &SystemClocks, timeout, denied, send).await;
 }
 
 #[cfg(test)]
