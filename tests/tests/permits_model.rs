@@ -238,8 +238,10 @@ async fn waits_of_any_length_never_panic_and_lock_ttls_are_bounded() {
 // lock with a LEASE call whose answer it keeps, delivers that answer late, the host's wall
 // clock steps (a forward step makes a stalled holder's lease lock look stale: taken over),
 // the threshold changes, a process or a whole host crashes (its permits are gone; a dead
-// host's Redis entry lapses after the TTL), or time passes. Between steps every live,
-// unstalled process runs a background round, as its background thread would; callers honour
+// host's Redis entry lapses after the TTL), a host's LEASE calls fail (never sent, or run by
+// Redis with the answer lost), every live, unstalled process runs a background
+// round (as its background thread does every millisecond: a step of its own, so other steps
+// can fall between two rounds), or time passes (with rounds every 20 ms); callers honour
 // the documented contract and release a permit within a quarter TTL (`HOLD_MS`), except those
 // of a stalled (stopped) process.
 //
@@ -277,20 +279,30 @@ enum Step {
     CrashProcess(usize, usize),
     CrashHost(usize),
     Sleep(u64),
+    Tick,
+    /// Host `h`'s LEASE calls from now on: 0 answered, 1 run by Redis but the answer lost
+    /// (a timeout after the fact), 2 never reaching Redis (Redis or the network down).
+    Net(usize, u8),
 }
 
 fn step() -> impl Strategy<Value = Step> {
     let hp = || (0..3usize, 0..3usize);
+    // Wall-clock steps: mostly forward past the lease lock's timeout (a stalled holder is
+    // taken over), sometimes small either way.
+    let clock = prop_oneof![3 => 3_500..6_000i64, 1 => -2_000..2_000i64];
     prop_oneof![
         8 => hp().prop_map(|(h, p)| Step::Take(h, p)),
-        3 => hp().prop_map(|(h, p)| Step::Release(h, p)),
-        2 => hp().prop_map(|(h, p)| Step::Stall(h, p)),
-        2 => hp().prop_map(|(h, p)| Step::Resume(h, p)),
-        1 => (0..3usize, -5_000..5_000i64).prop_map(|(h, ms)| Step::ClockStep(h, ms)),
+        4 => hp().prop_map(|(h, p)| Step::Release(h, p)),
+        3 => hp().prop_map(|(h, p)| Step::Stall(h, p)),
+        3 => hp().prop_map(|(h, p)| Step::Resume(h, p)),
+        4 => (0..3usize, clock).prop_map(|(h, ms)| Step::ClockStep(h, ms)),
         2 => (0..=6u64).prop_map(Step::SetCap),
         1 => hp().prop_map(|(h, p)| Step::CrashProcess(h, p)),
         1 => (0..3usize).prop_map(Step::CrashHost),
         2 => (0..400u64).prop_map(Step::Sleep),
+        6 => Just(Step::Tick),
+        1 => (0..3usize, prop_oneof![2 => Just(0u8), 1 => Just(1u8), 1 => Just(2u8)])
+            .prop_map(|(h, m)| Step::Net(h, m)),
     ]
 }
 
@@ -303,9 +315,12 @@ struct Case {
 
 fn case() -> impl Strategy<Value = Case> {
     (
-        proptest::collection::vec(1..=3usize, 2..=3),
+        proptest::collection::vec(1..=3usize, 1..=3).prop_map(|mut v| {
+            v[0] = v[0].max(2);
+            v
+        }),
         1..=6u64,
-        proptest::collection::vec(step(), 5..30),
+        proptest::collection::vec(step(), 5..40),
     )
         .prop_map(|(procs, cap, steps)| Case { procs, cap, steps })
 }
@@ -339,6 +354,8 @@ struct ModelProcess {
 
 struct ModelHost {
     id: String,
+    /// What becomes of its LEASE calls ([`Step::Net`]).
+    net: u8,
     procs: Vec<ModelProcess>,
     clocks: HostClocks,
 }
@@ -351,6 +368,8 @@ struct World {
     hosts: Vec<ModelHost>,
     takes: u64,
     calls: u64,
+    /// Late answers delivered after a newer call of their host had begun.
+    late: u64,
 }
 
 /// Live entries of the lease hash, by Redis' clock: host → (permits, expires_ms), and Redis
@@ -377,6 +396,34 @@ fn live_sum(m: &std::collections::HashMap<String, (u64, i64)>, now: i64) -> u64 
     m.values().filter(|(_, e)| *e > now).map(|(p, _)| p).sum()
 }
 
+/// LEASE for host `id`, with S2 checked around it: Redis' live holdings never grow past the
+/// cap (after a decrease they only fall).
+async fn checked_lease(
+    mut conn: sluice_protocol::conn::RedisConn,
+    keys: &Keys,
+    id: &str,
+    cap: u64,
+    net: u8,
+    call: conc::LeaseCall,
+) -> LeaseOutcome {
+    if net == 2 {
+        return LeaseOutcome::Failed;
+    }
+    let (before, t) = lease_entries(keys);
+    let before = live_sum(&before, t);
+    let r = lease::lease(&mut conn, keys, "t", id, call.want, call.seq).await;
+    let (after, t) = lease_entries(keys);
+    let after = live_sum(&after, t);
+    assert!(
+        after <= cap || after <= before,
+        "S2: Redis' holdings grew to {after} (from {before}) past the cap {cap}"
+    );
+    match r {
+        Ok(reply) if net == 0 => LeaseOutcome::Reply(reply),
+        _ => LeaseOutcome::Failed,
+    }
+}
+
 impl World {
     fn params(&self) -> LeaseParams {
         LeaseParams {
@@ -388,22 +435,16 @@ impl World {
 
     /// LEASE for host `h`, with S2 checked around it.
     async fn send(&mut self, h: usize, call: conc::LeaseCall) -> LeaseOutcome {
-        let (before, t) = lease_entries(&self.keys);
-        let before = live_sum(&before, t);
-        let id = self.hosts[h].id.clone();
-        let r = lease::lease(&mut self.conn, &self.keys, "t", &id, call.want, call.seq).await;
         self.calls += 1;
-        let (after, t) = lease_entries(&self.keys);
-        let after = live_sum(&after, t);
-        assert!(
-            after <= self.cap || after <= before,
-            "S2: Redis' holdings grew to {after} (from {before}) past the cap {}",
-            self.cap
-        );
-        match r {
-            Ok(reply) => LeaseOutcome::Reply(reply),
-            Err(_) => LeaseOutcome::Failed,
-        }
+        checked_lease(
+            self.conn.clone(),
+            &self.keys,
+            &self.hosts[h].id,
+            self.cap,
+            self.hosts[h].net,
+            call,
+        )
+        .await
     }
 
     /// One background round of every live, unstalled process.
@@ -415,8 +456,11 @@ impl World {
         }
     }
 
+    /// The round of process `i` of host `h`, through the SDK's own `locked_call`.
     async fn round(&mut self, h: usize, i: usize) {
-        let mp = &self.hosts[h].procs[i];
+        let params = self.params();
+        let host = &self.hosts[h];
+        let mp = &host.procs[i];
         let Some(p) = mp.p.as_ref().filter(|_| mp.stalled.is_none()) else {
             return;
         };
@@ -425,33 +469,23 @@ impl World {
         if !conc::round_due(k, sluice::clock::boot_ms()) {
             return;
         }
-        let lock = p.seg.lock(&k.lease_lock);
-        let clocks = &self.hosts[h].clocks;
-        let LockAttempt::Acquired { token, .. } = lock.try_lock(
-            clocks.host_us().div_euclid(1_000),
+        let (conn, keys, id, cap, net) =
+            (self.conn.clone(), &self.keys, &host.id, self.cap, host.net);
+        let sent = std::cell::Cell::new(false);
+        conc::locked_call(
+            &p.seg,
+            k,
+            &params,
+            &host.clocks,
             conc::lease_lock_timeout_ms(PULL_TIMEOUT),
-        ) else {
-            return;
-        };
-        let call = conc::begin_call(
-            k,
-            &self.params(),
             k.denied.load(std::sync::atomic::Ordering::Relaxed),
-            clocks.boot_ms(),
-            clocks.host_us(),
-        );
-        let outcome = self.send(h, call).await;
-        let p = self.hosts[h].procs[i].p.as_ref().unwrap();
-        let (k, lock) = (p.k(), p.seg.lock(&p.k().lease_lock));
-        conc::finish_call(
-            k,
-            &self.params(),
-            &call,
-            outcome,
-            sluice::clock::boot_ms(),
-            lock.holds(token),
-        );
-        lock.unlock(token);
+            |call| {
+                sent.set(true);
+                checked_lease(conn, keys, id, cap, net, call)
+            },
+        )
+        .await;
+        self.calls += sent.get() as u64;
     }
 
     /// Releases, as callers do, every permit held for `HOLD_MS` or longer (not those of a
@@ -571,11 +605,22 @@ impl World {
                 });
             }
             Step::Resume(h, i) => {
-                let (h, i) = pick(h, i, self);
-                self.resume(h, i);
+                // One of the stalled processes (any host), if there are.
+                let stalled: Vec<(usize, usize)> = (0..hn)
+                    .flat_map(|h| (0..self.hosts[h].procs.len()).map(move |i| (h, i)))
+                    .filter(|&(h, i)| self.hosts[h].procs[i].stalled.is_some())
+                    .collect();
+                if !stalled.is_empty() {
+                    let (h, i) = stalled[(h * 3 + i) % stalled.len()];
+                    self.resume(h, i);
+                }
             }
             Step::ClockStep(h, ms) => {
-                let c = &self.hosts[h % hn].clocks;
+                // Mostly the host of a stalled process, if there is one.
+                let h = (0..hn)
+                    .find(|&x| h < 2 && self.hosts[x].procs.iter().any(|p| p.stalled.is_some()))
+                    .unwrap_or(h % hn);
+                let c = &self.hosts[h].clocks;
                 c.skew_us.set(c.skew_us.get() + ms * 1_000);
             }
             Step::SetCap(cap) => {
@@ -603,6 +648,8 @@ impl World {
                     mp.stalled = None;
                 }
             }
+            Step::Tick => self.background().await,
+            Step::Net(h, m) => self.hosts[h % hn].net = m,
             Step::Sleep(ms) => {
                 // Time passes; the background threads run meanwhile.
                 let until = Instant::now() + Duration::from_millis(ms);
@@ -617,12 +664,16 @@ impl World {
 
     fn resume(&mut self, h: usize, i: usize) {
         let params = self.params();
+        let late = &mut self.late;
         let mp = &mut self.hosts[h].procs[i];
         let (Some(p), Some(st)) = (mp.p.as_ref(), mp.stalled.take()) else {
             return;
         };
         let k = p.k();
         let lock = p.seg.lock(&k.lease_lock);
+        if k.seq.load(std::sync::atomic::Ordering::Acquire) != st.call.seq {
+            *late += 1;
+        }
         conc::finish_call(
             k,
             &params,
@@ -637,6 +688,7 @@ impl World {
     /// Liveness and nothing stuck, at the end of a case.
     async fn settle(&mut self) {
         for h in 0..self.hosts.len() {
+            self.hosts[h].net = 0;
             for i in 0..self.hosts[h].procs.len() {
                 self.resume(h, i);
             }
@@ -706,7 +758,7 @@ impl World {
     }
 }
 
-async fn run_case(c: &Case) -> (u64, u64) {
+async fn run_case(c: &Case) -> (u64, u64, u64) {
     let ns = unique_ns("pmodel");
     let keys = Keys::new(&ns).unwrap();
     let mut conn = protocol_conn(&shared_redis()).await;
@@ -720,6 +772,7 @@ async fn run_case(c: &Case) -> (u64, u64) {
             let path = dir.path().join(format!("host{h}"));
             ModelHost {
                 id: format!("h{h}"),
+                net: 0,
                 procs: (0..n)
                     .map(|_| ModelProcess {
                         p: Some(Process::open(&path, "t")),
@@ -741,14 +794,14 @@ async fn run_case(c: &Case) -> (u64, u64) {
         hosts,
         takes: 0,
         calls: 0,
+        late: 0,
     };
     for s in &c.steps {
         w.contract_releases();
         w.apply(s).await;
-        w.background().await;
     }
     w.settle().await;
-    (w.takes, w.calls)
+    (w.takes, w.calls, w.late)
 }
 
 #[test]
@@ -757,20 +810,23 @@ fn permits_never_exceed_the_model_and_free_permits_are_handed_out() {
         .enable_all()
         .build()
         .unwrap();
-    let mut cfg = sluice_testkit::prop_config("permits_model", 8);
+    let mut cfg = sluice_testkit::prop_config("permits_model", 12);
     cfg.max_shrink_iters = 64;
     let mut runner = proptest::test_runner::TestRunner::new(cfg);
-    let totals = std::cell::Cell::new((0u64, 0u64, 0u32));
+    let totals = std::cell::Cell::new((0u64, 0u64, 0u64, 0u32));
     runner
         .run(&case(), |c| {
-            let (takes, calls) = rt.block_on(run_case(&c));
-            let (t, l, n) = totals.get();
-            totals.set((t + takes, l + calls, n + 1));
+            let (takes, calls, late) = rt.block_on(run_case(&c));
+            let (t, l, d, n) = totals.get();
+            totals.set((t + takes, l + calls, d + late, n + 1));
             Ok(())
         })
         .unwrap();
-    let (t, l, n) = totals.get();
-    eprintln!("permits model: {n} cases, {t} permits handed out, {l} LEASE calls");
+    let (t, l, d, n) = totals.get();
+    eprintln!(
+        "permits model: {n} cases, {t} permits handed out, {l} LEASE calls, {d} late answers \
+         delivered after a newer call"
+    );
 }
 
 /// Found by the model: a host whose last LEASE answer said cap 0 (threshold 0) holds nothing,
