@@ -213,3 +213,253 @@ async fn a_lock_acquired_by_a_cancelled_call_is_released() {
         .expect("free");
     assert!(g.release().await.unwrap());
 }
+
+// ─── The reference model of locks and its property ───
+//
+// The model: one lock, two or three clients (hosts) taking it through the SDK (`try_lock`,
+// guards that renew themselves, released explicitly or by drop) and raw holders that take it
+// through the script and never renew (a holder paused past its TTL); Redis with persistence,
+// snapshotted (`SAVE`) and killed with `kill -9` and restarted from the snapshot at any step.
+// Properties:
+// * tokens strictly increase across every acquisition of the case, restarts included;
+// * at most one holder at a time by the model's clock: when an acquisition succeeds, no SDK
+//   guard says `is_held()` and no raw holder is within three quarters of its TTL (the guard's
+//   own margin) — unless Redis restarted since that holder acquired (a restart from an older
+//   snapshot loses or rolls back the lock itself; documented: the token still fences);
+// * liveness: an acquisition while the model has the lock free (nothing held, raw holders past
+//   their TTL, no restart within the longest TTL) succeeds; a dropped guard's lock is gone
+//   within a second; no panic.
+
+use proptest::prelude::*;
+
+#[derive(Debug, Clone)]
+enum LockStep {
+    /// Client `c` tries once, with a short (300 ms) or long (2 s) TTL.
+    Try(usize, bool),
+    /// A raw holder takes the lock through the script with this TTL (ms) and never renews.
+    Raw(u64),
+    Release(usize),
+    Drop(usize),
+    Save,
+    Restart,
+    Sleep(u64),
+}
+
+fn lock_step() -> impl Strategy<Value = LockStep> {
+    prop_oneof![
+        6 => (0..3usize, any::<bool>()).prop_map(|(c, s)| LockStep::Try(c, s)),
+        1 => (100..400u64).prop_map(LockStep::Raw),
+        5 => (0..3usize).prop_map(LockStep::Release),
+        1 => (0..3usize).prop_map(LockStep::Drop),
+        2 => Just(LockStep::Save),
+        1 => Just(LockStep::Restart),
+        2 => (0..500u64).prop_map(LockStep::Sleep),
+    ]
+}
+
+const LONGEST_TTL: Duration = Duration::from_secs(2);
+
+struct Held {
+    guard: sluice::LockGuard,
+    at: Instant,
+}
+
+struct LockWorld {
+    redis: RedisServer,
+    ns: String,
+    clients: Vec<sluice::Client>,
+    held: Vec<Option<Held>>,
+    /// Raw holders: when sent, their TTL.
+    raw: Vec<(Instant, Duration)>,
+    last_token: u64,
+    restarted: Option<Instant>,
+    acquisitions: u64,
+}
+
+impl LockWorld {
+    fn restarted_since(&self, t: Instant) -> bool {
+        self.restarted.is_some_and(|r| r >= t)
+    }
+
+    /// The model's view: nothing holds the lock (no guard, raw holders past their TTL, no
+    /// restart whose snapshot could hold an older lock).
+    fn free(&self) -> bool {
+        self.held.iter().all(Option::is_none)
+            && self
+                .raw
+                .iter()
+                .all(|(at, ttl)| at.elapsed() > *ttl + Duration::from_millis(50))
+            && self
+                .restarted
+                .is_none_or(|r| r.elapsed() > LONGEST_TTL + Duration::from_millis(100))
+    }
+
+    /// Checks a new acquisition (token `token`, sent at `sent`).
+    fn acquired(&mut self, token: u64, sent: Instant) {
+        assert!(
+            token > self.last_token,
+            "token {token} after {} (restarted: {:?})",
+            self.last_token,
+            self.restarted.map(|r| r.elapsed())
+        );
+        self.last_token = token;
+        self.acquisitions += 1;
+        for (c, h) in self.held.iter().enumerate() {
+            if let Some(h) = h
+                && !self.restarted_since(h.at)
+            {
+                assert!(
+                    !h.guard.is_held(),
+                    "two holders: client {c} (token {}) still holds the lock while token \
+                     {token} was handed out",
+                    h.guard.token()
+                );
+            }
+        }
+        for (at, ttl) in &self.raw {
+            if !self.restarted_since(*at) {
+                assert!(
+                    at.elapsed() >= *ttl * 3 / 4 || *at > sent,
+                    "two holders: a raw holder of {ttl:?} from {:?} ago",
+                    at.elapsed()
+                );
+            }
+        }
+    }
+
+    async fn apply(&mut self, s: &LockStep) {
+        let n = self.clients.len();
+        match *s {
+            LockStep::Try(c, short) => {
+                let c = c % n;
+                if self.held[c].is_some() {
+                    return;
+                }
+                let ttl = if short {
+                    Duration::from_millis(300)
+                } else {
+                    LONGEST_TTL
+                };
+                let free = self.free();
+                let sent = Instant::now();
+                match self.clients[c].try_lock("job", ttl).await {
+                    Ok(g) => {
+                        self.acquired(g.token(), sent);
+                        self.held[c] = Some(Held { guard: g, at: sent });
+                    }
+                    Err(e) => assert!(
+                        !free || matches!(e, sluice::LockError::Unreachable(_)),
+                        "liveness: the lock is free in the model, yet {e}"
+                    ),
+                }
+            }
+            LockStep::Raw(ttl_ms) => {
+                let keys = Keys::new(&self.ns).unwrap();
+                let mut c = protocol_conn(&self.redis.url()).await;
+                let sent = Instant::now();
+                let owner = format!("raw{}", self.acquisitions);
+                if let Ok(LockReply::Acquired { token }) =
+                    lease::lock_acquire(&mut c, &keys, "job", &owner, ttl_ms).await
+                {
+                    self.acquired(token, sent);
+                    self.raw.push((sent, Duration::from_millis(ttl_ms)));
+                }
+            }
+            LockStep::Release(c) => {
+                if let Some(h) = self.held[c % n].take() {
+                    let was_held = h.guard.is_held();
+                    match h.guard.release().await {
+                        Ok(released) => assert!(
+                            released || !was_held || self.restarted_since(h.at),
+                            "a guard that held the lock could not release it"
+                        ),
+                        Err(e) => assert!(self.restarted.is_some(), "release: {e}"),
+                    }
+                }
+            }
+            LockStep::Drop(c) => {
+                if let Some(h) = self.held[c % n].take() {
+                    let token = h.guard.token();
+                    drop(h);
+                    // The lock of a dropped guard is released promptly (by token).
+                    let keys = Keys::new(&self.ns).unwrap();
+                    let deadline = Instant::now() + Duration::from_secs(1);
+                    loop {
+                        let mut rc = self.redis.admin_conn();
+                        let t: Option<u64> = redis::cmd("HGET")
+                            .arg(keys.lock("job"))
+                            .arg("token")
+                            .query(&mut rc)
+                            .unwrap_or(None);
+                        if t != Some(token) {
+                            break;
+                        }
+                        assert!(
+                            Instant::now() < deadline,
+                            "a dropped guard's lock (token {token}) is still held"
+                        );
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                }
+            }
+            LockStep::Save => {
+                let _: () = redis::cmd("SAVE")
+                    .query(&mut self.redis.admin_conn())
+                    .unwrap();
+            }
+            LockStep::Restart => {
+                self.redis.kill();
+                self.redis.restart();
+                self.restarted = Some(Instant::now());
+            }
+            LockStep::Sleep(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+        }
+    }
+}
+
+#[test]
+fn lock_tokens_increase_and_one_holder_at_a_time_across_redis_restarts() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut cfg = sluice_testkit::prop_config("lock_model", 8);
+    cfg.max_shrink_iters = 32;
+    let mut runner = proptest::test_runner::TestRunner::new(cfg);
+    let strategy = (2..=3usize, proptest::collection::vec(lock_step(), 5..25));
+    let totals = std::cell::Cell::new((0u64, 0u32));
+    runner
+        .run(&strategy, |(n, steps)| {
+            let a = rt.block_on(async {
+                let ns = unique_ns("lmodel");
+                let redis = RedisServer::start_with(&["--save", "3600 1"]);
+                let hosts: Vec<String> = (0..n).map(|i| format!("{ns}-h{i}")).collect();
+                let _segments =
+                    SegmentGuard(hosts.iter().map(|h| (ns.clone(), h.clone())).collect());
+                let mut w = LockWorld {
+                    clients: hosts.iter().map(|h| client(&redis.url(), &ns, h)).collect(),
+                    redis,
+                    ns,
+                    held: (0..n).map(|_| None).collect(),
+                    raw: Vec::new(),
+                    last_token: 0,
+                    restarted: None,
+                    acquisitions: 0,
+                };
+                for s in &steps {
+                    w.apply(s).await;
+                }
+                for c in 0..n {
+                    w.apply(&LockStep::Release(c)).await;
+                }
+                w.acquisitions
+            });
+            let (t, k) = totals.get();
+            totals.set((t + a, k + 1));
+            Ok(())
+        })
+        .unwrap();
+    let (t, k) = totals.get();
+    eprintln!("lock model: {k} cases, {t} acquisitions");
+}
