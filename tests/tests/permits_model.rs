@@ -274,7 +274,7 @@ enum Step {
     Release(usize, usize),
     Stall(usize, usize),
     Resume(usize, usize),
-    ClockStep(usize, i64),
+    WallClock(usize, i64),
     SetCap(u64),
     CrashProcess(usize, usize),
     CrashHost(usize),
@@ -295,7 +295,7 @@ fn step() -> impl Strategy<Value = Step> {
         4 => hp().prop_map(|(h, p)| Step::Release(h, p)),
         3 => hp().prop_map(|(h, p)| Step::Stall(h, p)),
         3 => hp().prop_map(|(h, p)| Step::Resume(h, p)),
-        4 => (0..3usize, clock).prop_map(|(h, ms)| Step::ClockStep(h, ms)),
+        4 => (0..3usize, clock).prop_map(|(h, ms)| Step::WallClock(h, ms)),
         2 => (0..=6u64).prop_map(Step::SetCap),
         1 => hp().prop_map(|(h, p)| Step::CrashProcess(h, p)),
         1 => (0..3usize).prop_map(Step::CrashHost),
@@ -615,7 +615,7 @@ impl World {
                     self.resume(h, i);
                 }
             }
-            Step::ClockStep(h, ms) => {
+            Step::WallClock(h, ms) => {
                 // Mostly the host of a stalled process, if there is one.
                 let h = (0..hn)
                     .find(|&x| h < 2 && self.hosts[x].procs.iter().any(|p| p.stalled.is_some()))

@@ -35,6 +35,17 @@
 //! compare-and-swap, so a process stopped between the check and the swap does not hand out a
 //! permit of a lapsed lease. The boot clock runs while processes are stopped.
 //!
+//! # Late answers
+//!
+//! The lease lock is taken over from a holder stuck past its timeout, so the stuck process
+//! may come back with the answer to a call another process has since superseded (the permits
+//! given back meanwhile, the threshold lowered). [`finish_call`] applies an answer only while
+//! its call is the host's newest ([`begin_call`] draws sequence numbers in one atomic step)
+//! and the caller still holds the lock, and [`take`] never passes [`ConcCells::bound`], a
+//! word written only by compare-and-swap: lowered to `want` when a call begins, set to
+//! `min(holding, cap − others)` by the answer of the newest call. docs/concurrency.md, "The
+//! bound", has the argument.
+//!
 //! What no lease can bound: a permit already handed out is the caller's until it drops it.
 //! A host cut off from Redis for longer than the margin keeps its permits in use while Redis
 //! lets others take them after the TTL: hold times should be far below the TTL, and work that

@@ -2,8 +2,11 @@
 //!
 //! A lock is one Redis hash `NS:{L}:lock` (`token`, `owner`) with a TTL, taken by
 //! [`crate::protocol::lease::LOCK_ACQUIRE_LUA`], which draws the holder's **fencing token**
-//! from `INCR NS:{L}:lock:token` in the same call: tokens of one lock are strictly increasing
-//! across holders, crashes and expiries. The guard renews the lock every third of its TTL on
+//! in the same call, `max(counter + 1, Redis TIME in µs)`: tokens of one lock are strictly
+//! increasing across holders, crashes and expiries, and across a Redis that comes back with an
+//! older counter (a restart from a dump, a failover to a lagging replica). Acquiring is
+//! cancel-safe: a dropped [`crate::Client::lock`] future stops trying, and a lock taken by a
+//! call already on its way is released. The guard renews the lock every third of its TTL on
 //! the client's background runtime; renewal and release are token-checked scripts, so a
 //! holder never renews or deletes a successor's lock.
 //!
