@@ -42,11 +42,13 @@
 //!
 //! ```text
 //!  NS:{L}:lock        hash    token, owner; PEXPIRE = the lock's TTL (renewed)
-//!  NS:{L}:lock:token  string  INCR counter of fencing tokens (never expires)
+//!  NS:{L}:lock:token  string  the last fencing token handed out (never expires)
 //! ```
 //!
-//! [`LOCK_ACQUIRE_LUA`] takes a free lock and, in the same call, draws its fencing token with
-//! `INCR`, so tokens are strictly increasing per lock across holders, crashes and expiries.
+//! [`LOCK_ACQUIRE_LUA`] takes a free lock and, in the same call, draws its fencing token:
+//! `max(counter + 1, Redis TIME in µs)`, so tokens are strictly increasing per lock across
+//! holders, crashes and expiries, and across a Redis that comes back with an older counter
+//! (a restart from a dump, a failover to a lagging replica).
 //! Renewal and release check the token (never touch another holder's lock).
 
 use std::sync::LazyLock;
@@ -130,10 +132,20 @@ return {1, hold, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unme
 /// `KEYS[1]` `NS:{L}:lock`, `KEYS[2]` `NS:{L}:lock:token`. `ARGV`: owner (unique per
 /// acquisition attempt, so a retry of the same attempt gets the same token back), ttl (ms).
 ///
-/// Returns `{1, token, ttl_ms}` (acquired; `token = INCR` of the counter, or this owner's
-/// token again on a retry) or `{0, holder_token, pttl_ms}` (held by another). A counter that
-/// does not exist (first use, or lost by Redis) starts at Redis `TIME` in µs, so tokens keep
-/// increasing across a Redis restart that lost the data.
+/// Returns `{1, token, ttl_ms}` (acquired; or this owner's token again on a retry) or `{0,
+/// holder_token, pttl_ms}` (held by another).
+///
+/// **The token rule**: `token = max(counter + 1, TIME in µs)`, stored back as the counter. The
+/// counter alone makes tokens strictly increasing while Redis keeps its data; the floor from
+/// Redis `TIME` keeps them increasing when Redis goes back to an older counter (a restart from
+/// an RDB snapshot or an AOF `everysec` file, a failover to a replica that lagged) or loses it:
+/// every token handed out before was at most the `TIME` of its call (tokens of one lock are
+/// drawn far less often than once per µs), and `TIME` has moved on since. What it assumes:
+/// Redis' clock (of whichever node answers) is not behind, by more than the time the restart or
+/// failover took, the clock of the node that handed out the lost tokens (a backward step of
+/// the clock *while the counter survives* is harmless: `counter + 1` decides). Numbers stay
+/// below 2^53 (Lua numbers are doubles): a counter that is not a decimal integer below 2^53 is
+/// refused with an error and nothing is written.
 pub const LOCK_ACQUIRE_LUA: &str = r#"
 local h = redis.call('HMGET', KEYS[1], 'owner', 'token')
 if h[1] then
@@ -143,14 +155,21 @@ if h[1] then
   end
   return {0, tonumber(h[2]) or 0, redis.call('PTTL', KEYS[1])}
 end
-if redis.call('EXISTS', KEYS[2]) == 0 then
-  -- A new counter (or one Redis lost) starts at Redis TIME in µs: tokens keep increasing
-  -- across a Redis restart without persistence, as long as Redis' clock does not go back.
-  local t = redis.call('TIME')
-  redis.call('SET', KEYS[2], string.format('%d', tonumber(t[1]) * 1000000 + tonumber(t[2])))
+local raw = redis.call('GET', KEYS[2])
+local c = 0
+if raw then
+  c = string.match(raw, '^%d+$') and tonumber(raw)
+  if not c or c >= 9007199254740991 then
+    return redis.error_reply('lock token counter ' .. KEYS[2] .. ' is not an integer below 2^53')
+  end
 end
-local tok = redis.call('INCR', KEYS[2])
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', tok)
+-- The floor: Redis TIME in µs. A counter Redis lost or restored older than the last token
+-- cannot produce a token below one handed out before (see the Rust docs of this script).
+local t = redis.call('TIME')
+local tok = math.max(c + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
+local s = string.format('%d', tok)
+redis.call('SET', KEYS[2], s)
+redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', s)
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 return {1, tok, tonumber(ARGV[2])}
 "#;

@@ -51,6 +51,10 @@ use serde::{Deserialize, Serialize};
 ///   against v3 data, but it enforces (never sees shadow) and does not pace: each worker
 ///   sends its own build's PULL script, and v2's knows no `pace`; the slice's cap still
 ///   bounds it.
+///
+///   Also under 3, without a bump (before the first release, see docs/deploy.md): fencing
+///   tokens floored at Redis `TIME` ([`lease::LOCK_ACQUIRE_LUA`]). Additive: the older script
+///   `INCR`s the same counter, so tokens of both stay strictly increasing together.
 pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The default namespace.

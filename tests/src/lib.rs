@@ -1960,3 +1960,69 @@ impl Agent {
         }
     }
 }
+
+// ─── Concurrency tasks and locks written directly (branch permits) ───
+
+/// The meta of a concurrency task (`threshold` permits in flight, lease TTL `lease_ms`) as a
+/// leader writes it, for tests that drive LEASE without a manager.
+pub fn conc_meta(threshold: u64, lease_ms: u64, version: i64) -> sluice_protocol::TaskMeta {
+    use sluice_protocol::{Fallback, Mode, OnFailure, Pacing, TaskMeta};
+    TaskMeta {
+        slice_ms: 1000,
+        threshold,
+        pull: 0,
+        local_limit: 5,
+        on_failure: OnFailure::Deny,
+        mode: Mode::Concurrency,
+        fallback: Fallback::default(),
+        version,
+        lease_ms,
+        keyed: false,
+        key_overrides: Default::default(),
+        shadow: false,
+        pacing: Pacing::None,
+        pace_burst: 0,
+    }
+}
+
+/// Writes the meta of task `task` as a leader does (a fenced full ROLL of term 10, epoch 1,
+/// no slices); `m.version` must grow from one call to the next.
+pub async fn write_meta(
+    c: &mut sluice_protocol::conn::RedisConn,
+    keys: &sluice_protocol::Keys,
+    task: &str,
+    m: &sluice_protocol::TaskMeta,
+) {
+    use sluice_protocol::scripts::{self, Fence, RollOutcome, RollRequest};
+    let f = Fence {
+        term: 10,
+        epoch: 1,
+        stale_after_ms: 10_000,
+    };
+    let req = RollRequest {
+        task,
+        fence: &f,
+        full: true,
+        expect_rolled_to: 0,
+        spec_version: m.version,
+        new_rolled_to: now_ms() + 60_000,
+        force: false,
+        refresh: true,
+        meta: Some(m),
+        slices: &[],
+    };
+    assert_eq!(
+        scripts::roll(c, keys, &req).await.expect("roll"),
+        RollOutcome::Written(0)
+    );
+}
+
+/// An async protocol connection to the Redis at `url`.
+pub async fn protocol_conn(url: &str) -> sluice_protocol::conn::RedisConn {
+    use sluice_protocol::conn::{ConnOptions, Redis, RedisTarget};
+    let target = RedisTarget::parse(url).expect("redis url");
+    Redis::new(target, ConnOptions::default())
+        .conn()
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to Redis at {url}: {e}"))
+}

@@ -3,63 +3,14 @@
 
 use std::time::Duration;
 
-use sluice_protocol::conn::{ConnOptions, Redis, RedisConn, RedisTarget};
+use sluice_protocol::conn::RedisConn;
 use sluice_protocol::lease::{self, LeaseReply, LockReply};
-use sluice_protocol::scripts::{self, Fence, RollOutcome, RollRequest};
-use sluice_protocol::{Fallback, Keys, Mode, OnFailure, TaskMeta};
+use sluice_protocol::scripts::{self, Fence};
+use sluice_protocol::{Keys, Mode};
 use sluice_tests::*;
 
 async fn conn() -> RedisConn {
-    let target = RedisTarget::parse(&shared_redis()).expect("redis url");
-    Redis::new(target, ConnOptions::default())
-        .conn()
-        .await
-        .expect("connect to the shared Redis")
-}
-
-fn conc_meta(threshold: u64, lease_ms: u64, version: i64) -> TaskMeta {
-    TaskMeta {
-        slice_ms: 1000,
-        threshold,
-        pull: 0,
-        local_limit: 5,
-        on_failure: OnFailure::Deny,
-        mode: Mode::Concurrency,
-        fallback: Fallback::default(),
-        version,
-        lease_ms,
-        keyed: false,
-        key_overrides: Default::default(),
-        shadow: false,
-        pacing: sluice_protocol::Pacing::None,
-        pace_burst: 0,
-    }
-}
-
-/// Writes the meta of a concurrency task as a leader does (fenced ROLL, no slices).
-async fn write_meta(c: &mut RedisConn, keys: &Keys, task: &str, m: &TaskMeta) {
-    let f = Fence {
-        term: 10,
-        epoch: 1,
-        stale_after_ms: 10_000,
-    };
-    let now = now_ms();
-    let req = RollRequest {
-        task,
-        fence: &f,
-        full: true,
-        expect_rolled_to: 0,
-        spec_version: m.version,
-        new_rolled_to: now + 60_000,
-        force: false,
-        refresh: true,
-        meta: Some(m),
-        slices: &[],
-    };
-    assert_eq!(
-        scripts::roll(c, keys, &req).await.expect("roll"),
-        RollOutcome::Written(0)
-    );
+    protocol_conn(&shared_redis()).await
 }
 
 fn held(r: LeaseReply) -> (u64, u64, u64) {

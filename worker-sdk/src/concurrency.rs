@@ -35,6 +35,17 @@
 //! compare-and-swap, so a process stopped between the check and the swap does not hand out a
 //! permit of a lapsed lease. The boot clock runs while processes are stopped.
 //!
+//! # Late answers
+//!
+//! The lease lock is taken over from a holder stuck past its timeout, so the stuck process
+//! may come back with the answer to a call another process has since superseded (the permits
+//! given back meanwhile, the threshold lowered). [`finish_call`] applies an answer only while
+//! its call is the host's newest ([`begin_call`] draws sequence numbers in one atomic step)
+//! and the caller still holds the lock, and [`take`] never passes [`ConcCells::bound`], a
+//! word written only by compare-and-swap: lowered to `want` when a call begins, set to
+//! `min(holding, cap − others)` by the answer of the newest call. docs/concurrency.md, "The
+//! bound", has the argument.
+//!
 //! What no lease can bound: a permit already handed out is the caller's until it drops it.
 //! A host cut off from Redis for longer than the margin keeps its permits in use while Redis
 //! lets others take them after the TTL: hold times should be far below the TTL, and work that
@@ -89,6 +100,19 @@ pub fn pack(limit: u64, in_use: u64) -> u64 {
 #[inline]
 pub fn unpack(w: u64) -> (u64, u64) {
     (w >> 32, w & IN_USE)
+}
+
+/// The `bound` of a [`ConcCells::bound`] word: under a lease no permit is handed out while
+/// this many or more are in use on the host.
+#[inline]
+pub fn bound_of(w: u64) -> u64 {
+    w & IN_USE
+}
+
+/// Writes `bound` into a [`ConcCells::bound`] word, bumping its generation.
+#[inline]
+fn bound_word(prev: u64, bound: u64) -> u64 {
+    (((prev >> 32) + 1) << 32 & !IN_USE) | bound.min(IN_USE)
 }
 
 /// How long permits may be handed out after a successful LEASE sent at `t0`: the TTL minus
@@ -278,14 +302,14 @@ fn set_limit(k: &ConcCells, limit: u64) {
 
 /// Releases one permit of this process: its holder entry first, then the host's count (a
 /// crash in between strands one permit, never hands out one too many).
-fn release(seg: &Segment, k: &ConcCells) {
+pub fn release(seg: &Segment, k: &ConcCells) {
     if holder_sub(seg, k) {
         sub_in_use(k, 1);
     }
 }
 
 /// Gives the permits of dead processes back to the host; returns how many.
-pub(crate) fn reclaim_dead(seg: &Segment, k: &ConcCells) -> u64 {
+pub fn reclaim_dead(seg: &Segment, k: &ConcCells) -> u64 {
     let mut total = 0;
     for h in &k.holders {
         let w = h.load(Ordering::Acquire);
@@ -313,6 +337,91 @@ pub(crate) fn reclaim_dead(seg: &Segment, k: &ConcCells) -> u64 {
         k.reclaimed.fetch_add(total, Ordering::Relaxed);
     }
     total
+}
+
+/// The decision of [`Task::try_permit`] on the host's cells (pure: no network, no clock but
+/// `clock`, which is read before the swap and again after it): takes one permit for the
+/// calling process (`seg`'s participant) and answers whether it is a FAILED-path
+/// (`on_failure`) permit. A refusal counts as demand (`denied`).
+pub fn take(seg: &Segment, k: &ConcCells, clock: impl Fn() -> i64) -> Result<bool, PermitError> {
+    let regime = k.regime.load(Ordering::Acquire);
+    let fallback = regime != REGIME_LEASE;
+    let res = match regime {
+        REGIME_DENY => Err(PermitError::Failed),
+        REGIME_ALLOW => k
+            .permits
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                let (l, u) = unpack(w);
+                (u < IN_USE).then(|| pack(l, u + 1))
+            })
+            .map(|_| ())
+            .map_err(|_| PermitError::Full),
+        _ => {
+            let leased = regime == REGIME_LEASE;
+            if leased && clock() >= k.valid_until_ms.load(Ordering::Acquire) {
+                Err(PermitError::NoLease)
+            } else {
+                // Under a lease, `bound` (min(holding, cap − others) of the reply applied
+                // last, lowered to `want` while a call runs) binds too: it is what Redis is
+                // sure to count for the host even if `limit` was written by a late answer.
+                // After a threshold decrease cap − others binds until in flight here has
+                // fallen below it.
+                let bound = if leased {
+                    bound_of(k.bound.load(Ordering::Acquire))
+                } else {
+                    u64::MAX
+                };
+                let r = k
+                    .permits
+                    .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
+                        let (l, u) = unpack(w);
+                        (u < l && u < bound).then(|| pack(l, u + 1))
+                    })
+                    .map(|w| unpack(w).1 + 1)
+                    .map_err(|_| {
+                        if leased {
+                            PermitError::Full
+                        } else {
+                            PermitError::Failed
+                        }
+                    });
+                // Re-check after the swap: a process stopped between the first check and
+                // the swap must not hand out a permit of a lease that lapsed meanwhile, nor
+                // one above a bound a LEASE call lowered meanwhile.
+                match r {
+                    Ok(_)
+                        if leased
+                            && (k.regime.load(Ordering::Acquire) != REGIME_LEASE
+                                || clock() >= k.valid_until_ms.load(Ordering::Acquire)) =>
+                    {
+                        sub_in_use(k, 1);
+                        Err(PermitError::NoLease)
+                    }
+                    Ok(after) if leased && after > bound_of(k.bound.load(Ordering::Acquire)) => {
+                        sub_in_use(k, 1);
+                        Err(PermitError::Full)
+                    }
+                    Ok(_) => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+        }
+    };
+    if let Err(e) = res {
+        k.denied.fetch_add(1, Ordering::Relaxed);
+        return Err(e);
+    }
+    if !holder_add(seg, k) {
+        // Entries of processes that exited without permits are freed by the scan only
+        // while permits are in use: free them now and try once more.
+        reclaim_dead(seg, k);
+        if !holder_add(seg, k) {
+            sub_in_use(k, 1);
+            return Err(PermitError::TooManyHolders);
+        }
+    }
+    k.granted.fetch_add(1, Ordering::Relaxed);
+    Ok(fallback)
 }
 
 /// This host's view of a concurrency task (from the segment).
@@ -368,85 +477,23 @@ impl Task {
     pub fn try_permit(&self) -> Result<Permit, PermitError> {
         let (slot, r, _) = self.conc_slot()?;
         let k = &slot.conc;
-        let regime = k.regime.load(Ordering::Acquire);
-        let fallback = regime != REGIME_LEASE;
-        let res = match regime {
-            REGIME_DENY => Err(PermitError::Failed),
-            REGIME_ALLOW => k
-                .permits
-                .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                    let (l, u) = unpack(w);
-                    (u < IN_USE).then(|| pack(l, u + 1))
-                })
-                .map(|_| ())
-                .map_err(|_| PermitError::Full),
-            _ => {
-                let leased = regime == REGIME_LEASE;
-                if leased && boot_ms() >= k.valid_until_ms.load(Ordering::Acquire) {
-                    Err(PermitError::NoLease)
-                } else {
-                    // After a threshold decrease the holdings may exceed the new cap: then
-                    // `room` (cap − others) binds until in flight here has fallen below it.
-                    let room = if leased {
-                        k.room.load(Ordering::Acquire)
-                    } else {
-                        u64::MAX
-                    };
-                    let r = k
-                        .permits
-                        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                            let (l, u) = unpack(w);
-                            (u < l && u < room).then(|| pack(l, u + 1))
-                        })
-                        .map(|_| ())
-                        .map_err(|_| {
-                            if leased {
-                                PermitError::Full
-                            } else {
-                                PermitError::Failed
-                            }
-                        });
-                    // Re-check after the swap: a process stopped between the first check and
-                    // the swap must not hand out a permit of a lease that lapsed meanwhile.
-                    if r.is_ok()
-                        && leased
-                        && (k.regime.load(Ordering::Acquire) != REGIME_LEASE
-                            || boot_ms() >= k.valid_until_ms.load(Ordering::Acquire))
-                    {
-                        sub_in_use(k, 1);
-                        Err(PermitError::NoLease)
-                    } else {
-                        r
-                    }
+        match take(&self.shared.seg, k, boot_ms) {
+            Ok(fallback) => Ok(Permit {
+                task: self.clone(),
+                slot: r,
+                fallback,
+                live: true,
+            }),
+            Err(e) => {
+                // Wake the background thread for the host's first demand only: after that its
+                // rounds (every millisecond while a caller waits) see the demand; waking it on
+                // every refusal would turn waiting into spinning.
+                if k.sent_ok_ms.load(Ordering::Relaxed) == 0 {
+                    self.shared.wake.notify_one();
                 }
-            }
-        };
-        if let Err(e) = res {
-            k.denied.fetch_add(1, Ordering::Relaxed);
-            // Wake the background thread for the host's first demand only: after that its
-            // rounds (every millisecond while a caller waits) see the demand; waking it on
-            // every refusal would turn waiting into spinning.
-            if k.sent_ok_ms.load(Ordering::Relaxed) == 0 {
-                self.shared.wake.notify_one();
-            }
-            return Err(e);
-        }
-        if !holder_add(&self.shared.seg, k) {
-            // Entries of processes that exited without permits are freed by the scan only
-            // while permits are in use: free them now and try once more.
-            reclaim_dead(&self.shared.seg, k);
-            if !holder_add(&self.shared.seg, k) {
-                sub_in_use(k, 1);
-                return Err(PermitError::TooManyHolders);
+                Err(e)
             }
         }
-        k.granted.fetch_add(1, Ordering::Relaxed);
-        Ok(Permit {
-            task: self.clone(),
-            slot: r,
-            fallback,
-            live: true,
-        })
     }
 
     /// Takes one permit, waiting for one at most [`crate::Config::acquire_timeout`].
@@ -457,7 +504,7 @@ impl Task {
     /// Takes one permit, waiting for one at most `timeout`. Works on any executor: the
     /// client's background thread wakes waiters every millisecond while any wait.
     pub async fn permit_timeout(&self, timeout: Duration) -> Result<Permit, PermitError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now().checked_add(timeout);
         let mut waiting: Option<WaitGuard<'_>> = None;
         loop {
             let notified = self.inner.deposited.notified();
@@ -470,10 +517,11 @@ impl Task {
 
     /// One round of a wait for a permit: the answer when there is one (a permit, an error
     /// waiting cannot cure, or the deadline passed); otherwise registers the wait (once) so
-    /// the background thread grows the lease, and None: wait and try again.
+    /// the background thread grows the lease, and None: wait and try again. No `deadline`
+    /// (a timeout too long to add to the clock): no end.
     fn wait_step<'a>(
         &'a self,
-        deadline: Instant,
+        deadline: Option<Instant>,
         waiting: &mut Option<WaitGuard<'a>>,
     ) -> Option<Result<Permit, PermitError>> {
         match self.try_permit() {
@@ -481,7 +529,7 @@ impl Task {
             Err(e @ (PermitError::NotConcurrency | PermitError::TooManyHolders)) => {
                 return Some(Err(e));
             }
-            Err(e) if Instant::now() >= deadline => {
+            Err(e) if deadline.is_some_and(|d| Instant::now() >= d) => {
                 return Some(Err(match e {
                     PermitError::Full | PermitError::NoLease => PermitError::Timeout,
                     other => other,
@@ -498,7 +546,7 @@ impl Task {
 
     /// [`Task::permit`] for programs without an async runtime: sleeps in short steps.
     pub fn permit_blocking(&self, timeout: Duration) -> Result<Permit, PermitError> {
-        let deadline = Instant::now() + timeout;
+        let deadline = Instant::now().checked_add(timeout);
         let mut waiting: Option<WaitGuard<'_>> = None;
         loop {
             if let Some(done) = self.wait_step(deadline, &mut waiting) {
@@ -599,49 +647,48 @@ fn regime_for(on_failure: OnFailure) -> u64 {
     }
 }
 
+/// What the leasing decisions need of a task's meta.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseParams {
+    /// What decides while the host holds no lease and Redis does not answer.
+    pub on_failure: OnFailure,
+    /// Permits in flight on this host while FAILED with `on_failure = local`.
+    pub local_limit: u64,
+    /// The threshold of the meta, the cap until a LEASE reply tells it.
+    pub threshold: u64,
+}
+
+impl LeaseParams {
+    fn of(slot: &Slot, m: &FastMeta) -> Self {
+        Self {
+            on_failure: m.on_failure,
+            local_limit: slot.meta.local_limit.load(Ordering::Relaxed),
+            threshold: slot.meta.threshold.load(Ordering::Relaxed),
+        }
+    }
+}
+
 /// FAILED, once the lease has lapsed: `on_failure` decides from now on.
-fn fail(slot: &Slot, m: &FastMeta, now: i64) {
-    let k = &slot.conc;
+fn fail(k: &ConcCells, p: &LeaseParams, now: i64) {
     if now < k.valid_until_ms.load(Ordering::Acquire) {
         // The lease is still good: keep handing out under it while retrying.
         return;
     }
-    let regime = regime_for(m.on_failure);
+    let regime = regime_for(p.on_failure);
     if regime == REGIME_LOCAL {
-        set_limit(k, slot.meta.local_limit.load(Ordering::Relaxed));
+        set_limit(k, p.local_limit);
     }
     if k.regime.swap(regime, Ordering::AcqRel) == REGIME_LEASE {
-        tracing::warn!(on_failure = %m.on_failure,
+        tracing::warn!(on_failure = %p.on_failure,
             "concurrency lease lost and Redis unreachable: FAILED, deciding by on_failure");
     }
 }
 
-/// One background round for a concurrency task: reclaim dead processes' permits, and lease
-/// (grow, renew, shrink) when due. True when it wants the next round soon.
-pub(crate) async fn step(sh: &Shared, slot: &Slot, m: &FastMeta) -> bool {
-    let k = &slot.conc;
-    let now = boot_ms();
+/// The bookkeeping of a background round before any call (pure: the host's cells and `now`,
+/// boot-clock ms): counts a lapsed lease once, and answers whether a LEASE call is due now
+/// (renewal, growth for callers that wait, or a retry while FAILED).
+pub fn round_due(k: &ConcCells, now: i64) -> bool {
     let (limit, in_use) = unpack(k.permits.load(Ordering::Acquire));
-    let scanned = k.scanned_ms.load(Ordering::Relaxed);
-    if in_use > 0
-        && now - scanned >= SCAN_MS
-        && k.scanned_ms
-            .compare_exchange(scanned, now, Ordering::AcqRel, Ordering::Relaxed)
-            .is_ok()
-    {
-        let n = reclaim_dead(&sh.seg, k);
-        if n > 0 {
-            tracing::info!(
-                permits = n,
-                "gave the permits of a dead process back to the host"
-            );
-        }
-    }
-    let (limit, in_use) = if in_use > 0 {
-        unpack(k.permits.load(Ordering::Acquire))
-    } else {
-        (limit, in_use)
-    };
     let regime = k.regime.load(Ordering::Acquire);
     let valid_until = k.valid_until_ms.load(Ordering::Acquire);
     if regime == REGIME_LEASE && valid_until != 0 && now >= valid_until {
@@ -670,23 +717,49 @@ pub(crate) async fn step(sh: &Shared, slot: &Slot, m: &FastMeta) -> bool {
     let holds = limit > 0 || in_use > 0 || regime != REGIME_LEASE;
     let renew_due = holds && (sent_ok == 0 || now - sent_ok >= (lease_ms / 4) as i64);
     let cap = k.cap.load(Ordering::Relaxed);
+    // With demand, ask again when the last answer left room to grow, and in any case every
+    // quarter TTL: the cap of the last answer may be stale (a host that holds nothing never
+    // renews, and one told "cap 0" would otherwise never learn of a raised threshold).
+    let stale = now - sent_ok >= (lease_ms / 4) as i64;
     let grow_due = demand
-        && (sent_ok == 0 || limit < cap || regime != REGIME_LEASE)
+        && (sent_ok == 0 || limit < cap || regime != REGIME_LEASE || stale)
         && now >= k.grow_after_ms.load(Ordering::Relaxed);
-    if !(renew_due || grow_due) || now < k.next_try_ms.load(Ordering::Relaxed) {
-        return waiting > 0;
+    (renew_due || grow_due) && now >= k.next_try_ms.load(Ordering::Relaxed)
+}
+
+/// One background round for a concurrency task: reclaim dead processes' permits, and lease
+/// (grow, renew, shrink) when due. True when it wants the next round soon.
+pub(crate) async fn step(sh: &Shared, slot: &Slot, m: &FastMeta) -> bool {
+    let k = &slot.conc;
+    let now = boot_ms();
+    let in_use = unpack(k.permits.load(Ordering::Acquire)).1;
+    let scanned = k.scanned_ms.load(Ordering::Relaxed);
+    if in_use > 0
+        && now - scanned >= SCAN_MS
+        && k.scanned_ms
+            .compare_exchange(scanned, now, Ordering::AcqRel, Ordering::Relaxed)
+            .is_ok()
+    {
+        let n = reclaim_dead(&sh.seg, k);
+        if n > 0 {
+            tracing::info!(
+                permits = n,
+                "gave the permits of a dead process back to the host"
+            );
+        }
     }
-    let lock = sh.seg.lock(&k.lease_lock);
-    let token = match lock.try_lock(
-        crate::clock::host_ms(),
-        (sh.cfg.pull_timeout.as_millis() as u64).saturating_mul(3),
-    ) {
-        LockAttempt::Acquired { token, .. } => token,
-        LockAttempt::Busy { .. } => return waiting > 0,
-    };
-    lease_call(sh, slot, m, denied).await;
-    lock.unlock(token);
+    let waiting = k.waiting.load(Ordering::Acquire);
+    if round_due(k, now) {
+        let denied = k.denied.load(Ordering::Relaxed);
+        lease_call(sh, slot, m, denied).await;
+    }
     waiting > 0
+}
+
+/// A lease lock held longer than this is taken over (its holder is stuck): three pull
+/// timeouts, three times the longest a LEASE call may take.
+pub fn lease_lock_timeout_ms(pull_timeout: std::time::Duration) -> u64 {
+    (pull_timeout.as_millis() as u64).saturating_mul(3)
 }
 
 /// The last round of a process that stops using the task: give the host's idle permits back
@@ -702,27 +775,106 @@ pub(crate) async fn give_back(sh: &Shared, slot: &Slot, m: &FastMeta) {
     {
         return;
     }
-    let lock = sh.seg.lock(&k.lease_lock);
-    let LockAttempt::Acquired { token, .. } = lock.try_lock(
-        crate::clock::host_ms(),
-        (sh.cfg.pull_timeout.as_millis() as u64).saturating_mul(3),
-    ) else {
-        return;
-    };
     // No demand: the target is what is in use (plus an eighth unless others wait).
     let denied = k.denied.load(Ordering::Relaxed);
     k.denied_seen.store(denied, Ordering::Relaxed);
     lease_call(sh, slot, m, denied).await;
-    lock.unlock(token);
 }
 
-async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
-    let k = &slot.conc;
+/// The clocks a leasing round reads: the boot clock (lease validity, ms) and the host's
+/// wall clock (the lease lock's age, ms; sequence numbers, µs). A model passes its own.
+pub trait Clocks {
+    /// `CLOCK_BOOTTIME`, ms.
+    fn boot_ms(&self) -> i64;
+    /// `CLOCK_REALTIME`, µs.
+    fn host_us(&self) -> i64;
+}
+
+/// The system's clocks.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClocks;
+
+impl Clocks for SystemClocks {
+    fn boot_ms(&self) -> i64 {
+        boot_ms()
+    }
+    fn host_us(&self) -> i64 {
+        crate::clock::host_us()
+    }
+}
+
+/// One LEASE call under the host's lease lock: takes the lock (`None` when a live holder has
+/// it, younger than `lock_timeout_ms`), plans the call ([`begin_call`]), runs `send`, applies
+/// the outcome ([`finish_call`], only while the lock is still this caller's) and unlocks.
+/// `denied`: the host's refusals, read before.
+pub async fn locked_call<C, F, Fut>(
+    seg: &Segment,
+    k: &ConcCells,
+    p: &LeaseParams,
+    clocks: &C,
+    lock_timeout_ms: u64,
+    denied: u64,
+    send: F,
+) -> Option<Finished>
+where
+    C: Clocks + ?Sized,
+    F: FnOnce(LeaseCall) -> Fut,
+    Fut: std::future::Future<Output = LeaseOutcome>,
+{
+    let lock = seg.lock(&k.lease_lock);
+    let token = match lock.try_lock(clocks.host_us().div_euclid(1_000), lock_timeout_ms) {
+        LockAttempt::Acquired { token, .. } => token,
+        LockAttempt::Busy { .. } => return None,
+    };
+    let call = begin_call(k, p, denied, clocks.boot_ms(), clocks.host_us());
+    let outcome = send(call).await;
+    let done = finish_call(k, p, &call, outcome, clocks.boot_ms(), lock.holds(token));
+    lock.unlock(token);
+    Some(done)
+}
+
+/// A LEASE call planned by [`begin_call`]: send `want` with `seq`, then hand the outcome to
+/// [`finish_call`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LeaseCall {
+    /// The absolute number of permits to ask for.
+    pub want: u64,
+    /// The call's sequence number (strictly increasing per host).
+    pub seq: u64,
+    /// Boot-clock ms when the call was planned, before it was sent: the lease it wins is
+    /// valid from here.
+    pub t0: i64,
+    /// The host's refusals counted when the call was planned (its demand).
+    pub denied: u64,
+    /// The local limit when the call was planned.
+    pub limit: u64,
+}
+
+/// What became of a LEASE call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseOutcome {
+    /// Redis answered.
+    Reply(LeaseReply),
+    /// An error or a timeout: the call may or may not have run.
+    Failed,
+}
+
+/// Plans a LEASE call (pure: the host's cells, `now` on the boot clock and `host_us`, the
+/// host's clock in µs for the sequence number), by the holder of the host's lease lock:
+/// sizes the block from demand ([`target`]), lowers the local limit first when the call
+/// shrinks the block, and draws the call's sequence number.
+pub fn begin_call(
+    k: &ConcCells,
+    p: &LeaseParams,
+    denied: u64,
+    now: i64,
+    host_us: i64,
+) -> LeaseCall {
     let (limit, in_use) = unpack(k.permits.load(Ordering::Acquire));
     let waiting = k.waiting.load(Ordering::Acquire);
     let denied_new = denied.saturating_sub(k.denied_seen.load(Ordering::Relaxed));
     let cap = match k.cap.load(Ordering::Relaxed) {
-        0 => slot.meta.threshold.load(Ordering::Relaxed),
+        0 => p.threshold,
         c => c,
     };
     let others = k.others.load(Ordering::Relaxed);
@@ -747,43 +899,110 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
         let (Ok(w) | Err(w)) = r;
         want = want.max(unpack(w).1);
     }
-    let seq = {
-        let host_us = crate::clock::host_us().max(0) as u64;
-        let prev = k.seq.load(Ordering::Acquire);
-        let next = (prev + 1).max(host_us);
-        k.seq.store(next, Ordering::Release);
-        next
-    };
-    let t0 = boot_ms();
-    let before_us = crate::clock::host_us();
-    let task = slot.name().unwrap_or_default();
-    let res = crate::background::call(sh, crate::background::Retry::Idempotent, |mut c| {
-        let (task, host) = (&task, &sh.cfg.host_id);
-        async move { lease::lease(&mut c, &sh.keys, task, host, want, seq).await }
-    })
-    .await;
-    let now = boot_ms();
-    match res {
-        Ok(Ok(LeaseReply::Held {
+    // The sequence number, drawn in one atomic step: calls are ordered by it in Redis (an
+    // older one arriving late is refused) and here (only the answer to the newest call begun
+    // is applied), so both orders agree even when two processes both believe they hold the
+    // lease lock (one was stalled past the lock's timeout).
+    let host_us = host_us.max(0) as u64;
+    let prev = k
+        .seq
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |prev| {
+            Some((prev + 1).max(host_us))
+        });
+    let (Ok(prev) | Err(prev)) = prev;
+    let seq = (prev + 1).max(host_us);
+    // Until its answer is applied, hand out no more than the call asks for: whatever Redis
+    // does with it (or with an older call still on its way), it then counts at least
+    // min(what it counted, want) for the host, and `bound` never exceeded what it counted.
+    let _ = k
+        .bound
+        .fetch_update(Ordering::AcqRel, Ordering::Acquire, |b| {
+            Some(bound_word(b, bound_of(b).min(want)))
+        });
+    LeaseCall {
+        want,
+        seq,
+        t0: now,
+        denied,
+        limit,
+    }
+}
+
+/// What [`finish_call`] did with an outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finished {
+    /// The host holds the lease the reply granted.
+    Applied,
+    /// Redis refused the call as older than one it already ran (nothing changed there).
+    Stale,
+    /// The task is unknown to Redis, or the call failed: FAILED once the lease lapses.
+    Failed,
+    /// Ignored: the caller lost the lease lock, or a newer call has begun since; its answer
+    /// decides.
+    Superseded,
+}
+
+/// Applies the outcome of a LEASE call planned by [`begin_call`] (pure: the host's cells and
+/// `now`, boot-clock ms after the answer came), if it is still the host's latest call and the
+/// caller still holds the lease lock (`holds_lock`).
+///
+/// A process stalled past the lease lock's timeout (SIGSTOP, a VM pause, a starved thread)
+/// may come back with the answer to a call that another process has since superseded: a
+/// newer call may have given the permits back, and the threshold may have been lowered.
+/// Applying the old answer would raise the host's limit above what Redis counts for it. So an
+/// answer is applied only when no newer call has begun (`seq`) and its `bound` is written by
+/// one compare-and-swap against the word read *before* that check: a call that begins after
+/// the check bumps the word's generation, and the swap fails.
+pub fn finish_call(
+    k: &ConcCells,
+    p: &LeaseParams,
+    call: &LeaseCall,
+    outcome: LeaseOutcome,
+    now: i64,
+    holds_lock: bool,
+) -> Finished {
+    let b0 = k.bound.load(Ordering::Acquire);
+    if !holds_lock || k.seq.load(Ordering::Acquire) != call.seq {
+        tracing::debug!(
+            seq = call.seq,
+            "LEASE answer ignored: a newer call has begun or the lease lock was taken over"
+        );
+        return Finished::Superseded;
+    }
+    match outcome {
+        LeaseOutcome::Reply(LeaseReply::Held {
             holding,
             cap,
             others,
             lease_ms,
             others_unmet,
-            redis_time_us,
             ..
-        })) => {
-            // The clock offset to Redis, as every pull measures it (skew detection).
-            crate::background::record_clock(sh, before_us, crate::clock::host_us(), redis_time_us);
+        }) => {
+            let bound = holding.min(cap.saturating_sub(others));
+            if k.bound
+                .compare_exchange(
+                    b0,
+                    bound_word(b0, bound),
+                    Ordering::AcqRel,
+                    Ordering::Acquire,
+                )
+                .is_err()
+            {
+                tracing::debug!(
+                    seq = call.seq,
+                    "LEASE answer ignored: a newer call has begun"
+                );
+                return Finished::Superseded;
+            }
+            let t0 = call.t0;
             let lease_ms = lease_ms.max(1);
             k.others_unmet.store(others_unmet, Ordering::Relaxed);
-            k.room.store(cap.saturating_sub(others), Ordering::Release);
             set_limit(k, holding);
             k.cap.store(cap, Ordering::Relaxed);
             k.others.store(others, Ordering::Relaxed);
             k.lease_ms.store(lease_ms, Ordering::Relaxed);
             k.sent_ok_ms.store(t0, Ordering::Relaxed);
-            k.denied_seen.store(denied, Ordering::Relaxed);
+            k.denied_seen.store(call.denied, Ordering::Relaxed);
             k.failing_since_ms.store(0, Ordering::Relaxed);
             k.next_try_ms.store(0, Ordering::Relaxed);
             let until = t0 + valid_for_ms(lease_ms);
@@ -791,39 +1010,69 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
             if k.regime.swap(REGIME_LEASE, Ordering::AcqRel) != REGIME_LEASE {
                 tracing::info!("concurrency lease held again: back from FAILED");
             }
-            let grew = holding > limit || holding >= want;
+            let grew = holding > call.limit || holding >= call.want;
             let pause = ((lease_ms / 10) as i64).max(GROW_RETRY_MIN_MS);
             k.grow_after_ms
                 .store(if grew { 0 } else { now + pause }, Ordering::Relaxed);
+            Finished::Applied
         }
-        Ok(Ok(LeaseReply::Stale { .. })) => {
+        LeaseOutcome::Reply(LeaseReply::Stale { .. }) => {
             // Another call of this host had a higher sequence number (a clock step back):
             // the next call's seq is above it.
             tracing::debug!("LEASE refused as stale; retrying with a higher sequence number");
+            Finished::Stale
         }
-        Ok(Ok(LeaseReply::Unknown)) => {
+        LeaseOutcome::Reply(LeaseReply::Unknown) => {
             k.next_try_ms
                 .store(now + FAILED_RETRY_MS, Ordering::Relaxed);
-            fail(slot, m, now);
+            fail(k, p, now);
+            Finished::Failed
         }
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "LEASE failed");
+        LeaseOutcome::Failed => {
             let _ =
                 k.failing_since_ms
                     .compare_exchange(0, now, Ordering::AcqRel, Ordering::Relaxed);
             k.next_try_ms
                 .store(now + FAILED_RETRY_MS, Ordering::Relaxed);
-            fail(slot, m, now);
-        }
-        Err(()) => {
-            let _ =
-                k.failing_since_ms
-                    .compare_exchange(0, now, Ordering::AcqRel, Ordering::Relaxed);
-            k.next_try_ms
-                .store(now + FAILED_RETRY_MS, Ordering::Relaxed);
-            fail(slot, m, now);
+            fail(k, p, now);
+            Finished::Failed
         }
     }
+}
+
+async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
+    let k = &slot.conc;
+    let p = LeaseParams::of(slot, m);
+    let task = slot.name().unwrap_or_default();
+    let send = |call: LeaseCall| async move {
+        let before_us = crate::clock::host_us();
+        let res = crate::background::call(sh, crate::background::Retry::Idempotent, |mut c| {
+            let (task, host) = (&task, &sh.cfg.host_id);
+            async move { lease::lease(&mut c, &sh.keys, task, host, call.want, call.seq).await }
+        })
+        .await;
+        match res {
+            Ok(Ok(reply)) => {
+                if let LeaseReply::Held { redis_time_us, .. } = reply {
+                    // The clock offset to Redis, as every pull measures it (skew detection).
+                    crate::background::record_clock(
+                        sh,
+                        before_us,
+                        crate::clock::host_us(),
+                        redis_time_us,
+                    );
+                }
+                LeaseOutcome::Reply(reply)
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "LEASE failed");
+                LeaseOutcome::Failed
+            }
+            Err(()) => LeaseOutcome::Failed,
+        }
+    };
+    let timeout = lease_lock_timeout_ms(sh.cfg.pull_timeout);
+    locked_call(&sh.seg, k, &p, &SystemClocks, timeout, denied, send).await;
 }
 
 #[cfg(test)]

@@ -100,7 +100,7 @@ pub const MAX_KEY_SLOTS: u32 = keyed::MAX_KEY_SLOTS;
 pub use concurrency::{Permit, PermitError};
 pub use health::Outcome;
 pub use keyed::Key;
-pub use lock::{LockError, LockGuard, MIN_LOCK_TTL};
+pub use lock::{LockError, LockGuard, MAX_LOCK_TTL, MIN_LOCK_TTL};
 pub use multi::{AllDecision, Limit, acquire_all, acquire_all_blocking, try_acquire_all};
 pub use state::HostState;
 

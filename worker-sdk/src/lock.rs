@@ -2,8 +2,11 @@
 //!
 //! A lock is one Redis hash `NS:{L}:lock` (`token`, `owner`) with a TTL, taken by
 //! [`crate::protocol::lease::LOCK_ACQUIRE_LUA`], which draws the holder's **fencing token**
-//! from `INCR NS:{L}:lock:token` in the same call: tokens of one lock are strictly increasing
-//! across holders, crashes and expiries. The guard renews the lock every third of its TTL on
+//! in the same call, `max(counter + 1, Redis TIME in µs)`: tokens of one lock are strictly
+//! increasing across holders, crashes and expiries, and across a Redis that comes back with an
+//! older counter (a restart from a dump, a failover to a lagging replica). Acquiring is
+//! cancel-safe: a dropped [`crate::Client::lock`] future stops trying, and a lock taken by a
+//! call already on its way is released. The guard renews the lock every third of its TTL on
 //! the client's background runtime; renewal and release are token-checked scripts, so a
 //! holder never renews or deletes a successor's lock.
 //!
@@ -28,6 +31,9 @@ use crate::protocol::{NameError, validate_task_name};
 /// Shortest lock TTL.
 pub const MIN_LOCK_TTL: Duration = Duration::from_millis(100);
 
+/// Longest lock TTL (one day): how long a crashed holder's lock may stay taken.
+pub const MAX_LOCK_TTL: Duration = Duration::from_secs(86_400);
+
 /// Why a lock was not had.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -35,8 +41,8 @@ pub enum LockError {
     /// The lock name is not a valid name (same rules as task names).
     #[error(transparent)]
     Name(#[from] NameError),
-    /// The TTL is below [`MIN_LOCK_TTL`].
-    #[error("lock ttl {0:?} is below the minimum of 100 ms")]
+    /// The TTL is below [`MIN_LOCK_TTL`] or above [`MAX_LOCK_TTL`].
+    #[error("lock ttl {0:?} is outside 100 ms ..= 1 day")]
     Ttl(Duration),
     /// Another holder kept the lock for the whole wait.
     #[error("lock {0:?} is held by another holder")]
@@ -109,6 +115,41 @@ impl LockGuard {
         match self.shared.rt.spawn(fut).await {
             Ok(Some(r)) => Ok(r),
             _ => Err(LockError::Unreachable(self.name.clone())),
+        }
+    }
+}
+
+impl LockGuard {
+    /// The guard of a lock just taken with `token` by a call sent at boot-clock `t0`: starts
+    /// its renewals on the client's runtime.
+    fn start(
+        shared: Arc<Shared>,
+        guard: Arc<Guard>,
+        name: String,
+        token: u64,
+        ttl: Duration,
+        t0: i64,
+    ) -> Self {
+        let state = Arc::new(LockState {
+            lost: AtomicBool::new(false),
+            valid_until_ms: AtomicI64::new(t0 + valid_for_ms(ttl.as_millis() as u64)),
+        });
+        let renewer = shared.rt.spawn(renew_loop(
+            shared.clone(),
+            name.clone(),
+            token,
+            ttl,
+            state.clone(),
+        ));
+        Self {
+            shared,
+            _guard: guard,
+            name,
+            token,
+            ttl,
+            state,
+            renewer: Some(renewer),
+            released: false,
         }
     }
 }
@@ -190,6 +231,10 @@ impl Client {
     }
 
     /// Takes lock `name` for `ttl`, waiting for it at most `wait`.
+    ///
+    /// Cancel-safe: dropping the returned future (a `tokio::time::timeout`, a `select!`) stops
+    /// the attempts, and a lock that an attempt already on its way to Redis takes afterwards
+    /// is released at once (its guard is dropped): a cancelled call leaves nothing held.
     pub async fn lock_timeout(
         &self,
         name: &str,
@@ -197,65 +242,75 @@ impl Client {
         wait: Duration,
     ) -> Result<LockGuard, LockError> {
         validate_task_name(name)?;
-        if ttl < MIN_LOCK_TTL {
+        if !(MIN_LOCK_TTL..=MAX_LOCK_TTL).contains(&ttl) {
             return Err(LockError::Ttl(ttl));
         }
-        let sh = self.shared.clone();
-        let name_s = name.to_string();
-        let fut = async move {
-            let deadline = Instant::now() + wait;
-            let ttl_ms = ttl.as_millis() as u64;
-            loop {
-                let owner = sh.request_id();
-                let t0 = boot_ms();
-                let r = call(&sh, Retry::Idempotent, |mut c| {
-                    let (sh, name, owner) = (&sh, &name_s, &owner);
-                    async move { lease::lock_acquire(&mut c, &sh.keys, name, owner, ttl_ms).await }
-                })
-                .await;
-                let pause = match r {
-                    Ok(Ok(LockReply::Acquired { token })) => return Ok((token, t0)),
-                    Ok(Ok(LockReply::Busy { pttl_ms, .. })) => {
-                        if Instant::now() >= deadline {
-                            return Err(LockError::Busy(name_s.clone()));
-                        }
-                        Duration::from_millis(pttl_ms.clamp(1, 20) as u64)
-                    }
-                    _ => {
-                        if Instant::now() >= deadline {
-                            return Err(LockError::Unreachable(name_s.clone()));
-                        }
-                        Duration::from_millis(50)
-                    }
-                };
-                tokio::time::sleep(pause.min(deadline.saturating_duration_since(Instant::now())))
-                    .await;
+        // The attempts run on the client's runtime (this future may be polled by any
+        // executor); the guard comes back through a channel. If the caller is gone, the
+        // attempts stop (`closed`), and a guard that finds no receiver is dropped: released.
+        let (tx, rx) = tokio::sync::oneshot::channel::<Result<LockGuard, LockError>>();
+        let (sh, guard, name_s) = (self.shared.clone(), self.guard.clone(), name.to_string());
+        self.shared.rt.spawn(async move {
+            let mut tx = tx;
+            let Some(r) = acquire(&sh, &name_s, ttl, wait, &mut tx).await else {
+                return;
+            };
+            let r = r.map(|(token, t0)| LockGuard::start(sh, guard, name_s, token, ttl, t0));
+            // If the caller is gone, the guard comes back here and is dropped: released.
+            drop(tx.send(r));
+        });
+        match rx.await {
+            Ok(r) => r,
+            Err(_) => Err(LockError::Unreachable(name.to_string())),
+        }
+    }
+}
+
+/// Tries to take lock `name` until `wait` has passed: its token and the boot-clock time the
+/// successful call was sent; `None` when the caller went away (`caller` closed) between two
+/// calls. A call already sent is always awaited: it may take the lock, and its caller
+/// ([`Client::lock_timeout`]) then releases it through the guard it builds.
+async fn acquire(
+    sh: &Shared,
+    name: &str,
+    ttl: Duration,
+    wait: Duration,
+    caller: &mut tokio::sync::oneshot::Sender<Result<LockGuard, LockError>>,
+) -> Option<Result<(u64, i64), LockError>> {
+    // A wait too long to add to the clock is a wait without end.
+    let deadline = Instant::now().checked_add(wait);
+    let past = |now: Instant| deadline.is_some_and(|d| now >= d);
+    let ttl_ms = ttl.as_millis() as u64;
+    loop {
+        if caller.is_closed() {
+            return None;
+        }
+        let owner = sh.request_id();
+        let t0 = boot_ms();
+        let r = call(sh, Retry::Idempotent, |mut c| {
+            let owner = &owner;
+            async move { lease::lock_acquire(&mut c, &sh.keys, name, owner, ttl_ms).await }
+        })
+        .await;
+        let pause = match r {
+            Ok(Ok(LockReply::Acquired { token })) => return Some(Ok((token, t0))),
+            Ok(Ok(LockReply::Busy { pttl_ms, .. })) => {
+                if past(Instant::now()) {
+                    return Some(Err(LockError::Busy(name.to_string())));
+                }
+                Duration::from_millis(pttl_ms.clamp(1, 20) as u64)
+            }
+            _ => {
+                if past(Instant::now()) {
+                    return Some(Err(LockError::Unreachable(name.to_string())));
+                }
+                Duration::from_millis(50)
             }
         };
-        let (token, t0) = match self.shared.rt.spawn(fut).await {
-            Ok(r) => r?,
-            Err(_) => return Err(LockError::Unreachable(name.to_string())),
-        };
-        let state = Arc::new(LockState {
-            lost: AtomicBool::new(false),
-            valid_until_ms: AtomicI64::new(t0 + valid_for_ms(ttl.as_millis() as u64)),
-        });
-        let renewer = self.shared.rt.spawn(renew_loop(
-            self.shared.clone(),
-            name.to_string(),
-            token,
-            ttl,
-            state.clone(),
-        ));
-        Ok(LockGuard {
-            shared: self.shared.clone(),
-            _guard: self.guard.clone(),
-            name: name.to_string(),
-            token,
-            ttl,
-            state,
-            renewer: Some(renewer),
-            released: false,
-        })
+        let left = deadline.map_or(pause, |d| d.saturating_duration_since(Instant::now()));
+        tokio::select! {
+            () = tokio::time::sleep(pause.min(left)) => {}
+            () = caller.closed() => return None,
+        }
     }
 }

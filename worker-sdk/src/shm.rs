@@ -110,7 +110,8 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"SLUICE\x00\x01");
 ///   seventh counter (`wrej`, would-reject) in each [`CounterEntry`].
 /// * 5: the local limiter is lock-free (`crate::limiter`): its cells and log hold other
 ///   words (no lock; the sliding log is a bucket ring), so a process of layout 4 must not share
-///   them.
+///   them; and [`ConcCells::bound`] (`generation | bound`, written by compare-and-swap) replaces
+///   `room` (`cap − others`): a late LEASE answer can no longer raise the host's limit.
 pub const LAYOUT_VERSION: u64 = 5;
 
 /// Slots per segment unless configured otherwise.
@@ -351,10 +352,13 @@ pub struct ConcCells {
     pub next_try_ms: AtomicI64,
     /// What the other hosts asked for and did not get, from the last reply.
     pub others_unmet: AtomicU64,
-    /// `cap − others` from the last reply: under a lease, no permit is handed out while this
-    /// many or more are in use here (binds only after a threshold decrease, when the
-    /// holdings exceed the new cap).
-    pub room: AtomicU64,
+    /// `generation:32 | bound:32`: under a lease no permit is handed out while `bound` or more
+    /// are in use here. `bound` is `min(holding, cap − others)` of the reply applied last
+    /// (`cap − others` binds only after a threshold decrease, when the holdings exceed the
+    /// new cap), lowered to `want` when a LEASE call begins; every write bumps `generation`,
+    /// so a late reply, whose compare-and-swap expects the word it read, cannot overwrite a
+    /// newer call's bound (see `concurrency::finish_call`).
+    pub bound: AtomicU64,
     /// Per-process shares of `in_use`.
     pub holders: [AtomicU64; HOLDERS],
 }
@@ -981,7 +985,7 @@ impl Slot {
             &k.reclaimed,
             &k.denied_seen,
             &k.others_unmet,
-            &k.room,
+            &k.bound,
         ] {
             w.store(0, Ordering::Relaxed);
         }
@@ -1145,6 +1149,11 @@ impl ShmLock<'_> {
         self.word
             .compare_exchange(token, 0, Ordering::AcqRel, Ordering::Acquire)
             .is_ok()
+    }
+
+    /// Whether the lock is still held under `token` (not released, not taken over).
+    pub fn holds(&self, token: u64) -> bool {
+        self.word.load(Ordering::Acquire) == token
     }
 
     /// The current holder, if held.
