@@ -15,7 +15,7 @@
 //!   retired): "unknown task", remembered for [`NEGATIVE_TTL`] (at most [`MAX_REMEMBERED`]
 //!   names). Found: remembered as verified (at most [`MAX_REMEMBERED`] names) and opened.
 //! * When Redis does not answer the lookup, the name is **not** opened: the request gets
-//!   [`DecideError::Unavailable`] (HTTP 503, RLS `UNAVAILABLE`, RLQS no assignment — the
+//!   [`DecideError::Sdk`] (HTTP 503, RLS `UNAVAILABLE`, RLQS no assignment — the
 //!   caller's own failure policy decides, e.g. Envoy's `failure_mode_deny`), and for
 //!   [`LOOKUP_BACKOFF`] further never-verified names are refused without asking Redis (so a
 //!   flood of names costs nothing while Redis is slow). Names verified earlier, and tasks
@@ -24,7 +24,7 @@
 //!   `--max-tasks` by default). A handle nobody uses (no request in flight, no RLQS bucket)
 //!   for [`IDLE_CLOSE`] is closed when the share is needed; its slot still counts against the
 //!   share for [`SLOT_RELEASE`] after that (the time an SDK process waits before reclaiming an
-//!   idle slot). With the share taken, a new task gets [`DecideError::Unavailable`].
+//!   idle slot). With the share taken, a new task gets [`DecideError::Sdk`].
 //!
 //! # Waiting, deadlines and cancellation
 //!

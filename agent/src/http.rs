@@ -13,7 +13,7 @@
 //! 400 naming the field (`requests[2].hits`), an unknown task a 404 naming it; in a batch
 //! every request is checked before any is decided, so a refused batch consumed nothing.
 //!
-//! Before the handler, a middleware ([`guard`]) refuses a decision request without the token
+//! Before the handler, a middleware (`guard`) refuses a decision request without the token
 //! (401, with `--api-token`), from a browser (403: it carries `Origin`), or beyond
 //! `--max-concurrent-requests` (503). A whole request — every lookup and every decision of a
 //! batch — ends within `--request-timeout`: decisions still to make when it passes are made

@@ -31,7 +31,7 @@
 //!   dropped; when the stream ends every bucket of it is dropped.
 //!
 //! One tokio task per stream (at most `--rlqs-max-streams`); it sleeps until the next slice
-//! boundary, renewal or abandonment of one of its buckets ([`Timers`]: ordered, so a wake-up
+//! boundary, renewal or abandonment of one of its buckets (`Timers`: ordered, so a wake-up
 //! or a message costs work in proportion to the buckets it concerns, never a scan of all), or
 //! the next message.
 
