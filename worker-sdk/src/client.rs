@@ -1261,41 +1261,37 @@ impl Task {
             if t != tag || (c as u64) < n {
                 break;
             }
+            // Paced: stale stock dropped together with this admission (never for a refused
+            // request: a refusal leaves the stock as it was).
+            let mut drop = 0;
             if m.paced {
                 match pace_check(slot, e, c, start_ms, m.slice_ms, n, now_us) {
-                    Pace::Go => {}
+                    Pace::Go { drop: k } => drop = k,
                     Pace::Wait(us) => return self.pace_limited(slot, e, c, index, start_ms, n, us),
-                    Pace::Skip(k) => {
-                        // Stale stock: drop it (from `granted` first, so the accounting never
-                        // counts it as admitted), then decide again.
-                        e.granted.fetch_sub(k, Ordering::AcqRel);
-                        match e.word.compare_exchange_weak(
-                            q,
-                            q - k,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        ) {
-                            Ok(_) => q -= k,
-                            Err(x) => {
-                                e.granted.fetch_add(k, Ordering::AcqRel);
-                                q = x;
-                            }
-                        }
-                        continue;
-                    }
                 }
+            }
+            let take = n + drop;
+            if drop > 0 {
+                // From `granted` first, so the accounting never counts dropped stock as
+                // admitted.
+                e.granted.fetch_sub(drop, Ordering::AcqRel);
             }
             match e
                 .word
-                .compare_exchange_weak(q, q - n, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(q, q - take, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    if c as u64 - n < e.low_water.load(Ordering::Relaxed) {
+                    if c as u64 - take < e.low_water.load(Ordering::Relaxed) {
                         self.want(slot, start_ms, n);
                     }
                     return Step::Decided(Decision::Allowed);
                 }
-                Err(x) => q = x,
+                Err(x) => {
+                    if drop > 0 {
+                        e.granted.fetch_add(drop, Ordering::AcqRel);
+                    }
+                    q = x;
+                }
             }
         }
         // Not enough local quota for this slice.
@@ -1417,12 +1413,14 @@ impl Task {
 /// What the pace says about spending `n` more of a paced slice's local stock now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pace {
-    /// Released: spend.
-    Go,
-    /// Not released yet: µs until it is.
+    /// Released: spend `n`, and drop `drop` permits of stale stock with it (in the same
+    /// compare-and-swap): permits the pace released before now that this host never spent.
+    Go {
+        /// Stale permits to drop together with the admission.
+        drop: u64,
+    },
+    /// Not released yet: µs until it is. The stock is left as it is.
     Wait(u64),
-    /// This many permits of the stock were released before now and never spent: drop them.
-    Skip(u64),
 }
 
 /// Paced slices: may this host spend `n` more now?
@@ -1433,22 +1431,26 @@ enum Pace {
 /// `count` is taken to be the top of everything granted so far (`pace_granted`, any host's
 /// grants and forfeits included, as Redis reported after this host's last pull), so the
 /// permits it has spent are numbered up to `spent = pace_granted − count`. With
-/// `paced = floor(cap · elapsed / slice)`:
+/// `paced = floor(cap · elapsed / slice)` and `keep = max(1, n − burst)` (the released
+/// permits a request of `n` needs beyond the burst):
 ///
 /// ```text
-///   spent + 1 < paced .......................... Skip(paced − 1 − spent): stock the pace
-///                                                released while this host did not decide (a
-///                                                paused or starved process) is dropped, as the
-///                                                script forfeits what nobody pulled; the one
-///                                                permit released last is kept (it is the next
-///                                                one to spend in normal operation)
-///   spent + n ≤ paced + burst .................. Go
-///   otherwise .................................. Wait until elapsed ≥ (spent + n − burst) · slice / cap
+///   drop  = min(paced − keep − spent, count − n)   when spent + keep < paced, else 0
+///           stock the pace released while this host did not decide (a paused or starved
+///           process) is dropped, as the script forfeits what nobody pulled, but never below
+///           what this request needs, and only together with its admission
+///   spent + drop + n ≤ paced + burst ......... Go { drop }
+///   otherwise ................................ Wait until elapsed ≥ (spent + n − burst) · slice / cap
+///                                              (then drop = 0: a refusal drops nothing)
 /// ```
 ///
-/// So whatever the host's scheduling, it never spends more than `burst + 1` beyond the pace
-/// at once: any window of the slice admits at most its share of the pace + `burst` + 1. With other hosts' grants in between, the numbers are over-estimated (the host waits a
-/// little longer than needed, never less), so no host spends a permit before its release.
+/// So a request of any cost up to the slice's cap is admitted as soon as the pace has
+/// released it (item 1 of issue 23: with `keep = 1` always, a request of `burst + 2` or more
+/// was never admitted and each try dropped stock). Every admission at time `t` leaves
+/// `spent ≤ paced(t) + burst`, and `spent` counts at least everything this host admitted in
+/// the slice, so the host never admits more than `paced(t) + burst` by any time `t`. With
+/// other hosts' grants in between, the numbers are over-estimated (the host waits a little
+/// longer than needed, never less), so no host spends a permit before its release.
 #[inline]
 fn pace_check(
     slot: &Slot,
@@ -1462,23 +1464,23 @@ fn pace_check(
     let cap = e.pace_cap.load(Ordering::Relaxed);
     if cap == 0 {
         // No cap known yet: nothing to pace against (Redis still does).
-        return Pace::Go;
+        return Pace::Go { drop: 0 };
     }
     let burst = slot.ctl.pace_burst.load(Ordering::Relaxed);
-    let spent = e
-        .pace_granted
-        .load(Ordering::Relaxed)
-        .saturating_sub(count as u64);
+    let count = count as u64;
+    let spent = e.pace_granted.load(Ordering::Relaxed).saturating_sub(count);
     let len_us = (slice_ms.saturating_mul(1_000) as u128).max(1);
     let elapsed_us = now_us.saturating_sub(start_ms.saturating_mul(1_000)).max(0) as u128;
     let paced = (cap as u128 * elapsed_us / len_us).min(cap as u128) as u64;
-    if spent + 1 < paced && count > 0 {
-        return Pace::Skip((paced - 1 - spent).min(count as u64));
-    }
-    let need = spent.saturating_add(n);
+    let keep = n.saturating_sub(burst).max(1);
+    let drop = paced
+        .saturating_sub(keep)
+        .saturating_sub(spent)
+        .min(count.saturating_sub(n));
+    let need = spent.saturating_add(drop).saturating_add(n);
     if need <= paced.saturating_add(burst) || need > cap {
         // Released, or beyond the cap (the local quota and Redis decide that).
-        return Pace::Go;
+        return Pace::Go { drop };
     }
     let at_us = ((need - burst) as u128 * len_us).div_ceil(cap as u128);
     Pace::Wait(at_us.saturating_sub(elapsed_us).clamp(1, u64::MAX as u128) as u64)
@@ -1826,6 +1828,54 @@ mod tests {
         );
         // The pace refusals: counted as rejections.
         assert_eq!(slot.drain_counters(), vec![(start, [0, 2, 0, 0, 0, 0, 0])]);
+    }
+
+    /// Issue 23 item 1: a request costing more than `burst + 1` is admitted once the pace has
+    /// released it (stale stock is dropped only down to what it needs, with its admission),
+    /// and a refused one leaves the stock as it was.
+    #[test]
+    fn paced_requests_above_the_burst_are_admitted_and_refusals_drop_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, task) = offline_task("pacedcost", dir.path());
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let day = 86_400_000u64;
+        let m = TaskMeta {
+            pacing: crate::protocol::Pacing::Smooth,
+            pace_burst: 0,
+            ..meta(day)
+        };
+        assert!(slot.store_meta(&m, slot.generation()));
+        let now_us = task.now_us();
+        let start = (now_us as u64 / (day * 1_000) * day) as i64;
+        let elapsed_us = (now_us - start * 1_000) as u64;
+        let paced = 1_000 * elapsed_us / (day * 1_000);
+        assert!(
+            paced >= 7,
+            "this test needs 7 permits released (runs after 00:10 UTC)"
+        );
+        let e = slot.entry(start, day);
+        e.pace_cap.store(1_000, Ordering::Relaxed);
+        // 10 in stock numbered up to paced + 3: spent = paced − 7.
+        e.pace_granted.store(paced + 3, Ordering::Relaxed);
+        assert!(slot.deposit(start, day, 10, false, now_us));
+        let stock = || unpack_quota(e.word.load(Ordering::Relaxed)).2;
+        // Cost 5, burst 0: 2 stale permits dropped, 5 admitted (spent = paced).
+        assert_eq!(task.try_acquire_at(5, now_us), Decision::Allowed);
+        assert_eq!(stock(), 3);
+        // Nothing more released: cost 2 waits, and the stock stays.
+        for _ in 0..3 {
+            assert!(matches!(
+                task.try_acquire_at(2, now_us),
+                Decision::Limited { .. }
+            ));
+            assert_eq!(stock(), 3, "a refused request dropped stock");
+        }
+        assert_eq!(
+            slot.consumed(start, day),
+            5,
+            "the dropped 2 are not admitted"
+        );
     }
 
     /// Issue 9 item 9: a handle whose slot was reclaimed for another task (its process kept
