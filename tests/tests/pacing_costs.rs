@@ -9,64 +9,8 @@
 use std::time::{Duration, Instant};
 
 use sluice::{Client, Decision, Task};
-use sluice_protocol::scripts::{self, Fence, RollOutcome, RollRequest, SliceWrite};
-use sluice_protocol::{Fallback, Keys, Mode, OnFailure, Pacing, TaskMeta};
+use sluice_protocol::Keys;
 use sluice_tests::*;
-
-/// A paced pooled task of `threshold` per `slice_ms`.
-pub fn paced_meta(threshold: u64, slice_ms: u64, burst: u64, version: i64) -> TaskMeta {
-    TaskMeta {
-        slice_ms,
-        threshold,
-        pull: 0,
-        local_limit: 1,
-        on_failure: OnFailure::Deny,
-        mode: Mode::Pooled,
-        fallback: Fallback::default(),
-        version,
-        lease_ms: 0,
-        keyed: false,
-        key_overrides: Default::default(),
-        shadow: false,
-        pacing: Pacing::Smooth,
-        pace_burst: burst,
-    }
-}
-
-/// Writes `m` and the slices from the current one on for `secs` seconds, as a leader does
-/// (one fenced full ROLL).
-async fn roll(keys: &Keys, task: &str, m: &TaskMeta, secs: i64) {
-    let mut c = protocol_conn(&shared_redis()).await;
-    let len = m.slice_ms as i64;
-    let first = sluice_protocol::slice::start(now_ms(), m.slice_ms);
-    let n = secs * 1_000 / len + 2;
-    let slices: Vec<SliceWrite> = (0..n)
-        .map(|i| SliceWrite {
-            start_ms: first + i * len,
-            cap: m.threshold,
-            expire_at_ms: first + (i + 2) * len + 60_000,
-        })
-        .collect();
-    let f = Fence {
-        term: 10,
-        epoch: 1,
-        stale_after_ms: 10_000,
-    };
-    let req = RollRequest {
-        task,
-        fence: &f,
-        full: true,
-        expect_rolled_to: 0,
-        spec_version: m.version,
-        new_rolled_to: first + n * len,
-        force: false,
-        refresh: true,
-        meta: Some(m),
-        slices: &slices,
-    };
-    let out = scripts::roll(&mut c, keys, &req).await.expect("roll");
-    assert!(matches!(out, RollOutcome::Written(_)), "{out:?}");
-}
 
 fn client(ns: &str, host: &str) -> Client {
     Client::new(sdk_config(&shared_redis(), ns, host)).expect("client")
@@ -135,7 +79,7 @@ async fn paced_requests_costing_more_than_burst_plus_one_are_admitted() {
     let _seg = SegmentGuard(vec![(ns.clone(), host.clone())]);
     let c = client(&ns, &host);
     for (task, cost, burst) in [("c2", 2u64, 0u64), ("c5", 5, 0), ("b7", 7, 5)] {
-        roll(&keys, task, &paced_meta(THRESHOLD, 1_000, burst, 1), 8).await;
+        roll_task(&keys, task, &pooled_meta(THRESHOLD, 1_000, true, burst), 8).await;
         let t = c.task(task).unwrap();
         ready(&t);
         let per = drive(&t, cost, 3_300, 1_000).await;
@@ -169,7 +113,7 @@ async fn a_costly_paced_request_never_starves_the_other_hosts() {
     let keys = Keys::new(&ns).unwrap();
     let (ha, hb) = (format!("{ns}-a"), format!("{ns}-b"));
     let _seg = SegmentGuard(vec![(ns.clone(), ha.clone()), (ns.clone(), hb.clone())]);
-    roll(&keys, "t", &paced_meta(THRESHOLD, 1_000, 0, 1), 8).await;
+    roll_task(&keys, "t", &pooled_meta(THRESHOLD, 1_000, true, 0), 8).await;
     let (ca, cb) = (client(&ns, &ha), client(&ns, &hb));
     let (a, b) = (ca.task("t").unwrap(), cb.task("t").unwrap());
     ready(&a);

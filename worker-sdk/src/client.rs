@@ -384,6 +384,16 @@ pub enum Decision {
     /// Redis round trip, which [`Task::try_acquire`] never waits for. Call [`Task::acquire`] /
     /// [`Task::acquire_blocking`]. Never admitted, counted nowhere (it is not a decision).
     WouldBlock,
+    /// Refused: the cost is more than a slice can ever hold — above
+    /// [`sluice_protocol::MAX_COUNT`], or above the cap Redis reported for the slice (the
+    /// task's threshold after schedules and dynamic limiting). Retrying the same cost does not
+    /// help (unless the threshold is raised). Counted nowhere (a counter pushed past what
+    /// Redis can add would stop the host's counting), not turned into an admission by shadow
+    /// mode, and logged once per task per process.
+    TooLarge {
+        /// The most this slice could ever admit at once.
+        max: u64,
+    },
 }
 
 impl Decision {
@@ -440,6 +450,8 @@ pub(crate) struct Shared {
     pub(crate) tasks: Mutex<Vec<Arc<TaskInner>>>,
     pub(crate) wake: Notify,
     pub(crate) redis_calls: Arc<AtomicU64>,
+    /// Slices whose counters a flush dropped (Redis refused them).
+    pub(crate) flushes_dropped: AtomicU64,
     pub(crate) machine: Machine,
     pub(crate) stop: AtomicBool,
     /// The background runtime (exact-mode calls run on it).
@@ -553,6 +565,8 @@ pub(crate) struct TaskInner {
     pub(crate) waiters: AtomicUsize,
     /// `try_acquire` on an exact task was warned about (once per task per process).
     warned_would_block: AtomicBool,
+    /// A cost too large for any slice was warned about (once per task per process).
+    warned_too_large: AtomicBool,
     /// Slice start whose grant was dropped (it had ended): never pulled for again.
     pub(crate) dropped_start: AtomicI64,
     /// When this process last refreshed the slot's `used_ms` (host ms).
@@ -573,6 +587,7 @@ impl TaskInner {
             deposited: Notify::new(),
             waiters: AtomicUsize::new(0),
             warned_would_block: AtomicBool::new(false),
+            warned_too_large: AtomicBool::new(false),
             dropped_start: AtomicI64::new(i64::MIN),
             touched_ms: AtomicI64::new(0),
             window_warned_ms: AtomicI64::new(0),
@@ -686,6 +701,7 @@ impl Client {
             tasks: Mutex::new(Vec::new()),
             wake: Notify::new(),
             redis_calls: Arc::new(AtomicU64::new(0)),
+            flushes_dropped: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             keyed: Default::default(),
         });
@@ -760,6 +776,14 @@ impl Client {
     /// Redis calls this process has made (pulls, probes, flushes, meta reads, host reports).
     pub fn redis_calls(&self) -> u64 {
         self.shared.redis_calls.load(Ordering::Relaxed)
+    }
+
+    /// Slices whose counters this process's flushes dropped because Redis refused to add them
+    /// (a counter that would overflow Redis' 64-bit integers, a value out of range). Each is
+    /// logged as a warning with the task and slice; the other slices' counters are flushed
+    /// as usual. 0 in normal operation.
+    pub fn flushes_dropped(&self) -> u64 {
+        self.shared.flushes_dropped.load(Ordering::Relaxed)
     }
 
     /// A handle to the same count that outlives the client (read it after the last flush).
@@ -1169,6 +1193,9 @@ impl Task {
         if n == 0 {
             return Step::Decided(Decision::Allowed);
         }
+        if n > crate::protocol::MAX_COUNT {
+            return Step::Decided(self.too_large(n, crate::protocol::MAX_COUNT));
+        }
         let r = self.inner.slot_ref();
         let Some(slot) = self.shared.seg.slot(r.index) else {
             return Step::Decided(self.unknown());
@@ -1299,7 +1326,16 @@ impl Task {
             return Step::Decided(self.fallback(slot, m, index, n, now_us));
         }
         let (t, exhausted, _) = unpack_quota(q);
-        if (t == tag && exhausted && q != 0) || n > crate::shm::MAX_COUNT as u64 {
+        // More than this slice can ever hold (its cap as Redis reported it, or what a local
+        // quota word holds): refused, not counted, and no pull sized for it.
+        let cap = e.pace_cap.load(Ordering::Relaxed);
+        if t == tag && q != 0 && cap > 0 && n > cap {
+            return Step::Decided(self.too_large(n, cap));
+        }
+        if n > crate::shm::MAX_COUNT as u64 {
+            return Step::Decided(self.too_large(n, crate::shm::MAX_COUNT as u64));
+        }
+        if t == tag && exhausted && q != 0 {
             slot.count_at(index, start_ms, field::REJECTED, n);
             let end = start_ms
                 .saturating_add(m.slice_ms as i64)
@@ -1375,6 +1411,17 @@ impl Task {
             field::REJECTED
         };
         slot.count_at(index, (index * m.slice_ms) as i64, f, n);
+    }
+
+    /// A cost no slice can hold: [`Decision::TooLarge`], counted nowhere, warned once.
+    #[cold]
+    fn too_large(&self, n: u64, max: u64) -> Decision {
+        if !self.inner.warned_too_large.swap(true, Ordering::Relaxed) {
+            tracing::warn!(task = %self.inner.name, cost = n, max,
+                "a decision asked for more permits than a slice of the task can ever hold: \
+                 refused (Decision::TooLarge), not counted");
+        }
+        Decision::TooLarge { max }
     }
 
     fn unknown(&self) -> Decision {

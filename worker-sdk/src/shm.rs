@@ -266,11 +266,12 @@ pub struct QuotaEntry {
     pub first_grant_us: AtomicI64,
     /// Slice length of the word's slice (its grid), ms.
     pub slice_ms: AtomicU64,
-    /// Paced slices: `cap − remaining` Redis reported after the last pull for the word's slice
-    /// (everything granted to any host, forfeits included), written before the deposit. The
-    /// host's stock is taken to be the top of that range (see `docs/sdk.md`).
+    /// `cap − remaining` Redis reported after the last pull for the word's slice (everything
+    /// granted to any host, forfeits included), written before the deposit. On paced slices
+    /// the host's stock is taken to be the top of that range (see `docs/sdk.md`).
     pub pace_granted: AtomicU64,
-    /// Paced slices: the `cap` Redis reported on that pull.
+    /// The `cap` Redis reported on that pull: paced slices pace against it, and no decision
+    /// of the slice may cost more (`Decision::TooLarge`).
     pub pace_cap: AtomicU64,
 }
 
