@@ -996,33 +996,43 @@ impl Task {
     /// atomic Redis call (bounded by the pull timeout; on failure the task's `on_failure`
     /// decides).
     pub async fn acquire(&self, n: u64) -> Decision {
-        let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
+        self.acquire_stamped(n).await.0
+    }
+
+    /// [`Task::acquire`], also answering the time the decision was charged at (Unix µs on
+    /// [`Task::now_us`]'s clock; the slice charged is the one that holds it), so a caller that
+    /// gives permits back ([`crate::acquire_all`]) gives them to that slice, never to the one
+    /// its clock reads after the decision.
+    pub(crate) async fn acquire_stamped(&self, n: u64) -> (Decision, i64) {
+        let deadline = deadline_after(self.shared.cfg.acquire_timeout);
         loop {
             if let Some((m, index, now_us)) = self.exact_target(n) {
                 let sh = self.shared.clone();
                 let fut = crate::background::exact(sh, self.inner.name.clone(), m, index, n);
                 let reply = self.shared.rt.spawn(fut).await.ok().flatten();
                 let d = self.exact_decision(reply, &m, index, n, now_us);
-                return self.shadowed(n, now_us, d);
+                return (self.shadowed(n, now_us, d), now_us);
             }
             let notified = self.inner.deposited.notified();
-            match self.decide(n, self.shared.now_us()) {
+            let now_us = self.shared.now_us();
+            match self.decide(n, now_us) {
                 // The mode changed to exact between the two reads: decide it exactly.
                 Step::Decided(Decision::WouldBlock)
                     if Instant::now() < deadline && !self.is_concurrency() =>
                 {
                     continue;
                 }
-                Step::Decided(d) => return self.shadowed(n, self.shared.now_us(), d),
+                Step::Decided(d) => return (self.shadowed(n, now_us, d), now_us),
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
                     let d = self.pending_rejected(start_ms, slice_ms, n);
-                    return self.shadowed(n, self.shared.now_us(), d);
+                    return (self.shadowed(n, now_us, d), now_us);
                 }
                 Step::Pending { .. } => {
-                    self.inner.waiters.fetch_add(1, Ordering::AcqRel);
+                    // Counted while it waits, and un-counted even when the caller drops this
+                    // future mid-wait (a leaked count would keep the background busy forever).
+                    let _waiting = Waiting::new(&self.inner.waiters);
                     self.shared.wake.notify_one();
                     notified.await;
-                    self.inner.waiters.fetch_sub(1, Ordering::AcqRel);
                 }
             }
         }
@@ -1030,7 +1040,13 @@ impl Task {
 
     /// [`Task::acquire`] for programs without an async runtime: sleeps in short steps.
     pub fn acquire_blocking(&self, n: u64) -> Decision {
-        let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
+        self.acquire_blocking_stamped(n).0
+    }
+
+    /// [`Task::acquire_blocking`] with the time the decision was charged at (see
+    /// [`Task::acquire_stamped`]).
+    pub(crate) fn acquire_blocking_stamped(&self, n: u64) -> (Decision, i64) {
+        let deadline = deadline_after(self.shared.cfg.acquire_timeout);
         loop {
             if let Some((m, index, now_us)) = self.exact_target(n) {
                 let (tx, rx) = std::sync::mpsc::channel();
@@ -1047,18 +1063,19 @@ impl Task {
                 let wait = self.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
                 let reply = rx.recv_timeout(wait).ok().flatten();
                 let d = self.exact_decision(reply, &m, index, n, now_us);
-                return self.shadowed(n, now_us, d);
+                return (self.shadowed(n, now_us, d), now_us);
             }
-            match self.decide(n, self.shared.now_us()) {
+            let now_us = self.shared.now_us();
+            match self.decide(n, now_us) {
                 Step::Decided(Decision::WouldBlock)
                     if Instant::now() < deadline && !self.is_concurrency() =>
                 {
                     continue;
                 }
-                Step::Decided(d) => return self.shadowed(n, self.shared.now_us(), d),
+                Step::Decided(d) => return (self.shadowed(n, now_us, d), now_us),
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
                     let d = self.pending_rejected(start_ms, slice_ms, n);
-                    return self.shadowed(n, self.shared.now_us(), d);
+                    return (self.shadowed(n, now_us, d), now_us);
                 }
                 Step::Pending { .. } => std::thread::sleep(Duration::from_micros(200)),
             }
@@ -1454,6 +1471,31 @@ impl Task {
         {
             self.shared.wake.notify_one();
         }
+    }
+}
+
+/// `now + timeout`, or a deadline that never comes when the sum does not fit the clock (a
+/// timeout of `Duration::MAX` waits as long as the refill takes instead of panicking).
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+}
+
+/// A caller waiting for a refill, counted in `waiters` for as long as it lives: the count
+/// goes down when the wait ends or when the waiting future is dropped (cancelled).
+pub(crate) struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    pub(crate) fn new(c: &'a AtomicUsize) -> Self {
+        c.fetch_add(1, Ordering::AcqRel);
+        Self(c)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -1875,6 +1917,39 @@ mod tests {
         );
         // The pace refusals: counted as rejections.
         assert_eq!(slot.drain_counters(), vec![(start, [0, 2, 0, 0, 0, 0, 0])]);
+    }
+
+    /// Issue 23 (item 6, smaller defects): an `acquire` future dropped while it waits for a
+    /// refill takes its waiter count with it (main left it counted: the background thread
+    /// then ran its 1 ms busy rounds forever), and a timeout too long to add to the clock
+    /// waits instead of panicking (main: `Instant + Duration::MAX` overflowed).
+    #[tokio::test]
+    async fn a_cancelled_acquire_leaves_no_waiter_and_huge_timeouts_do_not_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.host_id = "cancel".into();
+        cfg.max_tasks = 1;
+        cfg.acquire_timeout = Duration::MAX;
+        let client = Client::new(cfg).unwrap();
+        let task = client.task("t").unwrap();
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        assert!(slot.store_meta(&meta(86_400_000), slot.generation()));
+        // No local quota and no Redis: the call waits for a refill that does not come yet.
+        let waited = tokio::time::timeout(Duration::from_millis(5), task.acquire(1)).await;
+        assert!(waited.is_err(), "decided without a refill: {waited:?}");
+        assert_eq!(
+            task.inner.waiters.load(Ordering::Acquire),
+            0,
+            "a dropped wait left a waiter"
+        );
+        let blocking = task.clone();
+        let h = std::thread::spawn(move || blocking.acquire_blocking(1));
+        std::thread::sleep(Duration::from_millis(5));
+        // The blocking call is still waiting (or has been decided by the fallback): either way
+        // it did not panic on the deadline.
+        assert!(!h.is_finished() || h.join().is_ok());
     }
 
     /// Issue 23 item 1: a request costing more than `burst + 1` is admitted once the pace has
