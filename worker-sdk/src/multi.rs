@@ -60,14 +60,15 @@ impl AllDecision {
 }
 
 impl Task {
-    /// `try_acquire_at` with how to give the permits back.
+    /// `try_acquire_at` with how to give the permits back. Shadow mode applies as to every
+    /// final decision (a rejection of a shadowed task is admitted as `ShadowLimited` and
+    /// counted as a would-reject; before issue 23 this path enforced it and counted none).
     pub(crate) fn try_refundable(&self, n: u64, now_us: i64) -> (Decision, Option<Refund>) {
         let d = match self.decide(n, now_us) {
             Step::Decided(d) => d,
-            Step::Pending { start_ms, slice_ms } => {
-                return (self.pending_rejected(start_ms, slice_ms, n), None);
-            }
+            Step::Pending { start_ms, slice_ms } => self.pending_rejected(start_ms, slice_ms, n),
         };
+        let d = self.shadowed(n, now_us, d);
         (d, self.refund_of(d, now_us))
     }
 
@@ -311,5 +312,39 @@ mod tests {
         AFTER_PART.with(|h| *h.borrow_mut() = None);
         assert_eq!(d.refused, Some(1), "{d:?}");
         assert_eq!((count(s), count(next)), (10, 10), "(S, S + 1) local quotas");
+    }
+
+    /// Issue 23 item 10: `try_acquire_all`'s task parts follow shadow mode like every other
+    /// decision: a refused part of a shadowed task is admitted (`ShadowLimited`) and counted
+    /// as a rejection and a would-reject; main enforced it and counted no would-reject.
+    #[test]
+    fn try_acquire_all_follows_shadow_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.host_id = "shadowall".into();
+        cfg.max_tasks = 1;
+        let client = Client::new(cfg).unwrap();
+        let t = client.task("t").unwrap();
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let day = 86_400_000u64;
+        let m = TaskMeta {
+            shadow: true,
+            ..meta(day)
+        };
+        assert!(slot.store_meta(&m, slot.generation()));
+        let now_us = t.now_us();
+        let s = (now_us as u64 / (day * 1_000) * day) as i64;
+        // One permit left, and Redis has no more (exhausted): the second part is refused.
+        assert!(slot.deposit(s, day, 1, true, now_us));
+        let d = try_acquire_all(&[Limit::Task(&t, 1), Limit::Task(&t, 1)]);
+        assert!(d.is_allowed(), "{d:?}");
+        assert!(d.decision.is_shadowed(), "{d:?}");
+        assert_eq!(d.refused, None);
+        let counted = slot.drain_counters();
+        assert_eq!(counted.len(), 1, "{counted:?}");
+        let v = counted[0].1;
+        assert_eq!((v[1], v[6]), (1, 1), "rej and wrej: {v:?}");
     }
 }
