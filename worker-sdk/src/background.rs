@@ -415,10 +415,14 @@ async fn pooled(
         (w != 0 && unpack_quota(w).0 == tag_of(s)).then(|| unpack_quota(w))
     };
     let need_cur = |slot: &Slot| {
+        // The low-water mark was sized at the last deposit; a decision asking for more than
+        // the stock since then (a larger cost) needs a pull as well, or it would wait for the
+        // next slice with the quota still in Redis (found by tests/tests/pooled_model.rs).
         let low = slot
             .entry(start, slice_ms)
             .low_water
-            .load(Ordering::Relaxed);
+            .load(Ordering::Relaxed)
+            .max(slot.ctl.max_n.load(Ordering::Relaxed));
         demand
             && !held_off(slot, start)
             && match holds(slot, start) {
