@@ -207,3 +207,34 @@ async fn the_layer_refuses_costs_no_slice_can_hold() {
     .await;
     assert_eq!(redis_counts(&keys, "t", &starts), (3, 0), "(adm, rej)");
 }
+
+/// Issue 23 item 18: host ids `web/1` and `web:1` are two hosts, with a segment each (main
+/// mapped both to `web_1`: one segment, one host's quota and counters for two hosts).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_ids_differing_in_punctuation_get_their_own_segments() {
+    let ns = unique_ns("hostids");
+    let keys = Keys::new(&ns).unwrap();
+    let (h1, h2) = (format!("{ns}/1"), format!("{ns}:1"));
+    let _seg = SegmentGuard(vec![(ns.clone(), h1.clone()), (ns.clone(), h2.clone())]);
+    roll_task(&keys, "t", &pooled_meta(100, 1_000, false, 0), 20).await;
+    let (c1, c2) = (client(&ns, &h1), client(&ns, &h2));
+    assert_ne!(c1.segment_path(), c2.segment_path());
+    assert!(c1.segment_path().exists() && c2.segment_path().exists());
+    let (t1, t2) = (c1.task("t").unwrap(), c2.task("t").unwrap());
+    assert!(t1.wait_ready(Duration::from_secs(5)) && t2.wait_ready(Duration::from_secs(5)));
+    assert_eq!(t1.acquire(1).await, Decision::Allowed);
+    assert_eq!(t2.acquire(1).await, Decision::Allowed);
+    // Each host pulled for itself: Redis records a pull of each host id.
+    let mut r = redis_conn(&shared_redis());
+    let s = sluice_protocol::slice::start(now_ms(), 1_000);
+    let fields: Vec<String> = redis::cmd("HKEYS")
+        .arg(keys.slice("t", s))
+        .query(&mut r)
+        .unwrap();
+    for h in [&h1, &h2] {
+        assert!(
+            fields.iter().any(|f| f == &format!("p:{h}")),
+            "no pull of {h} in {fields:?}"
+        );
+    }
+}
