@@ -121,7 +121,7 @@ pub struct Config {
     /// default `true`): a decision that falls well inside its slice (more than three ticks of
     /// the coarse clock, 12 ms at `HZ=250`, before its end) and is admitted from the local quota
     /// costs less. Every other decision (near the slice's end, rejected, pending,
-    /// FAILED, paced, not pooled, and all of [`Task::try_acquire_at`] /
+    /// FAILED, paced, not pooled, and all of [`Task::try_acquire_precise`] /
     /// [`Task::acquire`]) reads the precise clock as before. The slice a decision is charged
     /// to is the same either way unless the kernel's tick is late by more than the guard; see
     /// docs/sdk.md, "The clock of the fast path". `false`: always the precise clock.
@@ -933,15 +933,21 @@ impl Task {
         self.try_acquire_at(n, self.shared.now_us())
     }
 
-    /// Decides `n` permits as of `now_us` (Unix µs on [`Task::now_us`]'s clock). For callers
-    /// that must know which slice a decision was charged to (load generators, tests); the
-    /// quota of a slice is only ever spent by decisions that fall in it.
-    #[inline]
+    /// Decides `n` permits as of `now_us` (Unix µs on [`Task::now_us`]'s clock), which must be
+    /// a fresh reading of that clock. Not public (issue 23 item 18): it spent whatever slice
+    /// it was given — a time in the next slice spent the quota prefetched for it, one in an
+    /// ended slice spent that slice's leftover after its end. Callers that must know which
+    /// slice a decision was charged to use [`Task::try_acquire_stamped`].
     ///
-    /// For an exact task (`exact_fixed` / `exact_sliding`) this answers
-    /// [`Decision::WouldBlock`] (and logs a warning once per task per process): use
-    /// [`Task::acquire`] / [`Task::acquire_blocking`].
-    pub fn try_acquire_at(&self, n: u64, now_us: i64) -> Decision {
+    /// ```compile_fail
+    /// # let client = sluice::Client::new(sluice::Config::new("redis://127.0.0.1:1"))?;
+    /// let task = client.task("t")?;
+    /// let next_slice = task.now_us() + 1_000_000;
+    /// task.try_acquire_at(1, next_slice); // private: does not compile
+    /// # Ok::<(), sluice::Error>(())
+    /// ```
+    #[inline]
+    pub(crate) fn try_acquire_at(&self, n: u64, now_us: i64) -> Decision {
         let d = match self.decide(n, now_us) {
             Step::Decided(d) => d,
             Step::Pending { start_ms, slice_ms } => self.pending_rejected(start_ms, slice_ms, n),
