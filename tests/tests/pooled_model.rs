@@ -13,7 +13,7 @@
 //!   slice S admits at most cap                         (pooled)
 //!   paced: by time t of S at most min(cap, paced(t) + burst) with
 //!          paced(t) = floor(cap · (t − start) / len)     (the pace, PACE_LUA and pace_check)
-//!   a cost above cap is never admitted                  (Decision::TooLarge)
+//!   a cost above cap is never admitted                  (Limited, no pull sized for it)
 //! ```
 //!
 //! Properties (violations are collected and the case fails with all of them):

@@ -39,9 +39,9 @@ fn starts_around(slice_ms: u64, secs: i64) -> Vec<i64> {
     (-secs..=secs).map(|i| now + i * slice_ms as i64).collect()
 }
 
-/// Costs above `MAX_COUNT` (any task) and above the slice's cap answer
-/// `Decision::TooLarge`, are counted nowhere, and the task's normal traffic after them still
-/// reaches Redis's counters.
+/// Costs above `MAX_COUNT` answer `Decision::TooLarge` and are counted nowhere; a cost above
+/// the slice's cap (within `MAX_COUNT`) is limited and counted as a rejection; the task's
+/// normal traffic after them still reaches Redis's counters.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_huge_cost_is_refused_uncounted_and_counting_goes_on() {
     let ns = unique_ns("bounds");
@@ -66,8 +66,11 @@ async fn a_huge_cost_is_refused_uncounted_and_counting_goes_on() {
     }
     // Once the slice's cap is known (after a pull), a cost above it is refused as well.
     assert_eq!(t.acquire(1).await, Decision::Allowed);
-    assert_eq!(t.try_acquire(101), Decision::TooLarge { max: 100 });
-    assert_eq!(t.acquire(5_000).await, Decision::TooLarge { max: 100 });
+    assert!(matches!(t.try_acquire(101), Decision::Limited { .. }));
+    assert!(matches!(
+        t.acquire(MAX_COUNT).await,
+        Decision::Limited { .. }
+    ));
     let mut admitted = 1;
     for _ in 0..10 {
         if t.acquire(1).await == Decision::Allowed {
@@ -88,9 +91,10 @@ async fn a_huge_cost_is_refused_uncounted_and_counting_goes_on() {
     .await;
     let (adm, rej) = redis_counts(&keys, "t", &starts);
     assert_eq!(adm, admitted, "admitted counted once");
-    assert!(
-        rej <= 2,
-        "the oversized requests were counted as rejections: rej = {rej}"
+    assert_eq!(
+        rej,
+        101 + MAX_COUNT,
+        "only the costs within MAX_COUNT counted as rejections"
     );
     assert_eq!(c.flushes_dropped(), 0);
 }
@@ -153,9 +157,9 @@ async fn a_flush_redis_refuses_is_dropped_and_the_next_slices_are_counted() {
     );
 }
 
-/// The tower layer's door: a cost above `MAX_COUNT` is refused before any decision, one above
-/// the slice's cap by the decision; both answer 413 without `Retry-After` (a retry fails the
-/// same way) and are counted nowhere; a normal cost goes through.
+/// The tower layer's door: a cost above `MAX_COUNT` is refused before any decision with 413,
+/// without `Retry-After` (a retry fails the same way), counted nowhere; one above the slice's
+/// cap is a 429 like any rejection; a normal cost goes through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_layer_refuses_costs_no_slice_can_hold() {
     use sluice::layer::SluiceLayer;
@@ -188,11 +192,12 @@ async fn the_layer_refuses_costs_no_slice_can_hold() {
         }
     };
     assert_eq!(send(1).await.status(), 200);
-    for cost in [u64::MAX, MAX_COUNT + 1, 101] {
+    for cost in [u64::MAX, MAX_COUNT + 1] {
         let r = send(cost).await;
         assert_eq!(r.status(), 413, "cost {cost}");
         assert!(r.headers().get("retry-after").is_none(), "cost {cost}");
     }
+    assert_eq!(send(101).await.status(), 429);
     assert_eq!(send(2).await.status(), 200);
     let starts = starts_around(1_000, 3);
     wait_until(
@@ -205,7 +210,7 @@ async fn the_layer_refuses_costs_no_slice_can_hold() {
         },
     )
     .await;
-    assert_eq!(redis_counts(&keys, "t", &starts), (3, 0), "(adm, rej)");
+    assert_eq!(redis_counts(&keys, "t", &starts), (3, 101), "(adm, rej)");
 }
 
 /// Issue 23 item 18: host ids `web/1` and `web:1` are two hosts, with a segment each (main

@@ -636,7 +636,7 @@ async fn pull(
         if own && let PullOutcome::Granted { remaining, .. } = outcome {
             // Before the deposit, so no decision sees the new stock with an older (lower)
             // number: a paced decision only ever errs towards waiting. The cap also bounds
-            // every decision's cost (`Decision::TooLarge`), paced or not.
+            // every decision's cost (a larger one is LIMITED and sizes no pull), paced or not.
             let cap = slot.ctl.cap.load(Ordering::Relaxed);
             let e = slot.entry(start_ms, slice_ms);
             e.pace_cap.store(cap, Ordering::Relaxed);

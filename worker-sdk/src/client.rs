@@ -384,14 +384,14 @@ pub enum Decision {
     /// Redis round trip, which [`Task::try_acquire`] never waits for. Call [`Task::acquire`] /
     /// [`Task::acquire_blocking`]. Never admitted, counted nowhere (it is not a decision).
     WouldBlock,
-    /// Refused: the cost is more than a slice can ever hold — above
-    /// [`sluice_protocol::MAX_COUNT`], or above the cap Redis reported for the slice (the
-    /// task's threshold after schedules and dynamic limiting). Retrying the same cost does not
-    /// help (unless the threshold is raised). Counted nowhere (a counter pushed past what
-    /// Redis can add would stop the host's counting), not turned into an admission by shadow
-    /// mode, and logged once per task per process.
+    /// Refused: the cost is more than any slice can ever hold, above
+    /// [`sluice_protocol::MAX_COUNT`] (the largest threshold a spec may give). Retrying does
+    /// not help. Counted nowhere (a counter pushed past what Redis can add would stop the
+    /// host's counting), not turned into an admission by shadow mode, and logged once per
+    /// task per process. (A cost above the current slice's cap but within `MAX_COUNT` is
+    /// [`Decision::Limited`] until the slice ends, counted as a rejection.)
     TooLarge {
-        /// The most this slice could ever admit at once.
+        /// The most a slice could ever admit at once.
         max: u64,
     },
 }
@@ -1349,16 +1349,12 @@ impl Task {
             return Step::Decided(self.fallback(slot, m, index, n, now_us));
         }
         let (t, exhausted, _) = unpack_quota(q);
-        // More than this slice can ever hold (its cap as Redis reported it, or what a local
-        // quota word holds): refused, not counted, and no pull sized for it.
+        // More than this slice's cap (as Redis reported it) or than a local quota word holds:
+        // LIMITED for the slice and counted (a rejection, as Envoy's ratelimit counts hits
+        // over the limit), but never asked of Redis: no pull is sized for it.
         let cap = e.pace_cap.load(Ordering::Relaxed);
-        if t == tag && q != 0 && cap > 0 && n > cap {
-            return Step::Decided(self.too_large(n, cap));
-        }
-        if n > crate::shm::MAX_COUNT as u64 {
-            return Step::Decided(self.too_large(n, crate::shm::MAX_COUNT as u64));
-        }
-        if t == tag && exhausted && q != 0 {
+        let beyond = t == tag && q != 0 && cap > 0 && n > cap;
+        if (t == tag && exhausted && q != 0) || beyond || n > crate::shm::MAX_COUNT as u64 {
             slot.count_at(index, start_ms, field::REJECTED, n);
             let end = start_ms
                 .saturating_add(m.slice_ms as i64)

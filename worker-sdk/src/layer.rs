@@ -24,10 +24,10 @@
 //!    without a key gets [`MissingKey`] (default: rejected with 400, nothing charged).
 //! 2. The **cost** (a closure of the request head, default 1) is the number of permits asked
 //!    for, with `acquire` (which may wait briefly for a refill, at most the client's acquire
-//!    timeout). A cost of 0 is admitted without a decision. A cost above what a slice can ever
-//!    hold (above [`sluice_protocol::MAX_COUNT`], refused at the door; or above the slice's
-//!    cap, [`Decision::TooLarge`]) is refused with [`RejectReason::TooLarge`] (HTTP `413`, no
-//!    `Retry-After`), and counted nowhere.
+//!    timeout). A cost of 0 is admitted without a decision. A cost above what any slice can
+//!    hold ([`sluice_protocol::MAX_COUNT`]) is refused at the door with
+//!    [`RejectReason::TooLarge`] (HTTP `413`, no `Retry-After`) and counted nowhere; one above
+//!    the current slice's cap is limited like any other rejection.
 //! 3. **Rejected**: the inner service is not called; the answer is built by the rejection
 //!    builder from a [`Rejection`] (default [`DefaultReject`]: HTTP `429` with `Retry-After`,
 //!    `RateLimit-Policy` and `RateLimit`; a gRPC caller gets a trailers-only

@@ -90,8 +90,8 @@ pub fn plan(i: &PullInput) -> PullPlan {
     };
     let rate_per_ms = share as f64 / slice_ms;
     let rtt = i.rtt_ms.max(0.2);
-    // A cost above the cap is refused (`Decision::TooLarge`) and never sizes a pull: one such
-    // request must not make this host hoard whole slices from then on.
+    // A cost above the cap is refused (LIMITED) and never sizes a pull: one such request must
+    // not make this host hoard whole slices from then on.
     let max_n = i.max_n.clamp(1, cap);
     let want = if i.fixed > 0 {
         i.fixed.max(max_n)

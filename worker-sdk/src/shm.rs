@@ -270,8 +270,8 @@ pub struct QuotaEntry {
     /// granted to any host, forfeits included), written before the deposit. On paced slices
     /// the host's stock is taken to be the top of that range (see `docs/sdk.md`).
     pub pace_granted: AtomicU64,
-    /// The `cap` Redis reported on that pull: paced slices pace against it, and no decision
-    /// of the slice may cost more (`Decision::TooLarge`).
+    /// The `cap` Redis reported on that pull: paced slices pace against it, and a decision of
+    /// the slice that costs more is LIMITED without asking Redis.
     pub pace_cap: AtomicU64,
 }
 

@@ -31,8 +31,8 @@ pub enum RejectReason {
     NoPermit(PermitError),
     /// The request has no key (or one the task refuses), under `MissingKey::Reject`.
     MissingKey,
-    /// The request's cost is more than a slice of the task can ever admit
-    /// ([`Decision::TooLarge`], or above [`sluice_protocol::MAX_COUNT`] at the layer's door):
+    /// The request's cost is more than any slice can ever admit (above
+    /// [`sluice_protocol::MAX_COUNT`], refused at the layer's door, or [`Decision::TooLarge`]):
     /// never decided or counted; a retry would fail the same way.
     TooLarge {
         /// The most a slice could admit at once.
