@@ -26,11 +26,11 @@
 //!   before the slice's end; paced when, even if everything the pace released before the
 //!   request (the burst included) was lost (forfeited by the script or dropped by the host
 //!   as stale stock), what it releases until 40 ms before the end
-//!   covers the cost plus 20 ms of the pace:
+//!   covers the cost plus 60 ms of the pace and one permit (pulls that lag on a busy machine):
 //!   `min(cap, paced(end − 40 ms) + burst) ≥ max(admitted(S), paced(t) + burst) + cost + slack`.
 //!   Before item 1's fix every paced request of `burst + 2` or more failed this.
 //!
-//! Budget: 8 cases by default (≈ 3 – 10 s; 200 cases took 141 s); `SLUICE_PROP_CASES` / `SLUICE_PROP_SEED` (see
+//! Budget: 8 cases by default (≈ 3 – 10 s; 200 cases took 141 s, 100 cases 70 s); `SLUICE_PROP_CASES` / `SLUICE_PROP_SEED` (see
 //! `sluice_testkit::prop_config`).
 
 use std::collections::BTreeMap;
@@ -123,13 +123,16 @@ async fn run_case(
             && if c.paced {
                 // Worst case: everything the pace released before now (the burst included) is
                 // lost (forfeited by the script, dropped by the host as stale stock); what it
-                // releases until MARGIN before the end must cover the cost, plus 20 ms of the
-                // pace for pulls that lag.
+                // releases until MARGIN before the end must cover the cost, plus 60 ms of the
+                // pace and one permit: the script forfeits what a host did not pull within its
+                // look-ahead (10 ms of a 400 ms slice), and on a loaded machine a pull can lag
+                // that much (seed 6976076517982603099 case c72, not reproduced in its three
+                // reruns, with 20 ms).
                 let by_last = (paced_at(c.cap, c.slice_ms, s, end_us - MARGIN_MS * 1_000)
                     + c.burst)
                     .min(c.cap);
                 let taken = so_far.max(paced_at(c.cap, c.slice_ms, s, first_us) + c.burst);
-                let slack = (c.cap * 20).div_ceil(c.slice_ms);
+                let slack = (c.cap * 60).div_ceil(c.slice_ms) + 1;
                 by_last >= taken + cost + slack
             } else {
                 so_far + cost <= c.cap
