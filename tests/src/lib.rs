@@ -2017,6 +2017,74 @@ pub async fn write_meta(
     );
 }
 
+/// Writes meta `m` of task `task` and its slices from the current one on for `secs` seconds
+/// (each with cap `m.threshold`), as a leader does: one fenced full ROLL of term 10, epoch 1.
+pub async fn roll_task(
+    keys: &sluice_protocol::Keys,
+    task: &str,
+    m: &sluice_protocol::TaskMeta,
+    secs: i64,
+) {
+    use sluice_protocol::scripts::{self, Fence, RollOutcome, RollRequest, SliceWrite};
+    let mut c = protocol_conn(&shared_redis()).await;
+    let len = m.slice_ms as i64;
+    let first = sluice_protocol::slice::start(now_ms(), m.slice_ms);
+    let n = secs * 1_000 / len + 2;
+    let slices: Vec<SliceWrite> = (0..n)
+        .map(|i| SliceWrite {
+            start_ms: first + i * len,
+            cap: m.threshold,
+            expire_at_ms: first + (i + 2) * len + 60_000,
+        })
+        .collect();
+    let f = Fence {
+        term: 10,
+        epoch: 1,
+        stale_after_ms: 10_000,
+    };
+    let req = RollRequest {
+        task,
+        fence: &f,
+        full: true,
+        expect_rolled_to: 0,
+        spec_version: m.version,
+        new_rolled_to: first + n * len,
+        force: false,
+        refresh: true,
+        meta: Some(m),
+        slices: &slices,
+    };
+    let out = scripts::roll(&mut c, keys, &req).await.expect("roll");
+    assert!(matches!(out, RollOutcome::Written(_)), "{out:?}");
+}
+
+/// A pooled task of `threshold` per `slice_ms`: paced (`"pacing": "smooth"`) with `burst`
+/// when `paced`.
+pub fn pooled_meta(
+    threshold: u64,
+    slice_ms: u64,
+    paced: bool,
+    burst: u64,
+) -> sluice_protocol::TaskMeta {
+    use sluice_protocol::{Fallback, Mode, OnFailure, Pacing, TaskMeta};
+    TaskMeta {
+        slice_ms,
+        threshold,
+        pull: 0,
+        local_limit: 1,
+        on_failure: OnFailure::Deny,
+        mode: Mode::Pooled,
+        fallback: Fallback::default(),
+        version: 1,
+        lease_ms: 0,
+        keyed: false,
+        key_overrides: Default::default(),
+        shadow: false,
+        pacing: if paced { Pacing::Smooth } else { Pacing::None },
+        pace_burst: burst,
+    }
+}
+
 /// An async protocol connection to the Redis at `url`.
 pub async fn protocol_conn(url: &str) -> sluice_protocol::conn::RedisConn {
     use sluice_protocol::conn::{ConnOptions, Redis, RedisTarget};

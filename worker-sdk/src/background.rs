@@ -415,10 +415,14 @@ async fn pooled(
         (w != 0 && unpack_quota(w).0 == tag_of(s)).then(|| unpack_quota(w))
     };
     let need_cur = |slot: &Slot| {
+        // The low-water mark was sized at the last deposit; a decision asking for more than
+        // the stock since then (a larger cost) needs a pull as well, or it would wait for the
+        // next slice with the quota still in Redis (found by tests/tests/pooled_model.rs).
         let low = slot
             .entry(start, slice_ms)
             .low_water
-            .load(Ordering::Relaxed);
+            .load(Ordering::Relaxed)
+            .max(slot.ctl.max_n.load(Ordering::Relaxed));
         demand
             && !held_off(slot, start)
             && match holds(slot, start) {
@@ -629,12 +633,10 @@ async fn pull(
         // Never into a slot reclaimed for another task meanwhile; a fresh now decides whether
         // the slice has ended.
         let own = slot.generation() == r.generation;
-        if own
-            && m.paced
-            && let PullOutcome::Granted { remaining, .. } = outcome
-        {
+        if own && let PullOutcome::Granted { remaining, .. } = outcome {
             // Before the deposit, so no decision sees the new stock with an older (lower)
-            // number: a paced decision only ever errs towards waiting.
+            // number: a paced decision only ever errs towards waiting. The cap also bounds
+            // every decision's cost (a larger one is LIMITED and sizes no pull), paced or not.
             let cap = slot.ctl.cap.load(Ordering::Relaxed);
             let e = slot.entry(start_ms, slice_ms);
             e.pace_cap.store(cap, Ordering::Relaxed);
@@ -690,14 +692,76 @@ fn next_flush_seq(sh: &Shared) -> u64 {
     prev.saturating_add(1).max(now)
 }
 
-/// Sends one flush batch (a retry inside `call` reuses its seq). True when Redis answered.
-async fn send_flush(sh: &Shared, t: &TaskInner, batch: &FlushBatch) -> bool {
+/// What became of a flush batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Flushed {
+    /// Redis counted it (or had already: a resent seq counts once).
+    Done,
+    /// No answer (timeout, connection lost): keep it and resend it with its seq.
+    Lost,
+    /// Redis answered with an error (an `HINCRBY` that would overflow, a value it cannot
+    /// parse): resending it would fail the same way forever.
+    Refused,
+}
+
+/// Sends one flush batch (a retry inside `call` reuses its seq).
+async fn send_flush(sh: &Shared, t: &TaskInner, batch: &FlushBatch) -> Flushed {
     let (seq, counters) = batch;
     let res = call(sh, Retry::Idempotent, |mut c| async move {
         scripts::flush(&mut c, &sh.keys, &t.name, &sh.cfg.host_id, *seq, counters).await
     })
     .await;
-    matches!(res, Ok(Ok(_)))
+    match res {
+        Ok(Ok(_)) => Flushed::Done,
+        Ok(Err(e))
+            if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError) =>
+        {
+            tracing::debug!(task = %t.name, error = %e, "flush refused by Redis");
+            Flushed::Refused
+        }
+        _ => Flushed::Lost,
+    }
+}
+
+/// Sends a batch; one Redis refuses is split into its slices, each sent alone with the same
+/// seq (a slice the refused call already counted is recognised by its seq and not counted
+/// again), and a slice refused alone is dropped: logged, counted in
+/// [`crate::Client::flushes_dropped`], never resent. So one bad counter never stops the
+/// counting of the task's other slices, nor of the slices after it. False: the answer was
+/// lost (the caller keeps the batch and resends it).
+async fn deliver(sh: &Shared, t: &TaskInner, batch: &FlushBatch) -> bool {
+    match send_flush(sh, t, batch).await {
+        Flushed::Done => return true,
+        Flushed::Lost => return false,
+        Flushed::Refused => {}
+    }
+    let (seq, counters) = batch;
+    for one in counters {
+        let single = (*seq, vec![*one]);
+        let outcome = if counters.len() == 1 {
+            Flushed::Refused
+        } else {
+            send_flush(sh, t, &single).await
+        };
+        match outcome {
+            Flushed::Done => {}
+            // Lost on the way: not resent (the batch is treated as delivered); the rare
+            // counters lost here are what a lost flush always risked before its seq.
+            Flushed::Lost => {
+                sh.flushes_dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(task = %t.name, slice = one.0,
+                    "slice counters dropped: Redis did not answer their resend after refusing \
+                     their batch");
+            }
+            Flushed::Refused => {
+                sh.flushes_dropped.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(task = %t.name, slice = one.0, counters = ?one.1,
+                    "slice counters dropped: Redis refused to add them (a counter would \
+                     overflow, or a value out of range); the other slices are counted");
+            }
+        }
+    }
+    true
 }
 
 /// Moves admitted counts out of the quota accounting and sends every slice's counters with
@@ -753,7 +817,7 @@ async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, now_us:
     let pending = t.pending_flush.lock().ok().and_then(|mut p| p.take());
     let mut resent = true;
     if let Some(batch) = pending
-        && !send_flush(sh, t, &batch).await
+        && !deliver(sh, t, &batch).await
     {
         if let Ok(mut p) = t.pending_flush.lock() {
             *p = Some(batch);
@@ -781,7 +845,7 @@ async fn flush(sh: &Shared, t: &TaskInner, slot: &Slot, generation: u16, now_us:
                 })
                 .collect();
             let batch = (next_flush_seq(sh), counters);
-            if !send_flush(sh, t, &batch).await
+            if !deliver(sh, t, &batch).await
                 && let Ok(mut p) = t.pending_flush.lock()
             {
                 *p = Some(batch);

@@ -121,7 +121,7 @@ pub struct Config {
     /// default `true`): a decision that falls well inside its slice (more than three ticks of
     /// the coarse clock, 12 ms at `HZ=250`, before its end) and is admitted from the local quota
     /// costs less. Every other decision (near the slice's end, rejected, pending,
-    /// FAILED, paced, not pooled, and all of [`Task::try_acquire_at`] /
+    /// FAILED, paced, not pooled, and all of [`Task::try_acquire_precise`] /
     /// [`Task::acquire`]) reads the precise clock as before. The slice a decision is charged
     /// to is the same either way unless the kernel's tick is late by more than the guard; see
     /// docs/sdk.md, "The clock of the fast path". `false`: always the precise clock.
@@ -384,6 +384,16 @@ pub enum Decision {
     /// Redis round trip, which [`Task::try_acquire`] never waits for. Call [`Task::acquire`] /
     /// [`Task::acquire_blocking`]. Never admitted, counted nowhere (it is not a decision).
     WouldBlock,
+    /// Refused: the cost is more than any slice can ever hold, above
+    /// [`sluice_protocol::MAX_COUNT`] (the largest threshold a spec may give). Retrying does
+    /// not help. Counted nowhere (a counter pushed past what Redis can add would stop the
+    /// host's counting), not turned into an admission by shadow mode, and logged once per
+    /// task per process. (A cost above the current slice's cap but within `MAX_COUNT` is
+    /// [`Decision::Limited`] until the slice ends, counted as a rejection.)
+    TooLarge {
+        /// The most a slice could ever admit at once.
+        max: u64,
+    },
 }
 
 impl Decision {
@@ -440,6 +450,8 @@ pub(crate) struct Shared {
     pub(crate) tasks: Mutex<Vec<Arc<TaskInner>>>,
     pub(crate) wake: Notify,
     pub(crate) redis_calls: Arc<AtomicU64>,
+    /// Slices whose counters a flush dropped (Redis refused them).
+    pub(crate) flushes_dropped: AtomicU64,
     pub(crate) machine: Machine,
     pub(crate) stop: AtomicBool,
     /// The background runtime (exact-mode calls run on it).
@@ -553,6 +565,8 @@ pub(crate) struct TaskInner {
     pub(crate) waiters: AtomicUsize,
     /// `try_acquire` on an exact task was warned about (once per task per process).
     warned_would_block: AtomicBool,
+    /// A cost too large for any slice was warned about (once per task per process).
+    warned_too_large: AtomicBool,
     /// Slice start whose grant was dropped (it had ended): never pulled for again.
     pub(crate) dropped_start: AtomicI64,
     /// When this process last refreshed the slot's `used_ms` (host ms).
@@ -573,6 +587,7 @@ impl TaskInner {
             deposited: Notify::new(),
             waiters: AtomicUsize::new(0),
             warned_would_block: AtomicBool::new(false),
+            warned_too_large: AtomicBool::new(false),
             dropped_start: AtomicI64::new(i64::MIN),
             touched_ms: AtomicI64::new(0),
             window_warned_ms: AtomicI64::new(0),
@@ -686,6 +701,7 @@ impl Client {
             tasks: Mutex::new(Vec::new()),
             wake: Notify::new(),
             redis_calls: Arc::new(AtomicU64::new(0)),
+            flushes_dropped: AtomicU64::new(0),
             stop: AtomicBool::new(false),
             keyed: Default::default(),
         });
@@ -760,6 +776,14 @@ impl Client {
     /// Redis calls this process has made (pulls, probes, flushes, meta reads, host reports).
     pub fn redis_calls(&self) -> u64 {
         self.shared.redis_calls.load(Ordering::Relaxed)
+    }
+
+    /// Slices whose counters this process's flushes dropped because Redis refused to add them
+    /// (a counter that would overflow Redis' 64-bit integers, a value out of range). Each is
+    /// logged as a warning with the task and slice; the other slices' counters are flushed
+    /// as usual. 0 in normal operation.
+    pub fn flushes_dropped(&self) -> u64 {
+        self.shared.flushes_dropped.load(Ordering::Relaxed)
     }
 
     /// A handle to the same count that outlives the client (read it after the last flush).
@@ -909,15 +933,21 @@ impl Task {
         self.try_acquire_at(n, self.shared.now_us())
     }
 
-    /// Decides `n` permits as of `now_us` (Unix µs on [`Task::now_us`]'s clock). For callers
-    /// that must know which slice a decision was charged to (load generators, tests); the
-    /// quota of a slice is only ever spent by decisions that fall in it.
-    #[inline]
+    /// Decides `n` permits as of `now_us` (Unix µs on [`Task::now_us`]'s clock), which must be
+    /// a fresh reading of that clock. Not public (issue 23 item 18): it spent whatever slice
+    /// it was given — a time in the next slice spent the quota prefetched for it, one in an
+    /// ended slice spent that slice's leftover after its end. Callers that must know which
+    /// slice a decision was charged to use [`Task::try_acquire_stamped`].
     ///
-    /// For an exact task (`exact_fixed` / `exact_sliding`) this answers
-    /// [`Decision::WouldBlock`] (and logs a warning once per task per process): use
-    /// [`Task::acquire`] / [`Task::acquire_blocking`].
-    pub fn try_acquire_at(&self, n: u64, now_us: i64) -> Decision {
+    /// ```compile_fail
+    /// # let client = sluice::Client::new(sluice::Config::new("redis://127.0.0.1:1"))?;
+    /// let task = client.task("t")?;
+    /// let next_slice = task.now_us() + 1_000_000;
+    /// task.try_acquire_at(1, next_slice); // private: does not compile
+    /// # Ok::<(), sluice::Error>(())
+    /// ```
+    #[inline]
+    pub(crate) fn try_acquire_at(&self, n: u64, now_us: i64) -> Decision {
         let d = match self.decide(n, now_us) {
             Step::Decided(d) => d,
             Step::Pending { start_ms, slice_ms } => self.pending_rejected(start_ms, slice_ms, n),
@@ -972,33 +1002,43 @@ impl Task {
     /// atomic Redis call (bounded by the pull timeout; on failure the task's `on_failure`
     /// decides).
     pub async fn acquire(&self, n: u64) -> Decision {
-        let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
+        self.acquire_stamped(n).await.0
+    }
+
+    /// [`Task::acquire`], also answering the time the decision was charged at (Unix µs on
+    /// [`Task::now_us`]'s clock; the slice charged is the one that holds it), so a caller that
+    /// gives permits back ([`crate::acquire_all`]) gives them to that slice, never to the one
+    /// its clock reads after the decision.
+    pub(crate) async fn acquire_stamped(&self, n: u64) -> (Decision, i64) {
+        let deadline = deadline_after(self.shared.cfg.acquire_timeout);
         loop {
             if let Some((m, index, now_us)) = self.exact_target(n) {
                 let sh = self.shared.clone();
                 let fut = crate::background::exact(sh, self.inner.name.clone(), m, index, n);
                 let reply = self.shared.rt.spawn(fut).await.ok().flatten();
                 let d = self.exact_decision(reply, &m, index, n, now_us);
-                return self.shadowed(n, now_us, d);
+                return (self.shadowed(n, now_us, d), now_us);
             }
             let notified = self.inner.deposited.notified();
-            match self.decide(n, self.shared.now_us()) {
+            let now_us = self.shared.now_us();
+            match self.decide(n, now_us) {
                 // The mode changed to exact between the two reads: decide it exactly.
                 Step::Decided(Decision::WouldBlock)
                     if Instant::now() < deadline && !self.is_concurrency() =>
                 {
                     continue;
                 }
-                Step::Decided(d) => return self.shadowed(n, self.shared.now_us(), d),
+                Step::Decided(d) => return (self.shadowed(n, now_us, d), now_us),
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
                     let d = self.pending_rejected(start_ms, slice_ms, n);
-                    return self.shadowed(n, self.shared.now_us(), d);
+                    return (self.shadowed(n, now_us, d), now_us);
                 }
                 Step::Pending { .. } => {
-                    self.inner.waiters.fetch_add(1, Ordering::AcqRel);
+                    // Counted while it waits, and un-counted even when the caller drops this
+                    // future mid-wait (a leaked count would keep the background busy forever).
+                    let _waiting = Waiting::new(&self.inner.waiters);
                     self.shared.wake.notify_one();
                     notified.await;
-                    self.inner.waiters.fetch_sub(1, Ordering::AcqRel);
                 }
             }
         }
@@ -1006,7 +1046,13 @@ impl Task {
 
     /// [`Task::acquire`] for programs without an async runtime: sleeps in short steps.
     pub fn acquire_blocking(&self, n: u64) -> Decision {
-        let deadline = Instant::now() + self.shared.cfg.acquire_timeout;
+        self.acquire_blocking_stamped(n).0
+    }
+
+    /// [`Task::acquire_blocking`] with the time the decision was charged at (see
+    /// [`Task::acquire_stamped`]).
+    pub(crate) fn acquire_blocking_stamped(&self, n: u64) -> (Decision, i64) {
+        let deadline = deadline_after(self.shared.cfg.acquire_timeout);
         loop {
             if let Some((m, index, now_us)) = self.exact_target(n) {
                 let (tx, rx) = std::sync::mpsc::channel();
@@ -1023,18 +1069,19 @@ impl Task {
                 let wait = self.shared.cfg.pull_timeout * 2 + Duration::from_millis(100);
                 let reply = rx.recv_timeout(wait).ok().flatten();
                 let d = self.exact_decision(reply, &m, index, n, now_us);
-                return self.shadowed(n, now_us, d);
+                return (self.shadowed(n, now_us, d), now_us);
             }
-            match self.decide(n, self.shared.now_us()) {
+            let now_us = self.shared.now_us();
+            match self.decide(n, now_us) {
                 Step::Decided(Decision::WouldBlock)
                     if Instant::now() < deadline && !self.is_concurrency() =>
                 {
                     continue;
                 }
-                Step::Decided(d) => return self.shadowed(n, self.shared.now_us(), d),
+                Step::Decided(d) => return (self.shadowed(n, now_us, d), now_us),
                 Step::Pending { start_ms, slice_ms } if Instant::now() >= deadline => {
                     let d = self.pending_rejected(start_ms, slice_ms, n);
-                    return self.shadowed(n, self.shared.now_us(), d);
+                    return (self.shadowed(n, now_us, d), now_us);
                 }
                 Step::Pending { .. } => std::thread::sleep(Duration::from_micros(200)),
             }
@@ -1169,6 +1216,9 @@ impl Task {
         if n == 0 {
             return Step::Decided(Decision::Allowed);
         }
+        if n > crate::protocol::MAX_COUNT {
+            return Step::Decided(self.too_large(n, crate::protocol::MAX_COUNT));
+        }
         let r = self.inner.slot_ref();
         let Some(slot) = self.shared.seg.slot(r.index) else {
             return Step::Decided(self.unknown());
@@ -1261,41 +1311,37 @@ impl Task {
             if t != tag || (c as u64) < n {
                 break;
             }
+            // Paced: stale stock dropped together with this admission (never for a refused
+            // request: a refusal leaves the stock as it was).
+            let mut drop = 0;
             if m.paced {
                 match pace_check(slot, e, c, start_ms, m.slice_ms, n, now_us) {
-                    Pace::Go => {}
+                    Pace::Go { drop: k } => drop = k,
                     Pace::Wait(us) => return self.pace_limited(slot, e, c, index, start_ms, n, us),
-                    Pace::Skip(k) => {
-                        // Stale stock: drop it (from `granted` first, so the accounting never
-                        // counts it as admitted), then decide again.
-                        e.granted.fetch_sub(k, Ordering::AcqRel);
-                        match e.word.compare_exchange_weak(
-                            q,
-                            q - k,
-                            Ordering::AcqRel,
-                            Ordering::Acquire,
-                        ) {
-                            Ok(_) => q -= k,
-                            Err(x) => {
-                                e.granted.fetch_add(k, Ordering::AcqRel);
-                                q = x;
-                            }
-                        }
-                        continue;
-                    }
                 }
+            }
+            let take = n + drop;
+            if drop > 0 {
+                // From `granted` first, so the accounting never counts dropped stock as
+                // admitted.
+                e.granted.fetch_sub(drop, Ordering::AcqRel);
             }
             match e
                 .word
-                .compare_exchange_weak(q, q - n, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(q, q - take, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    if c as u64 - n < e.low_water.load(Ordering::Relaxed) {
+                    if c as u64 - take < e.low_water.load(Ordering::Relaxed) {
                         self.want(slot, start_ms, n);
                     }
                     return Step::Decided(Decision::Allowed);
                 }
-                Err(x) => q = x,
+                Err(x) => {
+                    if drop > 0 {
+                        e.granted.fetch_add(drop, Ordering::AcqRel);
+                    }
+                    q = x;
+                }
             }
         }
         // Not enough local quota for this slice.
@@ -1303,7 +1349,12 @@ impl Task {
             return Step::Decided(self.fallback(slot, m, index, n, now_us));
         }
         let (t, exhausted, _) = unpack_quota(q);
-        if (t == tag && exhausted && q != 0) || n > crate::shm::MAX_COUNT as u64 {
+        // More than this slice's cap (as Redis reported it) or than a local quota word holds:
+        // LIMITED for the slice and counted (a rejection, as Envoy's ratelimit counts hits
+        // over the limit), but never asked of Redis: no pull is sized for it.
+        let cap = e.pace_cap.load(Ordering::Relaxed);
+        let beyond = t == tag && q != 0 && cap > 0 && n > cap;
+        if (t == tag && exhausted && q != 0) || beyond || n > crate::shm::MAX_COUNT as u64 {
             slot.count_at(index, start_ms, field::REJECTED, n);
             let end = start_ms
                 .saturating_add(m.slice_ms as i64)
@@ -1381,6 +1432,17 @@ impl Task {
         slot.count_at(index, (index * m.slice_ms) as i64, f, n);
     }
 
+    /// A cost no slice can hold: [`Decision::TooLarge`], counted nowhere, warned once.
+    #[cold]
+    fn too_large(&self, n: u64, max: u64) -> Decision {
+        if !self.inner.warned_too_large.swap(true, Ordering::Relaxed) {
+            tracing::warn!(task = %self.inner.name, cost = n, max,
+                "a decision asked for more permits than a slice of the task can ever hold: \
+                 refused (Decision::TooLarge), not counted");
+        }
+        Decision::TooLarge { max }
+    }
+
     fn unknown(&self) -> Decision {
         if self.shared.cfg.allow_unknown {
             Decision::FallbackAllowed
@@ -1414,15 +1476,42 @@ impl Task {
     }
 }
 
+/// `now + timeout`, or a deadline that never comes when the sum does not fit the clock (a
+/// timeout of `Duration::MAX` waits as long as the refill takes instead of panicking).
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+}
+
+/// A caller waiting for a refill, counted in `waiters` for as long as it lives: the count
+/// goes down when the wait ends or when the waiting future is dropped (cancelled).
+pub(crate) struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    pub(crate) fn new(c: &'a AtomicUsize) -> Self {
+        c.fetch_add(1, Ordering::AcqRel);
+        Self(c)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 /// What the pace says about spending `n` more of a paced slice's local stock now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pace {
-    /// Released: spend.
-    Go,
-    /// Not released yet: µs until it is.
+    /// Released: spend `n`, and drop `drop` permits of stale stock with it (in the same
+    /// compare-and-swap): permits the pace released before now that this host never spent.
+    Go {
+        /// Stale permits to drop together with the admission.
+        drop: u64,
+    },
+    /// Not released yet: µs until it is. The stock is left as it is.
     Wait(u64),
-    /// This many permits of the stock were released before now and never spent: drop them.
-    Skip(u64),
 }
 
 /// Paced slices: may this host spend `n` more now?
@@ -1433,22 +1522,26 @@ enum Pace {
 /// `count` is taken to be the top of everything granted so far (`pace_granted`, any host's
 /// grants and forfeits included, as Redis reported after this host's last pull), so the
 /// permits it has spent are numbered up to `spent = pace_granted − count`. With
-/// `paced = floor(cap · elapsed / slice)`:
+/// `paced = floor(cap · elapsed / slice)` and `keep = max(1, n − burst)` (the released
+/// permits a request of `n` needs beyond the burst):
 ///
 /// ```text
-///   spent + 1 < paced .......................... Skip(paced − 1 − spent): stock the pace
-///                                                released while this host did not decide (a
-///                                                paused or starved process) is dropped, as the
-///                                                script forfeits what nobody pulled; the one
-///                                                permit released last is kept (it is the next
-///                                                one to spend in normal operation)
-///   spent + n ≤ paced + burst .................. Go
-///   otherwise .................................. Wait until elapsed ≥ (spent + n − burst) · slice / cap
+///   drop  = min(paced − keep − spent, count − n)   when spent + keep < paced, else 0
+///           stock the pace released while this host did not decide (a paused or starved
+///           process) is dropped, as the script forfeits what nobody pulled, but never below
+///           what this request needs, and only together with its admission
+///   spent + drop + n ≤ paced + burst ......... Go { drop }
+///   otherwise ................................ Wait until elapsed ≥ (spent + n − burst) · slice / cap
+///                                              (then drop = 0: a refusal drops nothing)
 /// ```
 ///
-/// So whatever the host's scheduling, it never spends more than `burst + 1` beyond the pace
-/// at once: any window of the slice admits at most its share of the pace + `burst` + 1. With other hosts' grants in between, the numbers are over-estimated (the host waits a
-/// little longer than needed, never less), so no host spends a permit before its release.
+/// So a request of any cost up to the slice's cap is admitted as soon as the pace has
+/// released it (item 1 of issue 23: with `keep = 1` always, a request of `burst + 2` or more
+/// was never admitted and each try dropped stock). Every admission at time `t` leaves
+/// `spent ≤ paced(t) + burst`, and `spent` counts at least everything this host admitted in
+/// the slice, so the host never admits more than `paced(t) + burst` by any time `t`. With
+/// other hosts' grants in between, the numbers are over-estimated (the host waits a little
+/// longer than needed, never less), so no host spends a permit before its release.
 #[inline]
 fn pace_check(
     slot: &Slot,
@@ -1462,23 +1555,23 @@ fn pace_check(
     let cap = e.pace_cap.load(Ordering::Relaxed);
     if cap == 0 {
         // No cap known yet: nothing to pace against (Redis still does).
-        return Pace::Go;
+        return Pace::Go { drop: 0 };
     }
     let burst = slot.ctl.pace_burst.load(Ordering::Relaxed);
-    let spent = e
-        .pace_granted
-        .load(Ordering::Relaxed)
-        .saturating_sub(count as u64);
+    let count = count as u64;
+    let spent = e.pace_granted.load(Ordering::Relaxed).saturating_sub(count);
     let len_us = (slice_ms.saturating_mul(1_000) as u128).max(1);
     let elapsed_us = now_us.saturating_sub(start_ms.saturating_mul(1_000)).max(0) as u128;
     let paced = (cap as u128 * elapsed_us / len_us).min(cap as u128) as u64;
-    if spent + 1 < paced && count > 0 {
-        return Pace::Skip((paced - 1 - spent).min(count as u64));
-    }
-    let need = spent.saturating_add(n);
+    let keep = n.saturating_sub(burst).max(1);
+    let drop = paced
+        .saturating_sub(keep)
+        .saturating_sub(spent)
+        .min(count.saturating_sub(n));
+    let need = spent.saturating_add(drop).saturating_add(n);
     if need <= paced.saturating_add(burst) || need > cap {
         // Released, or beyond the cap (the local quota and Redis decide that).
-        return Pace::Go;
+        return Pace::Go { drop };
     }
     let at_us = ((need - burst) as u128 * len_us).div_ceil(cap as u128);
     Pace::Wait(at_us.saturating_sub(elapsed_us).clamp(1, u64::MAX as u128) as u64)
@@ -1826,6 +1919,87 @@ mod tests {
         );
         // The pace refusals: counted as rejections.
         assert_eq!(slot.drain_counters(), vec![(start, [0, 2, 0, 0, 0, 0, 0])]);
+    }
+
+    /// Issue 23 (item 6, smaller defects): an `acquire` future dropped while it waits for a
+    /// refill takes its waiter count with it (main left it counted: the background thread
+    /// then ran its 1 ms busy rounds forever), and a timeout too long to add to the clock
+    /// waits instead of panicking (main: `Instant + Duration::MAX` overflowed).
+    #[tokio::test]
+    async fn a_cancelled_acquire_leaves_no_waiter_and_huge_timeouts_do_not_panic() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.host_id = "cancel".into();
+        cfg.max_tasks = 1;
+        cfg.acquire_timeout = Duration::MAX;
+        let client = Client::new(cfg).unwrap();
+        let task = client.task("t").unwrap();
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        assert!(slot.store_meta(&meta(86_400_000), slot.generation()));
+        // No local quota and no Redis: the call waits for a refill that does not come yet.
+        let waited = tokio::time::timeout(Duration::from_millis(5), task.acquire(1)).await;
+        assert!(waited.is_err(), "decided without a refill: {waited:?}");
+        assert_eq!(
+            task.inner.waiters.load(Ordering::Acquire),
+            0,
+            "a dropped wait left a waiter"
+        );
+        let blocking = task.clone();
+        let h = std::thread::spawn(move || blocking.acquire_blocking(1));
+        std::thread::sleep(Duration::from_millis(5));
+        // The blocking call is still waiting (or has been decided by the fallback): either way
+        // it did not panic on the deadline.
+        assert!(!h.is_finished() || h.join().is_ok());
+    }
+
+    /// Issue 23 item 1: a request costing more than `burst + 1` is admitted once the pace has
+    /// released it (stale stock is dropped only down to what it needs, with its admission),
+    /// and a refused one leaves the stock as it was.
+    #[test]
+    fn paced_requests_above_the_burst_are_admitted_and_refusals_drop_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (client, task) = offline_task("pacedcost", dir.path());
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let day = 86_400_000u64;
+        let m = TaskMeta {
+            pacing: crate::protocol::Pacing::Smooth,
+            pace_burst: 0,
+            ..meta(day)
+        };
+        assert!(slot.store_meta(&m, slot.generation()));
+        let now_us = task.now_us();
+        let start = (now_us as u64 / (day * 1_000) * day) as i64;
+        let elapsed_us = (now_us - start * 1_000) as u64;
+        let paced = 1_000 * elapsed_us / (day * 1_000);
+        assert!(
+            paced >= 7,
+            "this test needs 7 permits released (runs after 00:10 UTC)"
+        );
+        let e = slot.entry(start, day);
+        e.pace_cap.store(1_000, Ordering::Relaxed);
+        // 10 in stock numbered up to paced + 3: spent = paced − 7.
+        e.pace_granted.store(paced + 3, Ordering::Relaxed);
+        assert!(slot.deposit(start, day, 10, false, now_us));
+        let stock = || unpack_quota(e.word.load(Ordering::Relaxed)).2;
+        // Cost 5, burst 0: 2 stale permits dropped, 5 admitted (spent = paced).
+        assert_eq!(task.try_acquire_at(5, now_us), Decision::Allowed);
+        assert_eq!(stock(), 3);
+        // Nothing more released: cost 2 waits, and the stock stays.
+        for _ in 0..3 {
+            assert!(matches!(
+                task.try_acquire_at(2, now_us),
+                Decision::Limited { .. }
+            ));
+            assert_eq!(stock(), 3, "a refused request dropped stock");
+        }
+        assert_eq!(
+            slot.consumed(start, day),
+            5,
+            "the dropped 2 are not admitted"
+        );
     }
 
     /// Issue 9 item 9: a handle whose slot was reclaimed for another task (its process kept

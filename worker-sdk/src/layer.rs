@@ -24,7 +24,10 @@
 //!    without a key gets [`MissingKey`] (default: rejected with 400, nothing charged).
 //! 2. The **cost** (a closure of the request head, default 1) is the number of permits asked
 //!    for, with `acquire` (which may wait briefly for a refill, at most the client's acquire
-//!    timeout). A cost of 0 is admitted without a decision.
+//!    timeout). A cost of 0 is admitted without a decision. A cost above what any slice can
+//!    hold ([`sluice_protocol::MAX_COUNT`]) is refused at the door with
+//!    [`RejectReason::TooLarge`] (HTTP `413`, no `Retry-After`) and counted nowhere; one above
+//!    the current slice's cap is limited like any other rejection.
 //! 3. **Rejected**: the inner service is not called; the answer is built by the rejection
 //!    builder from a [`Rejection`] (default [`DefaultReject`]: HTTP `429` with `Retry-After`,
 //!    `RateLimit-Policy` and `RateLimit`; a gRPC caller gets a trailers-only
@@ -288,6 +291,16 @@ where
                 return res;
             }
             let cost = cfg.cost.of(&parts);
+            if cost > sluice_protocol::MAX_COUNT {
+                // No slice can ever hold it: refused at the door, decided and counted nowhere.
+                return Ok(reject.reject(&too_large(
+                    task,
+                    policy,
+                    cost,
+                    sluice_protocol::MAX_COUNT,
+                    grpc,
+                )));
+            }
             let key = match &cfg.key {
                 None => None,
                 Some(x) => match (x.extract(&parts), &cfg.missing) {
@@ -307,6 +320,11 @@ where
                     return Ok(reject.reject(&r));
                 }
             };
+            if let Decision::TooLarge { max } = d {
+                let mut r = too_large(task, policy, cost, max, grpc);
+                r.key = key;
+                return Ok(reject.reject(&r));
+            }
             if !d.is_allowed() {
                 let retry = d.retry_after().unwrap_or(Duration::from_secs(1));
                 let r = Rejection {
@@ -335,6 +353,18 @@ where
             task.report(outcome, started.elapsed());
             res
         })
+    }
+}
+
+/// A cost above what a slice can hold: no `Retry-After` (a retry fails the same way).
+fn too_large(task: &Task, policy: &str, cost: u64, max: u64, grpc: bool) -> Rejection {
+    Rejection {
+        reason: RejectReason::TooLarge { max },
+        limit: task.limit_info(policy, None, false, None),
+        retry_after: None,
+        key: None,
+        cost,
+        grpc,
     }
 }
 

@@ -44,8 +44,9 @@ pub enum Limit<'a> {
 #[non_exhaustive]
 pub struct AllDecision {
     /// [`Decision::Allowed`] when every part was admitted from the global quota,
-    /// [`Decision::FallbackAllowed`] when every part was admitted and one by a FAILED fallback;
-    /// otherwise the refusing part's decision.
+    /// [`Decision::FallbackAllowed`] when every part was admitted and one by a FAILED fallback,
+    /// [`Decision::ShadowLimited`] (the first such part's) when every part was admitted and
+    /// shadow mode admitted one that its limit refused; otherwise the refusing part's decision.
     pub decision: Decision,
     /// Which part refused (its index), if one did.
     pub refused: Option<usize>,
@@ -59,14 +60,15 @@ impl AllDecision {
 }
 
 impl Task {
-    /// `try_acquire_at` with how to give the permits back.
+    /// `try_acquire_at` with how to give the permits back. Shadow mode applies as to every
+    /// final decision (a rejection of a shadowed task is admitted as `ShadowLimited` and
+    /// counted as a would-reject; before issue 23 this path enforced it and counted none).
     pub(crate) fn try_refundable(&self, n: u64, now_us: i64) -> (Decision, Option<Refund>) {
         let d = match self.decide(n, now_us) {
             Step::Decided(d) => d,
-            Step::Pending { start_ms, slice_ms } => {
-                return (self.pending_rejected(start_ms, slice_ms, n), None);
-            }
+            Step::Pending { start_ms, slice_ms } => self.pending_rejected(start_ms, slice_ms, n),
         };
+        let d = self.shadowed(n, now_us, d);
         (d, self.refund_of(d, now_us))
     }
 
@@ -107,6 +109,24 @@ impl Task {
     }
 }
 
+// Unit tests only: a hook run right after each part of `acquire_all` is decided (as a
+// preempted caller would be), to move the clock across a slice boundary there.
+#[cfg(test)]
+thread_local! {
+    static AFTER_PART: std::cell::RefCell<Option<Box<dyn Fn()>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+#[inline]
+fn after_part() {
+    #[cfg(test)]
+    AFTER_PART.with(|h| {
+        if let Some(f) = h.borrow().as_ref() {
+            f();
+        }
+    });
+}
+
 fn refund_all(parts: &[Limit<'_>], taken: &[Option<Refund>]) {
     for (p, r) in parts.iter().zip(taken) {
         if let Some(r) = r {
@@ -127,14 +147,30 @@ fn refused(parts: &[Limit<'_>], taken: &[Option<Refund>], d: Decision, i: usize)
     }
 }
 
-fn all_admitted(fallback: bool) -> AllDecision {
-    AllDecision {
-        decision: if fallback {
-            Decision::FallbackAllowed
-        } else {
-            Decision::Allowed
-        },
-        refused: None,
+/// What the admitted parts add up to (see [`AllDecision::decision`]).
+#[derive(Default)]
+struct Admitted {
+    fallback: bool,
+    shadow: Option<Decision>,
+}
+
+impl Admitted {
+    fn add(&mut self, d: Decision) {
+        self.fallback |= d == Decision::FallbackAllowed;
+        if d.is_shadowed() && self.shadow.is_none() {
+            self.shadow = Some(d);
+        }
+    }
+
+    fn all(self) -> AllDecision {
+        AllDecision {
+            decision: match (self.shadow, self.fallback) {
+                (Some(d), _) => d,
+                (None, true) => Decision::FallbackAllowed,
+                (None, false) => Decision::Allowed,
+            },
+            refused: None,
+        }
     }
 }
 
@@ -144,16 +180,16 @@ fn all_or_nothing(
     mut decide: impl FnMut(&Limit<'_>) -> (Decision, Option<Refund>),
 ) -> AllDecision {
     let mut taken = Vec::with_capacity(parts.len());
-    let mut fallback = false;
+    let mut admitted = Admitted::default();
     for (i, p) in parts.iter().enumerate() {
         let (d, r) = decide(p);
-        fallback |= d == Decision::FallbackAllowed;
         if !d.is_allowed() {
             return refused(parts, &taken, d, i);
         }
+        admitted.add(d);
         taken.push(r);
     }
-    all_admitted(fallback)
+    admitted.all()
 }
 
 /// Decides every part now from the host's local quotas (never waits), all or nothing.
@@ -168,37 +204,147 @@ pub fn try_acquire_all(parts: &[Limit<'_>]) -> AllDecision {
 /// deciding exact tasks with their Redis call).
 pub async fn acquire_all(parts: &[Limit<'_>]) -> AllDecision {
     let mut taken = Vec::with_capacity(parts.len());
-    let mut fallback = false;
+    let mut admitted = Admitted::default();
     for (i, p) in parts.iter().enumerate() {
         let (d, r) = match p {
             Limit::Task(t, n) => {
-                let d = t.acquire(*n).await;
-                (d, t.refund_of(d, t.now_us()))
+                // The refund names the slice the decision was charged to (its stamp), never
+                // the one the clock reads afterwards: across a boundary that was the next
+                // slice, which got permits slice S had taken (issue 23 item 6).
+                let (d, at) = t.acquire_stamped(*n).await;
+                after_part();
+                (d, t.refund_of(d, at))
             }
             Limit::Key(k, n) => {
                 let (d, _, r) = k.acquire_refundable(*n).await;
                 (d, r)
             }
         };
-        fallback |= d == Decision::FallbackAllowed;
         if !d.is_allowed() {
             return refused(parts, &taken, d, i);
         }
+        admitted.add(d);
         taken.push(r);
     }
-    all_admitted(fallback)
+    admitted.all()
 }
 
 /// [`acquire_all`] for programs without an async runtime.
 pub fn acquire_all_blocking(parts: &[Limit<'_>]) -> AllDecision {
     all_or_nothing(parts, |p| match p {
         Limit::Task(t, n) => {
-            let d = t.acquire_blocking(*n);
-            (d, t.refund_of(d, t.now_us()))
+            let (d, at) = t.acquire_blocking_stamped(*n);
+            after_part();
+            (d, t.refund_of(d, at))
         }
         Limit::Key(k, n) => {
             let (d, _, r) = k.acquire_blocking_refundable(*n);
             (d, r)
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::protocol::{Fallback, OnFailure, TaskMeta};
+    use crate::shm::{Segment, unpack_quota};
+    use crate::{Client, ClockSource, Config};
+    use std::sync::atomic::Ordering;
+
+    fn meta(slice_ms: u64) -> TaskMeta {
+        TaskMeta {
+            slice_ms,
+            threshold: 1_000,
+            pull: 0,
+            local_limit: 1,
+            on_failure: OnFailure::Deny,
+            mode: Mode::Pooled,
+            fallback: Fallback::default(),
+            version: 1,
+            lease_ms: 0,
+            keyed: false,
+            key_overrides: Default::default(),
+            shadow: false,
+            pacing: crate::protocol::Pacing::None,
+            pace_burst: 0,
+        }
+    }
+
+    /// Issue 23 item 6: part 0 takes a permit of slice S; the clock passes S's end right after
+    /// (a preempted caller); part 1 refuses. The permit goes back to S's local quota — main
+    /// gave it to S + 1 (its clock's slice after the decision): S lost one, S + 1 gained one.
+    #[tokio::test]
+    async fn acquire_all_gives_permits_back_to_the_slice_they_were_taken_from() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.host_id = "refund".into();
+        cfg.max_tasks = 2;
+        cfg.allow_unknown = false;
+        // Redis-time clock: host time minus the segment's offset, which this test moves (no
+        // pull ever reaches Redis here, so nothing else writes it).
+        cfg.clock = ClockSource::Redis;
+        let client = Client::new(cfg).unwrap();
+        let a = client.task("a").unwrap();
+        let b = client.task("b").unwrap(); // meta never known: refuses (FallbackDenied)
+        let (seg, _) = Segment::open(client.segment_path(), 2).unwrap();
+        let slot = seg.slot(seg.find("a").unwrap()).unwrap();
+        let day = 86_400_000u64;
+        assert!(slot.store_meta(&meta(day), slot.generation()));
+        let now_us = a.now_us();
+        let s = (now_us as u64 / (day * 1_000) * day) as i64;
+        let next = s + day as i64;
+        assert!(slot.deposit(s, day, 10, false, now_us));
+        assert!(slot.deposit(next, day, 10, false, now_us));
+        let count =
+            |start: i64| unpack_quota(slot.entry(start, day).word.load(Ordering::Relaxed)).2;
+        let path = client.segment_path().to_path_buf();
+        AFTER_PART.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                let (seg, _) = Segment::open(&path, 2).unwrap();
+                seg.header()
+                    .clock_offset_us
+                    .store(-((day * 1_000) as i64), Ordering::Relaxed);
+            }))
+        });
+        let d = acquire_all(&[Limit::Task(&a, 1), Limit::Task(&b, 1)]).await;
+        AFTER_PART.with(|h| *h.borrow_mut() = None);
+        assert_eq!(d.refused, Some(1), "{d:?}");
+        assert_eq!((count(s), count(next)), (10, 10), "(S, S + 1) local quotas");
+    }
+
+    /// Issue 23 item 10: `try_acquire_all`'s task parts follow shadow mode like every other
+    /// decision: a refused part of a shadowed task is admitted (`ShadowLimited`) and counted
+    /// as a rejection and a would-reject; main enforced it and counted no would-reject.
+    #[test]
+    fn try_acquire_all_follows_shadow_mode() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.host_id = "shadowall".into();
+        cfg.max_tasks = 1;
+        let client = Client::new(cfg).unwrap();
+        let t = client.task("t").unwrap();
+        let (seg, _) = Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(0).unwrap();
+        let day = 86_400_000u64;
+        let m = TaskMeta {
+            shadow: true,
+            ..meta(day)
+        };
+        assert!(slot.store_meta(&m, slot.generation()));
+        let now_us = t.now_us();
+        let s = (now_us as u64 / (day * 1_000) * day) as i64;
+        // One permit left, and Redis has no more (exhausted): the second part is refused.
+        assert!(slot.deposit(s, day, 1, true, now_us));
+        let d = try_acquire_all(&[Limit::Task(&t, 1), Limit::Task(&t, 1)]);
+        assert!(d.is_allowed(), "{d:?}");
+        assert!(d.decision.is_shadowed(), "{d:?}");
+        assert_eq!(d.refused, None);
+        let counted = slot.drain_counters();
+        assert_eq!(counted.len(), 1, "{counted:?}");
+        let v = counted[0].1;
+        assert_eq!((v[1], v[6]), (1, 1), "rej and wrej: {v:?}");
+    }
 }

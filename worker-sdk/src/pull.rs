@@ -90,7 +90,9 @@ pub fn plan(i: &PullInput) -> PullPlan {
     };
     let rate_per_ms = share as f64 / slice_ms;
     let rtt = i.rtt_ms.max(0.2);
-    let max_n = i.max_n.max(1);
+    // A cost above the cap is refused (LIMITED) and never sizes a pull: one such request must
+    // not make this host hoard whole slices from then on.
+    let max_n = i.max_n.clamp(1, cap);
     let want = if i.fixed > 0 {
         i.fixed.max(max_n)
     } else {
@@ -130,7 +132,8 @@ pub fn paced(p: PullPlan, cap: u64, slice_ms: u64, max_n: u64) -> PullPlan {
     let slice_ms = slice_ms.max(1);
     let ahead_ms = (slice_ms / 40).min(1_000);
     let ahead = (cap as u128 * ahead_ms as u128 / slice_ms as u128) as u64;
-    let want = p.want.max(ahead).max(max_n.max(1));
+    let max_n = max_n.clamp(1, cap.max(1));
+    let want = p.want.max(ahead).max(max_n);
     let low_water = p
         .low_water
         .min((ahead / 2).max(1))

@@ -266,11 +266,12 @@ pub struct QuotaEntry {
     pub first_grant_us: AtomicI64,
     /// Slice length of the word's slice (its grid), ms.
     pub slice_ms: AtomicU64,
-    /// Paced slices: `cap − remaining` Redis reported after the last pull for the word's slice
-    /// (everything granted to any host, forfeits included), written before the deposit. The
-    /// host's stock is taken to be the top of that range (see `docs/sdk.md`).
+    /// `cap − remaining` Redis reported after the last pull for the word's slice (everything
+    /// granted to any host, forfeits included), written before the deposit. On paced slices
+    /// the host's stock is taken to be the top of that range (see `docs/sdk.md`).
     pub pace_granted: AtomicU64,
-    /// Paced slices: the `cap` Redis reported on that pull.
+    /// The `cap` Redis reported on that pull: paced slices pace against it, and a decision of
+    /// the slice that costs more is LIMITED without asking Redis.
     pub pace_cap: AtomicU64,
 }
 
@@ -1237,18 +1238,40 @@ pub enum Opened {
     Replaced(String),
 }
 
-/// Replaces characters that are not `[A-Za-z0-9_.-]` with `_`.
-pub fn sanitize(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-') {
-                c
-            } else {
-                '_'
-            }
-        })
-        .take(128)
-        .collect()
+/// A file-name component for `s` that is **injective** (two different strings never give the
+/// same component): `[A-Za-z0-9_.-]` stay as they are, every other byte of the UTF-8 becomes
+/// `%XX` (uppercase hex; `%` itself is never kept, so an escape cannot be forged). A
+/// component that would be longer than 120 bytes is its first 80 bytes, `~` and the
+/// 32-hex-digit [`crate::protocol::key_digest`] of the whole string (`~` never appears
+/// otherwise), so a path stays within the 255 bytes a file name may have.
+///
+/// ```
+/// use sluice::shm::escape_name;
+/// assert_eq!(escape_name("web-1.eu_west"), "web-1.eu_west"); // unchanged, as before
+/// assert_eq!(escape_name("web/1"), "web%2F1");
+/// assert_eq!(escape_name("web:1"), "web%3A1");
+/// assert_ne!(escape_name("web%2F1"), escape_name("web/1"));
+/// assert!(escape_name(&"ü".repeat(200)).len() <= 120);
+/// ```
+pub fn escape_name(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-') {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    if out.len() > 120 {
+        let mut cut = 80;
+        while !out.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        out.truncate(cut);
+        out.push('~');
+        out.push_str(&crate::protocol::key_digest(s));
+    }
+    out
 }
 
 fn ofd_lock(file: &File, byte: u64, cmd: libc::c_int) -> std::io::Result<libc::flock> {
@@ -1273,17 +1296,22 @@ fn ofd_lock(file: &File, byte: u64, cmd: libc::c_int) -> std::io::Result<libc::f
 }
 
 impl Segment {
-    /// `dir/sluice.<namespace>.<host id>`.
+    /// `dir/sluice.<namespace>.<host id>`, both escaped with [`escape_name`] so that two
+    /// different host ids never share a segment (before issue 23 every other character became
+    /// `_`: `web/1` and `web:1` shared one, and so did ids equal in their first 128 bytes).
+    /// Ids of `[A-Za-z0-9_.-]` only (hostnames) keep the name they always had.
     ///
     /// ```
     /// let p = sluice::shm::Segment::path_for("/dev/shm".as_ref(), "sluice", "web-1");
     /// assert_eq!(p.to_str(), Some("/dev/shm/sluice.sluice.web-1"));
+    /// let p = sluice::shm::Segment::path_for("/dev/shm".as_ref(), "sluice", "web/1");
+    /// assert_eq!(p.to_str(), Some("/dev/shm/sluice.sluice.web%2F1"));
     /// ```
     pub fn path_for(dir: &Path, namespace: &str, host_id: &str) -> PathBuf {
         dir.join(format!(
             "sluice.{}.{}",
-            sanitize(namespace),
-            sanitize(host_id)
+            escape_name(namespace),
+            escape_name(host_id)
         ))
     }
 
@@ -2077,6 +2105,37 @@ mod tests {
         assert_eq!(seg.slots(), 16);
         let (seg, opened) = Segment::open(&path, 4).unwrap();
         assert_eq!((opened, seg.slots()), (Opened::Existing, 16));
+    }
+
+    /// Issue 23 item 18: host ids that differ only in characters outside `[A-Za-z0-9_.-]`, or
+    /// only after their first 128 bytes, name different segments.
+    #[test]
+    fn segment_names_are_injective_in_the_host_id() {
+        let dir = Path::new("/dev/shm");
+        let long = "h".repeat(200);
+        let ids = [
+            "web/1".to_string(),
+            "web:1".to_string(),
+            "web_1".to_string(),
+            "web%2F1".to_string(),
+            "wéb".to_string(),
+            "w\u{e8}b".to_string(),
+            format!("{long}a"),
+            format!("{long}b"),
+        ];
+        let paths: std::collections::BTreeSet<PathBuf> = ids
+            .iter()
+            .map(|h| Segment::path_for(dir, "ns", h))
+            .collect();
+        assert_eq!(paths.len(), ids.len(), "{paths:?}");
+        for p in &paths {
+            let name = p.file_name().unwrap().to_str().unwrap();
+            assert!(name.len() <= 255 && !name.contains('/'), "{name}");
+        }
+        assert_eq!(
+            Segment::path_for(dir, "sluice", "web-1.eu_west"),
+            dir.join("sluice.sluice.web-1.eu_west")
+        );
     }
 
     #[test]

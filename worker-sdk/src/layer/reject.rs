@@ -4,10 +4,10 @@
 //!
 //! The default answer:
 //!
-//! | caller | limited | no key (`MissingKey::Reject`) |
-//! |---|---|---|
-//! | HTTP | `429`, `Retry-After`, `RateLimit-Policy`, `RateLimit`, empty body | `400`, empty body |
-//! | gRPC (`content-type: application/grpc*`) | HTTP `200` trailers-only: `grpc-status: 8` (`RESOURCE_EXHAUSTED`), `grpc-message`, the same three rate-limit fields as metadata | `grpc-status: 3` (`INVALID_ARGUMENT`) |
+//! | caller | limited | cost above what a slice can hold | no key (`MissingKey::Reject`) |
+//! |---|---|---|---|
+//! | HTTP | `429`, `Retry-After`, `RateLimit-Policy`, `RateLimit`, empty body | `413`, `RateLimit-Policy` when known, no `Retry-After` | `400`, empty body |
+//! | gRPC (`content-type: application/grpc*`) | HTTP `200` trailers-only: `grpc-status: 8` (`RESOURCE_EXHAUSTED`), `grpc-message`, the same three rate-limit fields as metadata | `grpc-status: 8`, no retry | `grpc-status: 3` (`INVALID_ARGUMENT`) |
 //!
 //! A trailers-only gRPC answer is a HEADERS frame that ends the stream: the response has an
 //! empty body (`B::default()`), which hyper sends as headers with END_STREAM.
@@ -31,6 +31,13 @@ pub enum RejectReason {
     NoPermit(PermitError),
     /// The request has no key (or one the task refuses), under `MissingKey::Reject`.
     MissingKey,
+    /// The request's cost is more than any slice can ever admit (above
+    /// [`sluice_protocol::MAX_COUNT`], refused at the layer's door, or [`Decision::TooLarge`]):
+    /// never decided or counted; a retry would fail the same way.
+    TooLarge {
+        /// The most a slice could admit at once.
+        max: u64,
+    },
 }
 
 /// Everything the layer knows about a rejected request.
@@ -70,9 +77,15 @@ impl Rejection {
         let mut r = Response::new(B::default());
         self.apply_headers(r.headers_mut());
         let missing = self.reason == RejectReason::MissingKey;
+        let too_large = matches!(self.reason, RejectReason::TooLarge { .. });
         if self.grpc {
             let (code, msg) = if missing {
                 (GRPC_INVALID_ARGUMENT, "request has no rate-limit key")
+            } else if too_large {
+                (
+                    GRPC_RESOURCE_EXHAUSTED,
+                    "request costs more than the rate limit ever admits",
+                )
             } else {
                 (GRPC_RESOURCE_EXHAUSTED, "rate limit exceeded")
             };
@@ -86,6 +99,8 @@ impl Rejection {
         } else {
             *r.status_mut() = if missing {
                 StatusCode::BAD_REQUEST
+            } else if too_large {
+                StatusCode::PAYLOAD_TOO_LARGE
             } else {
                 StatusCode::TOO_MANY_REQUESTS
             };
