@@ -17,6 +17,12 @@
 //! same `tag | exhausted | count` words as a task's, see [`crate::shm`]), so a decision on a
 //! key with quota in hand is one lookup and one compare-and-swap, lock-free.
 //!
+//! The table outlives a replaced segment (more `max_tasks`, a new layout) while old processes
+//! still map the old one, and both segments' task slots have the same indexes and
+//! generations: an entry therefore also records the id of the segment that claimed it
+//! ([`crate::shm::Header::segment_id`]); a process looks up, reclaims (only once idle) and
+//! reports only its own segment's entries.
+//!
 //! An entry is claimed by compare-and-swap of its identity word. An entry whose key has been
 //! idle for two slices (or whose task slot was reclaimed) may be reclaimed for another key of
 //! the same bucket; a stale decision that raced with a reclaim notices (the identity word
@@ -70,7 +76,9 @@ pub const CHUNK_DIVISOR: u64 = 16;
 pub const TOP_KEYS: usize = 10;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"SLUKEYS\x01");
-const VERSION: u64 = 1;
+/// 2: entries carry the id of the segment that claimed them ([`KeyEntry::segment`]); the
+/// report clock moved to the segment header.
+const VERSION: u64 = 2;
 const BUSY: u64 = u64::MAX;
 const OWNED: u64 = 1 << 63;
 /// How often (host-wide) key counters are moved into the task counters and top keys reported.
@@ -89,8 +97,6 @@ struct TableHeader {
     checksum: AtomicU64,
     secret0: AtomicU64,
     secret1: AtomicU64,
-    /// When key counters were last reported (host Unix ms), claimed by CAS.
-    report_ms: AtomicI64,
 }
 
 /// One key's entry in the table.
@@ -121,7 +127,11 @@ pub struct KeyEntry {
     /// Permits rejected since the last report.
     rej: AtomicU64,
     key_len: AtomicU64,
-    _pad: [AtomicU64; 2],
+    /// The id of the segment whose processes claimed the entry ([`crate::shm::Header::segment_id`]):
+    /// the table outlives a replaced segment, whose slots have the same indexes and
+    /// generations as the new one's.
+    segment: AtomicU64,
+    _pad: [AtomicU64; 1],
     key: [AtomicU64; 32],
 }
 
@@ -295,11 +305,6 @@ impl KeyTable {
         &self.path
     }
 
-    fn header(&self) -> &TableHeader {
-        // SAFETY: checked on open: at least HEADER_SIZE bytes; atomics only.
-        unsafe { &*(self.map.as_ptr() as *const TableHeader) }
-    }
-
     /// Entry `i`.
     #[inline]
     pub fn entry(&self, i: usize) -> Option<&KeyEntry> {
@@ -326,16 +331,17 @@ impl KeyTable {
 
     /// The live entry of a key: its index and identity word.
     #[inline]
-    fn lookup(&self, h: (u64, u64), owner: u64) -> Option<(usize, u64)> {
+    fn lookup(&self, h: (u64, u64), owner: Owner) -> Option<(usize, u64)> {
         let b = self.bucket(h);
         for i in b..b + WAYS {
             let e = self.entry(i)?;
             let id = e.ident.load(Ordering::Acquire);
             if id != BUSY
                 && id & OWNED != 0
-                && owner_of(id) == owner
+                && owner_of(id) == owner.bits
                 && e.h0.load(Ordering::Acquire) == h.0
                 && e.h1.load(Ordering::Acquire) == h.1
+                && e.segment.load(Ordering::Acquire) == owner.segment
                 && e.ident.load(Ordering::Acquire) == id
             {
                 return Some((i, id));
@@ -350,7 +356,7 @@ impl KeyTable {
         &self,
         seg: &crate::shm::Segment,
         h: (u64, u64),
-        owner: u64,
+        owner: Owner,
         key: &str,
         slice_ms: u64,
         now_ms: i64,
@@ -363,7 +369,7 @@ impl KeyTable {
                 || (id != BUSY
                     && (now_ms - e.used_ms.load(Ordering::Acquire)
                         >= e.idle_ms.load(Ordering::Relaxed) as i64
-                        || !owner_alive(seg, id)));
+                        || !owner_alive(seg, e, id)));
             if !free
                 || e.ident
                     .compare_exchange(id, BUSY, Ordering::AcqRel, Ordering::Acquire)
@@ -373,6 +379,7 @@ impl KeyTable {
             }
             e.h0.store(h.0, Ordering::Relaxed);
             e.h1.store(h.1, Ordering::Relaxed);
+            e.segment.store(owner.segment, Ordering::Relaxed);
             e.used_ms.store(now_ms, Ordering::Relaxed);
             // Two slices (at least 1 s). A pull still in flight for the old key when the entry
             // is reclaimed finds the identity changed and drops its grant.
@@ -397,7 +404,7 @@ impl KeyTable {
             }
             e.key_len.store(bytes.len() as u64, Ordering::Relaxed);
             let generation = if id == 0 { 1 } else { (id & 0x7FFF_FFFF) + 1 } & 0x7FFF_FFFF;
-            let new = OWNED | owner | generation.max(1);
+            let new = OWNED | owner.bits | generation.max(1);
             e.ident.store(new, Ordering::Release);
             // Another process may have claimed the same key in another way of the bucket at
             // the same time: keep the first, give ours back (both would stay correct, as both
@@ -416,16 +423,33 @@ impl KeyTable {
     }
 }
 
-/// `slot:15 | slot generation:16` shifted into place (bits 32–62).
-fn owner(slot: usize, generation: u16) -> u64 {
-    ((slot as u64 & 0x7FFF) << 48) | ((generation as u64) << 32)
+/// Whose an entry is: a task slot at one generation, of one segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Owner {
+    /// `slot:15 | slot generation:16` shifted into place (bits 32–62 of the identity word).
+    bits: u64,
+    /// The segment's id ([`KeyEntry::segment`]).
+    segment: u64,
+}
+
+fn owner(seg: &crate::shm::Segment, slot: usize, generation: u16) -> Owner {
+    Owner {
+        bits: ((slot as u64 & 0x7FFF) << 48) | ((generation as u64) << 32),
+        segment: seg.id(),
+    }
 }
 
 fn owner_of(id: u64) -> u64 {
     id & 0x7FFF_FFFF_0000_0000
 }
 
-fn owner_alive(seg: &crate::shm::Segment, id: u64) -> bool {
+/// Whether the task slot that claimed entry `e` (identity `id`) still holds it. An entry of
+/// another segment counts as alive: its slots cannot be read from here (it is reclaimed only
+/// once idle).
+fn owner_alive(seg: &crate::shm::Segment, e: &KeyEntry, id: u64) -> bool {
+    if e.segment.load(Ordering::Acquire) != seg.id() {
+        return true;
+    }
     let slot = ((id >> 48) & 0x7FFF) as usize;
     let generation = ((id >> 32) & 0xFFFF) as u16;
     seg.slot(slot).is_some_and(|s| s.generation() == generation)
@@ -627,7 +651,8 @@ impl Key {
         }
         let table = self.table()?;
         let r = self.task.inner.slot_ref();
-        let (i, _) = table.lookup(self.h, owner(r.index, r.generation))?;
+        let own = owner(&self.task.shared.seg, r.index, r.generation);
+        let (i, _) = table.lookup(self.h, own)?;
         let e = table.entry(i)?;
         let start = now_us.div_euclid(m.slice_ms as i64 * 1_000) * m.slice_ms as i64;
         let w = e.quota[crate::shm::parity(start, m.slice_ms)].load(Ordering::Acquire);
@@ -655,7 +680,7 @@ impl Key {
         let now_us = self.task.now_us();
         let Some((i, _)) = self.entry(
             table,
-            owner(r.index, r.generation),
+            owner(&self.task.shared.seg, r.index, r.generation),
             m.slice_ms,
             now_us / 1_000,
         ) else {
@@ -857,7 +882,7 @@ impl Key {
     fn entry(
         &self,
         table: &KeyTable,
-        owner: u64,
+        owner: Owner,
         slice_ms: u64,
         now_ms: i64,
     ) -> Option<(usize, u64)> {
@@ -867,7 +892,8 @@ impl Key {
             let id = self.cached.1.load(Ordering::Relaxed);
             if let Some(e) = table.entry(i)
                 && e.ident.load(Ordering::Acquire) == id
-                && owner_of(id) == owner
+                && owner_of(id) == owner.bits
+                && e.segment.load(Ordering::Relaxed) == owner.segment
             {
                 return Some((i, id));
             }
@@ -914,7 +940,7 @@ impl Key {
         let index = now_us.max(0) as u64 / slice_us.max(1);
         let start_ms = (index * m.slice_ms) as i64;
         let now_ms = now_us / 1_000;
-        let own = owner(r.index, r.generation);
+        let own = owner(&self.task.shared.seg, r.index, r.generation);
         let Some((i, id)) = self.entry(table, own, m.slice_ms, now_ms) else {
             if let Health::Failed { .. } = Health::decode(slot.ctl.state.load(Ordering::Acquire)) {
                 return KStep::Decided(self.fallback(slot, &m, None, start_ms, n, now_us));
@@ -1565,11 +1591,11 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
 /// Host-wide, every second: key counters into the task's counters (charged to the current
 /// slice) and the busiest keys into `NS:{T}:top:<minute>` / `topr:<minute>`.
 async fn report(sh: &Shared, table: &KeyTable) {
-    let h = table.header();
+    let h = sh.seg.header();
     let now_ms = crate::clock::host_ms();
-    let last = h.report_ms.load(Ordering::Acquire);
+    let last = h.key_report_ms.load(Ordering::Acquire);
     if now_ms - last < REPORT_MS
-        || h.report_ms
+        || h.key_report_ms
             .compare_exchange(last, now_ms, Ordering::AcqRel, Ordering::Relaxed)
             .is_err()
     {
@@ -1578,10 +1604,17 @@ async fn report(sh: &Shared, table: &KeyTable) {
     // slot index → (adm, rej, [(key, adm, rej)])
     type PerTask = (u64, u64, Vec<(String, u64, u64)>);
     let mut per: HashMap<usize, PerTask> = HashMap::new();
+    let seg_id = sh.seg.id();
     for i in 0..table.entries {
         let Some(e) = table.entry(i) else { break };
         let id = e.ident.load(Ordering::Acquire);
-        if id == 0 || id == BUSY {
+        if id == 0
+            || id == BUSY
+            || e.segment.load(Ordering::Acquire) != seg_id
+            || !owner_alive(&sh.seg, e, id)
+        {
+            // Free, being claimed, another segment's (its processes report it), or of a task
+            // slot that was reclaimed since (its counts belong to no task here).
             continue;
         }
         let a = e.adm.swap(0, Ordering::AcqRel);
@@ -1675,7 +1708,7 @@ mod tests {
                 },
             )
             .unwrap();
-        let own = owner(r.index, r.generation);
+        let own = owner(&seg, r.index, r.generation);
         let mut ids = Vec::new();
         for k in 0..WAYS {
             let key = format!("key-{k}");
@@ -1697,6 +1730,42 @@ mod tests {
         assert_eq!(t.lookup(h9, own), Some((i, id)));
         // Keys are told apart by task slot too.
         assert_ne!(t.hash(0, "a"), t.hash(1, "a"));
+    }
+
+    #[test]
+    fn a_key_entry_belongs_to_the_segment_that_claimed_it() {
+        let d = tempfile::tempdir().unwrap();
+        let t = KeyTable::open(&d.path().join("seg.keys"), 8).unwrap();
+        let opts = crate::shm::ClaimOptions {
+            now_ms: 0,
+            lock_timeout_ms: 1_000,
+            reclaim_idle_ms: 60_000,
+        };
+        let (old, _) = crate::shm::Segment::open(&d.path().join("seg"), 4).unwrap();
+        let ra = old.claim("a", opts).unwrap();
+        // A process asking for more slots replaces the file; the old one stays mapped.
+        let (new, opened) = crate::shm::Segment::open(&d.path().join("seg"), 8).unwrap();
+        assert!(matches!(opened, crate::shm::Opened::Replaced(_)));
+        assert_ne!(old.id(), new.id());
+        assert!(old.id() != 0 && new.id() != 0);
+        let rb = new.claim("b", opts).unwrap();
+        assert_eq!((ra.index, ra.generation), (rb.index, rb.generation));
+        let (oa, ob) = (
+            owner(&old, ra.index, ra.generation),
+            owner(&new, rb.index, rb.generation),
+        );
+        let h = t.hash(ra.index, "k");
+        let (i, id) = t.claim(&old, h, oa, "k", 1_000, 1_000).unwrap();
+        assert_eq!(
+            t.lookup(h, ob),
+            None,
+            "the new segment's task b never finds a's entry"
+        );
+        // Nor reclaims it while it is in use (its slot cannot be read from the new segment).
+        let (j, _) = t.claim(&new, h, ob, "k", 1_000, 1_100).unwrap();
+        assert_ne!(i, j);
+        assert_eq!(t.lookup(h, oa), Some((i, id)));
+        assert_eq!(t.lookup(h, ob).map(|x| x.0), Some(j));
     }
 
     #[test]
