@@ -42,9 +42,11 @@
 //!
 //! # Failure
 //!
-//! Keys share the task's state machine (Redis reachability is the task's): while the task is
-//! FAILED, each key is decided by the task's `on_failure` with `local_limit` per key per slice
-//! (a fixed window in the entry) for `local`.
+//! Keys share the task's state machine (Redis reachability is the task's): a key pull that
+//! fails, times out or finds no task slice (KPULL −1, as PULL −1) makes the task FAILED; while
+//! it is FAILED, each key is decided by the task's `on_failure` with `local_limit` per key per
+//! slice (a fixed window in the entry) for `local`, and the task's probe (a PULL) brings it
+//! back.
 
 use std::collections::HashMap;
 use std::fs::{File, OpenOptions};
@@ -490,8 +492,6 @@ type Locked = (usize, Want, u64);
 #[derive(Default)]
 struct Event {
     done: AtomicBool,
-    /// What the pull found for the waiter when it was not a deposit.
-    missing: AtomicBool,
     notify: tokio::sync::Notify,
     lock: Mutex<()>,
     cv: Condvar,
@@ -746,9 +746,8 @@ impl Key {
     /// [`Key::acquire_stamped`], with how to give the permits back.
     pub(crate) async fn acquire_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
         let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
-        let mut waited = None;
         loop {
-            match self.wait_step(n, deadline, waited.take()) {
+            match self.wait_step(n, deadline) {
                 Next::Done(d, at, r) => return (d, at, r),
                 Next::Task => {
                     let d = self.task.acquire(n).await;
@@ -763,7 +762,6 @@ impl Key {
                 }
                 Next::Wait(ev) => {
                     ev.wait().await;
-                    waited = Some(ev);
                 }
             }
         }
@@ -785,9 +783,8 @@ impl Key {
     /// [`Key::acquire_blocking_stamped`], with how to give the permits back.
     pub(crate) fn acquire_blocking_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
         let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
-        let mut waited = None;
         loop {
-            match self.wait_step(n, deadline, waited.take()) {
+            match self.wait_step(n, deadline) {
                 Next::Done(d, at, r) => return (d, at, r),
                 Next::Task => {
                     let d = self.task.acquire_blocking(n);
@@ -807,7 +804,6 @@ impl Key {
                 }
                 Next::Wait(ev) => {
                     ev.wait_blocking(deadline);
-                    waited = Some(ev);
                 }
             }
         }
@@ -815,13 +811,10 @@ impl Key {
 
     /// One step of the waiting calls (`acquire`, `acquire_blocking`; only how they wait and
     /// make a Redis call differs): decide; a pull still pending registers the wait, or at the
-    /// deadline is a rejection; a want whose pull found the key's slice cannot be created
-    /// (`waited`, missing) is answered as for an unknown task.
-    fn wait_step(&self, n: u64, deadline: Instant, waited: Option<Arc<Event>>) -> Next {
+    /// deadline is a rejection. A pull that failed (or found no task slice) made the task
+    /// FAILED: the next step decides by `on_failure`.
+    fn wait_step(&self, n: u64, deadline: Instant) -> Next {
         let now_us = self.task.now_us();
-        if waited.is_some_and(|ev| ev.missing.load(Ordering::Relaxed)) {
-            return Next::Done(self.task.shadowed(n, now_us, self.missing(n)), now_us, None);
-        }
         match self.decide(n, now_us) {
             KStep::Decided(d) => Next::Done(self.task.shadowed(n, now_us, d), now_us, None),
             KStep::Admitted { entry, parity, tag } => Next::Done(
@@ -1060,40 +1053,21 @@ impl Key {
                 }
             }
         };
-        if let Some(e) = e {
-            let c = if d.is_allowed() { &e.adm } else { &e.rej };
-            c.fetch_add(n, Ordering::Relaxed);
+        match e {
+            Some(e) => {
+                let c = if d.is_allowed() { &e.adm } else { &e.rej };
+                c.fetch_add(n, Ordering::Relaxed);
+            }
+            None => {
+                let f = if d.is_allowed() {
+                    field::ADMITTED
+                } else {
+                    field::REJECTED
+                };
+                slot.count(start_ms, m.slice_ms, f, n);
+            }
         }
         d
-    }
-
-    /// The key's slice could not be created (task missing, not keyed in Redis, slice not
-    /// rolled): answered like an unknown task.
-    fn missing(&self, n: u64) -> Decision {
-        match self.task.slot_meta() {
-            Some((slot, m)) => {
-                let now_us = self.task.now_us();
-                let start = now_us.div_euclid(m.slice_ms as i64 * 1_000) * m.slice_ms as i64;
-                let d = match m.on_failure {
-                    OnFailure::Allow => Decision::FallbackAllowed,
-                    _ => Decision::FallbackDenied {
-                        retry_after: Duration::from_millis(100),
-                    },
-                };
-                slot.count(
-                    start,
-                    m.slice_ms,
-                    if d.is_allowed() {
-                        field::ADMITTED
-                    } else {
-                        field::REJECTED
-                    },
-                    n,
-                );
-                d
-            }
-            None => self.task.try_acquire(n),
-        }
     }
 
     /// Registers (or joins) a pull of entry `entry` for slice `start_ms`.
@@ -1233,8 +1207,26 @@ impl Key {
                     },
                 )
             }
-            Some(KeyPullReply::Missing { .. }) => return self.missing(n),
-            None => return self.fallback(slot, m, None, start_ms, n, now_us),
+            Some(KeyPullReply::Missing { .. }) => {
+                // No task slice (the leader gone past the horizon, the task deleted): FAILED,
+                // as a PULL that finds none.
+                pull_failed(
+                    &self.task.shared,
+                    &self.task.inner,
+                    slot,
+                    PullOutcome::Missing,
+                );
+                return self.fallback(slot, m, None, start_ms, n, now_us);
+            }
+            None => {
+                pull_failed(
+                    &self.task.shared,
+                    &self.task.inner,
+                    slot,
+                    PullOutcome::Error,
+                );
+                return self.fallback(slot, m, None, start_ms, n, now_us);
+            }
         };
         slot.count(start_ms, m.slice_ms, f, n);
         d
@@ -1567,24 +1559,30 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
             slot.meta.refreshed_ms.store(0, Ordering::Relaxed);
             None
         }
-        Ok(Ok(KeyPullBatchReply::Missing { .. })) => {
-            for (_, w, ..) in &todo {
-                w.event.missing.store(true, Ordering::Relaxed);
-            }
-            None
+        Ok(Ok(KeyPullBatchReply::Missing { redis_time_us })) => {
+            // No task slice to create the key slices from (the leader gone past the horizon,
+            // the task deleted or no longer keyed): FAILED, as a PULL that finds none; the
+            // waiters re-decide by `on_failure` and the task's probe brings it back.
+            crate::background::record_clock(sh, before, after, redis_time_us);
+            Some(PullOutcome::Missing)
         }
     };
     if let Some(outcome) = failed {
-        let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
-        let tr = sh.machine.after_pull(health, outcome, sh.now_us() / 1_000);
-        if tr.health != health || tr.next_probe_ms.is_some() {
-            crate::background::apply_health(&task, slot, health, tr.health, tr.next_probe_ms);
-        }
+        pull_failed(sh, &task, slot, outcome);
     }
     drop(wants);
     for (i, w, token, ..) in todo {
         unlock(i, token);
         drop(w); // wakes its waiters
+    }
+}
+
+/// A key pull failed with `outcome`: the task's state machine decides (FAILED, next probe).
+fn pull_failed(sh: &Shared, task: &crate::client::TaskInner, slot: &Slot, outcome: PullOutcome) {
+    let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
+    let tr = sh.machine.after_pull(health, outcome, sh.now_us() / 1_000);
+    if tr.health != health || tr.next_probe_ms.is_some() {
+        crate::background::apply_health(task, slot, health, tr.health, tr.next_probe_ms);
     }
 }
 
