@@ -3,7 +3,8 @@
 //! * the task's slices are gone (the leader stopped past the horizon): KPULL answers −1, and
 //!   the task is FAILED like a pooled task whose PULL finds no slice — each key decided by
 //!   `on_failure` (`local`: `local_limit` per key per slice), never denied outright; a new
-//!   leader brings it back.
+//!   leader brings it back;
+//! * a `Key` of a shadow task that is not keyed is shadowed like the task (never enforced).
 
 use std::time::Duration;
 
@@ -118,4 +119,68 @@ async fn a_missing_task_slice_makes_a_keyed_task_failed_and_keys_get_their_local
     )
     .await;
     assert_eq!(task.state(), sluice::HostState::Normal);
+}
+
+/// `Key::try_acquire` on a task that is not keyed decides on the task as a whole — and in
+/// shadow mode like every other decision of a shadow task: a rejection becomes
+/// `ShadowLimited`, counted as a would-reject (`wrej`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_of_a_shadow_task_that_is_not_keyed_is_shadowed() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("keyshadow");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    keyed_task(
+        &m,
+        "plain",
+        r#"{"threshold":3,"slice_ms":5000,"shadow":true}"#,
+    )
+    .await;
+    let host = format!("{ns}-h");
+    let _guard = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let client = sluice::Client::new(sdk_config(&redis, &ns, &host)).unwrap();
+    let task = client.task("plain").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    let key = task.key("whatever").unwrap();
+    let slice_us = 5_000_000i64;
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
+    let mut conn = redis_conn(&redis);
+    loop {
+        if task.now_us() % slice_us > 2_000_000 {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            continue;
+        }
+        let start = task.now_us() / slice_us;
+        let mut decisions = Vec::new();
+        for _ in 0..40 {
+            decisions.push(key.try_acquire(1));
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        if task.now_us() / slice_us != start {
+            continue;
+        }
+        let enforced: Vec<_> = decisions.iter().filter(|d| !d.is_allowed()).collect();
+        assert!(enforced.is_empty(), "shadow task enforced: {enforced:?}");
+        let shadowed = decisions
+            .iter()
+            .filter(|d| matches!(d, sluice::Decision::ShadowLimited { .. }))
+            .count();
+        assert!(shadowed >= 30, "{decisions:?}");
+        // The would-rejects reach the slice hash with the next flush.
+        let slice = keys.slice("plain", start * 5_000);
+        wait_until(
+            "the would-rejects flushed",
+            Duration::from_secs(5),
+            Duration::from_millis(100),
+            || {
+                let wrej: Option<u64> = redis::cmd("HGET")
+                    .arg(&slice)
+                    .arg("wrej")
+                    .query(&mut conn)
+                    .unwrap();
+                async move { (wrej.unwrap_or(0) >= shadowed as u64).then_some(()) }
+            },
+        )
+        .await;
+        break;
+    }
 }

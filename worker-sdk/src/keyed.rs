@@ -712,7 +712,12 @@ impl Key {
             KStep::Admitted { entry, parity, tag } => {
                 return (Decision::Allowed, Some(Refund::Key { entry, parity, tag }));
             }
-            KStep::Task => return self.task.try_refundable(n, now_us),
+            KStep::Task => {
+                // The task as a whole decides, shadow mode included (a shadow task's
+                // rejection is a would-reject here as in every other decision path).
+                let (d, r) = self.task.try_refundable(n, now_us);
+                return (self.task.shadowed(n, now_us, d), r);
+            }
             KStep::Pending {
                 entry,
                 ident,
