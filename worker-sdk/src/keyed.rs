@@ -23,7 +23,12 @@
 //! ([`crate::shm::Header::segment_id`]); a process looks up, reclaims (only once idle) and
 //! reports only its own segment's entries.
 //!
-//! An entry is claimed by compare-and-swap of its identity word. An entry whose key has been
+//! An entry is claimed by compare-and-swap of its identity word, which names the claimer
+//! (participant of the segment) until the claim is published by a second compare-and-swap: a
+//! claim abandoned by a crash at any instruction is taken over by the next claim of its bucket
+//! once its participant is dead (the kernel's byte lock, as for [`crate::shm::ShmLock`]); a
+//! claimer of another segment is judged by the entry's last use instead. Nothing waits for a
+//! claim: a decision skips an entry being claimed. An entry whose key has been
 //! idle for two slices (or whose task slot was reclaimed) may be reclaimed for another key of
 //! the same bucket; a stale decision that raced with a reclaim notices (the identity word
 //! changed after its compare-and-swap) and gives the permits back. When the bucket has no
@@ -81,8 +86,14 @@ const MAGIC: u64 = u64::from_le_bytes(*b"SLUKEYS\x01");
 /// 2: entries carry the id of the segment that claimed them ([`KeyEntry::segment`]); the
 /// report clock moved to the segment header.
 const VERSION: u64 = 2;
-const BUSY: u64 = u64::MAX;
 const OWNED: u64 = 1 << 63;
+/// An identity word being claimed: `0:1 | 1:1 | participant:10 | participant generation:16 |
+/// segment id:36` (the claimer, see [`claiming`]).
+const CLAIMING: u64 = 1 << 62;
+const SEG_FRAG: u64 = (1 << 36) - 1;
+/// A claim by a process of another segment (whose liveness cannot be read here) is taken to be
+/// abandoned when the entry's `used_ms` is this old.
+const FOREIGN_CLAIM_MS: i64 = 60_000;
 /// How often (host-wide) key counters are moved into the task counters and top keys reported.
 const REPORT_MS: i64 = 1_000;
 /// KPULL calls in flight at once per process.
@@ -105,8 +116,8 @@ struct TableHeader {
 #[repr(C, align(64))]
 #[derive(Debug)]
 pub struct KeyEntry {
-    /// 0 = free, `BUSY` = being claimed, else `1:1 | slot:15 | slot generation:16 | entry
-    /// generation:32`.
+    /// 0 = free, `CLAIMING | claimer` = being claimed, else `1:1 | slot:15 | slot
+    /// generation:16 | entry    /// generation:32`.
     ident: AtomicU64,
     h0: AtomicU64,
     h1: AtomicU64,
@@ -133,7 +144,8 @@ pub struct KeyEntry {
     /// the table outlives a replaced segment, whose slots have the same indexes and
     /// generations as the new one's.
     segment: AtomicU64,
-    _pad: [AtomicU64; 1],
+    /// Claims of the entry so far: each draws its identity's entry generation from it.
+    claims: AtomicU64,
     key: [AtomicU64; 32],
 }
 
@@ -338,8 +350,7 @@ impl KeyTable {
         for i in b..b + WAYS {
             let e = self.entry(i)?;
             let id = e.ident.load(Ordering::Acquire);
-            if id != BUSY
-                && id & OWNED != 0
+            if id & OWNED != 0
                 && owner_of(id) == owner.bits
                 && e.h0.load(Ordering::Acquire) == h.0
                 && e.h1.load(Ordering::Acquire) == h.1
@@ -367,22 +378,33 @@ impl KeyTable {
         for i in b..b + WAYS {
             let e = self.entry(i)?;
             let id = e.ident.load(Ordering::Acquire);
-            let free = id == 0
-                || (id != BUSY
-                    && (now_ms - e.used_ms.load(Ordering::Acquire)
-                        >= e.idle_ms.load(Ordering::Relaxed) as i64
-                        || !owner_alive(seg, e, id)));
-            if !free
-                || e.ident
-                    .compare_exchange(id, BUSY, Ordering::AcqRel, Ordering::Acquire)
-                    .is_err()
+            let free = if id == 0 {
+                true
+            } else if id & OWNED == 0 {
+                abandoned(seg, e, id, now_ms)
+            } else {
+                now_ms - e.used_ms.load(Ordering::Acquire)
+                    >= e.idle_ms.load(Ordering::Relaxed) as i64
+                    || !owner_alive(seg, e, id)
+            };
+            if !free {
+                continue;
+            }
+            // Before the identity word says "claiming": whoever sees that word sees this time
+            // (a claim of another segment is judged by it).
+            e.used_ms.store(now_ms, Ordering::Relaxed);
+            let mine = claiming(seg);
+            if e.ident
+                .compare_exchange(id, mine, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
             {
                 continue;
             }
+            // A crash from here to the publication leaves the word `mine`: its participant is
+            // dead, so the next claimer of the bucket takes the entry over (`abandoned`).
             e.h0.store(h.0, Ordering::Relaxed);
             e.h1.store(h.1, Ordering::Relaxed);
             e.segment.store(owner.segment, Ordering::Relaxed);
-            e.used_ms.store(now_ms, Ordering::Relaxed);
             // Two slices (at least 1 s). A pull still in flight for the old key when the entry
             // is reclaimed finds the identity changed and drops its grant.
             e.idle_ms
@@ -405,9 +427,18 @@ impl KeyTable {
                 w.store(u64::from_le_bytes(b8), Ordering::Relaxed);
             }
             e.key_len.store(bytes.len() as u64, Ordering::Relaxed);
-            let generation = if id == 0 { 1 } else { (id & 0x7FFF_FFFF) + 1 } & 0x7FFF_FFFF;
+            // Every claim draws a new entry generation, so no earlier identity word of the
+            // entry (cached by a handle) comes back, whatever happened to the claims between.
+            let generation = (e.claims.fetch_add(1, Ordering::AcqRel) + 1) & 0x7FFF_FFFF;
             let new = OWNED | owner.bits | generation.max(1);
-            e.ident.store(new, Ordering::Release);
+            if e.ident
+                .compare_exchange(mine, new, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                // Taken over as abandoned (only a claim stalled for FOREIGN_CLAIM_MS can be):
+                // the entry is another claimer's now.
+                continue;
+            }
             // Another process may have claimed the same key in another way of the bucket at
             // the same time: keep the first, give ours back (both would stay correct, as both
             // pull from the same Redis key; one keeps the host's quota in one place).
@@ -422,6 +453,32 @@ impl KeyTable {
             return Some((i, new));
         }
         None
+    }
+}
+
+/// The identity word of an entry this process is claiming (see [`CLAIMING`]).
+fn claiming(seg: &crate::shm::Segment) -> u64 {
+    let me = seg.me();
+    CLAIMING
+        | ((me.participant as u64 & 0x3FF) << 52)
+        | ((me.generation as u64) << 36)
+        | (seg.id() & SEG_FRAG)
+}
+
+/// Whether the claim recorded in identity word `id` (not owned, not free) was abandoned: its
+/// claimer, a participant of this segment, is dead (the kernel released its byte lock; see
+/// [`crate::shm`]), or — a claimer of another segment, whose liveness cannot be read from
+/// here — the entry has not been used for [`FOREIGN_CLAIM_MS`]. A claim takes microseconds;
+/// one abandoned by a crash at any instruction is taken over by the next claim of its
+/// bucket, and until then the bucket has one way fewer.
+fn abandoned(seg: &crate::shm::Segment, e: &KeyEntry, id: u64, now_ms: i64) -> bool {
+    if id & SEG_FRAG == seg.id() & SEG_FRAG {
+        !seg.alive(crate::shm::Holder {
+            participant: ((id >> 52) & 0x3FF) as u16,
+            generation: (id >> 36) as u16,
+        })
+    } else {
+        now_ms - e.used_ms.load(Ordering::Acquire) >= FOREIGN_CLAIM_MS
     }
 }
 
@@ -1612,7 +1669,7 @@ async fn report(sh: &Shared, table: &KeyTable) {
         let Some(e) = table.entry(i) else { break };
         let id = e.ident.load(Ordering::Acquire);
         if id == 0
-            || id == BUSY
+            || id & OWNED == 0
             || e.segment.load(Ordering::Acquire) != seg_id
             || !owner_alive(&sh.seg, e, id)
         {
@@ -1769,6 +1826,168 @@ mod tests {
         assert_ne!(i, j);
         assert_eq!(t.lookup(h, oa), Some((i, id)));
         assert_eq!(t.lookup(h, ob).map(|x| x.0), Some(j));
+    }
+
+    /// Child processes claiming entries of one bucket as fast as they can (every claim takes
+    /// an idle entry over, so each goes through the claiming window), SIGKILLed and
+    /// SIGSTOPped at random while the parent claims too. At the end every entry can be claimed
+    /// again (none is left "being claimed" by a dead process) and every published entry's
+    /// fields belong to its key.
+    mod crashes {
+        use std::process::{Child, Command};
+        use std::time::{Duration, Instant};
+
+        use super::*;
+
+        const ENV: &str = "SLUICE_KEYS_CHILD";
+
+        /// The child: claims until killed (does nothing unless started by the parent).
+        #[test]
+        fn child_claims() {
+            let Ok(spec) = std::env::var(ENV) else {
+                return;
+            };
+            let p: Vec<&str> = spec.split('|').collect();
+            let (seg, _) = crate::shm::Segment::open(p[0].as_ref(), 2).unwrap();
+            let t = KeyTable::open(p[1].as_ref(), 8).unwrap();
+            let (slot, generation): (usize, u16) = (p[2].parse().unwrap(), p[3].parse().unwrap());
+            let own = owner(&seg, slot, generation);
+            let mut now = 1_000_000i64;
+            let mut k = std::process::id() as u64;
+            loop {
+                now += 2_000;
+                k = k.wrapping_mul(6364136223846793005).wrapping_add(1);
+                let key = format!("key-{}", k % 64);
+                let h = t.hash(slot, &key);
+                if t.lookup(h, own).is_none() {
+                    let _ = t.claim(&seg, h, own, &key, 1, now);
+                }
+            }
+        }
+
+        fn spawn(seg: &Path, table: &Path, slot: usize, generation: u16) -> Child {
+            Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "keyed::tests::crashes::child_claims",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(
+                    ENV,
+                    format!("{}|{}|{slot}|{generation}", seg.display(), table.display()),
+                )
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        }
+
+        fn signal(c: &Child, sig: i32) {
+            // SAFETY: kill(2) on a child of ours that has not been reaped yet.
+            unsafe { libc::kill(c.id() as i32, sig) };
+        }
+
+        #[test]
+        fn claims_killed_at_any_instruction_leave_no_entry_stuck() {
+            let dir = tempfile::tempdir().unwrap();
+            let (sp, tp) = (dir.path().join("seg"), dir.path().join("seg.keys"));
+            let (seg, _) = crate::shm::Segment::open(&sp, 2).unwrap();
+            let t = KeyTable::open(&tp, 8).unwrap();
+            let r = seg
+                .claim(
+                    "t",
+                    crate::shm::ClaimOptions {
+                        now_ms: 0,
+                        lock_timeout_ms: 1_000,
+                        reclaim_idle_ms: 60_000,
+                    },
+                )
+                .unwrap();
+            let own = owner(&seg, r.index, r.generation);
+            let mut rng = crate::clock::host_us() as u64 | 1;
+            let mut next = move |m: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % m
+            };
+            let mut children: Vec<(Child, bool)> = (0..4)
+                .map(|_| (spawn(&sp, &tp, r.index, r.generation), false))
+                .collect();
+            let (mut kills, mut claimed, mut tries) = (0u64, 0u64, 0u64);
+            let mut now = 1_000_000_000i64;
+            let deadline = Instant::now() + Duration::from_millis(2_500);
+            while Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(2 + next(15)));
+                let v = next(children.len() as u64) as usize;
+                if next(3) == 0 {
+                    let stopped = children[v].1;
+                    let sig = if stopped {
+                        libc::SIGCONT
+                    } else {
+                        libc::SIGSTOP
+                    };
+                    signal(&children[v].0, sig);
+                    children[v].1 = !stopped;
+                } else {
+                    signal(&children[v].0, libc::SIGKILL);
+                    children[v].0.wait().unwrap();
+                    kills += 1;
+                    children[v] = (spawn(&sp, &tp, r.index, r.generation), false);
+                }
+                // The parent claims too, whoever is stopped or dead where: it never waits.
+                for _ in 0..20 {
+                    now += 2_000;
+                    let key = format!("parent-{}", next(64));
+                    let h = t.hash(r.index, &key);
+                    tries += 1;
+                    if t.lookup(h, own).is_some() || t.claim(&seg, h, own, &key, 1, now).is_some() {
+                        claimed += 1;
+                    }
+                }
+            }
+            for (c, _) in &mut children {
+                signal(c, libc::SIGKILL);
+                c.wait().unwrap();
+                kills += 1;
+            }
+            let busy = (0..8)
+                .filter(|i| t.entry(*i).unwrap().ident.load(Ordering::Acquire) & OWNED == 0)
+                .filter(|i| t.entry(*i).unwrap().ident.load(Ordering::Acquire) != 0)
+                .count();
+            eprintln!(
+                "{kills} kills; the parent found or claimed an entry {claimed} of {tries} times; \
+                 {busy} entries left being claimed by dead processes"
+            );
+            // Every published entry's fields are its key's.
+            for i in 0..8 {
+                let e = t.entry(i).unwrap();
+                let id = e.ident.load(Ordering::Acquire);
+                if id & OWNED != 0 {
+                    let key = e.key_string().expect("a published entry's key");
+                    let h = t.hash(r.index, &key);
+                    assert_eq!(
+                        (e.h0.load(Ordering::Relaxed), e.h1.load(Ordering::Relaxed)),
+                        h,
+                        "entry {i}: fields of another key"
+                    );
+                }
+            }
+            // Nothing is stuck: all 8 entries are claimed again by 8 fresh keys.
+            now += 10_000;
+            let mut got = std::collections::BTreeSet::new();
+            for k in 0..200 {
+                let key = format!("after-{k}");
+                let h = t.hash(r.index, &key);
+                // At one time: an entry claimed here stays in use, the others are idle.
+                if let Some((i, _)) = t.claim(&seg, h, own, &key, 1, now) {
+                    got.insert(i);
+                }
+            }
+            assert_eq!(got.len(), 8, "entries stuck: only {got:?} could be claimed");
+            assert!(kills >= 50, "{kills} kills");
+        }
     }
 
     #[test]
