@@ -521,6 +521,99 @@ pub(crate) struct KeyState {
     wants: Mutex<HashMap<usize, Want>>,
     /// Wakes the [`pump`].
     wake: tokio::sync::Notify,
+    /// How each keyed task's keys are labelled, by task name: the labels, the meta version
+    /// they were read at and when.
+    labels: Mutex<HashMap<String, (Labels, i64, Instant)>>,
+}
+
+/// How a keyed task's keys are written where people read them: the `key` field of its key
+/// slices and the top-key sets (the meta fields `clear_keys` and `key_secret`; see
+/// [`crate::protocol::key_label`]).
+#[derive(Clone)]
+enum Labels {
+    /// The spec says `"clear_keys": true`.
+    Clear,
+    /// HMAC-SHA-256 under the namespace's secret.
+    Keyed(crate::protocol::KeySecret),
+    /// No secret in the meta (managers without one) or the meta not readable yet: SHA-256.
+    Digest,
+}
+
+impl Labels {
+    fn label(&self, key: &str) -> String {
+        match self {
+            Labels::Clear => key.to_string(),
+            Labels::Keyed(s) => crate::protocol::key_label(Some(s), key),
+            Labels::Digest => crate::protocol::key_label(None, key),
+        }
+    }
+}
+
+/// Labels are re-read this often (and when the meta's version changes).
+const LABELS_TTL: Duration = Duration::from_secs(10);
+/// Tasks whose labels a process keeps (dropped oldest first beyond this).
+const MAX_LABELLED_TASKS: usize = 4_096;
+
+/// The labels of task `task` (meta version `version`): cached, else read from its meta (one
+/// `HMGET`). A failed read keeps the last known labels, or digests: never clear keys by
+/// default.
+async fn labels_of(sh: &Shared, task: &str, version: i64) -> Labels {
+    {
+        let map = sh.keyed.labels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((l, v, at)) = map.get(task)
+            && *v == version
+            && at.elapsed() < LABELS_TTL
+        {
+            return l.clone();
+        }
+    }
+    use crate::protocol::meta_field::{CLEAR_KEYS, KEY_SECRET};
+    let meta = sh.keys.meta(task);
+    let read = call(sh, Retry::Idempotent, |mut c| {
+        let meta = meta.clone();
+        async move {
+            redis::cmd("HMGET")
+                .arg(&meta)
+                .arg(CLEAR_KEYS)
+                .arg(KEY_SECRET)
+                .query_async::<(Option<String>, Option<String>)>(&mut c)
+                .await
+        }
+    })
+    .await;
+    let mut map = sh.keyed.labels.lock().unwrap_or_else(|e| e.into_inner());
+    let labels = match read {
+        Ok(Ok((clear, secret))) => {
+            if clear.as_deref() == Some("1") {
+                Labels::Clear
+            } else {
+                match secret
+                    .as_deref()
+                    .and_then(crate::protocol::KeySecret::parse)
+                {
+                    Some(s) => Labels::Keyed(s),
+                    None => Labels::Digest,
+                }
+            }
+        }
+        _ => {
+            return map
+                .get(task)
+                .map(|(l, ..)| l.clone())
+                .unwrap_or(Labels::Digest);
+        }
+    };
+    if map.len() >= MAX_LABELLED_TASKS && !map.contains_key(task) {
+        let oldest = map
+            .iter()
+            .min_by_key(|(_, (_, _, at))| *at)
+            .map(|(k, _)| k.clone());
+        if let Some(k) = oldest {
+            map.remove(&k);
+        }
+    }
+    map.insert(task.to_string(), (labels.clone(), version, Instant::now()));
+    labels
 }
 
 struct Want {
@@ -1212,9 +1305,10 @@ impl Key {
             let version = slot_meta_of(&sh, &task)
                 .map(|(s, _)| s.meta.version.load(Ordering::Relaxed))
                 .unwrap_or(0);
+            let label = labels_of(&sh, &task.name, version).await.label(&key);
             let req = KeyPullRequest {
                 task: &task.name,
-                key: &key,
+                key: &label,
                 digest: &digest,
                 start_ms,
                 slice_ms: m.slice_ms,
@@ -1524,6 +1618,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
             return;
         }
     };
+    let labels = labels_of(sh, &task.name, slot.meta.version.load(Ordering::Relaxed)).await;
     // Another process of the host may have refilled an entry meanwhile.
     let mut todo = Vec::with_capacity(items.len());
     for (i, w, token) in items {
@@ -1537,7 +1632,8 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
                     w.n,
                 );
                 let digest = crate::protocol::key_digest(&w.key);
-                todo.push((i, w, token, want, digest));
+                let label = labels.label(&w.key);
+                todo.push((i, w, token, want, digest, label));
             }
             _ => unlock(i, token),
         }
@@ -1547,8 +1643,8 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
     }
     let wants: Vec<scripts::KeyWant<'_>> = todo
         .iter()
-        .map(|(_, w, _, want, digest)| scripts::KeyWant {
-            key: &w.key,
+        .map(|(_, _, _, want, digest, label)| scripts::KeyWant {
+            key: label,
             digest,
             want: *want,
         })
@@ -1583,7 +1679,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
             redis_time_us,
         })) => {
             crate::background::record_clock(sh, before, after, redis_time_us);
-            for ((i, w, _, want, _), g) in todo.iter().zip(grants) {
+            for ((i, w, _, want, ..), g) in todo.iter().zip(grants) {
                 let Some(e) = table.entry(*i) else { continue };
                 if e.ident.load(Ordering::Acquire) != w.ident {
                     // Reclaimed for another key while the pull was in flight (a pull slower
@@ -1703,6 +1799,10 @@ async fn report(sh: &Shared, table: &KeyTable) {
         let start = now - now.rem_euclid(m.slice_ms as i64);
         slot.count(start, m.slice_ms, field::ADMITTED, a);
         slot.count(start, m.slice_ms, field::REJECTED, r);
+        let labels = labels_of(sh, &name, slot.meta.version.load(Ordering::Relaxed)).await;
+        for k in &mut keys {
+            k.0 = labels.label(&k.0);
+        }
         let mut pipe = redis::pipe();
         let ka = sh.keys.top_keys(&name, minute);
         let kr = sh.keys.top_rejected_keys(&name, minute);
