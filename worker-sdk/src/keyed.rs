@@ -2090,6 +2090,39 @@ mod tests {
         }
     }
 
+    /// An entry left "being claimed" by a process of another segment (whose liveness cannot
+    /// be read from here) is taken over only once it has been unused for a minute; one of this
+    /// segment's live participants (this process) is never taken over.
+    #[test]
+    fn claims_marked_by_another_segment_or_a_live_claimer() {
+        let (_d, t, seg) = table(8);
+        let r = seg
+            .claim(
+                "t",
+                crate::shm::ClaimOptions {
+                    now_ms: 0,
+                    lock_timeout_ms: 1_000,
+                    reclaim_idle_ms: 60_000,
+                },
+            )
+            .unwrap();
+        let own = owner(&seg, r.index, r.generation);
+        let foreign = CLAIMING | (3 << 52) | (7 << 36) | ((seg.id() + 1) & SEG_FRAG);
+        let live = claiming(&seg);
+        for i in 0..8 {
+            let e = t.entry(i).unwrap();
+            e.used_ms.store(1_000_000, Ordering::Relaxed);
+            e.ident
+                .store(if i < 4 { foreign } else { live }, Ordering::Relaxed);
+        }
+        let h = t.hash(r.index, "k");
+        assert_eq!(t.claim(&seg, h, own, "k", 1_000, 1_000_000 + 59_000), None);
+        let (i, _) = t
+            .claim(&seg, h, own, "k", 1_000, 1_000_000 + FOREIGN_CLAIM_MS)
+            .expect("a foreign claim unused for a minute");
+        assert!(i < 4, "never a live claimer's entry");
+    }
+
     #[test]
     fn a_too_small_table_is_replaced_a_larger_one_kept() {
         let d = tempfile::tempdir().unwrap();
