@@ -69,13 +69,23 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
     let (alerts, signals) = crate::alerts::channel(deps.metrics.clone());
     // Each leadership starts with no memory of what was written: the first tick rewrites
     // every task's window (the script skips slices that already hold the right value).
+    // The key-label secret before rolling: a keyed task's meta carries it from the first
+    // write. Without it (etcd failing now), SDKs store bare digests until the next leadership.
+    let key_secret = match crate::key_secret::ensure(&deps.etcd, &deps.keys).await {
+        Ok(s) => Some(s),
+        Err(why) => {
+            tracing::warn!(%why, "key-label secret unavailable; keyed tasks' keys are stored as bare SHA-256 digests this leadership");
+            None
+        }
+    };
     let roller = Roller::new(
         deps.keys.clone(),
         deps.redis.clone(),
         deps.roll,
         deps.metrics.clone(),
         alerts.clone(),
-    );
+    )
+    .with_key_secret(key_secret);
     let harvester = Harvester::new(
         deps.keys.clone(),
         deps.redis.clone(),

@@ -37,6 +37,7 @@ pub mod error;
 pub mod etcd_link;
 pub mod history;
 pub mod http;
+pub mod key_secret;
 pub mod leader;
 pub mod leases;
 pub mod metrics;

@@ -266,6 +266,9 @@ pub struct Roller {
     state: HashMap<String, TaskRollState>,
     conflicts: Vec<Conflict>,
     last_conflict_log: Option<Instant>,
+    /// The namespace's key-label secret, written into the meta of keyed tasks that do not
+    /// show their keys in clear (`None`: not loaded; the SDKs then store bare digests).
+    key_secret: Option<sluice_protocol::KeySecret>,
 }
 
 /// What to do with a task this round.
@@ -301,7 +304,14 @@ impl Roller {
             state: HashMap::new(),
             conflicts: Vec::new(),
             last_conflict_log: None,
+            key_secret: None,
         }
+    }
+
+    /// The namespace's key-label secret (see [`sluice_protocol::key_label`]).
+    pub fn with_key_secret(mut self, secret: Option<sluice_protocol::KeySecret>) -> Self {
+        self.key_secret = secret;
+        self
     }
 
     /// Runs ticks until leadership ends. A fenced write makes this replica step down.
@@ -488,13 +498,23 @@ impl Roller {
                 .collect();
             let keys = &self.keys;
             let fence = &fence;
+            let secret = self.key_secret.as_ref();
             let results: Vec<(Arc<TaskEntry>, Attempt, Plan, Result<RollOutcome>)> =
                 futures::stream::iter(jobs)
                     .map(|(entry, attempt, plan)| {
                         let mut c = conn.clone();
                         async move {
-                            let r = execute(&mut c, keys, ctx, fence, &entry, &plan, attempt.force)
-                                .await;
+                            let r = execute(
+                                &mut c,
+                                keys,
+                                ctx,
+                                fence,
+                                &entry,
+                                &plan,
+                                attempt.force,
+                                secret,
+                            )
+                            .await;
                             (entry, attempt, plan, r)
                         }
                     })
@@ -693,7 +713,24 @@ impl Roller {
     }
 }
 
+/// The meta fields of a keyed task's key labels: `clear_keys`, and the secret unless clear.
+fn key_fields(
+    spec: &crate::spec::TaskSpec,
+    secret: Option<&sluice_protocol::KeySecret>,
+) -> Vec<(&'static str, String)> {
+    use sluice_protocol::meta_field::{CLEAR_KEYS, KEY_SECRET};
+    if !spec.keyed {
+        return Vec::new();
+    }
+    let mut v = vec![(CLEAR_KEYS, u8::from(spec.clear_keys).to_string())];
+    if let Some(s) = secret.filter(|_| !spec.clear_keys) {
+        v.push((KEY_SECRET, s.expose().to_string()));
+    }
+    v
+}
+
 /// Sends one plan (in chunks of at most [`MAX_SLICES_PER_CALL`] slices).
+#[allow(clippy::too_many_arguments)]
 async fn execute(
     conn: &mut sluice_protocol::conn::RedisConn,
     keys: &Keys,
@@ -702,8 +739,10 @@ async fn execute(
     entry: &TaskEntry,
     plan: &Plan,
     force: bool,
+    secret: Option<&sluice_protocol::KeySecret>,
 ) -> Result<RollOutcome> {
     let meta = entry.spec.meta(entry.version);
+    let extra = key_fields(&entry.spec, secret);
     let chunks: Vec<&[SliceWrite]> = if plan.slices.is_empty() {
         vec![&[]]
     } else {
@@ -734,6 +773,7 @@ async fn execute(
             force: force && first,
             refresh: plan.refresh && first,
             meta: (plan.write_meta && first).then_some(&meta),
+            meta_extra: &extra,
             slices: chunk,
         };
         let call = scripts::roll(conn, keys, &req);

@@ -125,6 +125,10 @@ pub struct TaskSpec {
     /// Keyed tasks: keys with a threshold of their own (at most [`MAX_KEY_OVERRIDES`]).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub key_overrides: BTreeMap<String, u64>,
+    /// Keyed tasks: store and show keys in clear (top keys, key slices). Default false: they
+    /// are stored as keyed digests ([`sluice_protocol::key_label`]).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub clear_keys: bool,
     /// Shadow mode: decisions are counted as if enforced (`would_reject`) but always admit.
     #[serde(default)]
     pub shadow: bool,
@@ -240,6 +244,7 @@ const TOP_FIELDS: &[&str] = &[
     "lease_ms",
     "keyed",
     "key_overrides",
+    "clear_keys",
     "shadow",
     "pacing",
     "burst",
@@ -534,6 +539,16 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
         }
     }
 
+    let clear_keys = match o.get("clear_keys") {
+        None => false,
+        Some(b) => b
+            .as_bool()
+            .ok_or_else(|| fe("clear_keys", "must be true or false"))?,
+    };
+    if clear_keys && !keyed {
+        return Err(fe("clear_keys", "only for keyed tasks (\"keyed\": true)"));
+    }
+
     let shadow = match o.get("shadow") {
         None => false,
         Some(b) => b
@@ -593,6 +608,7 @@ pub fn parse_request(name: &str, body: &[u8]) -> Result<SpecRequest, FieldError>
             lease_ms,
             keyed,
             key_overrides,
+            clear_keys,
             shadow,
             pacing,
             burst,
@@ -910,8 +926,20 @@ mod tests {
             .map(|i| format!(r#""k{i}": 1"#))
             .collect::<Vec<_>>()
             .join(",");
+        let c = parse(r#"{"threshold": 10, "keyed": true, "clear_keys": true}"#).unwrap();
+        assert!(c.spec.clear_keys && !r.spec.clear_keys);
+        let stored = serde_json::to_vec(&c.spec).unwrap();
+        assert_eq!(parse_stored("t", &stored).unwrap(), c.spec);
         for (body, field) in [
             (r#"{"threshold": 10, "keyed": "yes"}"#.to_string(), "keyed"),
+            (
+                r#"{"threshold": 10, "clear_keys": true}"#.to_string(),
+                "clear_keys",
+            ),
+            (
+                r#"{"threshold": 10, "keyed": true, "clear_keys": 1}"#.to_string(),
+                "clear_keys",
+            ),
             (
                 r#"{"threshold": 10, "keyed": true, "mode": "local"}"#.to_string(),
                 "keyed",

@@ -98,6 +98,80 @@ pub fn key_digest(key: &str) -> String {
     out
 }
 
+/// The per-namespace secret of key labels (etcd `/NS/key_secret`, 32 random bytes as 64
+/// lowercase hex digits): the leader creates it once and writes it into the meta of every
+/// keyed task that does not show its keys in clear (meta field `key_secret`), where the
+/// workers read it. Never shown by the API; its `Debug` form is redacted.
+#[derive(Clone, PartialEq, Eq)]
+pub struct KeySecret(String);
+
+impl fmt::Debug for KeySecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("KeySecret(<redacted>)")
+    }
+}
+
+impl KeySecret {
+    /// A fresh random secret (the system's random source); `None` if it fails.
+    pub fn generate() -> Option<Self> {
+        use ring::rand::SecureRandom;
+        let mut b = [0u8; 32];
+        ring::rand::SystemRandom::new().fill(&mut b).ok()?;
+        Some(Self(b.iter().map(|x| format!("{x:02x}")).collect()))
+    }
+
+    /// A stored secret: exactly 64 lowercase hex digits, else `None`.
+    ///
+    /// ```
+    /// use sluice_protocol::KeySecret;
+    /// assert!(KeySecret::parse(&"ab".repeat(32)).is_some());
+    /// assert!(KeySecret::parse("ab").is_none());
+    /// assert!(KeySecret::parse(&"AB".repeat(32)).is_none());
+    /// ```
+    pub fn parse(hex: &str) -> Option<Self> {
+        (hex.len() == 64 && hex.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f')))
+            .then(|| Self(hex.to_string()))
+    }
+
+    /// The hex form (to store; never to show).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+/// How a key of a keyed task is stored where people can read it (the top-key sets
+/// `NS:{T}:top:*` the API and dashboard show, and the `key` field of its key slices): `#`
+/// followed by 32 lowercase hex digits, the first 16 bytes of HMAC-SHA-256 of the key under
+/// the namespace's [`KeySecret`] — or, without a secret (a meta written by managers that have
+/// none), of SHA-256 ([`key_digest`]). A task whose spec says `"clear_keys": true` stores keys
+/// in clear instead (the SDK then does not call this).
+///
+/// ```
+/// use sluice_protocol::{KeySecret, key_label};
+/// let s = KeySecret::parse(&"01".repeat(32)).unwrap();
+/// let l = key_label(Some(&s), "sk_live_abc");
+/// assert!(l.starts_with('#') && l.len() == 33);
+/// assert_ne!(l, key_label(None, "sk_live_abc"), "keyed, not a bare SHA");
+/// assert_eq!(key_label(None, "abc"), format!("#{}", sluice_protocol::key_digest("abc")));
+/// ```
+pub fn key_label(secret: Option<&KeySecret>, key: &str) -> String {
+    let hex = |d: &[u8]| {
+        let mut out = String::with_capacity(33);
+        out.push('#');
+        for b in &d[..16] {
+            out.push_str(&format!("{b:02x}"));
+        }
+        out
+    };
+    match secret {
+        Some(s) => {
+            let k = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, s.0.as_bytes());
+            hex(ring::hmac::sign(&k, key.as_bytes()).as_ref())
+        }
+        None => format!("#{}", key_digest(key)),
+    }
+}
+
 /// Checks a key of a keyed task: at most [`MAX_KEY_LEN`] bytes (any UTF-8, empty allowed).
 pub fn validate_key(key: &str) -> Result<(), NameError> {
     if key.len() > MAX_KEY_LEN {
@@ -272,6 +346,11 @@ impl Keys {
     /// `/NS/members/<node_id>`.
     pub fn etcd_member(&self, node_id: &str) -> String {
         format!("/{}/members/{node_id}", self.ns)
+    }
+
+    /// `/NS/key_secret`: the namespace's [`KeySecret`] (created once by a leader).
+    pub fn etcd_key_secret(&self) -> String {
+        format!("/{}/key_secret", self.ns)
     }
 
     /// `/NS/tasks/`: prefix of task specs.
@@ -553,6 +632,11 @@ pub mod meta_field {
     pub const KEYED: &str = "keyed";
     /// Prefix of key overrides: `ko:<digest>` = the key's threshold (keyed tasks).
     pub const KEY_OVERRIDE_PREFIX: &str = "ko:";
+    /// Keyed tasks: `1` when the spec says `"clear_keys": true` (keys stored and shown in
+    /// clear); absent or `0`: keys are stored as [`crate::key_label`]s.
+    pub const CLEAR_KEYS: &str = "clear_keys";
+    /// Keyed tasks without clear keys: the namespace's [`crate::KeySecret`] (64 hex digits).
+    pub const KEY_SECRET: &str = "key_secret";
     /// Shadow mode: `1` or `0` (absent = `0`).
     pub const SHADOW: &str = "shadow";
     /// Slice pacing: `none` | `smooth` (absent = `none`); ROLL copies it into each slice.

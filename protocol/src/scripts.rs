@@ -740,6 +740,9 @@ pub struct RollRequest<'a> {
     pub refresh: bool,
     /// Meta fields to (re)write, if any.
     pub meta: Option<&'a TaskMeta>,
+    /// More meta fields written with `meta` (ignored without it): a keyed task's
+    /// [`crate::meta_field::CLEAR_KEYS`] and [`crate::meta_field::KEY_SECRET`].
+    pub meta_extra: &'a [(&'static str, String)],
     /// Slices to create or change.
     pub slices: &'a [SliceWrite],
 }
@@ -801,9 +804,12 @@ where
         Some(meta) => {
             let pairs = meta.to_pairs();
             let overrides = meta.override_pairs();
-            inv.arg(pairs.len() + overrides.len());
+            inv.arg(pairs.len() + req.meta_extra.len() + overrides.len());
             for (k, v) in pairs {
                 inv.arg(k).arg(v);
+            }
+            for (k, v) in req.meta_extra {
+                inv.arg(*k).arg(v);
             }
             for (k, v) in overrides {
                 inv.arg(k).arg(v);

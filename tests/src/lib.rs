@@ -2009,6 +2009,7 @@ pub async fn write_meta(
         force: false,
         refresh: true,
         meta: Some(m),
+        meta_extra: &[],
         slices: &[],
     };
     assert_eq!(

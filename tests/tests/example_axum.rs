@@ -30,6 +30,14 @@ const GOLD_LIMIT: u64 = 20;
 /// `--export-cost` given to the example.
 const EXPORT_COST: u64 = 5;
 
+/// The namespace's key-label secret, as the managers keep it in etcd.
+async fn key_secret(etcd: &str, ns: &str) -> sluice_protocol::KeySecret {
+    let mut c = etcd_client::Client::connect([etcd], None).await.unwrap();
+    let r = c.get(format!("/{ns}/key_secret"), None).await.unwrap();
+    let kv = r.kvs().first().expect("the leader created the key secret");
+    sluice_protocol::KeySecret::parse(std::str::from_utf8(kv.value()).unwrap()).unwrap()
+}
+
 fn example_bin() -> PathBuf {
     workspace_bin("sluice-example-axum")
 }
@@ -159,7 +167,8 @@ async fn example_service_gives_each_client_its_own_limit_and_429s_say_when_to_re
     // The task README.md tells a newcomer to create (with a shorter slice there).
     let spec = format!(
         r#"{{"threshold":{LIMIT},"slice_ms":{SLICE_MS},"keyed":true,
-            "key_overrides":{{"key:gold":{GOLD_LIMIT}}},"local_limit":{LIMIT},"on_failure":"deny"}}"#
+            "key_overrides":{{"key:{}":{GOLD_LIMIT}}},"local_limit":{LIMIT},"on_failure":"deny"}}"#,
+        sluice_protocol::key_digest("gold")
     );
     let (status, b) = m.put("/api/v1/tasks/api", &spec).await;
     assert!(status == 200 || status == 201, "{status} {b}");
@@ -321,9 +330,15 @@ async fn example_service_gives_each_client_its_own_limit_and_429s_say_when_to_re
 
     // The manager sees what the example admitted and refused per key, exactly (the SDK
     // reports its busiest keys about once a second; this namespace is the test's own).
-    let key_of = |c: &str| match c {
-        "ip" => "ip:127.0.0.1".to_string(),
-        c => format!("key:{c}"),
+    // The example hashes API keys (`key:<digest>`); the API shows keys as labels under the
+    // namespace's secret (the task does not set `clear_keys`).
+    let secret = key_secret(&etcd, &ns).await;
+    let key_of = |c: &str| {
+        let key = match c {
+            "ip" => "ip:127.0.0.1".to_string(),
+            c => format!("key:{}", sluice_protocol::key_digest(c)),
+        };
+        sluice_protocol::key_label(Some(&secret), &key)
     };
     let mut sent: BTreeMap<(&str, String), u64> = BTreeMap::new();
     for a in &answers {

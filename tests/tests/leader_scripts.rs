@@ -81,6 +81,7 @@ async fn roll(
         force,
         refresh: true,
         meta: Some(&m),
+        meta_extra: &[],
         slices: &s,
     };
     scripts::roll(c, keys, &req).await.expect("roll")
@@ -264,6 +265,7 @@ async fn an_existing_slice_key_gets_the_later_expiry_never_an_earlier_one() {
             force: false,
             refresh: false,
             meta: Some(&m),
+            meta_extra: &[],
             slices: &s,
         };
         let out = scripts::roll(&mut c, &keys, &req).await.unwrap();

@@ -7,8 +7,9 @@
 //!  /dev/shm/sluice.<namespace>.<host id>
 //!  ┌──────────────────────────────────────────────────────────────────────────────┐
 //!  │ Header   magic "SLUICE", layout version, slot count, size, slot size,       │
-//!  │          participant count, checksum of those; alloc lock; clock offset to  │
-//!  │          Redis; report clock; flush sequence                                │
+//!  │          participant count, checksum of those; segment id; alloc lock;      │
+//!  │          clock offset to Redis; report clock; flush sequence; key report    │
+//!  │          clock                                                              │
 //!  ├──────────────────────────────────────────────────────────────────────────────┤
 //!  │ Participants[1024]   generation + pid of each process (open) of the segment  │
 //!  ├──────────────────────────────────────────────────────────────────────────────┤
@@ -151,7 +152,11 @@ pub struct Header {
     slot_size: AtomicU64,
     checksum: AtomicU64,
     participants: AtomicU64,
-    _pad0: AtomicU64,
+    /// This file's own id: random, never 0, written when the file is created (or, for a file
+    /// an older build of this layout created, by the first open that finds 0). The key table
+    /// outlives a replaced segment; its entries carry this id, so a key entry is only ever
+    /// used by processes of the segment that claimed it (see `crate::keyed`).
+    pub segment_id: AtomicU64,
     /// Lock for claiming slots.
     pub alloc_lock: AtomicU64,
     /// Host clock minus Redis `TIME`, in µs (best recent measurement).
@@ -164,7 +169,10 @@ pub struct Header {
     pub host_report_ms: AtomicI64,
     /// Last flush sequence number of this host (host µs based, strictly increasing).
     pub flush_seq: AtomicU64,
-    _pad1: [AtomicU64; 2],
+    /// When this segment's processes last reported their key counters (host Unix ms), claimed
+    /// by CAS (`crate::keyed`; per segment, since the key table may be shared by two).
+    pub key_report_ms: AtomicI64,
+    _pad1: AtomicU64,
 }
 
 /// One participant (an open of the segment) in the participant table.
@@ -1181,6 +1189,11 @@ fn busy(w: u64, now_ms: i64) -> LockAttempt {
     }
 }
 
+/// A random segment id, never 0.
+fn random_id() -> u64 {
+    crate::client::random_u64().max(1)
+}
+
 /// Why a segment could not be opened.
 #[derive(Debug, thiserror::Error)]
 #[error("shared memory segment {path}: {source}")]
@@ -1417,7 +1430,19 @@ impl Segment {
             },
         };
         seg.me = seg.claim_participant()?;
+        // Under the open lock: a file of this layout made by a build without segment ids.
+        let _ = seg.header().segment_id.compare_exchange(
+            0,
+            random_id(),
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
         Ok(seg)
+    }
+
+    /// This file's own id (see [`Header::segment_id`]).
+    pub fn id(&self) -> u64 {
+        self.header().segment_id.load(Ordering::Acquire)
     }
 
     /// Takes an OFD lock on the first free participant byte and bumps its generation.
@@ -1539,6 +1564,7 @@ impl Segment {
             h.size.store(size, Ordering::Relaxed);
             h.slot_size.store(SLOT_SIZE as u64, Ordering::Relaxed);
             h.participants.store(PARTICIPANTS as u64, Ordering::Relaxed);
+            h.segment_id.store(random_id(), Ordering::Relaxed);
             h.checksum.store(
                 checksum([
                     MAGIC,

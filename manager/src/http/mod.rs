@@ -217,6 +217,7 @@ async fn metrics(State(s): State<AppState>, req: Request) -> impl IntoResponse {
 ///      (the read-only token                                                    → 403)
 ///    PUT/POST/PATCH whose content-type is not application/json                → 415
 ///  GET /api/v1/settings with --api-token set and neither token                 → 401
+///  GET /api/v1/tasks/{name}/keys with --api-token set and neither token       → 401
 ///  every other read: open
 /// ```
 async fn access(State(s): State<AppState>, req: Request, next: Next) -> Response {
@@ -241,10 +242,11 @@ async fn access(State(s): State<AppState>, req: Request, next: Next) -> Response
                 "this call needs Authorization: Bearer <token> (the manager runs with --api-token)",
             );
         }
-        if read && !is_reader && needs_token_to_read(req.uri().path()) {
-            return unauthorized(
-                "reading the settings needs Authorization: Bearer <token> (the manager runs with --api-token)",
-            );
+        if read
+            && !is_reader
+            && let Some(why) = needs_token_to_read(req.uri().path())
+        {
+            return unauthorized(why);
         }
     }
     if matches!(method, Method::PUT | Method::POST | Method::PATCH)
@@ -259,10 +261,23 @@ async fn access(State(s): State<AppState>, req: Request, next: Next) -> Response
     next.run(req).await
 }
 
-/// Reads that can expose secrets (webhook URLs are shown redacted, but the settings are still
-/// the operators' business).
-fn needs_token_to_read(path: &str) -> bool {
-    path.trim_end_matches('/') == "/api/v1/settings"
+/// Reads that can expose secrets: the settings (webhook URLs are shown redacted, but the
+/// settings are still the operators' business) and a task's busiest keys (client keys, in
+/// clear when the task opts in with `clear_keys`).
+/// The refusal, for a read that needs a token.
+fn needs_token_to_read(path: &str) -> Option<&'static str> {
+    let p = path.trim_end_matches('/');
+    if p == "/api/v1/settings" {
+        return Some(
+            "reading the settings needs Authorization: Bearer <token> (the manager runs with --api-token)",
+        );
+    }
+    p.strip_prefix("/api/v1/tasks/")
+        .and_then(|rest| rest.strip_suffix("/keys"))
+        .filter(|name| !name.is_empty() && !name.contains('/'))
+        .map(|_| {
+            "reading a task's keys needs Authorization: Bearer <token> (the manager runs with --api-token)"
+        })
 }
 
 fn bearer(req: &Request) -> Option<&str> {

@@ -161,7 +161,7 @@ impl Modify for AccessRules {
                     add(op, "415", "The body is not sent as application/json");
                     add(op, "413", "The body is larger than 2 MiB");
                 }
-                if read && super::needs_token_to_read(path) {
+                if read && super::needs_token_to_read(path).is_some() {
                     op.security = Some(vec![
                         SecurityRequirement::new::<_, [&str; 0], &str>(ADMIN, []),
                         SecurityRequirement::new::<_, [&str; 0], &str>(READER, []),
@@ -370,6 +370,10 @@ pub struct TaskSpecDoc {
     /// Keyed tasks: key → threshold (at most 1 000 entries).
     #[schema(required = false)]
     key_overrides: BTreeMap<String, u64>,
+    /// Keyed tasks only: store and show keys in clear (top keys, key slices). Default false:
+    /// keys are stored and shown as keyed digests (`#` + 32 hex digits).
+    #[schema(required = false)]
+    clear_keys: bool,
     #[schema(required = false)]
     shadow: bool,
     #[schema(required = false)]

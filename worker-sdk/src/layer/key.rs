@@ -92,6 +92,29 @@ impl KeyExtractor {
         Self::new("from_fn".into(), f)
     }
 
+    /// This extractor's key, hashed: the first 16 bytes of its SHA-256 as 32 hex digits.
+    /// Use it when the key is a credential (an API key, a session token): the key never
+    /// leaves the process as it came (not in the host's shared key table, not in Redis), yet
+    /// each credential still has its own limit. (The top keys the API shows are keyed digests
+    /// anyway unless the task sets `clear_keys`; see docs/sdk.md.)
+    ///
+    /// ```
+    /// use sluice::layer::KeyExtractor;
+    /// let k = KeyExtractor::header("x-api-key").hashed();
+    /// let (parts, ()) = http::Request::get("/").header("x-api-key", "sk_live_123").body(()).unwrap().into_parts();
+    /// let key = k.extract(&parts).unwrap();
+    /// assert_eq!(key.len(), 32);
+    /// assert!(!key.contains("sk_live"));
+    /// assert_eq!(key, sluice::protocol::key_digest("sk_live_123"));
+    /// ```
+    pub fn hashed(self) -> Self {
+        let what = format!("hashed({})", self.what);
+        let inner = self.f;
+        Self::new(what, move |p: &Parts| {
+            inner(p).map(|k| crate::protocol::key_digest(&k))
+        })
+    }
+
     fn new<F>(what: String, f: F) -> Self
     where
         F: Fn(&Parts) -> Option<String> + Send + Sync + 'static,
