@@ -33,8 +33,18 @@
 //!
 //! Invalid stored specs ([`TaskSnapshot::invalid`]) are neither rolled nor retired; they are
 //! reported as `invalid_spec` until fixed or deleted.
+//!
+//! # Deletions no leader saw
+//!
+//! The retire list is the roller's memory, which a new leadership starts without. So the
+//! roller keeps a registry of the tasks it rolls (`NS:tasks`): every task is added before its
+//! meta can be written (one `SADD` of the names not yet added this leadership) and removed
+//! after its retirement. A new leadership walks the registry, one `SSCAN` page of
+//! [`RECONCILE_PAGE`] names per tick: a name etcd does not hold whose meta is live joins the
+//! memory and is retired by the same fenced RETIRE as a deletion seen by the watch; a name
+//! whose meta is missing or a tombstone is only removed from the set.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -65,6 +75,10 @@ const CONCURRENCY: usize = 256;
 
 /// Bound on one script call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Registry members read per tick while a new leadership reconciles (one `SSCAN` page): a
+/// registry of 10,000 names is walked in about 20 ticks (10 s at the default tick).
+pub const RECONCILE_PAGE: usize = 500;
 
 /// A fence conflict is logged at most this often.
 const CONFLICT_LOG_EVERY: Duration = Duration::from_secs(30);
@@ -266,6 +280,10 @@ pub struct Roller {
     state: HashMap<String, TaskRollState>,
     conflicts: Vec<Conflict>,
     last_conflict_log: Option<Instant>,
+    /// Names known to be in the registry (`NS:tasks`) this leadership.
+    registered: HashSet<String>,
+    /// `SSCAN` cursor of the registry walk of this leadership; `None` once walked.
+    reconcile: Option<u64>,
 }
 
 /// What to do with a task this round.
@@ -301,6 +319,8 @@ impl Roller {
             state: HashMap::new(),
             conflicts: Vec::new(),
             last_conflict_log: None,
+            registered: HashSet::new(),
+            reconcile: Some(0),
         }
     }
 
@@ -412,6 +432,18 @@ impl Roller {
             etcd_revision.is_some_and(|r| n > r)
         };
 
+        // A new leadership first learns which tasks Redis holds that etcd no longer has
+        // (deleted while no leader ran): they join the tasks to retire below.
+        if let Some(cursor) = self.reconcile {
+            match self.reconcile_page(&conn, snap, cursor).await {
+                Ok(next) => self.reconcile = next,
+                Err(e) => {
+                    warn!(%e, "reconciling the task registry failed; will retry");
+                    stats.errors += 1;
+                }
+            }
+        }
+
         // Tasks gone from etcd: retire their meta (keeps the fence) and state, forget them.
         // A stored spec that fails validation is not gone: it is neither rolled nor retired.
         let gone: Vec<String> = self
@@ -435,6 +467,7 @@ impl Roller {
                     Ok(RetireOutcome::Retired) => {
                         info!(task = name, "task deleted: meta retired, state deleted");
                         self.state.remove(&name);
+                        self.unregister(&conn, &name).await;
                     }
                     // Kept in the state: retried next tick, taken over once stale.
                     Ok(RetireOutcome::Refused(refusal)) => {
@@ -461,6 +494,10 @@ impl Roller {
                 break;
             }
         }
+
+        // Every task is in the registry before its meta can be written (a failure is retried
+        // next tick; rolling goes on).
+        self.register(&conn, snap).await;
 
         let mut pending: Vec<(Arc<TaskEntry>, Attempt)> = snap
             .tasks
@@ -512,6 +549,8 @@ impl Roller {
                     Ok(RollOutcome::NeedFull) if !attempt.full => {
                         stats.healed += 1;
                         self.state.remove(name);
+                        // Redis lost the task, maybe the registry too: add it again.
+                        self.registered.remove(name);
                         pending.push((
                             entry,
                             Attempt {
@@ -591,6 +630,116 @@ impl Roller {
             .horizon_ahead
             .set(ahead.map_or(0.0, |ms| ms as f64 / 1000.0));
         Ok(stats)
+    }
+
+    /// Adds the tasks of `snap` not yet known to be registered to the registry (one `SADD`).
+    async fn register(&mut self, conn: &sluice_protocol::conn::RedisConn, snap: &TaskSnapshot) {
+        let new: Vec<&String> = snap
+            .tasks
+            .keys()
+            .filter(|n| !self.registered.contains(*n))
+            .collect();
+        if new.is_empty() {
+            return;
+        }
+        let mut c = conn.clone();
+        let mut cmd = redis::cmd("SADD");
+        cmd.arg(self.keys.task_registry()).arg(&new);
+        let call = cmd.query_async::<i64>(&mut c);
+        match tokio::time::timeout(CALL_TIMEOUT, call).await {
+            Ok(Ok(_)) => self.registered.extend(new.into_iter().cloned()),
+            Ok(Err(e)) => warn!(%e, "adding tasks to the registry failed; will retry"),
+            Err(_) => warn!("adding tasks to the registry timed out; will retry"),
+        }
+    }
+
+    /// Removes a retired task from the registry. A failure leaves the name for the next
+    /// leadership's walk, which finds it retired and removes it then.
+    async fn unregister(&mut self, conn: &sluice_protocol::conn::RedisConn, name: &str) {
+        self.registered.remove(name);
+        let mut c = conn.clone();
+        let mut cmd = redis::cmd("SREM");
+        cmd.arg(self.keys.task_registry()).arg(name);
+        let call = cmd.query_async::<i64>(&mut c);
+        if !matches!(tokio::time::timeout(CALL_TIMEOUT, call).await, Ok(Ok(_))) {
+            debug!(
+                task = name,
+                "removing a retired task from the registry failed"
+            );
+        }
+    }
+
+    /// One page of the registry walk of a new leadership: every registered name that etcd
+    /// does not hold (valid or invalid) and whose meta is live joins the roller's memory, so
+    /// the tick retires it like a task deleted under this leader (fenced by epoch and term);
+    /// one whose meta is missing or already a tombstone is only removed from the registry.
+    /// Returns the next cursor, `None` when the walk is complete.
+    async fn reconcile_page(
+        &mut self,
+        conn: &sluice_protocol::conn::RedisConn,
+        snap: &TaskSnapshot,
+        cursor: u64,
+    ) -> Result<Option<u64>> {
+        let mut c = conn.clone();
+        let mut cmd = redis::cmd("SSCAN");
+        cmd.arg(self.keys.task_registry())
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(RECONCILE_PAGE);
+        let call = cmd.query_async::<(u64, Vec<String>)>(&mut c);
+        let (next, names) = match tokio::time::timeout(CALL_TIMEOUT, call).await {
+            Ok(r) => r.map_err(redis_err("sscan registry"))?,
+            Err(_) => {
+                return Err(Error::Timeout {
+                    op: "sscan registry",
+                    after: CALL_TIMEOUT,
+                });
+            }
+        };
+        let orphans: Vec<String> = names
+            .into_iter()
+            .filter(|n| sluice_protocol::validate_task_name(n).is_ok())
+            .filter(|n| !snap.contains(n) && !self.state.contains_key(n))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        let keys = &self.keys;
+        let checked: Vec<(String, Result<bool>)> = futures::stream::iter(orphans)
+            .map(|name| {
+                let mut c = conn.clone();
+                async move {
+                    let mut cmd = redis::cmd("HMGET");
+                    cmd.arg(keys.meta(&name))
+                        .arg(sluice_protocol::meta_field::SLICE_MS)
+                        .arg(sluice_protocol::meta_field::RETIRED);
+                    let call = cmd.query_async::<(Option<String>, Option<String>)>(&mut c);
+                    let live = match tokio::time::timeout(CALL_TIMEOUT, call).await {
+                        Ok(Ok((slice_ms, retired))) => Ok(slice_ms.is_some() && retired.is_none()),
+                        Ok(Err(e)) => Err(redis_err("read meta")(e)),
+                        Err(_) => Err(Error::Timeout {
+                            op: "read meta",
+                            after: CALL_TIMEOUT,
+                        }),
+                    };
+                    (name, live)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        for (name, live) in checked {
+            match live? {
+                true => {
+                    info!(
+                        task = name,
+                        "task in Redis but not in etcd (deleted while no leader ran): retiring it"
+                    );
+                    self.state.insert(name, TaskRollState::default());
+                }
+                false => self.unregister(conn, &name).await,
+            }
+        }
+        Ok((next != 0).then_some(next))
     }
 
     /// Metrics, logs and alerts of the conflicts and invalid specs of this tick.

@@ -237,6 +237,13 @@ impl Keys {
         format!("{}:{{{task}}}:log", self.ns)
     }
 
+    /// `NS:tasks`: set of the task names the leader has rolled and not yet retired (added
+    /// before a task's meta is first written, removed after its retirement), so a new
+    /// leadership can retire tasks deleted from etcd while no leader ran. No hash tag: one key.
+    pub fn task_registry(&self) -> String {
+        format!("{}:tasks", self.ns)
+    }
+
     /// `NS:hosts`: host id → JSON with the host's clock offset to Redis `TIME`.
     pub fn hosts(&self) -> String {
         format!("{}:hosts", self.ns)
