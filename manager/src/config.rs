@@ -91,6 +91,11 @@ pub struct Cli {
     /// File holding the admin API token (instead of --api-token, kept out of the process list)
     #[arg(long, env = "SLUICE_API_TOKEN_FILE")]
     pub api_token_file: Option<PathBuf>,
+    /// Serve --listen beyond loopback without --api-token (anyone who reaches it can change
+    /// every task and setting)
+    #[arg(long, env = "SLUICE_INSECURE_LISTEN", num_args = 0..=1,
+          default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
+    pub insecure_listen: Option<bool>,
     /// Read-only API token: reads the settings, cannot change anything (needs --api-token)
     #[arg(long, env = "SLUICE_API_READ_TOKEN", hide_env_values = true)]
     pub api_read_token: Option<String>,
@@ -158,6 +163,7 @@ struct FileConfig {
     fence_stale_after: Option<String>,
     api_token: Option<String>,
     api_token_file: Option<PathBuf>,
+    insecure_listen: Option<bool>,
     api_read_token: Option<String>,
     api_read_token_file: Option<PathBuf>,
     webhook_allow_private: Option<bool>,
@@ -224,6 +230,8 @@ pub struct Config {
     pub api_token: Option<Token>,
     /// Read-only API token (`--api-read-token[-file]`): reads, including the settings.
     pub api_read_token: Option<Token>,
+    /// `--insecure-listen`: `listen` may be beyond loopback without an admin token.
+    pub insecure_listen: bool,
     /// `--webhook-allow-private`: webhooks may reach non-global addresses.
     pub webhook_allow_private: bool,
     /// `--webhook-ca`: extra trusted roots for https webhooks.
@@ -577,6 +585,22 @@ impl Config {
                     .or(file.api_read_token_file.clone()),
             ),
         )?;
+        let insecure_listen = cli
+            .insecure_listen
+            .or(file.insecure_listen)
+            .unwrap_or(false);
+        // Without a token anyone who reaches the listener changes every task and setting:
+        // beyond loopback only with a token, or when told so.
+        if api_token.is_none() && !insecure_listen && !listen.ip().is_loopback() {
+            return Err(err(
+                "listen",
+                format!(
+                    "{listen} is reachable beyond loopback and the manager has no --api-token: \
+                     set --api-token-file (or --api-token) to require a token, or \
+                     --insecure-listen (SLUICE_INSECURE_LISTEN=true) to serve it without one"
+                ),
+            ));
+        }
         if let Some(read) = &api_read_token {
             match &api_token {
                 None => {
@@ -617,6 +641,7 @@ impl Config {
             fence_stale_after,
             api_token,
             api_read_token,
+            insecure_listen,
             webhook_allow_private,
             webhook_ca,
             log_json,
@@ -779,6 +804,36 @@ mod tests {
             let e = parse(&args).unwrap_err();
             assert_eq!(e.flag, flag, "{args:?}: {e}");
             assert!(!e.to_string().contains("s3cret"), "{e}");
+        }
+    }
+
+    /// Issue 23 item 16: the API is not served beyond loopback without a token unless told so.
+    #[test]
+    fn a_listener_beyond_loopback_needs_a_token_or_the_flag() {
+        for addr in ["0.0.0.0:18080", "[::]:18080", "10.1.2.3:18080"] {
+            let e = parse(&["--node-id", "n1", "--listen", addr]).unwrap_err();
+            assert_eq!(e.flag, "listen", "{e}");
+            assert!(
+                e.message.contains("--api-token") && e.message.contains("--insecure-listen"),
+                "{e}"
+            );
+            let c = parse(&["--node-id", "n1", "--listen", addr, "--insecure-listen"]).unwrap();
+            assert!(c.insecure_listen);
+            parse(&["--node-id", "n1", "--listen", addr, "--api-token", "t0k3n"]).unwrap();
+            let e = parse(&[
+                "--node-id",
+                "n1",
+                "--listen",
+                addr,
+                "--insecure-listen=false",
+            ])
+            .unwrap_err();
+            assert_eq!(e.flag, "listen", "{e}");
+        }
+        // Loopback, v4 and v6, needs neither.
+        for addr in ["127.0.0.1:18080", "127.3.4.5:18080", "[::1]:18080"] {
+            let c = parse(&["--node-id", "n1", "--listen", addr]).unwrap();
+            assert!(!c.insecure_listen);
         }
     }
 
