@@ -427,6 +427,36 @@ impl ListenerTls {
     }
 }
 
+/// A TOML error as `line L, column C: what`, never quoting the file: the line at fault may
+/// hold the token or a Redis URL with its password (toml's `Display` shows the line). serde's
+/// "invalid type/value/length" messages name the value found (`integer \`12345\``, `string
+/// "…"`): that value is left out too. Key names (`unknown field \`nmespace\``) are kept.
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let at = e.span().map(|sp| {
+        let start = sp.start.min(text.len());
+        let before = &text[..start];
+        let line = before.matches('\n').count() + 1;
+        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        format!("line {line}, column {col}: ")
+    });
+    let mut msg = e.message().trim().to_string();
+    if msg.starts_with("invalid ")
+        && let Some(colon) = msg.find(": ")
+    {
+        let end = msg.rfind(", expected").unwrap_or(msg.len()).max(colon + 2);
+        // What kind of value it was (`integer`, `string`, `sequence`): the words before it.
+        let found = &msg[colon + 2..end];
+        let kind = found[..found.find(['`', '"', '\'']).unwrap_or(found.len())].trim();
+        msg = format!(
+            "{}: {kind}{}(value not shown){}",
+            &msg[..colon],
+            if kind.is_empty() { "" } else { " " },
+            &msg[end..]
+        );
+    }
+    format!("{}{}", at.unwrap_or_default(), msg.replace('\n', "; "))
+}
+
 fn duration(flag: &'static str, raw: &str) -> Result<Duration, ConfigError> {
     humantime::parse_duration(raw.trim()).map_err(|e| {
         err(
@@ -443,8 +473,12 @@ impl Config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
-                toml::from_str::<FileConfig>(&text)
-                    .map_err(|e| err("config", format!("{}: {e}", path.display())))?
+                toml::from_str::<FileConfig>(&text).map_err(|e| {
+                    err(
+                        "config",
+                        format!("{}: {}", path.display(), toml_error(&text, &e)),
+                    )
+                })?
             }
             None => FileConfig::default(),
         };
@@ -805,6 +839,45 @@ mod tests {
             assert_eq!(e.flag, flag, "{args:?}: {e}");
             assert!(!e.to_string().contains("s3cret"), "{e}");
         }
+    }
+
+    /// Issue 23 item 4: a TOML error never quotes the file's text: the line at fault may hold
+    /// the token or a Redis URL with its password. It says where (line, column) and what.
+    #[test]
+    fn file_errors_never_quote_the_file() {
+        let dir = tempfile_dir();
+        let f = dir.join("quoted.toml");
+        for text in [
+            "api_token = s3cret-unquoted\n",
+            "api_token = \"s3cret-quoted\nnamespace = \"n\"\n",
+            "redis = redis://u:s3cretpw@h:6379\n",
+            "api_token = [\"s3cret-in-a-list\"]\n",
+            "api_token = 5339\n",
+            "log_json = \"s3cret-for-a-bool\"\n",
+            "insecure_listen = \"s3cret\"\n",
+            "s3cret-bare-line\n",
+        ] {
+            std::fs::write(&f, text).unwrap();
+            let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
+            assert_eq!(e.flag, "config", "{e}");
+            let shown = e.to_string();
+            assert!(
+                !shown.contains("s3cret") && !shown.contains("5339"),
+                "{text:?}: {shown}"
+            );
+            assert!(shown.contains("line 1"), "{text:?}: {shown}");
+            assert!(
+                shown.contains(f.to_str().unwrap()),
+                "the file is named: {shown}"
+            );
+        }
+        // Unknown keys are still named (a key is no secret).
+        std::fs::write(&f, "\nnmespace = \"typo\"\n").unwrap();
+        let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
+        assert!(
+            e.message.contains("nmespace") && e.message.contains("line 2"),
+            "{e}"
+        );
     }
 
     /// Issue 23 item 16: the API is not served beyond loopback without a token unless told so.

@@ -4,7 +4,9 @@
 //!   `--listen`, `--api-token` and `--insecure-listen`) whether it comes as a flag, as
 //!   `SLUICE_LISTEN` (the shipped Dockerfile and compose file) or from a TOML file (the shipped
 //!   `deploy/manager.toml`); `--insecure-listen` (or `SLUICE_INSECURE_LISTEN=true`) or a token
-//!   file make it serve.
+//!   file make it serve;
+//! * a TOML error in `--config` names the file, the line and the column, never the text: the
+//!   line at fault may hold a token or a Redis password.
 
 use std::path::Path;
 use std::process::Command;
@@ -153,4 +155,37 @@ fn a_listener_beyond_loopback_needs_a_token_or_insecure_listen() {
         start(&["--listen", &probe], &[], &probe, dir.path()),
         "loopback",
     );
+}
+
+#[test]
+fn a_toml_error_never_quotes_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let probe = format!("127.0.0.1:{}", free_port());
+    let toml = dir.path().join("manager.toml");
+    for text in [
+        "api_token = Adm1n-s3cret-unquoted\n",
+        "redis = \"redis://sluice:Redis-s3cret@10.0.0.21:6379\nlisten = \"127.0.0.1:1\"\n",
+        "log_json = \"s3cret-where-a-bool-goes\"\n",
+    ] {
+        std::fs::write(&toml, text).unwrap();
+        match start(
+            &["--config", toml.to_str().unwrap()],
+            &[],
+            &probe,
+            dir.path(),
+        ) {
+            Outcome::Exited(code, log) => {
+                assert_eq!(code, 2, "{text:?}: {log}");
+                assert!(
+                    !log.contains("s3cret"),
+                    "{text:?}: the file is quoted: {log}"
+                );
+                assert!(
+                    log.contains("--config") && log.contains("line 1"),
+                    "{text:?}: {log}"
+                );
+            }
+            Outcome::Serving(log) => panic!("{text:?}: started:\n{log}"),
+        }
+    }
 }
