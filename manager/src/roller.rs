@@ -40,9 +40,10 @@
 //! roller keeps a registry of the tasks it rolls (`NS:tasks`): every task is added before its
 //! meta can be written (one `SADD` of the names not yet added this leadership) and removed
 //! after its retirement. A new leadership walks the registry, one `SSCAN` page of
-//! [`RECONCILE_PAGE`] names per tick: a name etcd does not hold whose meta is live joins the
-//! memory and is retired by the same fenced RETIRE as a deletion seen by the watch; a name
-//! whose meta is missing or a tombstone is only removed from the set.
+//! [`RECONCILE_PAGE`] names per tick: a name etcd does not hold whose meta is live and of this
+//! etcd's epoch joins the memory and is retired by the same fenced RETIRE as a deletion seen
+//! by the watch; a name whose meta is missing or a tombstone is only removed from the set; a
+//! live meta of another epoch (another manager cluster on the namespace) is left alone.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -435,7 +436,7 @@ impl Roller {
         // A new leadership first learns which tasks Redis holds that etcd no longer has
         // (deleted while no leader ran): they join the tasks to retire below.
         if let Some(cursor) = self.reconcile {
-            match self.reconcile_page(&conn, snap, cursor).await {
+            match self.reconcile_page(&conn, snap, ctx.epoch(), cursor).await {
                 Ok(next) => self.reconcile = next,
                 Err(e) => {
                     warn!(%e, "reconciling the task registry failed; will retry");
@@ -670,14 +671,18 @@ impl Roller {
     }
 
     /// One page of the registry walk of a new leadership: every registered name that etcd
-    /// does not hold (valid or invalid) and whose meta is live joins the roller's memory, so
-    /// the tick retires it like a task deleted under this leader (fenced by epoch and term);
-    /// one whose meta is missing or already a tombstone is only removed from the registry.
-    /// Returns the next cursor, `None` when the walk is complete.
+    /// does not hold (valid or invalid) and whose meta is live and was written by this etcd
+    /// cluster (`epoch`) joins the roller's memory, so the tick retires it like a task deleted
+    /// under this leader (fenced by epoch and term); one whose meta is missing or already a
+    /// tombstone is only removed from the registry. A live meta of another epoch (a second
+    /// manager cluster on the namespace, a fresh etcd) is left alone: that task was never in
+    /// this etcd, so its absence here says nothing. Returns the next cursor, `None` when the
+    /// walk is complete.
     async fn reconcile_page(
         &mut self,
         conn: &sluice_protocol::conn::RedisConn,
         snap: &TaskSnapshot,
+        epoch: u64,
         cursor: u64,
     ) -> Result<Option<u64>> {
         let mut c = conn.clone();
@@ -704,17 +709,29 @@ impl Roller {
             .into_iter()
             .collect();
         let keys = &self.keys;
-        let checked: Vec<(String, Result<bool>)> = futures::stream::iter(orphans)
+        let ours = epoch.to_string();
+        let ours = &ours;
+        let checked: Vec<(String, Result<Orphan>)> = futures::stream::iter(orphans)
             .map(|name| {
                 let mut c = conn.clone();
                 async move {
                     let mut cmd = redis::cmd("HMGET");
                     cmd.arg(keys.meta(&name))
                         .arg(sluice_protocol::meta_field::SLICE_MS)
-                        .arg(sluice_protocol::meta_field::RETIRED);
-                    let call = cmd.query_async::<(Option<String>, Option<String>)>(&mut c);
+                        .arg(sluice_protocol::meta_field::RETIRED)
+                        .arg(sluice_protocol::meta_field::EPOCH);
+                    type Row = (Option<String>, Option<String>, Option<String>);
+                    let call = cmd.query_async::<Row>(&mut c);
                     let live = match tokio::time::timeout(CALL_TIMEOUT, call).await {
-                        Ok(Ok((slice_ms, retired))) => Ok(slice_ms.is_some() && retired.is_none()),
+                        Ok(Ok((slice_ms, retired, stored))) => {
+                            Ok(match (slice_ms.is_some() && retired.is_none(), stored) {
+                                (false, _) => Orphan::Gone,
+                                // No epoch stored: written by protocol 1, as the fence reads it.
+                                (true, None) => Orphan::Ours,
+                                (true, Some(e)) if e == *ours => Orphan::Ours,
+                                (true, Some(_)) => Orphan::Foreign,
+                            })
+                        }
                         Ok(Err(e)) => Err(redis_err("read meta")(e)),
                         Err(_) => Err(Error::Timeout {
                             op: "read meta",
@@ -729,14 +746,20 @@ impl Roller {
             .await;
         for (name, live) in checked {
             match live? {
-                true => {
+                Orphan::Ours => {
                     info!(
                         task = name,
                         "task in Redis but not in etcd (deleted while no leader ran): retiring it"
                     );
                     self.state.insert(name, TaskRollState::default());
                 }
-                false => self.unregister(conn, &name).await,
+                Orphan::Gone => self.unregister(conn, &name).await,
+                Orphan::Foreign => {
+                    debug!(
+                        task = name,
+                        "registered by another etcd cluster; left alone"
+                    )
+                }
             }
         }
         Ok((next != 0).then_some(next))
@@ -840,6 +863,16 @@ impl Roller {
             present: invalid,
         });
     }
+}
+
+/// A registered name etcd does not hold, by what its meta says.
+enum Orphan {
+    /// Live, written by this etcd cluster: retire it.
+    Ours,
+    /// Missing or a tombstone: only drop it from the registry.
+    Gone,
+    /// Live, written by another etcd cluster: not ours to judge.
+    Foreign,
 }
 
 /// Sends one plan (in chunks of at most [`MAX_SLICES_PER_CALL`] slices).

@@ -137,3 +137,43 @@ async fn a_task_deleted_while_no_leader_runs_is_retired_by_the_next_leader() {
     let (s, v) = agent.decide(&json!({"task": "kept"})).await;
     assert_eq!((s, v["decision"].as_str()), (200, Some("allowed")), "{v}");
 }
+
+/// The registry is shared by every manager cluster on a namespace, so a leader of another etcd
+/// finds names its etcd never held. Those are not deletions: even once the first cluster has
+/// stopped and its fences are stale (so RETIRE would be allowed), the other cluster leaves its
+/// tasks live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leader_of_another_etcd_does_not_retire_tasks_it_never_had() {
+    let redis_url = shared_redis();
+    let ns = unique_ns("reconx");
+    let mut conn = redis_conn(&redis_url);
+    let stale = ("SLUICE_FENCE_STALE_AFTER".to_string(), "4s".to_string());
+
+    let mut o = ManagerOpts::new(&shared_etcd(), &redis_url, &ns, "a1");
+    o.env = vec![stale.clone()];
+    let mut a = Manager::start(o).await;
+    a.wait_leader().await;
+    let (s, v) = a
+        .put(
+            "/api/v1/tasks/first",
+            r#"{"threshold": 100, "slice_ms": 1000}"#,
+        )
+        .await;
+    assert_eq!(s, 201, "{v}");
+    a.wait_rolled("first").await;
+    a.proc.stop_with(libc::SIGTERM, Duration::from_secs(10));
+
+    let etcd_b = EtcdServer::start();
+    let mut o = ManagerOpts::new(&etcd_b.endpoint(), &redis_url, &ns, "b1");
+    o.env = vec![stale];
+    let b = Manager::start(o).await;
+    b.wait_leader().await;
+    // Past the fence's stale time, with the registry walked many times over.
+    tokio::time::sleep(Duration::from_secs(7)).await;
+    let meta = meta_fields(&mut conn, &ns, "first");
+    assert!(
+        !meta.contains_key("retired") && meta.contains_key("slice_ms"),
+        "the other cluster's task was retired: {meta:?}\n{}",
+        b.proc.log()
+    );
+}
