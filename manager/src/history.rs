@@ -60,7 +60,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use sluice_protocol::conn::{Redis, RedisConn};
 use sluice_protocol::scripts::{self, RecordOutcome, RingWrites};
-use sluice_protocol::{Keys, slice, slice_field, unix_ms};
+use sluice_protocol::{Keys, MAX_SLICE_MS, MIN_SLICE_MS, slice, slice_field, unix_ms};
 use tracing::{debug, warn};
 
 use crate::election::LeaderContext;
@@ -378,8 +378,9 @@ pub fn first_bucket(now_ms: i64, slice_ms: u64, retention: Duration, settle: Dur
     SECONDS.bucket(from.min(slice::start(now_ms, slice_ms)))
 }
 
-/// Reads the slices starting in `[from_ms, until_ms)` (at most `max` of them) with one
-/// pipeline; slices that do not exist are left out.
+/// Reads the slices starting in `[from_ms, until_ms)` on the grid of `slice_ms` (at most
+/// `max` of them) with one pipeline; slices that do not exist are left out. Each sample's
+/// length is the slice's own `len` (ROLL writes it), else `slice_ms`.
 pub async fn read_slices(
     conn: &mut RedisConn,
     keys: &Keys,
@@ -403,21 +404,33 @@ pub async fn read_slices(
             .arg(slice_field::CAP)
             .arg(slice_field::ADMITTED)
             .arg(slice_field::REJECTED)
-            .arg(slice_field::WOULD_REJECT);
+            .arg(slice_field::WOULD_REJECT)
+            .arg(slice_field::LEN);
     }
-    type Row = (Option<i64>, Option<i64>, Option<i64>, Option<i64>);
+    type Row = (
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+    );
     let rows: Vec<Row> = bounded("read slices", pipe.query_async(conn)).await?;
     Ok(starts
         .into_iter()
         .zip(rows)
-        .filter_map(|(start_ms, (cap, adm, rej, wrej))| {
+        .filter_map(|(start_ms, (cap, adm, rej, wrej, len))| {
             Some(SliceSample {
                 start_ms,
                 cap: cap?.max(0) as u64,
                 admitted: adm.unwrap_or(0).max(0) as u64,
                 rejected: rej.unwrap_or(0).max(0) as u64,
                 would_reject: wrej.unwrap_or(0).max(0) as u64,
-                slice_ms,
+                // The slice's own length (a key of an older grid whose start lies on this
+                // one keeps the length it ran with); the grid's for a slice without one.
+                slice_ms: len
+                    .map(|l| l as u64)
+                    .filter(|l| (MIN_SLICE_MS..=MAX_SLICE_MS).contains(l))
+                    .unwrap_or(slice_ms),
             })
         })
         .collect())

@@ -589,6 +589,9 @@ pub mod slice_field {
     pub const REM: &str = "rem";
     /// Term of the leader that wrote it.
     pub const TERM: &str = "term";
+    /// Length of this slice in ms (written by ROLL from the meta's `slice_ms`; absent in slices
+    /// written before it was: then the task's `slice_ms`). The traffic history reads it.
+    pub const LEN: &str = "len";
     /// Admitted decisions flushed by workers.
     pub const ADMITTED: &str = "adm";
     /// Rejected decisions flushed by workers.

@@ -454,3 +454,53 @@ async fn history_keeps_each_records_own_slice_length_across_a_change() {
         assert_eq!(e["threshold_per_s"].as_f64(), Some(5000.0), "{e}");
     }
 }
+
+/// A slice that ran on the old grid but is harvested after the `slice_ms` change keeps its own
+/// length: 5,000 admitted in a 1 s slice whose start lies on the new 2 s grid, the change made
+/// before the harvest reached it, is still 5,000/s (read with today's length it was 2,500/s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slice_harvested_after_a_length_change_keeps_its_length() {
+    let ns = unique_ns("histlate");
+    let redis_url = shared_redis();
+    let keys = Keys::new(&ns).unwrap();
+    let mut o = ManagerOpts::new(&shared_etcd(), &redis_url, &ns, "l1");
+    o.extra = vec!["--retention".into(), RETENTION.into()];
+    let m = Manager::start(o).await;
+    m.wait_leader().await;
+    let (st, body) = m
+        .put(
+            "/api/v1/tasks/t",
+            r#"{"threshold": 5000, "slice_ms": 1000}"#,
+        )
+        .await;
+    assert_eq!(st, 201, "{body}");
+    m.wait_rolled("t").await;
+    let mut c = redis(&redis_url).await;
+    // Just after an even second: the 1 s slices [e, e + 1 s) and [e + 1 s, e + 2 s) have
+    // ended, e lies on the 2 s grid, and the harvest (settle 2.5 s) has reached neither.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let e = loop {
+        let now = unix_ms();
+        if (50..300).contains(&now.rem_euclid(2000)) {
+            break slice::start(now, 2000) - 2000;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    flush(&mut c, &keys, "t", &[(e, 5000, 0)]).await;
+    let (st, body) = m
+        .put(
+            "/api/v1/tasks/t",
+            r#"{"threshold": 10000, "slice_ms": 2000}"#,
+        )
+        .await;
+    assert_eq!(st, 200, "{body}");
+    assert!(unix_ms() < e + 3_000, "too slow to beat the harvest; rerun");
+    wait_minute_totals(&m, "t", (5_000, 0)).await;
+    let h = m
+        .get_json("/api/v1/tasks/t/history?seconds=60")
+        .await
+        .expect("history");
+    let rec = entry(&h, e).unwrap_or_else(|| panic!("no entry for {e}: {h}"));
+    assert_eq!(rec["span_ms"].as_u64(), Some(1000), "{rec}");
+    assert_eq!(rec["admitted_per_s"].as_f64(), Some(5000.0), "{rec}");
+}
