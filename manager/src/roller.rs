@@ -44,6 +44,9 @@
 //! etcd's epoch joins the memory and is retired by the same fenced RETIRE as a deletion seen
 //! by the watch; a name whose meta is missing or a tombstone is only removed from the set; a
 //! live meta of another epoch (another manager cluster on the namespace) is left alone.
+//! Managers older than the registry never filled it, so the walk waits until the set holds
+//! [`REGISTRY_COMPLETE`]; a leadership that finds it missing first fills it from a `SCAN` of
+//! the metas ([`REGISTRY_SCAN_PAGE`] keys per tick; a single Redis server only).
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
@@ -80,6 +83,14 @@ const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// Registry members read per tick while a new leadership reconciles (one `SSCAN` page): a
 /// registry of 10,000 names is walked in about 20 ticks (10 s at the default tick).
 pub const RECONCILE_PAGE: usize = 500;
+
+/// Keys examined per tick by the one-time `SCAN` that fills a registry older managers did not
+/// keep (one page per tick: a keyspace of a million keys takes about 500 ticks, 4 minutes).
+pub const REGISTRY_SCAN_PAGE: usize = 1_000;
+
+/// The registry member that says it is complete (every task with a meta is in it): not a task
+/// name (names have 1 to 64 characters).
+pub const REGISTRY_COMPLETE: &str = "";
 
 /// A fence conflict is logged at most this often.
 const CONFLICT_LOG_EVERY: Duration = Duration::from_secs(30);
@@ -283,8 +294,22 @@ pub struct Roller {
     last_conflict_log: Option<Instant>,
     /// Names known to be in the registry (`NS:tasks`) this leadership.
     registered: HashSet<String>,
-    /// `SSCAN` cursor of the registry walk of this leadership; `None` once walked.
-    reconcile: Option<u64>,
+    /// Where the registry stands this leadership.
+    reconcile: Reconcile,
+}
+
+/// The registry's state in a leadership.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reconcile {
+    /// Not looked at yet: is it complete?
+    Unknown,
+    /// Being filled by a `SCAN` of the metas (cursor): managers before the registry never
+    /// filled it.
+    Filling(u64),
+    /// Being walked (`SSCAN` cursor).
+    Walking(u64),
+    /// Walked.
+    Done,
 }
 
 /// What to do with a task this round.
@@ -321,7 +346,7 @@ impl Roller {
             conflicts: Vec::new(),
             last_conflict_log: None,
             registered: HashSet::new(),
-            reconcile: Some(0),
+            reconcile: Reconcile::Unknown,
         }
     }
 
@@ -435,8 +460,8 @@ impl Roller {
 
         // A new leadership first learns which tasks Redis holds that etcd no longer has
         // (deleted while no leader ran): they join the tasks to retire below.
-        if let Some(cursor) = self.reconcile {
-            match self.reconcile_page(&conn, snap, ctx.epoch(), cursor).await {
+        if self.reconcile != Reconcile::Done {
+            match self.reconcile_step(&conn, snap, ctx.epoch()).await {
                 Ok(next) => self.reconcile = next,
                 Err(e) => {
                     warn!(%e, "reconciling the task registry failed; will retry");
@@ -670,6 +695,85 @@ impl Roller {
         }
     }
 
+    /// One step of a new leadership's reconciliation: learn whether the registry is complete,
+    /// else fill it with one page of a `SCAN` of the metas (a single Redis server only: on a
+    /// Redis Cluster a `SCAN` sees one node, so the registry is marked complete without it and
+    /// tasks only older managers rolled stay unknown, as docs/architecture.md says), then walk
+    /// it one page per tick.
+    async fn reconcile_step(
+        &mut self,
+        conn: &sluice_protocol::conn::RedisConn,
+        snap: &TaskSnapshot,
+        epoch: u64,
+    ) -> Result<Reconcile> {
+        let registry = self.keys.task_registry();
+        match self.reconcile {
+            Reconcile::Unknown => {
+                let mut c = conn.clone();
+                let mut cmd = redis::cmd("SISMEMBER");
+                cmd.arg(&registry).arg(REGISTRY_COMPLETE);
+                let complete: bool = bounded("read registry", cmd.query_async(&mut c)).await?;
+                let single = matches!(conn, sluice_protocol::conn::RedisConn::Single(_));
+                Ok(match (complete, single) {
+                    (true, _) => Reconcile::Walking(0),
+                    (false, true) => {
+                        info!(
+                            "task registry incomplete (older managers): filling it from the metas"
+                        );
+                        Reconcile::Filling(0)
+                    }
+                    (false, false) => {
+                        self.mark_complete(conn).await?;
+                        Reconcile::Walking(0)
+                    }
+                })
+            }
+            Reconcile::Filling(cursor) => {
+                let mut c = conn.clone();
+                let pattern = format!("{}:{{*}}:meta", self.keys.namespace());
+                let mut cmd = redis::cmd("SCAN");
+                cmd.arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(REGISTRY_SCAN_PAGE);
+                let (next, found): (u64, Vec<String>) =
+                    bounded("scan metas", cmd.query_async(&mut c)).await?;
+                let prefix = format!("{}:{{", self.keys.namespace());
+                let names: Vec<&str> = found
+                    .iter()
+                    .filter_map(|k| k.strip_prefix(&prefix)?.strip_suffix("}:meta"))
+                    .filter(|n| sluice_protocol::validate_task_name(n).is_ok())
+                    .collect();
+                if !names.is_empty() {
+                    let mut cmd = redis::cmd("SADD");
+                    cmd.arg(&registry).arg(&names);
+                    bounded::<i64>("fill registry", cmd.query_async(&mut c)).await?;
+                }
+                if next != 0 {
+                    return Ok(Reconcile::Filling(next));
+                }
+                self.mark_complete(conn).await?;
+                info!("task registry filled from the metas");
+                Ok(Reconcile::Walking(0))
+            }
+            Reconcile::Walking(cursor) => Ok(self
+                .reconcile_page(conn, snap, epoch, cursor)
+                .await?
+                .map_or(Reconcile::Done, Reconcile::Walking)),
+            Reconcile::Done => Ok(Reconcile::Done),
+        }
+    }
+
+    /// Adds [`REGISTRY_COMPLETE`] to the registry.
+    async fn mark_complete(&self, conn: &sluice_protocol::conn::RedisConn) -> Result<()> {
+        let mut c = conn.clone();
+        let mut cmd = redis::cmd("SADD");
+        cmd.arg(self.keys.task_registry()).arg(REGISTRY_COMPLETE);
+        bounded::<i64>("mark registry", cmd.query_async(&mut c)).await?;
+        Ok(())
+    }
+
     /// One page of the registry walk of a new leadership: every registered name that etcd
     /// does not hold (valid or invalid) and whose meta is live and was written by this etcd
     /// cluster (`epoch`) joins the roller's memory, so the tick retires it like a task deleted
@@ -862,6 +966,20 @@ impl Roller {
             scope: String::new(),
             present: invalid,
         });
+    }
+}
+
+/// `fut` bounded by [`CALL_TIMEOUT`], its error named `op`.
+async fn bounded<T>(
+    op: &'static str,
+    fut: impl Future<Output = redis::RedisResult<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(CALL_TIMEOUT, fut).await {
+        Ok(r) => r.map_err(redis_err(op)),
+        Err(_) => Err(Error::Timeout {
+            op,
+            after: CALL_TIMEOUT,
+        }),
     }
 }
 

@@ -177,3 +177,61 @@ async fn a_leader_of_another_etcd_does_not_retire_tasks_it_never_had() {
         b.proc.log()
     );
 }
+
+/// Managers older than the registry never filled `NS:tasks`: the first leadership that finds
+/// it incomplete fills it from a `SCAN` of the metas, so a task they rolled and that was
+/// deleted while no leader ran is retired too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_rolled_before_the_registry_existed_is_retired_too() {
+    let (etcd, redis_url) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("reconold");
+    let keys = Keys::new(&ns).unwrap();
+    let mut conn = redis_conn(&redis_url);
+
+    let mut m1 = Manager::start(ManagerOpts::new(&etcd, &redis_url, &ns, "m1")).await;
+    m1.wait_leader().await;
+    for name in ["old", "kept"] {
+        let (s, v) = m1
+            .put(
+                &format!("/api/v1/tasks/{name}"),
+                r#"{"threshold": 10, "slice_ms": 1000}"#,
+            )
+            .await;
+        assert_eq!(s, 201, "{v}");
+        m1.wait_rolled(name).await;
+    }
+    m1.proc.stop_with(libc::SIGTERM, Duration::from_secs(10));
+    // As an older manager leaves it: no registry at all.
+    let _: i64 = redis::cmd("DEL")
+        .arg(keys.task_registry())
+        .query(&mut conn)
+        .unwrap();
+    let mut etcd_client = etcd_client::Client::connect([etcd.as_str()], None)
+        .await
+        .expect("etcd");
+    etcd_client
+        .delete(keys.etcd_task("old"), None)
+        .await
+        .expect("etcd delete");
+
+    let m2 = Manager::start(ManagerOpts::new(&etcd, &redis_url, &ns, "m2")).await;
+    m2.wait_leader().await;
+    wait_until(
+        "the task rolled before the registry retired",
+        Duration::from_secs(15),
+        Duration::from_millis(100),
+        || {
+            let meta = meta_fields(&mut conn, &ns, "old");
+            async move { meta.contains_key("retired").then_some(()) }
+        },
+    )
+    .await;
+    assert!(!meta_fields(&mut conn, &ns, "kept").contains_key("retired"));
+    let members: Vec<String> = redis::cmd("SMEMBERS")
+        .arg(keys.task_registry())
+        .query(&mut conn)
+        .unwrap();
+    let mut members = members;
+    members.sort();
+    assert_eq!(members, ["", "kept"], "complete, with the live task only");
+}
