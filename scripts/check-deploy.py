@@ -5,10 +5,18 @@ scripts/check-deploy.sh with PyYAML installed; Python >= 3.11 for tomllib).
     check-deploy.py metrics            the metric names the code exports, one a line
     check-deploy.py grafana FILE       dashboard JSON parses; every sluice_* name is exported
     check-deploy.py rules FILE         every sluice_* name of the alert rules is exported
-    check-deploy.py k8s FILE...        probes, ports, selectors, mounts, env names, TOML keys
-    check-deploy.py compose FILE       services, depends_on, volumes, ports, env names
+    check-deploy.py k8s FILE...        probes, ports, selectors, mounts, env names, TOML keys,
+                                       listeners and tokens, network policies
+    check-deploy.py compose FILE       services, depends_on, volumes, ports, env names, secrets,
+                                       listeners and tokens
     check-deploy.py env FILE...        systemd environment files: syntax and env names
-    check-deploy.py toml FILE...       example TOML configs: keys the binaries accept
+    check-deploy.py toml FILE...       example TOML configs: keys the binaries accept, listeners
+                                       and tokens
+
+"Listeners and tokens": a configuration that puts a listener beyond loopback also gives the
+binary a token (or says insecure_listen), else the binary refuses to start. "Network
+policies": every pod template is selected by a NetworkPolicy of type Ingress, every ingress
+rule names its sources (`from`) and its ports, and every named port exists on the pods.
 
 Names "the code exports" are read from manager/src/metrics.rs and agent/src/metrics.rs (every
 registry.register call, its prefix and its type: a counter gets _total, a histogram _bucket,
@@ -16,6 +24,7 @@ _sum and _count); env names and TOML keys from the clap definitions in */src/con
 Every problem is printed as `FILE: what` and makes the exit code 1.
 """
 
+import ipaddress
 import json
 import re
 import sys
@@ -114,6 +123,42 @@ def check_toml(where: str, text: str, binary: str) -> None:
     for key in doc:
         if key not in toml_keys(binary):
             bad(where, f"key {key!r} is not a setting of sluice-{binary}")
+
+
+# Listener settings (TOML names) of each binary and their defaults (docs/operations.md,
+# docs/agent.md).
+LISTENERS = {"manager": {"listen": "127.0.0.1:8080"},
+             "agent": {"grpc_listen": "127.0.0.1:8081", "http_listen": "127.0.0.1:8082"}}
+
+
+def is_loopback(addr: str) -> bool:
+    host = str(addr).rsplit(":", 1)[0].strip("[]")
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # the binaries take IP addresses only: not loopback, and refused anyway
+
+
+def truthy(v) -> bool:
+    return v is True or str(v).lower() in ("true", "1", "yes", "on")
+
+
+def check_listeners(where: str, binary: str, settings: dict) -> None:
+    """`settings`: TOML-style keys (listen, api_token_file, …) → values, as the binary sees them."""
+    if settings.get("api_token") or settings.get("api_token_file") or truthy(settings.get("insecure_listen")):
+        return
+    for key, default in LISTENERS[binary].items():
+        addr = settings.get(key, default)
+        if not is_loopback(addr):
+            bad(where, f"{key} {addr} is beyond loopback without api_token_file or insecure_listen: "
+                       f"sluice-{binary} refuses to start")
+
+
+def env_settings(binary: str, env: dict) -> dict:
+    """SLUICE_* environment → TOML-style keys of `binary`."""
+    prefix = "SLUICE_AGENT_" if binary == "agent" else "SLUICE_"
+    return {k[len(prefix):].lower(): v for k, v in env.items()
+            if k.startswith(prefix) and (binary == "agent" or not k.startswith("SLUICE_AGENT_"))}
 
 
 SLUICE_NAME = re.compile(r"\bsluice_[a-z0-9_]+")
@@ -220,6 +265,44 @@ def check_pod(where: str, spec: dict, configmaps: dict[str, dict]) -> None:
             bad(cw, "no resources.requests")
 
 
+def label_selects(selector: dict, labels: dict) -> bool:
+    """A LabelSelector (matchLabels only; {} selects everything) against labels."""
+    if selector.get("matchExpressions"):
+        return True  # not evaluated here: assume it selects
+    return all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items())
+
+
+def check_network_policies(docs: list, pods: list) -> None:
+    """`pods`: (where, labels, named ports, namespace) of every pod template."""
+    policies = [(p, d) for p, d in docs if d.get("kind") == "NetworkPolicy"]
+    for path, doc in policies:
+        meta, spec = doc.get("metadata", {}), doc.get("spec", {})
+        where = f"{path}: NetworkPolicy/{meta.get('name')}"
+        selected = [p for p in pods if p[3] == meta.get("namespace")
+                    and label_selects(spec.get("podSelector", {}), p[1])]
+        if not selected:
+            bad(where, f"podSelector {spec.get('podSelector')} selects no pod template of these manifests")
+        for i, rule in enumerate(spec.get("ingress", []) or []):
+            if not rule.get("from"):
+                bad(where, f"ingress[{i}] has no `from`: it admits every source")
+            for peer in rule.get("from", []) or []:
+                if peer.get("ipBlock", {}).get("cidr") in ("0.0.0.0/0", "::/0"):
+                    bad(where, f"ingress[{i}] admits {peer['ipBlock']['cidr']}")
+            if not rule.get("ports"):
+                bad(where, f"ingress[{i}] has no `ports`: it admits every port")
+            for port in rule.get("ports", []) or []:
+                name = port.get("port")
+                if isinstance(name, str) and selected and not all(name in p[2] for p in selected):
+                    bad(where, f"ingress[{i}] port {name!r} is not a named port of every selected pod")
+    for pwhere, labels, _, ns in pods:
+        covering = [d for _, d in policies
+                    if d["metadata"].get("namespace") == ns
+                    and "Ingress" in (d["spec"].get("policyTypes") or ["Ingress"])
+                    and label_selects(d["spec"].get("podSelector", {}), labels)]
+        if not covering:
+            bad(pwhere, "no NetworkPolicy of type Ingress selects these pods: every pod may connect")
+
+
 def cmd_k8s(paths: list[str]) -> None:
     docs = []
     for path in paths:
@@ -228,6 +311,7 @@ def cmd_k8s(paths: list[str]) -> None:
                 docs.append((path, doc))
     configmaps = {d["metadata"]["name"]: d for _, d in docs if d.get("kind") == "ConfigMap"}
     pods = []  # (labels, named ports, namespace)
+    policy_pods = []  # (where, labels, named ports, namespace)
     for path, doc in docs:
         where = f"{path}: {doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
         spec = pod_spec(doc)
@@ -239,6 +323,8 @@ def cmd_k8s(paths: list[str]) -> None:
             check_pod(where, spec, configmaps)
             names = {p.get("name") for c in spec["containers"] for p in c.get("ports", [])}
             pods.append((labels, names, doc["metadata"].get("namespace")))
+            policy_pods.append((where, labels, names, doc["metadata"].get("namespace")))
+            check_pod_listeners(where, spec, configmaps)
         if doc.get("kind") == "ConfigMap":
             for key, text in doc.get("data", {}).items():
                 if key.endswith(".toml"):
@@ -259,6 +345,37 @@ def cmd_k8s(paths: list[str]) -> None:
                     tp = port.get("targetPort")
                     if isinstance(tp, str) and not any(tp in p[1] for p in matching):
                         bad(where, f"targetPort {tp!r} is not a named port of the selected pods")
+
+
+    check_network_policies(docs, policy_pods)
+
+
+def check_pod_listeners(where: str, spec: dict, configmaps: dict[str, dict]) -> None:
+    """Each sluice container's settings as it sees them: its TOML (--config, from a ConfigMap),
+    then the environment (envFrom ConfigMaps, env) on top."""
+    for c in spec.get("containers", []):
+        image = str(c.get("image", ""))
+        binary = "agent" if "sluice-agent" in image else "manager" if "sluice-manager" in image else None
+        if binary is None:
+            continue
+        settings: dict = {}
+        args = c.get("args", [])
+        if "--config" in args:
+            cfg = args[args.index("--config") + 1]
+            for vol in spec.get("volumes", []):
+                cm = configmaps.get(vol.get("configMap", {}).get("name"), {})
+                text = cm.get("data", {}).get(Path(cfg).name)
+                if text is not None:
+                    try:
+                        settings.update(tomllib.loads(text))
+                    except tomllib.TOMLDecodeError:
+                        pass  # reported by check_toml
+        env: dict = {}
+        for ef in c.get("envFrom", []):
+            env.update(configmaps.get(ef.get("configMapRef", {}).get("name"), {}).get("data", {}))
+        env.update({e["name"]: e.get("value", "(from a reference)") for e in c.get("env", [])})
+        settings.update(env_settings(binary, env))
+        check_listeners(f"{where}: container {c['name']}", binary, settings)
 
 
 # ---------------------------------------------------------------- compose
@@ -293,6 +410,15 @@ def cmd_compose(path: str) -> None:
         env = svc.get("environment", {})
         for key in env if isinstance(env, dict) else [e.split("=", 1)[0] for e in env]:
             check_env_name(where, key)
+        for sec in svc.get("secrets", []):
+            src = sec if isinstance(sec, str) else sec.get("source")
+            if src not in (doc.get("secrets") or {}):
+                bad(where, f"secret {src!r} is not declared under secrets:")
+        build = svc.get("build", {})
+        target = build.get("target") if isinstance(build, dict) else None
+        binary = target if target in ("manager", "agent") else None
+        if binary and isinstance(env, dict):
+            check_listeners(where, binary, env_settings(binary, env))
         if "healthcheck" in svc and "test" not in svc["healthcheck"]:
             bad(where, "healthcheck without test")
         deps_healthy = [d for d, c in (deps.items() if isinstance(deps, dict) else [])
@@ -332,6 +458,10 @@ def cmd_toml(paths: list[str]) -> None:
         binary = "agent" if "agent" in Path(path).name else "manager"
         text = Path(path).read_text()
         check_toml(path, text, binary)
+        try:
+            check_listeners(path, binary, tomllib.loads(text))
+        except tomllib.TOMLDecodeError:
+            pass  # reported by check_toml
         # Commented-out examples (`# key = value`) must name real settings too.
         for n, line in enumerate(text.splitlines(), 1):
             m = re.match(r"^#\s*([a-z_]+)\s*=\s*\S", line)

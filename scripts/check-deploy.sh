@@ -2,11 +2,14 @@
 # Validates the deployment kit in deploy/ (docs/deploy.md, "What is validated here"):
 #   hadolint on deploy/Dockerfile · every Kubernetes manifest against its schema
 #   (kubernetes-validate --strict, Kubernetes 1.30.0 and 1.37.0) and cross-checked (probe
-#   paths and ports, selectors, mounts, env names, TOML keys) · promtool check rules + test
+#   paths and ports, selectors, mounts, env names, TOML keys, listeners beyond loopback only
+#   with a token, a NetworkPolicy of type Ingress over every pod template with sources and
+#   ports named in each rule) · promtool check rules + test
 #   rules · systemd-analyze verify on copies of the units (ExecStart pointed at /bin/true:
 #   the binaries are not installed here), any complaint counts · the compose file against the
 #   Compose Specification schema (check-jsonschema's vendored copy; no Docker needed) and
-#   cross-checked (services, volumes, ports, env names) · the Grafana JSON parsed, and every
+#   cross-checked (services, volumes, ports, env names, secrets, listeners and tokens) · the
+#   example TOML files' keys and listeners · the Grafana JSON parsed, and every
 #   sluice_* name of the dashboard and the rules checked against the names the code exports.
 # Installs what it needs: apt packages (as root) for promtool and systemd-analyze, PyPI
 # packages (pinned) into an ignored venv, target/deploy-venv (SLUICE_DEPLOY_VENV to move it).

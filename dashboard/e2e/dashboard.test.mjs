@@ -334,6 +334,53 @@ describe('dashboard', () => {
     }
   });
 
+  test('history keeps the rate of slices from before a slice-length change', T, async () => {
+    // Issue 23 item 17: 5,000 admitted per 1 s slice, then slice_ms 2,000 with 10,000 per 2 s
+    // slice: 5,000/s throughout. Drawn at today's 2 s length, the old seconds showed 2,500/s.
+    const ns = uniqueNs('uilen');
+    const redis = need('SLUICE_TEST_REDIS');
+    const m = await manager({ ns, nodeId: 'len1', extra: ['--retention', '8s'] });
+    const p = await page();
+    const threshold = async () => (await call(m.url, 'GET', '/api/v1/tasks/len')).body.status?.effective_threshold;
+    // Counts as workers flush them (FLUSH adds adm to the slice hash).
+    const flush = (start, n) => redisCli(redis, 'HINCRBY', `${ns}:{len}:s:${start}`, 'adm', String(n));
+    const minuteTotal = async () => {
+      const r = await call(m.url, 'GET', '/api/v1/tasks/len/history?seconds=1200&resolution=1m');
+      return (r.body.slices ?? []).reduce((a, e) => a + e.admitted, 0);
+    };
+    try {
+      assert.equal((await call(m.url, 'PUT', '/api/v1/tasks/len', { threshold: 5000, slice_ms: 1000 })).status, 201);
+      await waitFor('1 s slices rolled', async () => (await threshold()) === 5000);
+      const s0 = Math.floor(Date.now() / 1000) * 1000;
+      for (const s of [s0, s0 + 1000, s0 + 2000]) flush(s, 5000);
+      await waitFor('the 1 s slices harvested', async () => (await minuteTotal()) === 15000, { timeout: 30000, every: 250 });
+
+      assert.equal((await call(m.url, 'PUT', '/api/v1/tasks/len', { threshold: 10000, slice_ms: 2000 })).status, 200);
+      await waitFor('2 s slices rolled', async () => (await threshold()) === 10000);
+      const s1 = Math.floor(Date.now() / 2000) * 2000 + 2000;
+      await waitFor('the next 2 s slice written', async () => redisCli(redis, 'EXISTS', `${ns}:{len}:s:${s1}`) === '1');
+      flush(s1, 10000);
+      await waitFor('the 2 s slice harvested', async () => (await minuteTotal()) === 25000, { timeout: 30000, every: 250 });
+
+      await p.goto(`${m.url}/tasks/len`);
+      const chart = p.getByTestId('history-chart');
+      await chart.waitFor();
+      await waitFor('every point drawn', async () => (await chart.getAttribute('data-admitted-total')) === '25000', {
+        timeout: 30000,
+        every: 250,
+      });
+      // Each point with traffic is 5,000/s at its own slice length: none above, none below.
+      assert.equal(await chart.getAttribute('data-peak-admitted-per-s'), '5000');
+      assert.equal(await chart.getAttribute('data-low-admitted-per-s'), '5000', 'the 1 s seconds drawn at the 2 s length');
+      const h = (await call(m.url, 'GET', '/api/v1/tasks/len/history?seconds=300')).body;
+      const rates = h.slices.filter((e) => e.admitted > 0).map((e) => e.admitted_per_s);
+      assert.deepEqual(rates, [5000, 5000, 5000, 5000], JSON.stringify(h.slices));
+      assert.deepEqual(p.errors, []);
+    } finally {
+      await cleanup([m], [p]);
+    }
+  });
+
   test('shadow mode and pacing through the form; would-rejects on the task page', T, async () => {
     const ns = uniqueNs('uishadow');
     const m = await manager({ ns, nodeId: 's1' });

@@ -111,6 +111,15 @@ export interface HistoryEntry {
   /** Shadow mode: the part of `rejected` that was admitted. */
   would_reject?: number;
   slice_count?: number;
+  /** Mean length of the record's own slices (ms), what they were when they ran; null or
+   * absent from a manager without it (then the task's slice_ms now is all there is). */
+  slice_ms?: number | null;
+  /** Time the record's slices cover (ms). */
+  span_ms?: number | null;
+  admitted_per_s?: number | null;
+  rejected_per_s?: number | null;
+  would_reject_per_s?: number | null;
+  threshold_per_s?: number | null;
 }
 
 export interface History {

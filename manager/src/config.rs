@@ -91,6 +91,11 @@ pub struct Cli {
     /// File holding the admin API token (instead of --api-token, kept out of the process list)
     #[arg(long, env = "SLUICE_API_TOKEN_FILE")]
     pub api_token_file: Option<PathBuf>,
+    /// Serve --listen beyond loopback without --api-token (anyone who reaches it can change
+    /// every task and setting)
+    #[arg(long, env = "SLUICE_INSECURE_LISTEN", num_args = 0..=1,
+          default_missing_value = "true", value_parser = clap::builder::BoolishValueParser::new())]
+    pub insecure_listen: Option<bool>,
     /// Read-only API token: reads the settings, cannot change anything (needs --api-token)
     #[arg(long, env = "SLUICE_API_READ_TOKEN", hide_env_values = true)]
     pub api_read_token: Option<String>,
@@ -158,6 +163,7 @@ struct FileConfig {
     fence_stale_after: Option<String>,
     api_token: Option<String>,
     api_token_file: Option<PathBuf>,
+    insecure_listen: Option<bool>,
     api_read_token: Option<String>,
     api_read_token_file: Option<PathBuf>,
     webhook_allow_private: Option<bool>,
@@ -224,6 +230,8 @@ pub struct Config {
     pub api_token: Option<Token>,
     /// Read-only API token (`--api-read-token[-file]`): reads, including the settings.
     pub api_read_token: Option<Token>,
+    /// `--insecure-listen`: `listen` may be beyond loopback without an admin token.
+    pub insecure_listen: bool,
     /// `--webhook-allow-private`: webhooks may reach non-global addresses.
     pub webhook_allow_private: bool,
     /// `--webhook-ca`: extra trusted roots for https webhooks.
@@ -419,6 +427,36 @@ impl ListenerTls {
     }
 }
 
+/// A TOML error as `line L, column C: what`, never quoting the file: the line at fault may
+/// hold the token or a Redis URL with its password (toml's `Display` shows the line). serde's
+/// "invalid type/value/length" messages name the value found (`integer \`12345\``, `string
+/// "…"`): that value is left out too. Key names (`unknown field \`nmespace\``) are kept.
+fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let at = e.span().map(|sp| {
+        let start = sp.start.min(text.len());
+        let before = &text[..start];
+        let line = before.matches('\n').count() + 1;
+        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
+        format!("line {line}, column {col}: ")
+    });
+    let mut msg = e.message().trim().to_string();
+    if msg.starts_with("invalid ")
+        && let Some(colon) = msg.find(": ")
+    {
+        let end = msg.rfind(", expected").unwrap_or(msg.len()).max(colon + 2);
+        // What kind of value it was (`integer`, `string`, `sequence`): the words before it.
+        let found = &msg[colon + 2..end];
+        let kind = found[..found.find(['`', '"', '\'']).unwrap_or(found.len())].trim();
+        msg = format!(
+            "{}: {kind}{}(value not shown){}",
+            &msg[..colon],
+            if kind.is_empty() { "" } else { " " },
+            &msg[end..]
+        );
+    }
+    format!("{}{}", at.unwrap_or_default(), msg.replace('\n', "; "))
+}
+
 fn duration(flag: &'static str, raw: &str) -> Result<Duration, ConfigError> {
     humantime::parse_duration(raw.trim()).map_err(|e| {
         err(
@@ -435,8 +473,12 @@ impl Config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
-                toml::from_str::<FileConfig>(&text)
-                    .map_err(|e| err("config", format!("{}: {e}", path.display())))?
+                toml::from_str::<FileConfig>(&text).map_err(|e| {
+                    err(
+                        "config",
+                        format!("{}: {}", path.display(), toml_error(&text, &e)),
+                    )
+                })?
             }
             None => FileConfig::default(),
         };
@@ -577,6 +619,22 @@ impl Config {
                     .or(file.api_read_token_file.clone()),
             ),
         )?;
+        let insecure_listen = cli
+            .insecure_listen
+            .or(file.insecure_listen)
+            .unwrap_or(false);
+        // Without a token anyone who reaches the listener changes every task and setting:
+        // beyond loopback only with a token, or when told so.
+        if api_token.is_none() && !insecure_listen && !listen.ip().is_loopback() {
+            return Err(err(
+                "listen",
+                format!(
+                    "{listen} is reachable beyond loopback and the manager has no --api-token: \
+                     set --api-token-file (or --api-token) to require a token, or \
+                     --insecure-listen (SLUICE_INSECURE_LISTEN=true) to serve it without one"
+                ),
+            ));
+        }
         if let Some(read) = &api_read_token {
             match &api_token {
                 None => {
@@ -617,6 +675,7 @@ impl Config {
             fence_stale_after,
             api_token,
             api_read_token,
+            insecure_listen,
             webhook_allow_private,
             webhook_ca,
             log_json,
@@ -779,6 +838,75 @@ mod tests {
             let e = parse(&args).unwrap_err();
             assert_eq!(e.flag, flag, "{args:?}: {e}");
             assert!(!e.to_string().contains("s3cret"), "{e}");
+        }
+    }
+
+    /// Issue 23 item 4: a TOML error never quotes the file's text: the line at fault may hold
+    /// the token or a Redis URL with its password. It says where (line, column) and what.
+    #[test]
+    fn file_errors_never_quote_the_file() {
+        let dir = tempfile_dir();
+        let f = dir.join("quoted.toml");
+        for text in [
+            "api_token = s3cret-unquoted\n",
+            "api_token = \"s3cret-quoted\nnamespace = \"n\"\n",
+            "redis = redis://u:s3cretpw@h:6379\n",
+            "api_token = [\"s3cret-in-a-list\"]\n",
+            "api_token = 5339\n",
+            "log_json = \"s3cret-for-a-bool\"\n",
+            "insecure_listen = \"s3cret\"\n",
+            "s3cret-bare-line\n",
+        ] {
+            std::fs::write(&f, text).unwrap();
+            let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
+            assert_eq!(e.flag, "config", "{e}");
+            let shown = e.to_string();
+            assert!(
+                !shown.contains("s3cret") && !shown.contains("5339"),
+                "{text:?}: {shown}"
+            );
+            assert!(shown.contains("line 1"), "{text:?}: {shown}");
+            assert!(
+                shown.contains(f.to_str().unwrap()),
+                "the file is named: {shown}"
+            );
+        }
+        // Unknown keys are still named (a key is no secret).
+        std::fs::write(&f, "\nnmespace = \"typo\"\n").unwrap();
+        let e = parse(&["--config", f.to_str().unwrap()]).unwrap_err();
+        assert!(
+            e.message.contains("nmespace") && e.message.contains("line 2"),
+            "{e}"
+        );
+    }
+
+    /// Issue 23 item 16: the API is not served beyond loopback without a token unless told so.
+    #[test]
+    fn a_listener_beyond_loopback_needs_a_token_or_the_flag() {
+        for addr in ["0.0.0.0:18080", "[::]:18080", "10.1.2.3:18080"] {
+            let e = parse(&["--node-id", "n1", "--listen", addr]).unwrap_err();
+            assert_eq!(e.flag, "listen", "{e}");
+            assert!(
+                e.message.contains("--api-token") && e.message.contains("--insecure-listen"),
+                "{e}"
+            );
+            let c = parse(&["--node-id", "n1", "--listen", addr, "--insecure-listen"]).unwrap();
+            assert!(c.insecure_listen);
+            parse(&["--node-id", "n1", "--listen", addr, "--api-token", "t0k3n"]).unwrap();
+            let e = parse(&[
+                "--node-id",
+                "n1",
+                "--listen",
+                addr,
+                "--insecure-listen=false",
+            ])
+            .unwrap_err();
+            assert_eq!(e.flag, "listen", "{e}");
+        }
+        // Loopback, v4 and v6, needs neither.
+        for addr in ["127.0.0.1:18080", "127.3.4.5:18080", "[::1]:18080"] {
+            let c = parse(&["--node-id", "n1", "--listen", addr]).unwrap();
+            assert!(!c.insecure_listen);
         }
     }
 

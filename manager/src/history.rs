@@ -5,25 +5,29 @@
 //! # Layout
 //!
 //! ```text
-//!  NS:{T}:hist:1s   string, 3 600 slots × 40 B = 144 KB: one record per second, kept 1 h
-//!  NS:{T}:hist:1m   string, 10 080 slots × 40 B = 403 KB: one record per minute, kept 7 days
+//!  NS:{T}:hist:1s   string, 3 600 slots × 48 B = 173 KB: one record per second, kept 1 h
+//!  NS:{T}:hist:1m   string, 10 080 slots × 48 B = 484 KB: one record per minute, kept 7 days
 //!
-//!  record, little-endian (40 bytes):
-//!  ┌──────────────────────┬────────────┬─────────────┬─────────────┬─────────────┬──────────────┐
-//!  │ tag u32 = start_ms/1000 │ slices u32 │ cap_sum u64 │ admitted u64│ rejected u64│ would_rej u64│
-//!  └──────────────────────┴────────────┴─────────────┴─────────────┴─────────────┴──────────────┘
-//!  slot = (start_ms / resolution) mod slots; byte offset = slot × 40
+//!  record, little-endian (48 bytes):
+//!  ┌─────────────────────────┬────────────┬─────────────┬──────────────┬──────────────┬───────────────┬─────────────┐
+//!  │ tag u32 = start_ms/1000 │ slices u32 │ cap_sum u64 │ admitted u64 │ rejected u64 │ would_rej u64 │ span_ms u64 │
+//!  └─────────────────────────┴────────────┴─────────────┴──────────────┴──────────────┴───────────────┴─────────────┘
+//!  slot = (start_ms / resolution) mod slots; byte offset = slot × 48
 //!
-//!  (Records were 32 bytes, without would_reject, before shadow mode: rings written by an
-//!  older manager read as empty after the upgrade, since the tags at the new offsets do not
-//!  match, and are rewritten within the settle time from the slices still in Redis.)
+//!  (Records were 32 bytes, without would_reject, before shadow mode, and 40 bytes, without
+//!  span_ms, before issue 23: rings written by an older manager read as empty after the
+//!  upgrade, since the tags at the new offsets do not match, and are rewritten within the
+//!  settle time from the slices still in Redis.)
 //! ```
 //!
 //! A record sums the slices that *start* in its bucket: `slices` of them, whose caps add up to
-//! `cap_sum`. Only buckets that saw traffic (admitted or rejected) are written, so a task that
+//! `cap_sum` and whose lengths add up to `span_ms`. The record carries its own slice lengths
+//! because a task's `slice_ms` changes: a second that ran 5,000 admitted in one 1 s slice is
+//! 5,000/s (`admitted × 1000 / span_ms`), whatever the slice length is today; dividing by the
+//! current length (2 s) would draw it at 2,500/s. Only buckets that saw traffic (admitted or rejected) are written, so a task that
 //! never sees traffic has no history keys at all, and an idle stretch of a busy task reads as
 //! no records (the threshold of idle slices is not kept). A slot whose tag is not the bucket asked for holds an older lap of the ring (or
-//! nothing): it reads as empty. Memory per task is therefore bounded (547 KB at most, whatever
+//! nothing): it reads as empty. Memory per task is therefore bounded (657 KB at most, whatever
 //! the traffic; none for a task that never had traffic), writes are `SETRANGE` in place, reads are one or two `GETRANGE`s, and the
 //! history survives a leader failover because it lives in Redis. Both keys share the task's
 //! hash tag, so they sit in the task's Redis Cluster slot; they expire when no longer written,
@@ -56,7 +60,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt;
 use sluice_protocol::conn::{Redis, RedisConn};
 use sluice_protocol::scripts::{self, RecordOutcome, RingWrites};
-use sluice_protocol::{Keys, slice, slice_field, unix_ms};
+use sluice_protocol::{Keys, MAX_SLICE_MS, MIN_SLICE_MS, slice, slice_field, unix_ms};
 use tracing::{debug, warn};
 
 use crate::election::LeaderContext;
@@ -65,7 +69,7 @@ use crate::metrics::Metrics;
 use crate::tasks::{TaskSnapshot, TaskStore};
 
 /// Size of one encoded [`Record`].
-pub const RECORD_BYTES: usize = 40;
+pub const RECORD_BYTES: usize = 48;
 
 /// Most slices read for one task in one tick (a new leader catching up on 100 ms slices reads
 /// its backlog over several ticks).
@@ -180,6 +184,8 @@ pub struct Record {
     pub rejected: u64,
     /// Shadow mode: the part of `rejected` that was admitted (`wrej`).
     pub would_reject: u64,
+    /// Sum of their lengths (ms): the time their counts cover.
+    pub span_ms: u64,
 }
 
 impl Record {
@@ -188,7 +194,7 @@ impl Record {
     /// ```
     /// use sluice_manager::history::Record;
     /// let r = Record { start_ms: 0, slices: 4, cap_sum: 402, admitted: 0, rejected: 0,
-    ///                    would_reject: 0 };
+    ///                    would_reject: 0, span_ms: 1_000 };
     /// assert_eq!(r.threshold(), 101);
     /// ```
     pub fn threshold(&self) -> u64 {
@@ -199,6 +205,33 @@ impl Record {
         }
     }
 
+    /// The mean length of its slices (ms), or None for a record without lengths.
+    ///
+    /// ```
+    /// use sluice_manager::history::Record;
+    /// let r = Record { start_ms: 0, slices: 4, span_ms: 1_000, ..Record::default() };
+    /// assert_eq!(r.slice_ms(), Some(250));
+    /// ```
+    pub fn slice_ms(&self) -> Option<u64> {
+        (self.slices > 0 && self.span_ms > 0).then(|| self.span_ms / u64::from(self.slices))
+    }
+
+    /// Per-second rate of `count` over the time this record's slices cover (two decimals), or
+    /// None for a record without lengths.
+    ///
+    /// ```
+    /// use sluice_manager::history::Record;
+    /// // One 1 s slice with 5,000 admitted: 5,000/s; one 2 s slice with 5,000: 2,500/s.
+    /// let r = Record { start_ms: 0, slices: 1, admitted: 5_000, span_ms: 1_000, ..Record::default() };
+    /// assert_eq!(r.per_s(r.admitted), Some(5_000.0));
+    /// let r = Record { span_ms: 2_000, ..r };
+    /// assert_eq!(r.per_s(r.admitted), Some(2_500.0));
+    /// ```
+    pub fn per_s(&self, count: u64) -> Option<f64> {
+        (self.span_ms > 0)
+            .then(|| (count as f64 * 1000.0 / self.span_ms as f64 * 100.0).round() / 100.0)
+    }
+
     /// Adds another record's counts to this one.
     pub fn add(&mut self, o: &Record) {
         self.slices = self.slices.saturating_add(o.slices);
@@ -206,9 +239,10 @@ impl Record {
         self.admitted = self.admitted.saturating_add(o.admitted);
         self.rejected = self.rejected.saturating_add(o.rejected);
         self.would_reject = self.would_reject.saturating_add(o.would_reject);
+        self.span_ms = self.span_ms.saturating_add(o.span_ms);
     }
 
-    /// The 32-byte encoding (see the module docs).
+    /// The 48-byte encoding (see the module docs).
     pub fn encode(&self) -> [u8; RECORD_BYTES] {
         let mut b = [0u8; RECORD_BYTES];
         let tag = (self.start_ms / 1000).clamp(0, i64::from(u32::MAX)) as u32;
@@ -218,6 +252,7 @@ impl Record {
         b[16..24].copy_from_slice(&self.admitted.to_le_bytes());
         b[24..32].copy_from_slice(&self.rejected.to_le_bytes());
         b[32..40].copy_from_slice(&self.would_reject.to_le_bytes());
+        b[40..48].copy_from_slice(&self.span_ms.to_le_bytes());
         b
     }
 
@@ -226,10 +261,11 @@ impl Record {
     ///
     /// ```
     /// use sluice_manager::history::Record;
-    /// let r = Record { start_ms: 1_700_000_000_000, slices: 1, cap_sum: 5, admitted: 3, rejected: 1, would_reject: 1 };
+    /// let r = Record { start_ms: 1_700_000_000_000, slices: 1, cap_sum: 5, admitted: 3, rejected: 1,
+    ///                  would_reject: 1, span_ms: 1_000 };
     /// assert_eq!(Record::decode(&r.encode(), r.start_ms), Some(r));
     /// assert_eq!(Record::decode(&r.encode(), r.start_ms - 3_600_000), None);
-    /// assert_eq!(Record::decode(&[0; 40], r.start_ms), None);
+    /// assert_eq!(Record::decode(&[0; 48], r.start_ms), None);
     /// ```
     pub fn decode(b: &[u8], start_ms: i64) -> Option<Self> {
         let b: &[u8; RECORD_BYTES] = b.get(..RECORD_BYTES)?.try_into().ok()?;
@@ -251,6 +287,7 @@ impl Record {
             admitted: u64_at(16),
             rejected: u64_at(24),
             would_reject: u64_at(32),
+            span_ms: u64_at(40),
         })
     }
 }
@@ -268,6 +305,8 @@ pub struct SliceSample {
     pub rejected: u64,
     /// Shadow mode: the part of `rejected` that was admitted (`wrej`).
     pub would_reject: u64,
+    /// Its length (the task's `slice_ms` of the grid it was read on).
+    pub slice_ms: u64,
 }
 
 /// Sums slices into the buckets of `series` (by slice start).
@@ -275,10 +314,11 @@ pub struct SliceSample {
 /// ```
 /// use sluice_manager::history::{aggregate, SliceSample, SECONDS};
 /// let s = |start_ms, admitted| SliceSample { start_ms, cap: 10, admitted, rejected: 0,
-///                                           would_reject: 0 };
+///                                           would_reject: 0, slice_ms: 500 };
 /// let r = aggregate(&[s(1_000, 1), s(1_500, 2), s(2_000, 4)], SECONDS);
 /// assert_eq!(r[&1_000].admitted, 3);
 /// assert_eq!(r[&1_000].slices, 2);
+/// assert_eq!(r[&1_000].span_ms, 1_000);
 /// assert_eq!(r[&2_000].cap_sum, 10);
 /// ```
 pub fn aggregate(samples: &[SliceSample], series: Series) -> BTreeMap<i64, Record> {
@@ -297,6 +337,7 @@ pub fn aggregate(samples: &[SliceSample], series: Series) -> BTreeMap<i64, Recor
                 admitted: s.admitted,
                 rejected: s.rejected,
                 would_reject: s.would_reject,
+                span_ms: s.slice_ms,
             });
     }
     out
@@ -337,8 +378,9 @@ pub fn first_bucket(now_ms: i64, slice_ms: u64, retention: Duration, settle: Dur
     SECONDS.bucket(from.min(slice::start(now_ms, slice_ms)))
 }
 
-/// Reads the slices starting in `[from_ms, until_ms)` (at most `max` of them) with one
-/// pipeline; slices that do not exist are left out.
+/// Reads the slices starting in `[from_ms, until_ms)` on the grid of `slice_ms` (at most
+/// `max` of them) with one pipeline; slices that do not exist are left out. Each sample's
+/// length is the slice's own `len` (ROLL writes it), else `slice_ms`.
 pub async fn read_slices(
     conn: &mut RedisConn,
     keys: &Keys,
@@ -362,20 +404,33 @@ pub async fn read_slices(
             .arg(slice_field::CAP)
             .arg(slice_field::ADMITTED)
             .arg(slice_field::REJECTED)
-            .arg(slice_field::WOULD_REJECT);
+            .arg(slice_field::WOULD_REJECT)
+            .arg(slice_field::LEN);
     }
-    type Row = (Option<i64>, Option<i64>, Option<i64>, Option<i64>);
+    type Row = (
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+        Option<i64>,
+    );
     let rows: Vec<Row> = bounded("read slices", pipe.query_async(conn)).await?;
     Ok(starts
         .into_iter()
         .zip(rows)
-        .filter_map(|(start_ms, (cap, adm, rej, wrej))| {
+        .filter_map(|(start_ms, (cap, adm, rej, wrej, len))| {
             Some(SliceSample {
                 start_ms,
                 cap: cap?.max(0) as u64,
                 admitted: adm.unwrap_or(0).max(0) as u64,
                 rejected: rej.unwrap_or(0).max(0) as u64,
                 would_reject: wrej.unwrap_or(0).max(0) as u64,
+                // The slice's own length (a key of an older grid whose start lies on this
+                // one keeps the length it ran with); the grid's for a slice without one.
+                slice_ms: len
+                    .map(|l| l as u64)
+                    .filter(|l| (MIN_SLICE_MS..=MAX_SLICE_MS).contains(l))
+                    .unwrap_or(slice_ms),
             })
         })
         .collect())
@@ -741,6 +796,7 @@ mod tests {
             admitted,
             rejected,
             would_reject: 0,
+            slice_ms: 100,
         }
     }
 
@@ -753,6 +809,7 @@ mod tests {
             admitted: u64::MAX / 3,
             rejected: 7,
             would_reject: 5,
+            span_ms: 60_000,
         };
         assert_eq!(Record::decode(&r.encode(), r.start_ms), Some(r));
         assert_eq!(r.threshold(), 1_000_000_000_000);
@@ -765,11 +822,16 @@ mod tests {
             .collect();
         let secs = aggregate(&samples, SECONDS);
         assert_eq!(secs.len(), 120);
-        assert!(secs.values().all(|r| r.slices == 10 && r.admitted == 30));
+        assert!(
+            secs.values()
+                .all(|r| r.slices == 10 && r.admitted == 30 && r.span_ms == 1_000)
+        );
         let mins = aggregate(&samples, MINUTES);
         assert_eq!(mins.len(), 2);
         assert_eq!(mins[&60_000].admitted, 1_800);
         assert_eq!(mins[&60_000].threshold(), 10);
+        assert_eq!(mins[&60_000].span_ms, 60_000);
+        assert_eq!(mins[&60_000].per_s(mins[&60_000].admitted), Some(30.0));
     }
 
     #[test]
@@ -848,7 +910,7 @@ mod tests {
         assert_eq!(w.len(), 3);
         assert_eq!(
             w[0],
-            (3_598 * 40, [recs[0].encode(), recs[1].encode()].concat())
+            (3_598 * 48, [recs[0].encode(), recs[1].encode()].concat())
         );
         assert_eq!(w[1].0, 0);
     }

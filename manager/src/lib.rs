@@ -110,6 +110,13 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
                 "webhook trust roots (--webhook-ca, SSL_CERT_FILE): {e}"
             ))
         })?;
+    if cfg.insecure_listen && cfg.api_token.is_none() && !cfg.listen.ip().is_loopback() {
+        warn!(
+            listen = %cfg.listen,
+            "--insecure-listen: the API is served beyond loopback without a token; anyone who \
+             reaches it can change every task and setting"
+        );
+    }
     if cfg.webhook_allow_private {
         warn!(
             "--webhook-allow-private: webhooks may reach loopback, private and link-local addresses"

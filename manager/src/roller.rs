@@ -33,8 +33,22 @@
 //!
 //! Invalid stored specs ([`TaskSnapshot::invalid`]) are neither rolled nor retired; they are
 //! reported as `invalid_spec` until fixed or deleted.
+//!
+//! # Deletions no leader saw
+//!
+//! The retire list is the roller's memory, which a new leadership starts without. So the
+//! roller keeps a registry of the tasks it rolls (`NS:tasks`): every task is added before its
+//! meta can be written (one `SADD` of the names not yet added this leadership) and removed
+//! after its retirement. A new leadership walks the registry, one `SSCAN` page of
+//! [`RECONCILE_PAGE`] names per tick: a name etcd does not hold whose meta is live and of this
+//! etcd's epoch joins the memory and is retired by the same fenced RETIRE as a deletion seen
+//! by the watch; a name whose meta is missing or a tombstone is only removed from the set; a
+//! live meta of another epoch (another manager cluster on the namespace) is left alone.
+//! Managers older than the registry never filled it, so the walk waits until the set holds
+//! [`REGISTRY_COMPLETE`]; a leadership that finds it missing first fills it from a `SCAN` of
+//! the metas ([`REGISTRY_SCAN_PAGE`] keys per tick; a single Redis server only).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -65,6 +79,18 @@ const CONCURRENCY: usize = 256;
 
 /// Bound on one script call.
 const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Registry members read per tick while a new leadership reconciles (one `SSCAN` page): a
+/// registry of 10,000 names is walked in about 20 ticks (10 s at the default tick).
+pub const RECONCILE_PAGE: usize = 500;
+
+/// Keys examined per tick by the one-time `SCAN` that fills a registry older managers did not
+/// keep (one page per tick: a keyspace of a million keys takes about 500 ticks, 4 minutes).
+pub const REGISTRY_SCAN_PAGE: usize = 1_000;
+
+/// The registry member that says it is complete (every task with a meta is in it): not a task
+/// name (names have 1 to 64 characters).
+pub const REGISTRY_COMPLETE: &str = "";
 
 /// A fence conflict is logged at most this often.
 const CONFLICT_LOG_EVERY: Duration = Duration::from_secs(30);
@@ -269,6 +295,24 @@ pub struct Roller {
     /// The namespace's key-label secret, written into the meta of keyed tasks that do not
     /// show their keys in clear (`None`: not loaded; the SDKs then store bare digests).
     key_secret: Option<sluice_protocol::KeySecret>,
+    /// Names known to be in the registry (`NS:tasks`) this leadership.
+    registered: HashSet<String>,
+    /// Where the registry stands this leadership.
+    reconcile: Reconcile,
+}
+
+/// The registry's state in a leadership.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Reconcile {
+    /// Not looked at yet: is it complete?
+    Unknown,
+    /// Being filled by a `SCAN` of the metas (cursor): managers before the registry never
+    /// filled it.
+    Filling(u64),
+    /// Being walked (`SSCAN` cursor).
+    Walking(u64),
+    /// Walked.
+    Done,
 }
 
 /// What to do with a task this round.
@@ -305,6 +349,8 @@ impl Roller {
             conflicts: Vec::new(),
             last_conflict_log: None,
             key_secret: None,
+            registered: HashSet::new(),
+            reconcile: Reconcile::Unknown,
         }
     }
 
@@ -422,6 +468,18 @@ impl Roller {
             etcd_revision.is_some_and(|r| n > r)
         };
 
+        // A new leadership first learns which tasks Redis holds that etcd no longer has
+        // (deleted while no leader ran): they join the tasks to retire below.
+        if self.reconcile != Reconcile::Done {
+            match self.reconcile_step(&conn, snap, ctx.epoch()).await {
+                Ok(next) => self.reconcile = next,
+                Err(e) => {
+                    warn!(%e, "reconciling the task registry failed; will retry");
+                    stats.errors += 1;
+                }
+            }
+        }
+
         // Tasks gone from etcd: retire their meta (keeps the fence) and state, forget them.
         // A stored spec that fails validation is not gone: it is neither rolled nor retired.
         let gone: Vec<String> = self
@@ -445,6 +503,7 @@ impl Roller {
                     Ok(RetireOutcome::Retired) => {
                         info!(task = name, "task deleted: meta retired, state deleted");
                         self.state.remove(&name);
+                        self.unregister(&conn, &name).await;
                     }
                     // Kept in the state: retried next tick, taken over once stale.
                     Ok(RetireOutcome::Refused(refusal)) => {
@@ -471,6 +530,10 @@ impl Roller {
                 break;
             }
         }
+
+        // Every task is in the registry before its meta can be written (a failure is retried
+        // next tick; rolling goes on).
+        self.register(&conn, snap).await;
 
         let mut pending: Vec<(Arc<TaskEntry>, Attempt)> = snap
             .tasks
@@ -532,6 +595,8 @@ impl Roller {
                     Ok(RollOutcome::NeedFull) if !attempt.full => {
                         stats.healed += 1;
                         self.state.remove(name);
+                        // Redis lost the task, maybe the registry too: add it again.
+                        self.registered.remove(name);
                         pending.push((
                             entry,
                             Attempt {
@@ -611,6 +676,217 @@ impl Roller {
             .horizon_ahead
             .set(ahead.map_or(0.0, |ms| ms as f64 / 1000.0));
         Ok(stats)
+    }
+
+    /// Adds the tasks of `snap` not yet known to be registered to the registry (one `SADD`).
+    async fn register(&mut self, conn: &sluice_protocol::conn::RedisConn, snap: &TaskSnapshot) {
+        let new: Vec<&String> = snap
+            .tasks
+            .keys()
+            .filter(|n| !self.registered.contains(*n))
+            .collect();
+        if new.is_empty() {
+            return;
+        }
+        let mut c = conn.clone();
+        let mut cmd = redis::cmd("SADD");
+        cmd.arg(self.keys.task_registry()).arg(&new);
+        let call = cmd.query_async::<i64>(&mut c);
+        match tokio::time::timeout(CALL_TIMEOUT, call).await {
+            Ok(Ok(_)) => self.registered.extend(new.into_iter().cloned()),
+            Ok(Err(e)) => warn!(%e, "adding tasks to the registry failed; will retry"),
+            Err(_) => warn!("adding tasks to the registry timed out; will retry"),
+        }
+    }
+
+    /// Removes a retired task from the registry. A failure leaves the name for the next
+    /// leadership's walk, which finds it retired and removes it then.
+    async fn unregister(&mut self, conn: &sluice_protocol::conn::RedisConn, name: &str) {
+        self.registered.remove(name);
+        let mut c = conn.clone();
+        let mut cmd = redis::cmd("SREM");
+        cmd.arg(self.keys.task_registry()).arg(name);
+        let call = cmd.query_async::<i64>(&mut c);
+        if !matches!(tokio::time::timeout(CALL_TIMEOUT, call).await, Ok(Ok(_))) {
+            debug!(
+                task = name,
+                "removing a retired task from the registry failed"
+            );
+        }
+    }
+
+    /// One step of a new leadership's reconciliation: learn whether the registry is complete,
+    /// else fill it with one page of a `SCAN` of the metas (a single Redis server only: on a
+    /// Redis Cluster a `SCAN` sees one node, so the registry is marked complete without it and
+    /// tasks only older managers rolled stay unknown, as docs/architecture.md says), then walk
+    /// it one page per tick.
+    async fn reconcile_step(
+        &mut self,
+        conn: &sluice_protocol::conn::RedisConn,
+        snap: &TaskSnapshot,
+        epoch: u64,
+    ) -> Result<Reconcile> {
+        let registry = self.keys.task_registry();
+        match self.reconcile {
+            Reconcile::Unknown => {
+                let mut c = conn.clone();
+                let mut cmd = redis::cmd("SISMEMBER");
+                cmd.arg(&registry).arg(REGISTRY_COMPLETE);
+                let complete: bool = bounded("read registry", cmd.query_async(&mut c)).await?;
+                let single = matches!(conn, sluice_protocol::conn::RedisConn::Single(_));
+                Ok(match (complete, single) {
+                    (true, _) => Reconcile::Walking(0),
+                    (false, true) => {
+                        info!(
+                            "task registry incomplete (older managers): filling it from the metas"
+                        );
+                        Reconcile::Filling(0)
+                    }
+                    (false, false) => {
+                        self.mark_complete(conn).await?;
+                        Reconcile::Walking(0)
+                    }
+                })
+            }
+            Reconcile::Filling(cursor) => {
+                let mut c = conn.clone();
+                let pattern = format!("{}:{{*}}:meta", self.keys.namespace());
+                let mut cmd = redis::cmd("SCAN");
+                cmd.arg(cursor)
+                    .arg("MATCH")
+                    .arg(&pattern)
+                    .arg("COUNT")
+                    .arg(REGISTRY_SCAN_PAGE);
+                let (next, found): (u64, Vec<String>) =
+                    bounded("scan metas", cmd.query_async(&mut c)).await?;
+                let prefix = format!("{}:{{", self.keys.namespace());
+                let names: Vec<&str> = found
+                    .iter()
+                    .filter_map(|k| k.strip_prefix(&prefix)?.strip_suffix("}:meta"))
+                    .filter(|n| sluice_protocol::validate_task_name(n).is_ok())
+                    .collect();
+                if !names.is_empty() {
+                    let mut cmd = redis::cmd("SADD");
+                    cmd.arg(&registry).arg(&names);
+                    bounded::<i64>("fill registry", cmd.query_async(&mut c)).await?;
+                }
+                if next != 0 {
+                    return Ok(Reconcile::Filling(next));
+                }
+                self.mark_complete(conn).await?;
+                info!("task registry filled from the metas");
+                Ok(Reconcile::Walking(0))
+            }
+            Reconcile::Walking(cursor) => Ok(self
+                .reconcile_page(conn, snap, epoch, cursor)
+                .await?
+                .map_or(Reconcile::Done, Reconcile::Walking)),
+            Reconcile::Done => Ok(Reconcile::Done),
+        }
+    }
+
+    /// Adds [`REGISTRY_COMPLETE`] to the registry.
+    async fn mark_complete(&self, conn: &sluice_protocol::conn::RedisConn) -> Result<()> {
+        let mut c = conn.clone();
+        let mut cmd = redis::cmd("SADD");
+        cmd.arg(self.keys.task_registry()).arg(REGISTRY_COMPLETE);
+        bounded::<i64>("mark registry", cmd.query_async(&mut c)).await?;
+        Ok(())
+    }
+
+    /// One page of the registry walk of a new leadership: every registered name that etcd
+    /// does not hold (valid or invalid) and whose meta is live and was written by this etcd
+    /// cluster (`epoch`) joins the roller's memory, so the tick retires it like a task deleted
+    /// under this leader (fenced by epoch and term); one whose meta is missing or already a
+    /// tombstone is only removed from the registry. A live meta of another epoch (a second
+    /// manager cluster on the namespace, a fresh etcd) is left alone: that task was never in
+    /// this etcd, so its absence here says nothing. Returns the next cursor, `None` when the
+    /// walk is complete.
+    async fn reconcile_page(
+        &mut self,
+        conn: &sluice_protocol::conn::RedisConn,
+        snap: &TaskSnapshot,
+        epoch: u64,
+        cursor: u64,
+    ) -> Result<Option<u64>> {
+        let mut c = conn.clone();
+        let mut cmd = redis::cmd("SSCAN");
+        cmd.arg(self.keys.task_registry())
+            .arg(cursor)
+            .arg("COUNT")
+            .arg(RECONCILE_PAGE);
+        let call = cmd.query_async::<(u64, Vec<String>)>(&mut c);
+        let (next, names) = match tokio::time::timeout(CALL_TIMEOUT, call).await {
+            Ok(r) => r.map_err(redis_err("sscan registry"))?,
+            Err(_) => {
+                return Err(Error::Timeout {
+                    op: "sscan registry",
+                    after: CALL_TIMEOUT,
+                });
+            }
+        };
+        let orphans: Vec<String> = names
+            .into_iter()
+            .filter(|n| sluice_protocol::validate_task_name(n).is_ok())
+            .filter(|n| !snap.contains(n) && !self.state.contains_key(n))
+            .collect::<HashSet<_>>()
+            .into_iter()
+            .collect();
+        let keys = &self.keys;
+        let ours = epoch.to_string();
+        let ours = &ours;
+        let checked: Vec<(String, Result<Orphan>)> = futures::stream::iter(orphans)
+            .map(|name| {
+                let mut c = conn.clone();
+                async move {
+                    let mut cmd = redis::cmd("HMGET");
+                    cmd.arg(keys.meta(&name))
+                        .arg(sluice_protocol::meta_field::SLICE_MS)
+                        .arg(sluice_protocol::meta_field::RETIRED)
+                        .arg(sluice_protocol::meta_field::EPOCH);
+                    type Row = (Option<String>, Option<String>, Option<String>);
+                    let call = cmd.query_async::<Row>(&mut c);
+                    let live = match tokio::time::timeout(CALL_TIMEOUT, call).await {
+                        Ok(Ok((slice_ms, retired, stored))) => {
+                            Ok(match (slice_ms.is_some() && retired.is_none(), stored) {
+                                (false, _) => Orphan::Gone,
+                                // No epoch stored: written by protocol 1, as the fence reads it.
+                                (true, None) => Orphan::Ours,
+                                (true, Some(e)) if e == *ours => Orphan::Ours,
+                                (true, Some(_)) => Orphan::Foreign,
+                            })
+                        }
+                        Ok(Err(e)) => Err(redis_err("read meta")(e)),
+                        Err(_) => Err(Error::Timeout {
+                            op: "read meta",
+                            after: CALL_TIMEOUT,
+                        }),
+                    };
+                    (name, live)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+        for (name, live) in checked {
+            match live? {
+                Orphan::Ours => {
+                    info!(
+                        task = name,
+                        "task in Redis but not in etcd (deleted while no leader ran): retiring it"
+                    );
+                    self.state.insert(name, TaskRollState::default());
+                }
+                Orphan::Gone => self.unregister(conn, &name).await,
+                Orphan::Foreign => {
+                    debug!(
+                        task = name,
+                        "registered by another etcd cluster; left alone"
+                    )
+                }
+            }
+        }
+        Ok((next != 0).then_some(next))
     }
 
     /// Metrics, logs and alerts of the conflicts and invalid specs of this tick.
@@ -727,6 +1003,30 @@ fn key_fields(
         v.push((KEY_SECRET, s.expose().to_string()));
     }
     v
+}
+
+/// `fut` bounded by [`CALL_TIMEOUT`], its error named `op`.
+async fn bounded<T>(
+    op: &'static str,
+    fut: impl Future<Output = redis::RedisResult<T>>,
+) -> Result<T> {
+    match tokio::time::timeout(CALL_TIMEOUT, fut).await {
+        Ok(r) => r.map_err(redis_err(op)),
+        Err(_) => Err(Error::Timeout {
+            op,
+            after: CALL_TIMEOUT,
+        }),
+    }
+}
+
+/// A registered name etcd does not hold, by what its meta says.
+enum Orphan {
+    /// Live, written by this etcd cluster: retire it.
+    Ours,
+    /// Missing or a tombstone: only drop it from the registry.
+    Gone,
+    /// Live, written by another etcd cluster: not ours to judge.
+    Foreign,
 }
 
 /// Sends one plan (in chunks of at most [`MAX_SLICES_PER_CALL`] slices).

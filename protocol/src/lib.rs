@@ -311,6 +311,13 @@ impl Keys {
         format!("{}:{{{task}}}:log", self.ns)
     }
 
+    /// `NS:tasks`: set of the task names the leader has rolled and not yet retired (added
+    /// before a task's meta is first written, removed after its retirement), so a new
+    /// leadership can retire tasks deleted from etcd while no leader ran. No hash tag: one key.
+    pub fn task_registry(&self) -> String {
+        format!("{}:tasks", self.ns)
+    }
+
     /// `NS:hosts`: host id → JSON with the host's clock offset to Redis `TIME`.
     pub fn hosts(&self) -> String {
         format!("{}:hosts", self.ns)
@@ -666,6 +673,9 @@ pub mod slice_field {
     pub const REM: &str = "rem";
     /// Term of the leader that wrote it.
     pub const TERM: &str = "term";
+    /// Length of this slice in ms (written by ROLL from the meta's `slice_ms`; absent in slices
+    /// written before it was: then the task's `slice_ms`). The traffic history reads it.
+    pub const LEN: &str = "len";
     /// Admitted decisions flushed by workers.
     pub const ADMITTED: &str = "adm";
     /// Rejected decisions flushed by workers.

@@ -358,3 +358,149 @@ async fn hosts_and_traffic_show_what_workers_report() {
         "stale hosts are not counted: {t}"
     );
 }
+
+/// Issue 23 item 17: a slice-length change does not rewrite the rate of what ran before it.
+/// 5,000 admitted per 1 s slice, then `slice_ms` 2,000 with 10,000 per 2 s slice: 5,000/s
+/// throughout. Every record carries its own slice length (`slice_ms`, `span_ms`) and rates
+/// (`admitted_per_s`, `threshold_per_s`), at one-second and one-minute resolution; dividing the
+/// old records by today's 2 s slices (what the dashboard did) drew 2,500/s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn history_keeps_each_records_own_slice_length_across_a_change() {
+    let ns = unique_ns("histlen");
+    let redis_url = shared_redis();
+    let keys = Keys::new(&ns).unwrap();
+    let mut o = ManagerOpts::new(&shared_etcd(), &redis_url, &ns, "l1");
+    o.extra = vec!["--retention".into(), RETENTION.into()];
+    let m = Manager::start(o).await;
+    m.wait_leader().await;
+    let (st, body) = m
+        .put(
+            "/api/v1/tasks/t",
+            r#"{"threshold": 5000, "slice_ms": 1000}"#,
+        )
+        .await;
+    assert_eq!(st, 201, "{body}");
+    let mut c = redis(&redis_url).await;
+
+    // Three 1 s slices at 5,000 each, harvested with their length before the change.
+    let s0 = slice::start(unix_ms(), 1000);
+    wait_slice(&c, &keys, "t", s0 + 2000).await;
+    flush(
+        &mut c,
+        &keys,
+        "t",
+        &[(s0, 5000, 0), (s0 + 1000, 5000, 0), (s0 + 2000, 5000, 0)],
+    )
+    .await;
+    wait_minute_totals(&m, "t", (15_000, 0)).await;
+
+    // Now 2 s slices at 10,000 each: the same 5,000/s.
+    let (st, body) = m
+        .put(
+            "/api/v1/tasks/t",
+            r#"{"threshold": 10000, "slice_ms": 2000}"#,
+        )
+        .await;
+    assert_eq!(st, 200, "{body}");
+    wait_until(
+        "the 2 s grid rolled",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || async { (m.current_threshold("t").await == Some(10_000)).then_some(()) },
+    )
+    .await;
+    let s1 = slice::start(unix_ms(), 2000) + 2000;
+    wait_slice(&c, &keys, "t", s1 + 2000).await;
+    flush(
+        &mut c,
+        &keys,
+        "t",
+        &[(s1, 10_000, 0), (s1 + 2000, 10_000, 0)],
+    )
+    .await;
+    wait_minute_totals(&m, "t", (35_000, 0)).await;
+
+    let h = m
+        .get_json("/api/v1/tasks/t/history?seconds=120")
+        .await
+        .expect("history");
+    assert_eq!(h["slice_ms"], 2000, "the task's length now");
+    let mut seen = 0;
+    for e in h["slices"].as_array().unwrap() {
+        if e["admitted"].as_u64() == Some(0) {
+            continue;
+        }
+        seen += 1;
+        let start = e["start_ms"].as_i64().unwrap();
+        let len = if start < s1 { 1000 } else { 2000 };
+        assert_eq!(e["slice_ms"].as_u64(), Some(len), "{e}");
+        assert_eq!(e["span_ms"].as_u64(), Some(len), "{e}");
+        assert_eq!(
+            e["admitted_per_s"].as_f64(),
+            Some(5000.0),
+            "the rate this second ran at: {e}"
+        );
+        assert_eq!(e["threshold_per_s"].as_f64(), Some(5000.0), "{e}");
+    }
+    assert_eq!(seen, 5, "{h}");
+    let h = m
+        .get_json("/api/v1/tasks/t/history?seconds=1200&resolution=1m")
+        .await
+        .expect("minute history");
+    let minutes = h["slices"].as_array().unwrap();
+    assert!(!minutes.is_empty(), "{h}");
+    for e in minutes {
+        assert_eq!(e["admitted_per_s"].as_f64(), Some(5000.0), "{e}");
+        assert_eq!(e["threshold_per_s"].as_f64(), Some(5000.0), "{e}");
+    }
+}
+
+/// A slice that ran on the old grid but is harvested after the `slice_ms` change keeps its own
+/// length: 5,000 admitted in a 1 s slice whose start lies on the new 2 s grid, the change made
+/// before the harvest reached it, is still 5,000/s (read with today's length it was 2,500/s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slice_harvested_after_a_length_change_keeps_its_length() {
+    let ns = unique_ns("histlate");
+    let redis_url = shared_redis();
+    let keys = Keys::new(&ns).unwrap();
+    let mut o = ManagerOpts::new(&shared_etcd(), &redis_url, &ns, "l1");
+    o.extra = vec!["--retention".into(), RETENTION.into()];
+    let m = Manager::start(o).await;
+    m.wait_leader().await;
+    let (st, body) = m
+        .put(
+            "/api/v1/tasks/t",
+            r#"{"threshold": 5000, "slice_ms": 1000}"#,
+        )
+        .await;
+    assert_eq!(st, 201, "{body}");
+    m.wait_rolled("t").await;
+    let mut c = redis(&redis_url).await;
+    // Just after an even second: the 1 s slices [e, e + 1 s) and [e + 1 s, e + 2 s) have
+    // ended, e lies on the 2 s grid, and the harvest (settle 2.5 s) has reached neither.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let e = loop {
+        let now = unix_ms();
+        if (50..300).contains(&now.rem_euclid(2000)) {
+            break slice::start(now, 2000) - 2000;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    flush(&mut c, &keys, "t", &[(e, 5000, 0)]).await;
+    let (st, body) = m
+        .put(
+            "/api/v1/tasks/t",
+            r#"{"threshold": 10000, "slice_ms": 2000}"#,
+        )
+        .await;
+    assert_eq!(st, 200, "{body}");
+    assert!(unix_ms() < e + 3_000, "too slow to beat the harvest; rerun");
+    wait_minute_totals(&m, "t", (5_000, 0)).await;
+    let h = m
+        .get_json("/api/v1/tasks/t/history?seconds=60")
+        .await
+        .expect("history");
+    let rec = entry(&h, e).unwrap_or_else(|| panic!("no entry for {e}: {h}"));
+    assert_eq!(rec["span_ms"].as_u64(), Some(1000), "{rec}");
+    assert_eq!(rec["admitted_per_s"].as_f64(), Some(5000.0), "{rec}");
+}

@@ -64,6 +64,8 @@ function TrafficChart({ name, seconds, resolution, every, testId, label }: {
               'data-rejected-total': cols.rejected,
               'data-would-reject-total': cols.wouldReject,
               'data-points': cols.points,
+              'data-peak-admitted-per-s': Math.round(cols.peakAdmittedPerS),
+              'data-low-admitted-per-s': Math.round(cols.lowAdmittedPerS),
             }}
           />
           <p class="muted small chart-foot">

@@ -51,7 +51,8 @@ if n > 0 then
   i = i + 2 * n
 end
 if full then redis.call('HDEL', KEYS[1], 'retired') end
-local pm = redis.call('HMGET', KEYS[1], 'pacing', 'pace_burst', 'mode')
+local pm = redis.call('HMGET', KEYS[1], 'pacing', 'pace_burst', 'mode', 'slice_ms')
+local len = pm[4]
 local pace = '0'
 local burst = 0
 if pm[1] == 'smooth' and ((not pm[3]) or pm[3] == 'pooled') then
@@ -67,11 +68,12 @@ for k = 2, #KEYS do
   local cap = tonumber(ARGV[i])
   local exp = tonumber(ARGV[i + 1])
   i = i + 2
-  local cur = redis.call('HMGET', KEYS[k], 'cap', 'pace', 'burst')
+  local cur = redis.call('HMGET', KEYS[k], 'cap', 'pace', 'burst', 'len')
   local old = cur[1]
   if not old then
     redis.call('HSET', KEYS[k], 'cap', cap, 'rem', cap, 'term', term)
     if pace == '1' then redis.call('HSET', KEYS[k], 'pace', 1, 'burst', burst) end
+    if len then redis.call('HSET', KEYS[k], 'len', len) end
     redis.call('PEXPIREAT', KEYS[k], exp)
     written = written + 1
   else
@@ -80,6 +82,7 @@ for k = 2, #KEYS do
     elseif pace == '0' and cur[2] then
       redis.call('HDEL', KEYS[k], 'pace', 'burst')
     end
+    if len and cur[4] ~= len then redis.call('HSET', KEYS[k], 'len', len) end
     if tonumber(old) ~= cap then
       redis.call('HINCRBY', KEYS[k], 'rem', cap - tonumber(old))
       redis.call('HSET', KEYS[k], 'cap', cap, 'term', term)

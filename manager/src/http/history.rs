@@ -161,6 +161,9 @@ pub fn parse_history_query(
     Ok(HistoryQuery { seconds, series })
 }
 
+/// One record as the API shows it. `slice_ms` (the mean length of its slices), `span_ms` (the
+/// time its slices cover) and the per-second rates are the record's own: a record written
+/// before a `slice_ms` change keeps the rate it ran at.
 fn record_json(r: &Record) -> Value {
     json!({
         "start_ms": r.start_ms,
@@ -169,6 +172,12 @@ fn record_json(r: &Record) -> Value {
         "rejected": r.rejected,
         "would_reject": r.would_reject,
         "slice_count": r.slices,
+        "slice_ms": r.slice_ms(),
+        "span_ms": (r.span_ms > 0).then_some(r.span_ms),
+        "admitted_per_s": r.per_s(r.admitted),
+        "rejected_per_s": r.per_s(r.rejected),
+        "would_reject_per_s": r.per_s(r.would_reject),
+        "threshold_per_s": r.per_s(r.cap_sum),
     })
 }
 
@@ -336,7 +345,7 @@ async fn hosts(State(s): State<AppState>, Query(q): Query<HashMap<String, String
 /// use sluice_manager::history::SliceSample;
 /// use sluice_manager::http::history::rates;
 /// let s = |start_ms, admitted| SliceSample { start_ms, cap: 100, admitted, rejected: 0,
-///                                           would_reject: 0 };
+///                                           would_reject: 0, slice_ms: 1_000 };
 /// // Two settled 1 s slices (50 and 70 admitted); the one that just ended and the current
 /// // one are still being flushed: 60/s.
 /// let v = [s(1_000, 50), s(2_000, 70), s(3_000, 20), s(4_000, 5)];

@@ -465,15 +465,29 @@ pub struct TopKeys {
     malformed_entries: Option<u64>,
 }
 
-/// One record of a task's history.
+/// One record of a task's history: the slices that start in its bucket.
 #[derive(ToSchema)]
 pub struct HistoryRecord {
     start_ms: i64,
+    /// Mean threshold per slice.
     threshold: Option<i64>,
     admitted: u64,
     rejected: u64,
     would_reject: u64,
     slice_count: u64,
+    /// Mean length of the record's own slices (ms): what they were when they ran, not the
+    /// task's `slice_ms` now; null for a record without lengths.
+    slice_ms: Option<u64>,
+    /// Time the record's slices cover (ms); null for a record without lengths.
+    span_ms: Option<u64>,
+    /// `admitted × 1000 / span_ms`, two decimals.
+    admitted_per_s: Option<f64>,
+    /// `rejected × 1000 / span_ms`.
+    rejected_per_s: Option<f64>,
+    /// `would_reject × 1000 / span_ms`.
+    would_reject_per_s: Option<f64>,
+    /// The thresholds of the slices per second: `sum of caps × 1000 / span_ms`.
+    threshold_per_s: Option<f64>,
 }
 
 /// `GET /api/v1/tasks/{name}/history`.
