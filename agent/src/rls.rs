@@ -5,7 +5,9 @@
 //!   domain's imported configuration ([`crate::routes`]) or the direct form
 //!   `sluice_task = T [, sluice_key = K]`;
 //! * `hits_addend` → the permits (0 counts as 1, as in Envoy); a descriptor's own
-//!   `hits_addend` wins for that descriptor;
+//!   `hits_addend` wins for that descriptor; a cost above [`MAX_HITS`] (more than any slice
+//!   can admit) is `OVER_LIMIT` at once, and the request's other descriptors are not decided:
+//!   nothing is taken or counted (`decisions_total{decision="cost_above_max"}`);
 //! * all descriptors of one request are decided **all or nothing**: when one is over its
 //!   limit, the permits the others took are given back (envoyproxy/ratelimit counts them all);
 //! * `overall_code` is `OVER_LIMIT` when a descriptor is; each status carries
@@ -60,11 +62,18 @@ fn pb_duration(d: Duration) -> PbDuration {
     }
 }
 
+/// Largest cost of one descriptor: `sluice_protocol::MAX_COUNT`, the largest threshold a task
+/// may have, so more than any slice can ever admit. A descriptor above it is OVER_LIMIT at
+/// once, decided and counted nowhere (its cost would not fit the slice's counters).
+pub const MAX_HITS: u64 = sluice_protocol::MAX_COUNT;
+
 /// One descriptor of a request as resolved.
 struct Slot {
     target: Target,
     hits: u64,
     part: Option<usize>,
+    /// Refused at the door: its cost is above [`MAX_HITS`].
+    too_costly: bool,
 }
 
 /// The limit to state for a task: the imported spec, else the task's threshold per slice.
@@ -135,6 +144,7 @@ impl RateLimitService for Rls {
                 target: routes.resolve(&req.domain, &entries),
                 hits,
                 part: None,
+                too_costly: false,
             });
         }
         // `replaces`: a matched limit named by another matched limit's `replaces` is not applied.
@@ -176,7 +186,11 @@ impl RateLimitService for Rls {
             match s.decider.part(task, key.as_deref(), sl.hits).await {
                 Ok(p) => {
                     tasks.push(Some(p.task.clone()));
-                    if sl.hits > 0 {
+                    if sl.hits > MAX_HITS {
+                        // Not decided: nothing is taken or counted (not even as rejected).
+                        sl.too_costly = true;
+                        s.metrics.decision("rls", "cost_above_max");
+                    } else if sl.hits > 0 {
                         sl.part = Some(parts.len());
                         parts.push(p);
                     }
@@ -201,9 +215,13 @@ impl RateLimitService for Rls {
                 }
             }
         }
+        // A cost refused at the door refuses the request: the other parts are not decided
+        // (all or nothing, as if they had been given back).
+        let door_refused = slots.iter().any(|sl| sl.too_costly);
         // (the decision, which part refused): one part is decided on its own (its decision
         // says more, e.g. a shadow task's would-be rejection); several all or nothing.
         let all: Option<(Decision, Option<usize>)> = match parts.len() {
+            _ if door_refused => None,
             0 => None,
             1 => {
                 let d = s.decider.decide(&parts[0]).await;
@@ -227,7 +245,7 @@ impl RateLimitService for Rls {
                 });
                 continue;
             };
-            let is_refused = sl.part.is_some() && sl.part == refused;
+            let is_refused = sl.too_costly || (sl.part.is_some() && sl.part == refused);
             let decision = match (is_refused, all) {
                 (true, Some((d, _))) => d,
                 _ => Decision::Allowed,
