@@ -8,6 +8,8 @@
 //!   `hits_addend` wins for that descriptor; a cost above [`MAX_HITS`] (more than any slice
 //!   can admit) is `OVER_LIMIT` at once, and the request's other descriptors are not decided:
 //!   nothing is taken or counted (`decisions_total{decision="cost_above_max"}`);
+//! * a descriptor's `hits_addend: 0` is check-only (Envoy's pattern): `OVER_LIMIT` when
+//!   nothing is left of the slice cluster-wide, counting nothing (see `exhausted`);
 //! * all descriptors of one request are decided **all or nothing**: when one is over its
 //!   limit, the permits the others took are given back (envoyproxy/ratelimit counts them all);
 //! * `overall_code` is `OVER_LIMIT` when a descriptor is; each status carries
@@ -35,7 +37,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
-use sluice::{Decision, Task};
+use sluice::{Decision, HostState, Mode, OnFailure, Task};
+use sluice_protocol::Keys;
 use tonic::{Request, Response, Status};
 
 use crate::AppState;
@@ -74,6 +77,8 @@ struct Slot {
     part: Option<usize>,
     /// Refused at the door: its cost is above [`MAX_HITS`].
     too_costly: bool,
+    /// A check-only descriptor (`hits_addend: 0`) found its limit exhausted.
+    check_over: bool,
 }
 
 /// The limit to state for a task: the imported spec, else the task's threshold per slice.
@@ -92,6 +97,75 @@ fn current_limit(spec: Option<&LimitSpec>, task: &Task) -> Option<RateLimit> {
         requests_per_unit: m.threshold.min(u32::MAX as u64) as u32,
         unit,
     })
+}
+
+/// Longest wait for Redis's answer to a check-only descriptor.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Whether a check-only descriptor's limit is exhausted: nothing left of the current slice,
+/// cluster-wide (a request of one permit would be refused). Nothing is taken or counted.
+///
+/// * the host holds some of the slice (the task's, or the key's): not exhausted;
+/// * the host knows the slice is spent (state LIMITED), or the threshold is 0: exhausted;
+/// * otherwise the slice's `rem` in Redis (one `HGET`): 0 = exhausted; a key's slice not
+///   created yet is not (it starts at the key's cap);
+/// * FAILED, or Redis does not answer within [`CHECK_TIMEOUT`]: the task's `on_failure` says
+///   (`deny` = exhausted; `allow` and `local` = not: a local limiter cannot be asked without
+///   deciding);
+/// * shadow tasks, and modes other than `pooled` (no imported task is one): never exhausted.
+async fn exhausted(s: &AppState, p: &Part) -> bool {
+    let Some(m) = p.task.meta() else {
+        return false;
+    };
+    if m.shadow || m.mode != Mode::Pooled {
+        return false;
+    }
+    let failed = || m.on_failure == OnFailure::Deny;
+    if p.task.state() == HostState::Failed {
+        return failed();
+    }
+    if m.threshold == 0 {
+        return true;
+    }
+    let key = p.key.as_ref().filter(|_| m.keyed);
+    if p
+        .task
+        .limit_info("", None, true, key)
+        .is_some_and(|l| l.remaining > 0)
+    {
+        return false;
+    }
+    if key.is_none() && p.task.state() == HostState::Limited {
+        return true;
+    }
+    let Ok(keys) = Keys::new(&s.cfg.namespace) else {
+        return false;
+    };
+    let start = sluice_protocol::slice::start(p.task.now_us().div_euclid(1_000), m.slice_ms);
+    let hash = match key {
+        Some(k) => keys.key_slice(
+            p.task.name(),
+            &sluice_protocol::key_digest(k.key()),
+            start,
+        ),
+        None => keys.slice(p.task.name(), start),
+    };
+    let q = async {
+        let mut c = s.decider.redis().conn().await.ok()?;
+        redis::cmd("HGET")
+            .arg(&hash)
+            .arg(sluice_protocol::slice_field::REM)
+            .query_async::<Option<i64>>(&mut c)
+            .await
+            .ok()
+    };
+    match tokio::time::timeout(CHECK_TIMEOUT, q).await {
+        Ok(Some(Some(rem))) => rem <= 0,
+        // A key's slice is made at its first pull, full; a task's missing slice means the
+        // leader is gone past the horizon: the SDK goes FAILED there.
+        Ok(Some(None)) => key.is_none() && failed(),
+        _ => failed(),
+    }
 }
 
 #[tonic::async_trait]
@@ -145,6 +219,7 @@ impl RateLimitService for Rls {
                 hits,
                 part: None,
                 too_costly: false,
+                check_over: false,
             });
         }
         // `replaces`: a matched limit named by another matched limit's `replaces` is not applied.
@@ -169,6 +244,8 @@ impl RateLimitService for Rls {
             }
         }
         let mut parts: Vec<Part> = Vec::new();
+        // Check-only descriptors (`hits_addend: 0`): slot index and part.
+        let mut checks: Vec<(usize, Part)> = Vec::new();
         let mut tasks: Vec<Option<Task>> = Vec::with_capacity(slots.len());
         for (i, sl) in slots.iter_mut().enumerate() {
             let Target::Limit { task, key, .. } = &sl.target else {
@@ -193,6 +270,8 @@ impl RateLimitService for Rls {
                     } else if sl.hits > 0 {
                         sl.part = Some(parts.len());
                         parts.push(p);
+                    } else {
+                        checks.push((i, p));
                     }
                 }
                 Err(DecideError::UnknownTask(_)) => {
@@ -217,7 +296,20 @@ impl RateLimitService for Rls {
         }
         // A cost refused at the door refuses the request: the other parts are not decided
         // (all or nothing, as if they had been given back).
-        let door_refused = slots.iter().any(|sl| sl.too_costly);
+        let mut door_refused = slots.iter().any(|sl| sl.too_costly);
+        // Check-only descriptors are checked first (they take nothing): one over its limit
+        // refuses the request, and the others are then not decided (all or nothing).
+        if !door_refused {
+            for (i, p) in &checks {
+                if exhausted(s, p).await {
+                    slots[*i].check_over = true;
+                    door_refused = true;
+                    s.metrics.decision("rls", "check_over_limit");
+                } else {
+                    s.metrics.decision("rls", "check_ok");
+                }
+            }
+        }
         // (the decision, which part refused): one part is decided on its own (its decision
         // says more, e.g. a shadow task's would-be rejection); several all or nothing.
         let all: Option<(Decision, Option<usize>)> = match parts.len() {
@@ -245,7 +337,8 @@ impl RateLimitService for Rls {
                 });
                 continue;
             };
-            let is_refused = sl.too_costly || (sl.part.is_some() && sl.part == refused);
+            let is_refused =
+                sl.too_costly || sl.check_over || (sl.part.is_some() && sl.part == refused);
             let decision = match (is_refused, all) {
                 (true, Some((d, _))) => d,
                 _ => Decision::Allowed,

@@ -185,3 +185,84 @@ async fn a_cost_above_max_count_is_over_limit_and_counting_goes_on() {
     )
     .await;
 }
+
+/// Issue 23 item 15 (b): a descriptor with `hits_addend: 0` is Envoy's check-only pattern
+/// (upstream: "zero means check only": the counter is compared, not increased). It answers
+/// OVER_LIMIT once the limit is exhausted — whether another host or this one spent it — and
+/// counts nothing either way. Before, a check-only descriptor was never checked (always OK).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_check_only_descriptor_is_checked_and_counts_nothing() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("echk");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    task(&m, "three", r#"{"threshold":3,"slice_ms":60000}"#).await;
+    task(&m, "other", r#"{"threshold":100,"slice_ms":60000}"#).await;
+    task(&m, "perkey", r#"{"threshold":2,"slice_ms":60000,"keyed":true}"#).await;
+    task(&m, "blocked", r#"{"threshold":0,"slice_ms":60000}"#).await;
+    not_near_a_boundary(60_000, 20_000).await;
+    let a = Agent::start(&redis, &ns, "h1", &[]).await;
+    let b = Agent::start(&redis, &ns, "h2", &[]).await;
+    let (ca, cb) = (client(&a).await, client(&b).await);
+    let three = || vec![("sluice_task", "three")];
+    let check = |e: Vec<(&str, &str)>| request("d", vec![with_hits(&e, 0)]);
+
+    // Quota left: OK, nothing taken (checked many times, the 3 permits stay).
+    for _ in 0..5 {
+        let r = ok(&ca, check(three())).await;
+        assert_eq!(r.overall_code, OK, "{r:?}");
+        assert!(r.statuses[0].current_limit.is_some(), "{r:?}");
+    }
+    // Another host spends the limit: the check-only descriptor on this host sees it.
+    for i in 0..3 {
+        let r = ok(&cb, request("d", vec![descriptor(&three())])).await;
+        assert_eq!(r.overall_code, OK, "#{i}: {r:?}");
+    }
+    let r = ok(&ca, check(three())).await;
+    assert_eq!(r.overall_code, OVER_LIMIT, "{r:?}");
+    assert_eq!(r.statuses[0].code, OVER_LIMIT, "{r:?}");
+    // And on the host that spent it.
+    let r = ok(&cb, check(three())).await;
+    assert_eq!(r.overall_code, OVER_LIMIT, "{r:?}");
+    // A check-only descriptor over its limit refuses the request: the other descriptor is not
+    // charged (all or nothing).
+    let r = ok(
+        &ca,
+        request(
+            "d",
+            vec![
+                descriptor(&[("sluice_task", "other")]),
+                with_hits(&three(), 0),
+            ],
+        ),
+    )
+    .await;
+    assert_eq!(r.overall_code, OVER_LIMIT, "{r:?}");
+    assert_eq!(r.statuses[0].code, OK, "{r:?}");
+    assert_eq!(r.statuses[1].code, OVER_LIMIT, "{r:?}");
+    // A threshold of 0 (a block list) is exhausted from the start.
+    let r = ok(&ca, check(vec![("sluice_task", "blocked")])).await;
+    assert_eq!(r.overall_code, OVER_LIMIT, "{r:?}");
+    // A key: exhausted on this host (k1), untouched (k2).
+    let k = |key: &'static str| vec![("sluice_task", "perkey"), ("sluice_key", key)];
+    for _ in 0..2 {
+        assert_eq!(ok(&ca, request("d", vec![descriptor(&k("k1"))])).await.overall_code, OK);
+    }
+    assert_eq!(ok(&ca, check(k("k1"))).await.overall_code, OVER_LIMIT);
+    assert_eq!(ok(&cb, check(k("k1"))).await.overall_code, OVER_LIMIT);
+    assert_eq!(ok(&ca, check(k("k2"))).await.overall_code, OK);
+    // Nothing of the checks was counted: 3 admitted (host 2), no rejection; "other" nothing.
+    wait_until(
+        "the agents' counts flushed",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            let got = counted(&redis, &ns, "three");
+            async move { (got == (3, 0)).then_some(()) }
+        },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(counted(&redis, &ns, "three"), (3, 0));
+    assert_eq!(counted(&redis, &ns, "other"), (0, 0));
+    assert_eq!(counted(&redis, &ns, "blocked"), (0, 0));
+}
