@@ -484,6 +484,17 @@ pub fn parse(text: &str) -> Result<Domain, ImportError> {
     walk(&d.descriptors, &mut |n: &Descriptor| {
         if let Some(r) = &n.rate_limit {
             for (i, (name, line)) in r.replaces.iter().enumerate() {
+                if bad.is_none() && r.name.as_ref() == Some(name) {
+                    // envoyproxy/ratelimit refuses this too: the limit would switch itself
+                    // off in every request that matches it.
+                    bad = Some(ie(
+                        format!("{}.rate_limit.replaces[{i}].name", n.field),
+                        *line,
+                        format!(
+                            "{name:?} is its own name: a rate_limit cannot replace itself (it would never apply; envoyproxy/ratelimit refuses it too)"
+                        ),
+                    ));
+                }
                 if bad.is_none() && !names.contains(name) {
                     bad = Some(ie(
                         format!("{}.rate_limit.replaces[{i}].name", n.field),
@@ -1529,6 +1540,12 @@ descriptors:
                 "descriptors[2]",
                 6,
                 "duplicate descriptor",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      name: me\n      unit: second\n      requests_per_unit: 1\n      replaces:\n        - name: me\n",
+                "descriptors[0].rate_limit.replaces[0].name",
+                9,
+                "its own name",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n      requests_per_unit: 1\n      replaces:\n        - name: nope\n",

@@ -266,3 +266,40 @@ async fn a_check_only_descriptor_is_checked_and_counts_nothing() {
     assert_eq!(counted(&redis, &ns, "other"), (0, 0));
     assert_eq!(counted(&redis, &ns, "blocked"), (0, 0));
 }
+
+/// Issue 23 item 15 (a): upstream refuses a config whose limit lists its own name in
+/// `replaces` ("replaces should not contain name of same descriptor"); before, the import
+/// accepted it and the limit switched itself off in every request. Refused now with the field
+/// and line, nothing written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_limit_replacing_itself_is_refused_at_import() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("eself");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    m.wait_leader().await;
+    let yaml = "\
+domain: selfish
+descriptors:
+  - key: user
+    rate_limit:
+      name: per_user
+      unit: second
+      requests_per_unit: 5
+  - key: tenant
+    rate_limit:
+      name: per_tenant
+      unit: minute
+      requests_per_unit: 50
+      replaces:
+        - name: per_user
+        - name: per_tenant
+";
+    let (s, v) = import(&m, yaml).await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["field"], "descriptors[1].rate_limit.replaces[1].name", "{v}");
+    assert_eq!(v["line"], 15, "{v}");
+    assert!(v["error"].as_str().unwrap().contains("its own name"), "{v}");
+    // Nothing was written.
+    let v = m.get_json("/api/v1/tasks").await.expect("GET /api/v1/tasks");
+    assert_eq!(v["tasks"].as_array().map(Vec::len), Some(0), "{v}");
+}
