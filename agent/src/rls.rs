@@ -17,7 +17,8 @@
 //!   `limit_remaining` (what this host holds of the slice: the cluster may hold more) and
 //!   `duration_until_reset` (the end of the slice, or the FAILED fallback's retry time);
 //! * a descriptor that matches nothing, an `unlimited` one, one replaced by another's
-//!   `replaces`, and one naming a task that does not exist are `OK` without a limit;
+//!   `replaces`, and one naming a task that does not exist are `OK` without a limit (an
+//!   `unlimited` one with `limit_remaining` = `u32::MAX`, as upstream);
 //! * while Redis is unusable (FAILED) the task's `on_failure` decides, as in the SDK;
 //! * `shadow_mode` (the task's `shadow`): the would-be rejection answers `OK`, counted as a
 //!   would-reject in the task's history;
@@ -333,6 +334,12 @@ impl RateLimitService for Rls {
             let (Target::Limit { spec, .. }, Some(task)) = (&sl.target, task) else {
                 statuses.push(DescriptorStatus {
                     code: Code::Ok as i32,
+                    // As envoyproxy/ratelimit: an unlimited descriptor has all of it left.
+                    limit_remaining: if sl.target == Target::Unlimited {
+                        u32::MAX
+                    } else {
+                        0
+                    },
                     ..Default::default()
                 });
                 continue;

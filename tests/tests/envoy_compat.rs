@@ -303,3 +303,82 @@ descriptors:
     let v = m.get_json("/api/v1/tasks").await.expect("GET /api/v1/tasks");
     assert_eq!(v["tasks"].as_array().map(Vec::len), Some(0), "{v}");
 }
+
+/// Imports `yaml` (must answer 200), starts an agent and waits until it serves the domain.
+async fn agent_with(m: &Manager, redis: &str, ns: &str, yaml: &str) -> (Agent, serde_json::Value) {
+    let (s, answer) = import(m, yaml).await;
+    assert_eq!(s, 200, "{answer}");
+    for t in answer["tasks"].as_array().unwrap() {
+        m.wait_rolled(t["name"].as_str().unwrap()).await;
+    }
+    let a = Agent::start(redis, ns, "h1", &[]).await;
+    wait_domains(&a, 1).await;
+    (a, answer)
+}
+
+/// Waits until the agent serves `n` domains.
+async fn wait_domains(a: &Agent, n: u64) {
+    wait_until(
+        "the agent to read the domains",
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || async move {
+            let v: serde_json::Value = http()
+                .get(a.url("/readyz"))
+                .send()
+                .await
+                .ok()?
+                .json()
+                .await
+                .ok()?;
+            (v["domains"].as_u64() == Some(n)).then_some(())
+        },
+    )
+    .await;
+}
+
+/// Issue 23 item 15 (d): upstream answers an `unlimited` descriptor OK with `limit_remaining`
+/// = u32::MAX and no `current_limit` (its service test and README say so); before, 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unlimited_descriptor_reports_u32_max_remaining() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("eunl");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    m.wait_leader().await;
+    let yaml = "\
+domain: unl
+descriptors:
+  - key: path
+    value: /health
+    rate_limit:
+      unlimited: true
+  - key: path
+    rate_limit:
+      unit: minute
+      requests_per_unit: 1000
+";
+    let (a, _) = agent_with(&m, &redis, &ns, yaml).await;
+    let c = client(&a).await;
+    for _ in 0..3 {
+        let r = ok(&c, request("unl", vec![descriptor(&[("path", "/health")])])).await;
+        assert_eq!(r.overall_code, OK, "{r:?}");
+        assert_eq!(r.statuses[0].code, OK, "{r:?}");
+        assert_eq!(r.statuses[0].limit_remaining, u32::MAX, "{r:?}");
+        assert!(r.statuses[0].current_limit.is_none(), "{r:?}");
+    }
+    // Beside a limited descriptor: each has its own status.
+    let r = ok(
+        &c,
+        request(
+            "unl",
+            vec![
+                descriptor(&[("path", "/health")]),
+                descriptor(&[("path", "/buy")]),
+            ],
+        ),
+    )
+    .await;
+    assert_eq!(r.statuses[0].limit_remaining, u32::MAX, "{r:?}");
+    assert!(r.statuses[1].limit_remaining < 1000, "{r:?}");
+    assert!(r.statuses[1].current_limit.is_some(), "{r:?}");
+}
