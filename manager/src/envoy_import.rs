@@ -428,9 +428,15 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "value",
     "rate_limit",
     "shadow_mode",
+    "quota_mode",
     "detailed_metric",
+    "value_to_metric",
+    "metadata",
     "descriptors",
 ];
+
+/// Largest `metadata` of one descriptor, in bytes of its text (keys and scalars).
+pub const MAX_METADATA_BYTES: usize = 4096;
 const RATE_LIMIT_KEYS: &[&str] = &["unit", "requests_per_unit", "unlimited", "name", "replaces"];
 
 fn is_name_part(s: &str) -> bool {
@@ -603,6 +609,33 @@ fn parse_descriptor(
     let shadow = o.bool("shadow_mode")?;
     // Accepted for compatibility: Sluice keeps per-task metrics for every limit anyway.
     o.bool("detailed_metric")?;
+    o.bool("value_to_metric")?;
+    if o.bool("quota_mode")? {
+        let line = o.get("quota_mode").map_or(o.line, |n| n.line);
+        return Err(ie(
+            o.field("quota_mode"),
+            line,
+            "quota_mode: true is not supported: upstream passes a request while any of its quota_mode descriptors has quota, and Sluice decides a request's descriptors all or nothing (drop it, or make the limit a plain one)",
+        ));
+    }
+    // Free-form, as upstream: it only returns it in response dynamic metadata, which Sluice
+    // does not send. Checked (a mapping, bounded) and otherwise ignored.
+    if let Some(md) = o.get("metadata") {
+        if !matches!(md.v, Y::Map(_)) {
+            return Err(ie(
+                o.field("metadata"),
+                md.line,
+                format!("must be a mapping, got {}", md.kind()),
+            ));
+        }
+        if text_bytes(md) > MAX_METADATA_BYTES {
+            return Err(ie(
+                o.field("metadata"),
+                md.line,
+                format!("larger than {MAX_METADATA_BYTES} bytes"),
+            ));
+        }
+    }
     let rate_limit = match o.get("rate_limit") {
         None => None,
         Some(r) => Some(parse_rate_limit(&o.field("rate_limit"), r)?),
@@ -629,6 +662,15 @@ fn parse_descriptor(
         field: field.to_string(),
         line: n.line,
     })
+}
+
+/// Bytes of the keys and scalars of a YAML node.
+fn text_bytes(n: &YNode) -> usize {
+    match &n.v {
+        Y::Scalar { text, .. } => text.len() + 1,
+        Y::Map(m) => m.iter().map(|(k, _, v)| k.len() + 1 + text_bytes(v)).sum(),
+        Y::Seq(v) => v.iter().map(text_bytes).sum(),
+    }
 }
 
 fn parse_rate_limit(field: &str, n: &YNode) -> Result<RateLimit, ImportError> {
