@@ -129,8 +129,7 @@ async fn exhausted(s: &AppState, p: &Part) -> bool {
         return true;
     }
     let key = p.key.as_ref().filter(|_| m.keyed);
-    if p
-        .task
+    if p.task
         .limit_info("", None, true, key)
         .is_some_and(|l| l.remaining > 0)
     {
@@ -144,11 +143,7 @@ async fn exhausted(s: &AppState, p: &Part) -> bool {
     };
     let start = sluice_protocol::slice::start(p.task.now_us().div_euclid(1_000), m.slice_ms);
     let hash = match key {
-        Some(k) => keys.key_slice(
-            p.task.name(),
-            &sluice_protocol::key_digest(k.key()),
-            start,
-        ),
+        Some(k) => keys.key_slice(p.task.name(), &sluice_protocol::key_digest(k.key()), start),
         None => keys.slice(p.task.name(), start),
     };
     let q = async {

@@ -1290,31 +1290,104 @@ pub async fn list(client: &Client, keys: &Keys) -> Result<(Vec<(DomainDoc, i64)>
 // ---------------------------------------------------------------------------------------------
 // The leader's mirror into Redis `NS:envoy`.
 
-/// Writes a domain's compiled JSON unless the stored one is as new or newer (of this etcd
-/// history: a stored version above the revision the leader just read comes from another one).
-/// KEYS[1] = NS:envoy; ARGV = domain, version, value, revision read.
-const MIRROR_SET_LUA: &str = r#"
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
+/// The fence preamble of the mirror scripts: the per-domain counterpart of the task fence
+/// (`sluice_protocol::scripts::FENCE_LUA`). KEYS[2] = the fence hash (`NS:envoy:fence{NS:envoy}`),
+/// field = domain, value = `"<epoch> <term> <fenced_ms>"`; ARGV[1] = domain, ARGV[2..4] = the
+/// writer's term, epoch, stale_after (ms).
+///
+/// ```text
+///   no fence stored ............................... comparable (legacy, or never written)
+///   stored epoch equal, stored term ≤ term ......... comparable
+///   stored epoch equal, term > ours, fresh ......... refused {0, term, age}
+///   stored epoch other, fresh ...................... refused {4, term, age, epoch}
+///   stored fence stale (≥ stale_after) ............. taken over (not comparable)
+/// ```
+///
+/// Defines `now`, `fence_of()` → (refusal or nil, comparable: versions of one history and no
+/// takeover, mine: this very term holds the fence, age of the stored fence in ms) and `claim()`.
+macro_rules! mirror_fence {
+    () => {
+        r#"
+local domain = ARGV[1]
+local term = tonumber(ARGV[2])
+local epoch = ARGV[3]
+local stale = tonumber(ARGV[4])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local function fence_of()
+  local f = redis.call('HGET', KEYS[2], domain)
+  if not f then return nil, true, false, 0 end
+  local e, t, at = string.match(f, '^(%S+) (%-?%d+) (%-?%d+)$')
+  if not e then return nil, true, false, 0 end
+  t = tonumber(t)
+  local age = now - tonumber(at)
+  if e ~= epoch then
+    if age < stale then return {4, t, age, e}, false, false, age end
+    return nil, false, false, age
+  end
+  if t > term then
+    if age < stale then return {0, t, age}, false, false, age end
+    return nil, false, false, age
+  end
+  return nil, true, t == term, age
+end
+local function claim()
+  redis.call('HSET', KEYS[2], domain, epoch .. ' ' .. term .. ' ' .. now)
+end
+"#
+    };
+}
+
+/// Writes a domain's compiled JSON, fenced ([`mirror_fence!`]), unless the stored one is as
+/// new or newer of this epoch's history (a stored version above the revision the leader just
+/// read comes from another history). A document already as new only gets its fence claimed or
+/// refreshed (at least every quarter of stale_after, so a live owner's fence never goes stale).
+/// KEYS[1] = NS:envoy, KEYS[2] = the fence hash; ARGV = domain, term, epoch, stale_after,
+/// version, value, revision read. Returns `{1}` written, `{2}` unchanged, or a refusal.
+const MIRROR_SET_LUA: &str = concat!(
+    mirror_fence!(),
+    r#"
+local refused, comparable, mine, age = fence_of()
+if refused then return refused end
+local cur = redis.call('HGET', KEYS[1], domain)
 if cur then
   local ok, doc = pcall(cjson.decode, cur)
   local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
-  if v and v >= tonumber(ARGV[2]) and v <= tonumber(ARGV[4]) then return 0 end
+  if comparable and v and v >= tonumber(ARGV[5]) and v <= tonumber(ARGV[7]) then
+    if not mine or age >= stale / 4 then claim() end
+    return {2}
+  end
 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-return 1
-"#;
+redis.call('HSET', KEYS[1], domain, ARGV[6])
+claim()
+return {1}
+"#
+);
 
-/// Deletes a domain's field unless it was written from a document newer than the revision at
-/// which the leader saw the domain gone. KEYS[1] = NS:envoy; ARGV = domain, revision read.
-const MIRROR_DEL_LUA: &str = r#"
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return 0 end
-local ok, doc = pcall(cjson.decode, cur)
-local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
-if v and v > tonumber(ARGV[2]) then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-return 1
-"#;
+/// Deletes a domain's field (and its fence), fenced ([`mirror_fence!`]), unless it was written
+/// from a document of this epoch newer than the revision at which the leader saw the domain
+/// gone. KEYS as [`MIRROR_SET_LUA`]; ARGV = domain, term, epoch, stale_after, revision read.
+/// Returns `{1}` deleted, `{2}` nothing to delete, `{3}` newer, or a refusal.
+const MIRROR_DEL_LUA: &str = concat!(
+    mirror_fence!(),
+    r#"
+local refused, comparable = fence_of()
+if refused then return refused end
+local cur = redis.call('HGET', KEYS[1], domain)
+if not cur then
+  redis.call('HDEL', KEYS[2], domain)
+  return {2}
+end
+if comparable then
+  local ok, doc = pcall(cjson.decode, cur)
+  local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
+  if v and v > tonumber(ARGV[5]) then return {3} end
+end
+redis.call('HDEL', KEYS[1], domain)
+redis.call('HDEL', KEYS[2], domain)
+return {1}
+"#
+);
 
 static MIRROR_SET: std::sync::LazyLock<Script> =
     std::sync::LazyLock::new(|| Script::new(MIRROR_SET_LUA));
@@ -1330,72 +1403,130 @@ pub fn routes_value(doc: &DomainDoc, version: i64) -> Value {
     })
 }
 
-/// One pass: make `NS:envoy` equal to the domain documents in etcd.
+/// What one mirror pass did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MirrorPass {
+    /// Domains written.
+    pub written: usize,
+    /// Domains removed.
+    pub removed: usize,
+    /// Domains another leader holds (a newer term, or another manager cluster — another etcd —
+    /// on the namespace) whose fence is fresh: neither written nor deleted, (domain, why).
+    pub refused: Vec<(String, String)>,
+}
+
+/// The refusal of a mirror script's reply, if it is one.
+fn mirror_refusal(reply: &[redis::Value]) -> Option<String> {
+    let int = |i: usize| -> i64 {
+        reply
+            .get(i)
+            .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok())
+            .unwrap_or(0)
+    };
+    match int(0) {
+        0 => Some(format!(
+            "held by a newer leader (term {}, written {} ms ago)",
+            int(1),
+            int(2)
+        )),
+        4 => Some(format!(
+            "written by another manager cluster (epoch {}, term {}) {} ms ago",
+            reply
+                .get(3)
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+                .unwrap_or_default(),
+            int(1),
+            int(2)
+        )),
+        _ => None,
+    }
+}
+
+/// One pass: make `NS:envoy` equal to the domain documents in etcd, for the domains this
+/// leader may write (every write fenced by its term and epoch, per domain, as slice keys are:
+/// two manager clusters on one namespace each keep their own domains, and a domain both
+/// import stays the first one's until its fence goes stale).
 pub async fn mirror_once(
     ctx: &LeaderContext,
     client: &Client,
     keys: &Keys,
     redis: &Redis,
-) -> Result<(usize, usize)> {
+) -> Result<MirrorPass> {
     let (docs, revision) = list(client, keys).await?;
     let hash = keys.envoy_routes();
+    let fence_hash = keys.envoy_fence();
+    let fence = ctx.fence();
     let mut c = redis
         .conn()
         .await
         .map_err(crate::error::redis("envoy mirror"))?;
-    let stored: HashMap<String, String> = redis::cmd("HGETALL")
+    let stored: Vec<String> = redis::cmd("HKEYS")
         .arg(&hash)
         .query_async(&mut c)
         .await
         .map_err(crate::error::redis("envoy mirror read"))?;
-    let (mut written, mut removed) = (0, 0);
+    let mut pass = MirrorPass::default();
     for (doc, version) in &docs {
-        let current = stored
-            .get(&doc.domain)
-            .and_then(|s| serde_json::from_str::<Value>(s).ok())
-            .and_then(|v| v["version"].as_i64());
-        if current == Some(*version) {
-            continue;
-        }
         if !ctx.is_valid() {
             return Err(Error::NotLeader);
         }
-        let n: i64 = MIRROR_SET
+        let reply: Vec<redis::Value> = MIRROR_SET
             .key(&hash)
+            .key(&fence_hash)
             .arg(&doc.domain)
+            .arg(fence.term)
+            .arg(fence.epoch.to_string())
+            .arg(fence.stale_after_ms.max(1))
             .arg(*version)
             .arg(routes_value(doc, *version).to_string())
             .arg(revision)
             .invoke_async(&mut c)
             .await
             .map_err(crate::error::redis("envoy mirror write"))?;
-        if n > 0 {
+        if let Some(why) = mirror_refusal(&reply) {
+            pass.refused.push((doc.domain.clone(), why));
+        } else if reply
+            .first()
+            .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok())
+            == Some(1)
+        {
             info!(domain = doc.domain, version, "envoy domain mirrored");
-            written += 1;
+            pass.written += 1;
         }
     }
     let live: BTreeSet<&str> = docs.iter().map(|(d, _)| d.domain.as_str()).collect();
-    for field in stored.keys().filter(|f| !live.contains(f.as_str())) {
+    for field in stored.iter().filter(|f| !live.contains(f.as_str())) {
         if !ctx.is_valid() {
             return Err(Error::NotLeader);
         }
-        let n: i64 = MIRROR_DEL
+        let reply: Vec<redis::Value> = MIRROR_DEL
             .key(&hash)
+            .key(&fence_hash)
             .arg(field)
+            .arg(fence.term)
+            .arg(fence.epoch.to_string())
+            .arg(fence.stale_after_ms.max(1))
             .arg(revision)
             .invoke_async(&mut c)
             .await
             .map_err(crate::error::redis("envoy mirror delete"))?;
-        if n > 0 {
+        if let Some(why) = mirror_refusal(&reply) {
+            pass.refused.push((field.clone(), why));
+        } else if reply
+            .first()
+            .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok())
+            == Some(1)
+        {
             info!(domain = field, "envoy domain removed from the mirror");
-            removed += 1;
+            pass.removed += 1;
         }
     }
-    Ok((written, removed))
+    Ok(pass)
 }
 
 /// Leader-only: mirrors etcd's domain documents into `NS:envoy` every `every` until the
-/// leadership ends (the same period as rolling; one etcd range read and one HGETALL a pass).
+/// leadership ends (the same period as rolling; one etcd range read, one HKEYS and one script
+/// call per domain a pass). Domains refused by the fence are logged when the set changes.
 pub async fn mirror(
     ctx: LeaderContext,
     client: Client,
@@ -1404,9 +1535,26 @@ pub async fn mirror(
     every: Duration,
 ) {
     let mut failing = false;
+    let mut refused: Vec<(String, String)> = Vec::new();
     loop {
         match mirror_once(&ctx, &client, &keys, &redis).await {
-            Ok(_) => failing = false,
+            Ok(pass) => {
+                failing = false;
+                let names =
+                    |v: &[(String, String)]| v.iter().map(|(d, _)| d.clone()).collect::<Vec<_>>();
+                if names(&pass.refused) != names(&refused) {
+                    for (domain, why) in &pass.refused {
+                        warn!(
+                            domain,
+                            why, "envoy domain not mirrored: its fence is another leader's"
+                        );
+                    }
+                    if pass.refused.is_empty() {
+                        info!("envoy mirror: no domain held by another leader any more");
+                    }
+                }
+                refused = pass.refused;
+            }
             Err(Error::NotLeader) => return,
             Err(e) => {
                 if !failing {

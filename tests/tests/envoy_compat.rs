@@ -197,7 +197,12 @@ async fn a_check_only_descriptor_is_checked_and_counts_nothing() {
     let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
     task(&m, "three", r#"{"threshold":3,"slice_ms":60000}"#).await;
     task(&m, "other", r#"{"threshold":100,"slice_ms":60000}"#).await;
-    task(&m, "perkey", r#"{"threshold":2,"slice_ms":60000,"keyed":true}"#).await;
+    task(
+        &m,
+        "perkey",
+        r#"{"threshold":2,"slice_ms":60000,"keyed":true}"#,
+    )
+    .await;
     task(&m, "blocked", r#"{"threshold":0,"slice_ms":60000}"#).await;
     not_near_a_boundary(60_000, 20_000).await;
     let a = Agent::start(&redis, &ns, "h1", &[]).await;
@@ -245,7 +250,12 @@ async fn a_check_only_descriptor_is_checked_and_counts_nothing() {
     // A key: exhausted on this host (k1), untouched (k2).
     let k = |key: &'static str| vec![("sluice_task", "perkey"), ("sluice_key", key)];
     for _ in 0..2 {
-        assert_eq!(ok(&ca, request("d", vec![descriptor(&k("k1"))])).await.overall_code, OK);
+        assert_eq!(
+            ok(&ca, request("d", vec![descriptor(&k("k1"))]))
+                .await
+                .overall_code,
+            OK
+        );
     }
     assert_eq!(ok(&ca, check(k("k1"))).await.overall_code, OVER_LIMIT);
     assert_eq!(ok(&cb, check(k("k1"))).await.overall_code, OVER_LIMIT);
@@ -296,11 +306,17 @@ descriptors:
 ";
     let (s, v) = import(&m, yaml).await;
     assert_eq!(s, 400, "{v}");
-    assert_eq!(v["field"], "descriptors[1].rate_limit.replaces[1].name", "{v}");
+    assert_eq!(
+        v["field"], "descriptors[1].rate_limit.replaces[1].name",
+        "{v}"
+    );
     assert_eq!(v["line"], 15, "{v}");
     assert!(v["error"].as_str().unwrap().contains("its own name"), "{v}");
     // Nothing was written.
-    let v = m.get_json("/api/v1/tasks").await.expect("GET /api/v1/tasks");
+    let v = m
+        .get_json("/api/v1/tasks")
+        .await
+        .expect("GET /api/v1/tasks");
     assert_eq!(v["tasks"].as_array().map(Vec::len), Some(0), "{v}");
 }
 
@@ -416,9 +432,12 @@ descriptors:
         let mut v = Vec::new();
         for _ in 0..3 {
             v.push(
-                ok(&c, request("meta", vec![descriptor(&[("path", "checkout")])]))
-                    .await
-                    .overall_code,
+                ok(
+                    &c,
+                    request("meta", vec![descriptor(&[("path", "checkout")])]),
+                )
+                .await
+                .overall_code,
             );
         }
         v
@@ -430,7 +449,10 @@ descriptors:
     assert_eq!(s, 400, "{v}");
     assert_eq!(v["field"], "descriptors[0].quota_mode", "{v}");
     assert_eq!(v["line"], 5, "{v}");
-    assert!(v["error"].as_str().unwrap().contains("all or nothing"), "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("all or nothing"),
+        "{v}"
+    );
 
     let big = format!(
         "domain: meta\ndescriptors:\n  - key: a\n    metadata:\n      blob: {}\n",
@@ -440,7 +462,11 @@ descriptors:
     assert_eq!(s, 400, "{v}");
     assert_eq!(v["field"], "descriptors[0].metadata", "{v}");
     assert!(v["error"].as_str().unwrap().contains("4096"), "{v}");
-    let (s, v) = import(&m, "domain: meta\ndescriptors:\n  - key: a\n    metadata: [1]\n").await;
+    let (s, v) = import(
+        &m,
+        "domain: meta\ndescriptors:\n  - key: a\n    metadata: [1]\n",
+    )
+    .await;
     assert_eq!(s, 400, "{v}");
     assert_eq!(v["field"], "descriptors[0].metadata", "{v}");
 }
