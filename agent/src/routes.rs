@@ -5,7 +5,10 @@
 //! Redis hash `NS:envoy` (field = domain). The agent re-reads that hash every
 //! `--routes-refresh` and matches descriptors locally, exactly as envoyproxy/ratelimit walks
 //! its configuration: at each level the child whose key **and** value equal the entry's, else
-//! the child with that key and no value (a wildcard: every distinct value gets its own limit);
+//! the first child (in config order) with that key whose value is a pattern the entry's value
+//! fits (`*` = any run of characters: [`pattern_matches`]; each matched value its own limit
+//! unless `share_threshold`), else the child with that key and no value (a wildcard: every
+//! distinct value gets its own limit);
 //! the node matched by the descriptor's **last** entry gives the limit.
 //!
 //! Besides imported domains, any domain accepts the direct form: a descriptor whose entries
@@ -46,6 +49,13 @@ pub struct Node {
     /// `shadow_mode`.
     #[serde(default)]
     pub shadow: bool,
+    /// `value` is a pattern (`*` = any run of characters): upstream's value wildcards.
+    #[serde(default)]
+    pub pattern: bool,
+    /// `share_threshold`: every value the pattern matches shares one limit (not part of the
+    /// key); otherwise each matched value has its own.
+    #[serde(default)]
+    pub share: bool,
     /// `rate_limit.name`.
     #[serde(default)]
     pub name: Option<String>,
@@ -114,15 +124,63 @@ pub enum Target {
 #[derive(Debug, Default)]
 struct Tree {
     version: u64,
-    /// `key\0value` (value present) or `key` (wildcard) → node.
-    children: HashMap<String, TreeNode>,
+    children: Level,
+}
+
+/// The nodes of one level.
+#[derive(Debug, Default)]
+struct Level {
+    /// `key\0value` (value present, patterns too) or `key` (wildcard) → node.
+    map: HashMap<String, TreeNode>,
+    /// The pattern values of this level in config order: (key, the pattern split at `*`, the
+    /// node's `map` key).
+    patterns: Vec<(String, Vec<String>, String)>,
 }
 
 #[derive(Debug)]
 struct TreeNode {
     node_limit: Option<NodeLimit>,
     wildcard: bool,
-    children: HashMap<String, TreeNode>,
+    /// Matched through a pattern whose values each have their own limit (the value is part
+    /// of the key).
+    per_value: bool,
+    children: Level,
+}
+
+/// Whether `value` fits `parts` (a pattern split at `*`): it starts with the first part, ends
+/// with the last, and holds the middle ones in order between them, without overlap.
+///
+/// ```
+/// # use sluice_agent::routes::pattern_matches;
+/// let p = |s: &str| s.split('*').map(str::to_string).collect::<Vec<_>>();
+/// assert!(pattern_matches(&p("foo*"), "foobar"));
+/// assert!(pattern_matches(&p("foo*"), "foo"));
+/// assert!(!pattern_matches(&p("foo*"), "fo"));
+/// assert!(pattern_matches(&p("a*b*c"), "axxbyyc"));
+/// assert!(!pattern_matches(&p("a*b*c"), "acb"));
+/// assert!(!pattern_matches(&p("ab*ba"), "aba"));
+/// ```
+pub fn pattern_matches(parts: &[String], value: &str) -> bool {
+    let (Some(first), Some(last)) = (parts.first(), parts.last()) else {
+        return false;
+    };
+    if parts.len() == 1 {
+        return first == value;
+    }
+    if value.len() < parts.iter().map(String::len).sum::<usize>()
+        || !value.starts_with(first.as_str())
+        || !value.ends_with(last.as_str())
+    {
+        return false;
+    }
+    let mut rest = &value[first.len()..value.len() - last.len()];
+    for p in &parts[1..parts.len() - 1] {
+        match rest.find(p.as_str()) {
+            Some(i) => rest = &rest[i + p.len()..],
+            None => return false,
+        }
+    }
+    true
 }
 
 #[derive(Debug, Clone)]
@@ -139,15 +197,14 @@ fn exact(key: &str, value: &str) -> String {
     format!("{key}\0{value}")
 }
 
-fn index(
-    nodes: &[Node],
-    depth: usize,
-    count: &mut usize,
-) -> Result<HashMap<String, TreeNode>, String> {
+fn index(nodes: &[Node], depth: usize, count: &mut usize) -> Result<Level, String> {
     if depth > MAX_DEPTH {
         return Err(format!("deeper than {MAX_DEPTH} levels"));
     }
-    let mut out = HashMap::with_capacity(nodes.len());
+    let mut out = Level {
+        map: HashMap::with_capacity(nodes.len()),
+        patterns: Vec::new(),
+    };
     for n in nodes {
         *count += 1;
         if *count > MAX_NODES {
@@ -183,12 +240,18 @@ fn index(
             Some(v) => exact(&n.key, v),
             None => n.key.clone(),
         };
+        let pattern = n.pattern && n.value.as_deref().is_some_and(|v| v.contains('*'));
+        if pattern && let Some(v) = &n.value {
+            let parts = v.split('*').map(str::to_string).collect();
+            out.patterns.push((n.key.clone(), parts, k.clone()));
+        }
         let node = TreeNode {
             node_limit: limit,
             wildcard: n.value.is_none(),
+            per_value: pattern && !n.share,
             children: index(&n.descriptors, depth + 1, count)?,
         };
-        if out.insert(k, node).is_some() {
+        if out.map.insert(k, node).is_some() {
             return Err(format!(
                 "two nodes {:?} = {:?} at one level",
                 n.key,
@@ -236,14 +299,25 @@ impl Tree {
         let mut level = &self.children;
         let mut wild: Vec<&str> = Vec::new();
         for (i, (k, v)) in entries.iter().enumerate() {
-            let node = match level.get(&exact(k, v)) {
-                Some(n) => n,
-                None => match level.get(*k) {
-                    Some(n) if n.wildcard => n,
-                    _ => return Target::None,
+            // As envoyproxy/ratelimit: the exact value, else the first pattern (in config
+            // order) the value fits, else the node without value.
+            let exact_node = level.map.get(&exact(k, v));
+            let (node, by_pattern) = match exact_node {
+                Some(n) => (n, false),
+                None => match level
+                    .patterns
+                    .iter()
+                    .find(|(pk, parts, _)| pk == k && pattern_matches(parts, v))
+                    .and_then(|(_, _, mk)| level.map.get(mk))
+                {
+                    Some(n) => (n, true),
+                    None => match level.map.get(*k) {
+                        Some(n) if n.wildcard => (n, false),
+                        _ => return Target::None,
+                    },
                 },
             };
-            if node.wildcard {
+            if node.wildcard || (by_pattern && node.per_value) {
                 wild.push(v);
             }
             if i + 1 == entries.len() {
@@ -262,7 +336,7 @@ impl Tree {
                     },
                 };
             }
-            if node.children.is_empty() {
+            if node.children.map.is_empty() {
                 return Target::None;
             }
             level = &node.children;

@@ -303,6 +303,9 @@ pub struct Descriptor {
     pub rate_limit: Option<RateLimit>,
     /// `shadow_mode`.
     pub shadow: bool,
+    /// `share_threshold` (only on a pattern value): every value the pattern matches shares
+    /// one limit instead of each having its own.
+    pub share: bool,
     /// Nested `descriptors`.
     pub descriptors: Vec<Descriptor>,
     /// Where it is (`descriptors[0].descriptors[1]`).
@@ -431,6 +434,7 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "quota_mode",
     "detailed_metric",
     "value_to_metric",
+    "share_threshold",
     "metadata",
     "descriptors",
 ];
@@ -438,6 +442,11 @@ const DESCRIPTOR_KEYS: &[&str] = &[
 /// Largest `metadata` of one descriptor, in bytes of its text (keys and scalars).
 pub const MAX_METADATA_BYTES: usize = 4096;
 const RATE_LIMIT_KEYS: &[&str] = &["unit", "requests_per_unit", "unlimited", "name", "replaces"];
+
+/// A value with `*`: a pattern (`*` = any run of characters), as upstream's value wildcards.
+pub fn is_pattern(v: &str) -> bool {
+    v.contains('*')
+}
 
 fn is_name_part(s: &str) -> bool {
     !s.is_empty()
@@ -596,17 +605,21 @@ fn parse_descriptor(
                     format!("must be at most {MAX_TEXT} bytes"),
                 ));
             }
-            if v.ends_with('*') {
-                return Err(ie(
-                    o.field("value"),
-                    line,
-                    "value wildcards (a value ending in `*`) are not supported by the Sluice import: list each value, or leave `value` out to give every distinct value its own limit",
-                ));
-            }
+            // A `*` makes the value a pattern (upstream's value wildcards): matched by the
+            // agent, see `sluice_agent::routes`.
             Some(v.to_string())
         }
     };
     let shadow = o.bool("shadow_mode")?;
+    let share = o.bool("share_threshold")?;
+    if share && !value.as_deref().is_some_and(is_pattern) {
+        let line = o.get("share_threshold").map_or(o.line, |n| n.line);
+        return Err(ie(
+            o.field("share_threshold"),
+            line,
+            "share_threshold needs a value with `*` (a pattern): it makes every value the pattern matches share one limit",
+        ));
+    }
     // Accepted for compatibility: Sluice keeps per-task metrics for every limit anyway.
     o.bool("detailed_metric")?;
     o.bool("value_to_metric")?;
@@ -658,6 +671,7 @@ fn parse_descriptor(
         value,
         rate_limit,
         shadow,
+        share,
         descriptors,
         field: field.to_string(),
         line: n.line,
@@ -956,7 +970,11 @@ fn compile_list(
     let mut out = Vec::with_capacity(list.len());
     for n in list {
         prefix.push((n.key.clone(), n.value.clone()));
-        let keyed = keyed_above || n.value.is_none();
+        // Every value its own limit below a node without value, and below a pattern (unless
+        // its values share one).
+        let keyed = keyed_above
+            || n.value.is_none()
+            || (n.value.as_deref().is_some_and(is_pattern) && !n.share);
         let task = match &n.rate_limit {
             Some(r) if !r.unlimited => {
                 let name = names.get(&n.field).cloned().unwrap_or_default();
@@ -1002,6 +1020,8 @@ fn compile_list(
             "task": task,
             "unlimited": r.is_some_and(|r| r.unlimited),
             "shadow": n.shadow,
+            "pattern": n.value.as_deref().is_some_and(is_pattern),
+            "share": n.share,
             "name": r.and_then(|r| r.name.clone()),
             "replaces": r
                 .map(|r| r.replaces.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>())
@@ -1696,10 +1716,10 @@ descriptors:
                 "at most one day",
             ),
             (
-                "domain: d\ndescriptors:\n  - key: a\n    value: foo*\n",
-                "descriptors[0].value",
-                4,
-                "not supported",
+                "domain: d\ndescriptors:\n  - key: a\n    value: foo\n    share_threshold: true\n",
+                "descriptors[0].share_threshold",
+                5,
+                "needs a value with `*`",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    colour: red\n",

@@ -470,3 +470,103 @@ descriptors:
     assert_eq!(s, 400, "{v}");
     assert_eq!(v["field"], "descriptors[0].metadata", "{v}");
 }
+
+/// Issue 23 item 15 (h): value wildcards as upstream's config tests state them — a value with
+/// `*` matches the values that fit the pattern (`*` = any run of characters, at the end or in
+/// the middle); an exact value wins over a pattern, a pattern over a descriptor without value;
+/// every matched value has its own limit, unless `share_threshold: true` (one limit shared by
+/// every value the pattern matches; upstream allows it only on patterns). Before, a value
+/// ending in `*` was refused at import.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn value_wildcards_match_like_upstream() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("ewild");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    m.wait_leader().await;
+    let yaml = "\
+domain: wild
+descriptors:
+  - key: path
+    value: /api/*
+    rate_limit:
+      unit: hour
+      requests_per_unit: 2
+  - key: path
+    value: /static/*
+    share_threshold: true
+    rate_limit:
+      unit: hour
+      requests_per_unit: 3
+  - key: path
+    value: /api/admin
+    rate_limit:
+      unit: hour
+      requests_per_unit: 1
+  - key: path
+    value: v*-*x
+    rate_limit:
+      unit: hour
+      requests_per_unit: 1
+  - key: path
+    rate_limit:
+      unit: hour
+      requests_per_unit: 1000
+";
+    let (a, answer) = agent_with(&m, &redis, &ns, yaml).await;
+    assert_eq!(answer["tasks"].as_array().unwrap().len(), 5, "{answer}");
+    not_near_a_boundary(3_600_000, 20_000).await;
+    let c = client(&a).await;
+    let codes = |path: &'static str, n: usize| {
+        let c = c.clone();
+        async move {
+            let mut out = Vec::new();
+            for _ in 0..n {
+                out.push(
+                    ok(&c, request("wild", vec![descriptor(&[("path", path)])]))
+                        .await
+                        .overall_code,
+                );
+            }
+            out
+        }
+    };
+    // A trailing pattern: each value its own 2.
+    assert_eq!(codes("/api/a", 3).await, [OK, OK, OVER_LIMIT]);
+    assert_eq!(codes("/api/b", 3).await, [OK, OK, OVER_LIMIT]);
+    // The exact value wins over the pattern.
+    assert_eq!(codes("/api/admin", 2).await, [OK, OVER_LIMIT]);
+    // share_threshold: one 3 for every value of the pattern.
+    assert_eq!(codes("/static/x", 2).await, [OK, OK]);
+    assert_eq!(codes("/static/y", 2).await, [OK, OVER_LIMIT]);
+    // A middle pattern: v…-…x.
+    assert_eq!(codes("v1-2x", 2).await, [OK, OVER_LIMIT]);
+    // Not matching the patterns: the descriptor without value (1000 per value).
+    let r = ok(&c, request("wild", vec![descriptor(&[("path", "v1-2y")])])).await;
+    assert_eq!(
+        r.statuses[0]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit),
+        Some(1000),
+        "{r:?}"
+    );
+    let r = ok(&c, request("wild", vec![descriptor(&[("path", "/apix")])])).await;
+    assert_eq!(
+        r.statuses[0]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit),
+        Some(1000),
+        "{r:?}"
+    );
+
+    // share_threshold without a pattern is refused, naming the line (as upstream).
+    let (s, v) = import(
+        &m,
+        "domain: wild2\ndescriptors:\n  - key: path\n    value: /x\n    share_threshold: true\n",
+    )
+    .await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["field"], "descriptors[0].share_threshold", "{v}");
+    assert_eq!(v["line"], 5, "{v}");
+}
