@@ -22,8 +22,10 @@
 //! * while Redis is unusable (FAILED) the task's `on_failure` decides, as in the SDK;
 //! * `shadow_mode` (the task's `shadow`): the would-be rejection answers `OK`, counted as a
 //!   would-reject in the task's history;
-//! * descriptor `limit` overrides (`RateLimitOverride`) are ignored: the configured limit
-//!   decides (counted in `sluice_agent_request_errors_total{reason="override_ignored"}`).
+//! * a descriptor `limit` override (`RateLimitOverride`) that states the limit the descriptor
+//!   resolves to is honoured (it changes nothing); any other is refused, `INVALID_ARGUMENT`
+//!   naming `descriptors[i].limit`, nothing decided (`request_errors_total{reason=
+//!   "override_refused"}`): limits are tasks, made by the manager, not by a request.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -98,6 +100,20 @@ fn current_limit(spec: Option<&LimitSpec>, task: &Task) -> Option<RateLimit> {
         requests_per_unit: m.threshold.min(u32::MAX as u64) as u32,
         unit,
     })
+}
+
+/// The spelling of an Envoy rate-limit unit.
+fn unit_name(unit: i32) -> &'static str {
+    match unit {
+        1 => "second",
+        2 => "minute",
+        3 => "hour",
+        4 => "day",
+        5 => "month",
+        6 => "year",
+        7 => "week",
+        _ => "unknown unit",
+    }
 }
 
 /// Longest wait for Redis's answer to a check-only descriptor.
@@ -192,6 +208,8 @@ impl RateLimitService for Rls {
             )));
         }
         let routes = s.routes.load();
+        // Request `limit` overrides: (descriptor, requests_per_unit, unit).
+        let mut overrides: Vec<(usize, u32, i32)> = Vec::new();
         let base_hits = u64::from(req.hits_addend.max(1));
         let mut slots: Vec<Slot> = Vec::with_capacity(req.descriptors.len());
         for (i, d) in req.descriptors.iter().enumerate() {
@@ -201,8 +219,8 @@ impl RateLimitService for Rls {
                     "descriptors[{i}] has no entries"
                 )));
             }
-            if d.limit.is_some() {
-                s.metrics.error("rls", "override_ignored");
+            if let Some(o) = &d.limit {
+                overrides.push((i, o.requests_per_unit, o.unit));
             }
             let entries: Vec<(&str, &str)> = d
                 .entries
@@ -292,6 +310,33 @@ impl RateLimitService for Rls {
         }
         // A cost refused at the door refuses the request: the other parts are not decided
         // (all or nothing, as if they had been given back).
+        // A `limit` override is honoured when it states the limit that applies (it changes
+        // nothing); any other is refused before anything is decided: the agent cannot make a
+        // limit of its own (limits are tasks, made by the manager).
+        for &(i, rpu, unit) in &overrides {
+            let applies = match (&slots[i].target, &tasks[i]) {
+                (Target::Limit { spec, .. }, Some(task)) => current_limit(spec.as_ref(), task),
+                _ => None,
+            };
+            if applies
+                .as_ref()
+                .is_some_and(|l| l.requests_per_unit == rpu && l.unit == unit)
+            {
+                continue;
+            }
+            s.metrics.error("rls", "override_refused");
+            let configured = match applies {
+                Some(l) => format!("{} per {}", l.requests_per_unit, unit_name(l.unit)),
+                None => "none".to_string(),
+            };
+            return Err(Status::invalid_argument(format!(
+                "descriptors[{i}].limit: request limit overrides are not supported unless they \
+                 state the configured limit ({rpu} per {} asked, configured: {configured}): \
+                 Sluice's limits are tasks made by the manager — import the limit into the \
+                 domain's config, or drop the override from Envoy's rate limit actions",
+                unit_name(unit)
+            )));
+        }
         let mut door_refused = slots.iter().any(|sl| sl.too_costly);
         // Check-only descriptors are checked first (they take nothing): one over its limit
         // refuses the request, and the others are then not decided (all or nothing).

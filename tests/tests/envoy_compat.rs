@@ -570,3 +570,85 @@ descriptors:
     assert_eq!(v["field"], "descriptors[0].share_threshold", "{v}");
     assert_eq!(v["line"], 5, "{v}");
 }
+
+/// Issue 23 item 15 (g): upstream applies a request's `limit` override instead of the
+/// configured limit. Sluice's limits are tasks made by the manager, so the agent honours an
+/// override only when it states the limit that applies (no change), and refuses any other
+/// clearly — `INVALID_ARGUMENT` naming `descriptors[i].limit` and both limits, nothing decided
+/// (Envoy then applies its `failure_mode_deny`). Before, overrides were silently ignored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_limit_overrides_are_honoured_when_equal_and_refused_otherwise() {
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::RateLimitOverride;
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("eovr");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    task(&m, "two", r#"{"threshold":2,"slice_ms":60000}"#).await;
+    task(&m, "many", r#"{"threshold":100,"slice_ms":60000}"#).await;
+    not_near_a_boundary(60_000, 15_000).await;
+    let a = Agent::start(&redis, &ns, "h1", &[]).await;
+    let c = client(&a).await;
+    let with_limit = |t: &str, rpu: u32, unit: i32| {
+        let mut d = descriptor(&[("sluice_task", t)]);
+        d.limit = Some(RateLimitOverride {
+            requests_per_unit: rpu,
+            unit,
+        });
+        d
+    };
+    const MINUTE: i32 = 2;
+    // Equal to the task's limit (2 per minute): honoured.
+    let codes: Vec<i32> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(
+                ok(&c, request("d", vec![with_limit("two", 2, MINUTE)]))
+                    .await
+                    .overall_code,
+            );
+        }
+        v
+    };
+    assert_eq!(codes, [OK, OK, OVER_LIMIT]);
+    // Another limit: refused, naming the descriptor and both limits; nothing decided.
+    let e = call(
+        &c,
+        request(
+            "d",
+            vec![
+                descriptor(&[("sluice_task", "many")]),
+                with_limit("many", 7, MINUTE),
+            ],
+        ),
+    )
+    .await
+    .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    let msg = e.message();
+    assert!(msg.contains("descriptors[1].limit"), "{msg}");
+    assert!(
+        msg.contains("7 per minute") && msg.contains("100 per minute"),
+        "{msg}"
+    );
+    // On a descriptor without a limit: refused too (upstream would make one from it).
+    let mut d = descriptor(&[("nothing", "here")]);
+    d.limit = Some(RateLimitOverride {
+        requests_per_unit: 5,
+        unit: MINUTE,
+    });
+    let e = call(&c, request("d", vec![d])).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e}");
+    let metrics = a.metrics().await;
+    assert!(
+        metrics.contains(
+            r#"sluice_agent_request_errors_total{api="rls",reason="override_refused"} 2"#
+        ),
+        "{metrics}"
+    );
+    // The refused request took nothing of "many": its 100 are all there.
+    let r = ok(
+        &c,
+        request("d", vec![with_hits(&[("sluice_task", "many")], 100)]),
+    )
+    .await;
+    assert_eq!(r.overall_code, OK, "{r:?}");
+}
