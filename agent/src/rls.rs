@@ -14,7 +14,8 @@
 //!   limit, the permits the others took are given back (envoyproxy/ratelimit counts them all);
 //! * `overall_code` is `OVER_LIMIT` when a descriptor is; each status carries
 //!   `current_limit` (the imported limit, or the task's threshold per slice),
-//!   `limit_remaining` (what this host holds of the slice: the cluster may hold more) and
+//!   `limit_remaining` (the cluster-wide estimate: what this host holds of the slice plus the
+//!   slice's `rem` in Redis, read at most every 250 ms) and
 //!   `duration_until_reset` (the end of the slice, or the FAILED fallback's retry time);
 //! * a descriptor that matches nothing, an `unlimited` one, one replaced by another's
 //!   `replaces`, and one naming a task that does not exist are `OK` without a limit (an
@@ -27,8 +28,8 @@
 //!   naming `descriptors[i].limit`, nothing decided (`request_errors_total{reason=
 //!   "override_refused"}`): limits are tasks, made by the manager, not by a request.
 
-use std::collections::HashSet;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -40,7 +41,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
-use sluice::{Decision, HostState, Mode, OnFailure, Task};
+use sluice::{Decision, HostState, Key, Mode, OnFailure, Task};
 use sluice_protocol::Keys;
 use tonic::{Request, Response, Status};
 
@@ -54,11 +55,119 @@ pub const MAX_DESCRIPTORS: usize = 64;
 /// The service.
 pub struct Rls {
     state: Arc<AppState>,
+    /// The slices' `rem` in Redis, for `limit_remaining` ([`Rls::cluster_remaining`]).
+    rems: Mutex<HashMap<(String, Option<String>), Rem>>,
 }
+
+/// What Redis last said of a slice's `rem`.
+#[derive(Clone, Copy)]
+struct Rem {
+    start_ms: i64,
+    /// `None`: the slice does not exist (a key's slice is made, full, at its first pull).
+    rem: Option<i64>,
+    at: Instant,
+}
+
+/// A slice's `rem` read from Redis is used this long for `limit_remaining`.
+const REM_FRESH: Duration = Duration::from_millis(250);
+/// Longest wait for Redis's answer about a slice's `rem` when answering `limit_remaining`.
+const REM_TIMEOUT: Duration = Duration::from_millis(100);
+/// Most (task, key) pairs whose `rem` is remembered (the map is emptied when full).
+const MAX_REMS: usize = 10_000;
 
 /// The tonic server of the service.
 pub fn service(state: Arc<AppState>) -> RateLimitServiceServer<Rls> {
-    RateLimitServiceServer::new(Rls { state })
+    RateLimitServiceServer::new(Rls {
+        state,
+        rems: Mutex::new(HashMap::new()),
+    })
+}
+
+/// The `rem` field of the current slice of `task` (or of its `key`'s slice) in Redis:
+/// `Ok(None)` when the slice does not exist, `Err` when Redis did not answer within `timeout`.
+async fn slice_rem(
+    s: &AppState,
+    task: &Task,
+    key: Option<&Key>,
+    start_ms: i64,
+    timeout: Duration,
+) -> Result<Option<i64>, ()> {
+    let keys = Keys::new(&s.cfg.namespace).map_err(|_| ())?;
+    let hash = match key {
+        Some(k) => keys.key_slice(task.name(), &sluice_protocol::key_digest(k.key()), start_ms),
+        None => keys.slice(task.name(), start_ms),
+    };
+    let q = async {
+        let mut c = s.decider.redis().conn().await.ok()?;
+        redis::cmd("HGET")
+            .arg(&hash)
+            .arg(sluice_protocol::slice_field::REM)
+            .query_async::<Option<i64>>(&mut c)
+            .await
+            .ok()
+    };
+    match tokio::time::timeout(timeout, q).await {
+        Ok(Some(v)) => Ok(v),
+        _ => Err(()),
+    }
+}
+
+impl Rls {
+    /// `limit_remaining` of an admitted descriptor: the cluster-wide estimate — what this host
+    /// holds of the slice plus what Redis has not handed out yet (the slice's `rem`, read at
+    /// most every [`REM_FRESH`] per task or key, waited for at most [`REM_TIMEOUT`]; a key's
+    /// slice not made yet counts as its whole cap). Other hosts' holdings are not known: the
+    /// estimate is at most what the cluster can still admit, short by what other hosts hold.
+    /// Modes other than `pooled`, FAILED and a silent Redis: what this host holds.
+    async fn cluster_remaining(&self, task: &Task, key: Option<&Key>) -> u64 {
+        let s = &self.state;
+        let Some(info) = task.limit_info("", None, true, key) else {
+            return 0;
+        };
+        let Some(m) = task.meta() else {
+            return info.remaining;
+        };
+        let key = key.filter(|_| m.keyed);
+        if m.mode != Mode::Pooled || task.state() == HostState::Failed {
+            return info.remaining;
+        }
+        let start = sluice_protocol::slice::start(task.now_us().div_euclid(1_000), m.slice_ms);
+        let id = (task.name().to_string(), key.map(|k| k.key().to_string()));
+        let cached = self
+            .rems
+            .lock()
+            .ok()
+            .and_then(|g| g.get(&id).copied())
+            .filter(|r| r.start_ms == start && r.at.elapsed() < REM_FRESH);
+        let rem = match cached {
+            Some(r) => r.rem,
+            None => match slice_rem(s, task, key, start, REM_TIMEOUT).await {
+                Ok(rem) => {
+                    if let Ok(mut g) = self.rems.lock() {
+                        if g.len() >= MAX_REMS && !g.contains_key(&id) {
+                            g.clear();
+                        }
+                        g.insert(
+                            id,
+                            Rem {
+                                start_ms: start,
+                                rem,
+                                at: Instant::now(),
+                            },
+                        );
+                    }
+                    rem
+                }
+                Err(()) => return info.remaining,
+            },
+        };
+        let redis_left = match rem {
+            Some(r) => r.max(0) as u64,
+            None if key.is_some() => info.limit,
+            None => 0,
+        };
+        info.remaining.saturating_add(redis_left)
+    }
 }
 
 fn pb_duration(d: Duration) -> PbDuration {
@@ -154,29 +263,13 @@ async fn exhausted(s: &AppState, p: &Part) -> bool {
     if key.is_none() && p.task.state() == HostState::Limited {
         return true;
     }
-    let Ok(keys) = Keys::new(&s.cfg.namespace) else {
-        return false;
-    };
     let start = sluice_protocol::slice::start(p.task.now_us().div_euclid(1_000), m.slice_ms);
-    let hash = match key {
-        Some(k) => keys.key_slice(p.task.name(), &sluice_protocol::key_digest(k.key()), start),
-        None => keys.slice(p.task.name(), start),
-    };
-    let q = async {
-        let mut c = s.decider.redis().conn().await.ok()?;
-        redis::cmd("HGET")
-            .arg(&hash)
-            .arg(sluice_protocol::slice_field::REM)
-            .query_async::<Option<i64>>(&mut c)
-            .await
-            .ok()
-    };
-    match tokio::time::timeout(CHECK_TIMEOUT, q).await {
-        Ok(Some(Some(rem))) => rem <= 0,
+    match slice_rem(s, &p.task, key, start, CHECK_TIMEOUT).await {
+        Ok(Some(rem)) => rem <= 0,
         // A key's slice is made at its first pull, full; a task's missing slice means the
         // leader is gone past the horizon: the SDK goes FAILED there.
-        Ok(Some(None)) => key.is_none() && failed(),
-        _ => failed(),
+        Ok(None) => key.is_none() && failed(),
+        Err(()) => failed(),
     }
 }
 
@@ -406,9 +499,7 @@ impl RateLimitService for Rls {
             let remaining = if is_refused {
                 0
             } else {
-                task.limit_info("", None, true, key)
-                    .map(|l| l.remaining.min(u32::MAX as u64) as u32)
-                    .unwrap_or(0)
+                self.cluster_remaining(task, key).await.min(u32::MAX as u64) as u32
             };
             let limit = current_limit(spec.as_ref(), task);
             if let Some(l) = &limit
