@@ -770,3 +770,44 @@ async fn refused_hits_are_counted_as_rejected_and_the_next_request_is_over() {
     )
     .await;
 }
+
+/// Issue 23 item 15 (i): the response headers of `--response-headers` are the names and
+/// formats Envoy's own `enable_x_ratelimit_headers: DRAFT_VERSION_03` writes from the statuses
+/// (`x-ratelimit-limit: <n>, <n>;w=<window>`, `x-ratelimit-remaining`, `x-ratelimit-reset`
+/// in seconds), not upstream's service defaults (`RateLimit-Limit` / `-Remaining` / `-Reset`,
+/// the limit as a bare number; docs/agent.md says how to get either). `x-ratelimit-remaining`
+/// is the status's `limit_remaining`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_headers_use_the_documented_names() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("ehdr");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    task(&m, "h", r#"{"threshold":50,"slice_ms":60000}"#).await;
+    not_near_a_boundary(60_000, 15_000).await;
+    let a = Agent::start(&redis, &ns, "h1", &["--response-headers"]).await;
+    let c = client(&a).await;
+    let r = ok(&c, request("d", vec![descriptor(&[("sluice_task", "h")])])).await;
+    let h: std::collections::BTreeMap<String, String> = r
+        .response_headers_to_add
+        .iter()
+        .map(|h| (h.key.clone(), h.value.clone()))
+        .collect();
+    let names: Vec<&str> = h.keys().map(String::as_str).collect();
+    assert_eq!(
+        names,
+        [
+            "x-ratelimit-limit",
+            "x-ratelimit-remaining",
+            "x-ratelimit-reset"
+        ]
+    );
+    assert_eq!(h["x-ratelimit-limit"], "50, 50;w=60");
+    assert_eq!(
+        h["x-ratelimit-remaining"],
+        r.statuses[0].limit_remaining.to_string()
+    );
+    let left: u64 = h["x-ratelimit-remaining"].parse().unwrap();
+    assert!((25..=49).contains(&left), "{left}");
+    let reset: u64 = h["x-ratelimit-reset"].parse().unwrap();
+    assert!((1..=60).contains(&reset), "{reset}");
+}
