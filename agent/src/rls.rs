@@ -57,6 +57,8 @@ pub struct Rls {
     state: Arc<AppState>,
     /// The slices' `rem` in Redis, for `limit_remaining` ([`Rls::cluster_remaining`]).
     rems: Mutex<HashMap<(String, Option<String>), Rem>>,
+    /// Reads of `rem` in flight (at most [`MAX_REM_READS`]; beyond, answers go without).
+    rem_reads: tokio::sync::Semaphore,
 }
 
 /// What Redis last said of a slice's `rem`.
@@ -74,12 +76,16 @@ const REM_FRESH: Duration = Duration::from_millis(250);
 const REM_TIMEOUT: Duration = Duration::from_millis(100);
 /// Most (task, key) pairs whose `rem` is remembered (the map is emptied when full).
 const MAX_REMS: usize = 10_000;
+/// Most reads of `rem` in flight at once; an answer that finds none free states this host's
+/// holdings only (so a flood of new keys costs Redis at most this many reads at a time).
+const MAX_REM_READS: usize = 32;
 
 /// The tonic server of the service.
 pub fn service(state: Arc<AppState>) -> RateLimitServiceServer<Rls> {
     RateLimitServiceServer::new(Rls {
         state,
         rems: Mutex::new(HashMap::new()),
+        rem_reads: tokio::sync::Semaphore::new(MAX_REM_READS),
     })
 }
 
@@ -141,25 +147,28 @@ impl Rls {
             .filter(|r| r.start_ms == start && r.at.elapsed() < REM_FRESH);
         let rem = match cached {
             Some(r) => r.rem,
-            None => match slice_rem(s, task, key, start, REM_TIMEOUT).await {
-                Ok(rem) => {
-                    if let Ok(mut g) = self.rems.lock() {
-                        if g.len() >= MAX_REMS && !g.contains_key(&id) {
-                            g.clear();
-                        }
-                        g.insert(
-                            id,
-                            Rem {
-                                start_ms: start,
-                                rem,
-                                at: Instant::now(),
-                            },
-                        );
+            None => {
+                let Ok(_permit) = self.rem_reads.try_acquire() else {
+                    return info.remaining;
+                };
+                let Ok(rem) = slice_rem(s, task, key, start, REM_TIMEOUT).await else {
+                    return info.remaining;
+                };
+                if let Ok(mut g) = self.rems.lock() {
+                    if g.len() >= MAX_REMS && !g.contains_key(&id) {
+                        g.clear();
                     }
-                    rem
+                    g.insert(
+                        id,
+                        Rem {
+                            start_ms: start,
+                            rem,
+                            at: Instant::now(),
+                        },
+                    );
                 }
-                Err(()) => return info.remaining,
-            },
+                rem
+            }
         };
         let redis_left = match rem {
             Some(r) => r.max(0) as u64,

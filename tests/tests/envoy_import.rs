@@ -297,11 +297,15 @@ async fn import_reimport_refuse_and_delete() {
             "descriptors[2].descriptors[0].rate_limit.unit",
             23,
         ),
+        // Value wildcards are patterns now (issue 23 item 15 h); share_threshold needs one.
         (
-            CONFIG.replace("value: checkout", "value: check*"),
+            CONFIG.replace(
+                "value: checkout",
+                "value: checkout\n    share_threshold: true",
+            ),
             400,
-            "descriptors[0].value",
-            5,
+            "descriptors[0].share_threshold",
+            6,
         ),
         (
             CONFIG.replace("shadow_mode: true", "shadow: true"),
