@@ -10,6 +10,8 @@
 //!   nothing is taken or counted (`decisions_total{decision="cost_above_max"}`);
 //! * a descriptor's `hits_addend: 0` is check-only (Envoy's pattern): `OVER_LIMIT` when
 //!   nothing is left of the slice cluster-wide, counting nothing (see `exhausted`);
+//! * `quota_mode` descriptors: decided with the plain ones, the first that admits (in request
+//!   order) charged; the request is over when a plain one is or every quota one is;
 //! * all descriptors of one request are decided **all or nothing**: when one is over its
 //!   limit, the permits the others took are given back (envoyproxy/ratelimit counts them all);
 //! * `overall_code` is `OVER_LIMIT` when a descriptor is; each status carries
@@ -200,6 +202,8 @@ struct Slot {
     too_costly: bool,
     /// A check-only descriptor (`hits_addend: 0`) found its limit exhausted.
     check_over: bool,
+    /// A `quota_mode` descriptor refused with this decision.
+    quota_over: Option<Decision>,
 }
 
 /// The limit to state for a task: the imported spec, else the task's threshold per slice.
@@ -218,6 +222,22 @@ fn current_limit(spec: Option<&LimitSpec>, task: &Task) -> Option<RateLimit> {
         requests_per_unit: m.threshold.min(u32::MAX as u64) as u32,
         unit,
     })
+}
+
+/// Decides `parts` — one on its own (its decision says more, e.g. a shadow task's would-be
+/// rejection), several all or nothing: the decision and which part refused.
+async fn decide_parts(s: &AppState, parts: &[Part]) -> Option<(Decision, Option<usize>)> {
+    match parts.len() {
+        0 => None,
+        1 => {
+            let d = s.decider.decide(&parts[0]).await;
+            Some((d, (!d.is_allowed()).then_some(0)))
+        }
+        _ => {
+            let a = s.decider.decide_all(parts).await;
+            Some((a.decision, a.refused.filter(|_| !a.decision.is_allowed())))
+        }
+    }
 }
 
 /// The spelling of an Envoy rate-limit unit.
@@ -336,6 +356,7 @@ impl RateLimitService for Rls {
                 part: None,
                 too_costly: false,
                 check_over: false,
+                quota_over: None,
             });
         }
         // `replaces`: a matched limit named by another matched limit's `replaces` is not applied.
@@ -362,6 +383,8 @@ impl RateLimitService for Rls {
         let mut parts: Vec<Part> = Vec::new();
         // Check-only descriptors (`hits_addend: 0`): slot index and part.
         let mut checks: Vec<(usize, Part)> = Vec::new();
+        // `quota_mode` descriptors: slot index and part.
+        let mut quota_parts: Vec<(usize, Part)> = Vec::new();
         let mut tasks: Vec<Option<Task>> = Vec::with_capacity(slots.len());
         for (i, sl) in slots.iter_mut().enumerate() {
             let Target::Limit { task, key, .. } = &sl.target else {
@@ -383,6 +406,9 @@ impl RateLimitService for Rls {
                         // Not decided: nothing is taken or counted (not even as rejected).
                         sl.too_costly = true;
                         s.metrics.decision("rls", "cost_above_max");
+                    } else if sl.hits > 0 && matches!(sl.target, Target::Limit { quota: true, .. })
+                    {
+                        quota_parts.push((i, p));
                     } else if sl.hits > 0 {
                         sl.part = Some(parts.len());
                         parts.push(p);
@@ -455,17 +481,43 @@ impl RateLimitService for Rls {
         }
         // (the decision, which part refused): one part is decided on its own (its decision
         // says more, e.g. a shadow task's would-be rejection); several all or nothing.
-        let all: Option<(Decision, Option<usize>)> = match parts.len() {
-            _ if door_refused => None,
-            0 => None,
-            1 => {
-                let d = s.decider.decide(&parts[0]).await;
-                Some((d, (!d.is_allowed()).then_some(0)))
+        // With `quota_mode` descriptors: the plain parts together with the first quota part
+        // that admits, tried in order (all or nothing each time: a refused attempt gives its
+        // permits back); the request is refused when a plain part refuses, or when every
+        // quota part does (as upstream: over iff a plain descriptor is, or all quota ones are).
+        let mut quota_over_n = 0;
+        let all: Option<(Decision, Option<usize>)> = if door_refused {
+            None
+        } else if quota_parts.is_empty() {
+            decide_parts(s, &parts).await
+        } else {
+            let mut out = None;
+            for (slot, qp) in &quota_parts {
+                let mut with = parts.clone();
+                with.push(qp.clone());
+                match decide_parts(s, &with).await {
+                    Some((d, Some(i))) if i == parts.len() => {
+                        slots[*slot].quota_over = Some(d);
+                        quota_over_n += 1;
+                        s.metrics.decision("rls", decision_name(&d));
+                    }
+                    Some((d, r)) => {
+                        if r.is_none() {
+                            s.metrics.decision("rls", decision_name(&d));
+                        }
+                        out = Some((d, r));
+                        break;
+                    }
+                    None => break,
+                }
             }
-            _ => {
-                let a = s.decider.decide_all(&parts).await;
-                Some((a.decision, a.refused.filter(|_| !a.decision.is_allowed())))
+            if out.is_none() {
+                // Every quota part refused: the plain parts were given back each time.
+                for _ in &parts {
+                    s.metrics.decision("rls", "given_back");
+                }
             }
+            out
         };
         let refused = all.and_then(|(_, r)| r);
         let mut statuses = Vec::with_capacity(slots.len());
@@ -486,10 +538,13 @@ impl RateLimitService for Rls {
                 });
                 continue;
             };
-            let is_refused =
-                sl.too_costly || sl.check_over || (sl.part.is_some() && sl.part == refused);
-            let decision = match (is_refused, all) {
-                (true, Some((d, _))) => d,
+            let is_refused = sl.too_costly
+                || sl.check_over
+                || sl.quota_over.is_some()
+                || (sl.part.is_some() && sl.part == refused);
+            let decision = match (is_refused, sl.quota_over, all) {
+                (true, Some(d), _) => d,
+                (true, None, Some((d, _))) => d,
                 _ => Decision::Allowed,
             };
             if let (Some((d, r)), Some(_)) = (all, sl.part) {
@@ -516,7 +571,7 @@ impl RateLimitService for Rls {
             {
                 tightest = Some((remaining, l.clone(), reset));
             }
-            over |= is_refused;
+            over |= is_refused && sl.quota_over.is_none();
             statuses.push(DescriptorStatus {
                 code: if is_refused {
                     Code::OverLimit as i32
@@ -528,6 +583,9 @@ impl RateLimitService for Rls {
                 duration_until_reset: Some(pb_duration(reset)),
                 quota: None,
             });
+        }
+        if !quota_parts.is_empty() && quota_over_n == quota_parts.len() {
+            over = true;
         }
         let mut headers = Vec::new();
         if s.cfg.response_headers

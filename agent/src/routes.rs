@@ -49,6 +49,10 @@ pub struct Node {
     /// `shadow_mode`.
     #[serde(default)]
     pub shadow: bool,
+    /// `quota_mode`: over its limit, this descriptor alone does not refuse the request; the
+    /// request is refused when every `quota_mode` descriptor of it is over.
+    #[serde(default)]
+    pub quota: bool,
     /// `value` is a pattern (`*` = any run of characters): upstream's value wildcards.
     #[serde(default)]
     pub pattern: bool,
@@ -117,6 +121,8 @@ pub enum Target {
         shadow: bool,
         /// Names this limit replaces.
         replaces: Vec<String>,
+        /// `quota_mode` of the imported node.
+        quota: bool,
     },
 }
 
@@ -190,6 +196,7 @@ struct NodeLimit {
     keyed: bool,
     spec: Option<LimitSpec>,
     shadow: bool,
+    quota: bool,
     replaces: Vec<String>,
 }
 
@@ -231,6 +238,7 @@ fn index(nodes: &[Node], depth: usize, count: &mut usize) -> Result<Level, Strin
                 keyed: n.keyed,
                 spec,
                 shadow: n.shadow,
+                quota: n.quota,
                 replaces: n.replaces.clone(),
             })
         } else {
@@ -332,6 +340,7 @@ impl Tree {
                             spec: l.spec.clone(),
                             shadow: l.shadow,
                             replaces: l.replaces.clone(),
+                            quota: l.quota,
                         },
                     },
                 };
@@ -385,6 +394,7 @@ fn direct(entries: &[(&str, &str)]) -> Target {
             spec: None,
             shadow: false,
             replaces: Vec::new(),
+            quota: false,
         },
         [(DIRECT_TASK, t), (DIRECT_KEY, k)] => Target::Limit {
             task: t.to_string(),
@@ -392,6 +402,7 @@ fn direct(entries: &[(&str, &str)]) -> Target {
             spec: None,
             shadow: false,
             replaces: Vec::new(),
+            quota: false,
         },
         _ => Target::None,
     }

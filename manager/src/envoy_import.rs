@@ -303,6 +303,8 @@ pub struct Descriptor {
     pub rate_limit: Option<RateLimit>,
     /// `shadow_mode`.
     pub shadow: bool,
+    /// `quota_mode`.
+    pub quota: bool,
     /// `share_threshold` (only on a pattern value): every value the pattern matches shares
     /// one limit instead of each having its own.
     pub share: bool,
@@ -623,14 +625,8 @@ fn parse_descriptor(
     // Accepted for compatibility: Sluice keeps per-task metrics for every limit anyway.
     o.bool("detailed_metric")?;
     o.bool("value_to_metric")?;
-    if o.bool("quota_mode")? {
-        let line = o.get("quota_mode").map_or(o.line, |n| n.line);
-        return Err(ie(
-            o.field("quota_mode"),
-            line,
-            "quota_mode: true is not supported: upstream passes a request while any of its quota_mode descriptors has quota, and Sluice decides a request's descriptors all or nothing (drop it, or make the limit a plain one)",
-        ));
-    }
+    // A request is refused by its quota_mode descriptors only when all of them are over.
+    let quota = o.bool("quota_mode")?;
     // Free-form, as upstream: it only returns it in response dynamic metadata, which Sluice
     // does not send. Checked (a mapping, bounded) and otherwise ignored.
     if let Some(md) = o.get("metadata") {
@@ -672,6 +668,7 @@ fn parse_descriptor(
         rate_limit,
         shadow,
         share,
+        quota,
         descriptors,
         field: field.to_string(),
         line: n.line,
@@ -1020,6 +1017,7 @@ fn compile_list(
             "task": task,
             "unlimited": r.is_some_and(|r| r.unlimited),
             "shadow": n.shadow,
+            "quota": n.quota,
             "pattern": n.value.as_deref().is_some_and(is_pattern),
             "share": n.share,
             "name": r.and_then(|r| r.name.clone()),

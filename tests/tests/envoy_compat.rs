@@ -402,11 +402,13 @@ descriptors:
 /// Issue 23 item 15 (e): upstream's descriptor keys `quota_mode` and `metadata` (and
 /// `value_to_metric`) are accepted by the import — before, refused as unknown keys.
 /// `metadata` (free-form; upstream returns it only in dynamic metadata, which Sluice does not
-/// send) is bounded to 4 KiB; `quota_mode: true` (a request passes while any of its quota
-/// descriptors has quota) cannot be expressed in Sluice's all-or-nothing decisions and is
-/// refused with the reason, field and line.
+/// send) is bounded to 4 KiB. `quota_mode` as upstream's service test states it: a quota
+/// descriptor over its limit is OVER_LIMIT in its status but refuses the request only when
+/// every quota descriptor of the request is over (a plain one over refuses it as always).
+/// Sluice charges the first quota descriptor (in request order) that admits, together with
+/// the plain ones, all or nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn quota_mode_and_metadata_are_accepted_or_refused_with_a_reason() {
+async fn quota_mode_and_metadata_are_accepted_and_quota_mode_decides_like_upstream() {
     let (etcd, redis) = (shared_etcd(), shared_redis());
     let ns = unique_ns("eqm");
     let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
@@ -422,37 +424,88 @@ descriptors:
       team: payments
       tier: { level: 2, tags: [a, b] }
     rate_limit:
-      unit: minute
+      unit: hour
       requests_per_unit: 2
+  - key: plan
+    value: free
+    quota_mode: true
+    rate_limit:
+      unit: hour
+      requests_per_unit: 1
+  - key: plan
+    value: credits
+    quota_mode: true
+    rate_limit:
+      unit: hour
+      requests_per_unit: 2
+  - key: global
+    rate_limit:
+      unit: hour
+      requests_per_unit: 100
 ";
     let (a, answer) = agent_with(&m, &redis, &ns, yaml).await;
-    assert_eq!(answer["tasks"].as_array().unwrap().len(), 1, "{answer}");
+    assert_eq!(answer["tasks"].as_array().unwrap().len(), 4, "{answer}");
+    not_near_a_boundary(3_600_000, 20_000).await;
     let c = client(&a).await;
-    let codes: Vec<i32> = {
-        let mut v = Vec::new();
-        for _ in 0..3 {
-            v.push(
-                ok(
-                    &c,
-                    request("meta", vec![descriptor(&[("path", "checkout")])]),
-                )
-                .await
-                .overall_code,
-            );
-        }
-        v
-    };
+    let mut codes = Vec::new();
+    for _ in 0..3 {
+        codes.push(
+            ok(
+                &c,
+                request("meta", vec![descriptor(&[("path", "checkout")])]),
+            )
+            .await
+            .overall_code,
+        );
+    }
     assert_eq!(codes, [OK, OK, OVER_LIMIT]);
-
-    let quota = yaml.replace("quota_mode: false", "quota_mode: true");
-    let (s, v) = import(&m, &quota).await;
-    assert_eq!(s, 400, "{v}");
-    assert_eq!(v["field"], "descriptors[0].quota_mode", "{v}");
-    assert_eq!(v["line"], 5, "{v}");
-    assert!(
-        v["error"].as_str().unwrap().contains("all or nothing"),
-        "{v}"
+    // Two quota descriptors: free (1) is used first, then credits (2), then both are over.
+    let both = || {
+        request(
+            "meta",
+            vec![
+                descriptor(&[("plan", "free")]),
+                descriptor(&[("plan", "credits")]),
+            ],
+        )
+    };
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let r = ok(&c, both()).await;
+        seen.push((
+            r.overall_code,
+            r.statuses.iter().map(|s| s.code).collect::<Vec<_>>(),
+        ));
+    }
+    assert_eq!(
+        seen,
+        [
+            (OK, vec![OK, OK]),
+            (OK, vec![OVER_LIMIT, OK]),
+            (OK, vec![OVER_LIMIT, OK]),
+            (OVER_LIMIT, vec![OVER_LIMIT, OVER_LIMIT]),
+        ]
     );
+    // A plain descriptor with its quota ones all over: refused, the plain one given back.
+    let r = ok(
+        &c,
+        request(
+            "meta",
+            vec![
+                descriptor(&[("global", "x")]),
+                descriptor(&[("plan", "free")]),
+            ],
+        ),
+    )
+    .await;
+    assert_eq!(r.overall_code, OVER_LIMIT, "{r:?}");
+    assert_eq!(r.statuses[0].code, OK, "{r:?}");
+    let r = ok(
+        &c,
+        request("meta", vec![with_hits(&[("global", "x")], 100)]),
+    )
+    .await;
+    assert_eq!(r.overall_code, OK, "global's 100 are intact: {r:?}");
 
     let big = format!(
         "domain: meta\ndescriptors:\n  - key: a\n    metadata:\n      blob: {}\n",
