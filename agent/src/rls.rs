@@ -92,14 +92,18 @@ pub fn service(state: Arc<AppState>) -> RateLimitServiceServer<Rls> {
 }
 
 /// The `rem` field of the current slice of `task` (or of its `key`'s slice) in Redis:
-/// `Ok(None)` when the slice does not exist, `Err` when Redis did not answer within `timeout`.
+/// `Ok(None)` when the slice does not exist, `Err` when Redis did not answer by `deadline`.
 async fn slice_rem(
     s: &AppState,
     task: &Task,
     key: Option<&Key>,
     start_ms: i64,
-    timeout: Duration,
+    deadline: Instant,
 ) -> Result<Option<i64>, ()> {
+    let timeout = deadline.saturating_duration_since(Instant::now());
+    if timeout.is_zero() {
+        return Err(());
+    }
     let keys = Keys::new(&s.cfg.namespace).map_err(|_| ())?;
     let hash = match key {
         Some(k) => keys.key_slice(task.name(), &sluice_protocol::key_digest(k.key()), start_ms),
@@ -123,11 +127,12 @@ async fn slice_rem(
 impl Rls {
     /// `limit_remaining` of an admitted descriptor: the cluster-wide estimate — what this host
     /// holds of the slice plus what Redis has not handed out yet (the slice's `rem`, read at
-    /// most every [`REM_FRESH`] per task or key, waited for at most [`REM_TIMEOUT`]; a key's
+    /// most every [`REM_FRESH`] per task or key, waited for at most [`REM_TIMEOUT`] and never
+    /// past `deadline` (the answer's budget for these reads, [`REM_TIMEOUT`]); a key's
     /// slice not made yet counts as its whole cap). Other hosts' holdings are not known: the
     /// estimate is at most what the cluster can still admit, short by what other hosts hold.
     /// Modes other than `pooled`, FAILED and a silent Redis: what this host holds.
-    async fn cluster_remaining(&self, task: &Task, key: Option<&Key>) -> u64 {
+    async fn cluster_remaining(&self, task: &Task, key: Option<&Key>, deadline: Instant) -> u64 {
         let s = &self.state;
         let Some(info) = task.limit_info("", None, true, key) else {
             return 0;
@@ -153,7 +158,8 @@ impl Rls {
                 let Ok(_permit) = self.rem_reads.try_acquire() else {
                     return info.remaining;
                 };
-                let Ok(rem) = slice_rem(s, task, key, start, REM_TIMEOUT).await else {
+                let deadline = deadline.min(Instant::now() + REM_TIMEOUT);
+                let Ok(rem) = slice_rem(s, task, key, start, deadline).await else {
                     return info.remaining;
                 };
                 if let Ok(mut g) = self.rems.lock() {
@@ -264,11 +270,12 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(1);
 /// * the host knows the slice is spent (state LIMITED), or the threshold is 0: exhausted;
 /// * otherwise the slice's `rem` in Redis (one `HGET`): 0 = exhausted; a key's slice not
 ///   created yet is not (it starts at the key's cap);
-/// * FAILED, or Redis does not answer within [`CHECK_TIMEOUT`]: the task's `on_failure` says
+/// * FAILED, or Redis does not answer by `deadline` (the check-only descriptors of a request
+///   share [`CHECK_TIMEOUT`]): the task's `on_failure` says
 ///   (`deny` = exhausted; `allow` and `local` = not: a local limiter cannot be asked without
 ///   deciding);
 /// * shadow tasks, and modes other than `pooled` (no imported task is one): never exhausted.
-async fn exhausted(s: &AppState, p: &Part) -> bool {
+async fn exhausted(s: &AppState, p: &Part, deadline: Instant) -> bool {
     let Some(m) = p.task.meta() else {
         return false;
     };
@@ -293,7 +300,7 @@ async fn exhausted(s: &AppState, p: &Part) -> bool {
         return true;
     }
     let start = sluice_protocol::slice::start(p.task.now_us().div_euclid(1_000), m.slice_ms);
-    match slice_rem(s, &p.task, key, start, CHECK_TIMEOUT).await {
+    match slice_rem(s, &p.task, key, start, deadline).await {
         Ok(Some(rem)) => rem <= 0,
         // A key's slice is made at its first pull, full; a task's missing slice means the
         // leader is gone past the horizon: the SDK goes FAILED there.
@@ -469,8 +476,9 @@ impl RateLimitService for Rls {
         // Check-only descriptors are checked first (they take nothing): one over its limit
         // refuses the request, and the others are then not decided (all or nothing).
         if !door_refused {
+            let deadline = Instant::now() + CHECK_TIMEOUT;
             for (i, p) in &checks {
-                if exhausted(s, p).await {
+                if exhausted(s, p, deadline).await {
                     slots[*i].check_over = true;
                     door_refused = true;
                     s.metrics.decision("rls", "check_over_limit");
@@ -485,7 +493,7 @@ impl RateLimitService for Rls {
         // that admits, tried in order (all or nothing each time: a refused attempt gives its
         // permits back); the request is refused when a plain part refuses, or when every
         // quota part does (as upstream: over iff a plain descriptor is, or all quota ones are).
-        let mut quota_over_n = 0;
+        let mut quota_all_refused = false;
         let all: Option<(Decision, Option<usize>)> = if door_refused {
             None
         } else if quota_parts.is_empty() {
@@ -493,12 +501,16 @@ impl RateLimitService for Rls {
         } else {
             let mut out = None;
             for (slot, qp) in &quota_parts {
+                // Each attempt may wait for a refill: attempts stop at the request timeout
+                // (the quota parts not tried count as refused).
+                if t0.elapsed() >= s.cfg.request_timeout {
+                    break;
+                }
                 let mut with = parts.clone();
                 with.push(qp.clone());
                 match decide_parts(s, &with).await {
                     Some((d, Some(i))) if i == parts.len() => {
                         slots[*slot].quota_over = Some(d);
-                        quota_over_n += 1;
                         s.metrics.decision("rls", decision_name(&d));
                     }
                     Some((d, r)) => {
@@ -512,6 +524,7 @@ impl RateLimitService for Rls {
                 }
             }
             if out.is_none() {
+                quota_all_refused = true;
                 // Every quota part refused: the plain parts were given back each time.
                 for _ in &parts {
                     s.metrics.decision("rls", "given_back");
@@ -520,6 +533,8 @@ impl RateLimitService for Rls {
             out
         };
         let refused = all.and_then(|(_, r)| r);
+        // All the reads of `rem` of one answer share REM_TIMEOUT.
+        let rem_deadline = Instant::now() + REM_TIMEOUT;
         let mut statuses = Vec::with_capacity(slots.len());
         let mut over = false;
         // For the x-ratelimit-* headers: the tightest limit stated.
@@ -563,7 +578,9 @@ impl RateLimitService for Rls {
             let remaining = if is_refused {
                 0
             } else {
-                self.cluster_remaining(task, key).await.min(u32::MAX as u64) as u32
+                self.cluster_remaining(task, key, rem_deadline)
+                    .await
+                    .min(u32::MAX as u64) as u32
             };
             let limit = current_limit(spec.as_ref(), task);
             if let Some(l) = &limit
@@ -584,9 +601,7 @@ impl RateLimitService for Rls {
                 quota: None,
             });
         }
-        if !quota_parts.is_empty() && quota_over_n == quota_parts.len() {
-            over = true;
-        }
+        over |= quota_all_refused;
         let mut headers = Vec::new();
         if s.cfg.response_headers
             && let Some((remaining, l, reset)) = tightest

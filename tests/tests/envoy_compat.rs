@@ -864,3 +864,56 @@ async fn response_headers_use_the_documented_names() {
     let reset: u64 = h["x-ratelimit-reset"].parse().unwrap();
     assert!((1..=60).contains(&reset), "{reset}");
 }
+
+/// Resumes a SIGSTOPped process when dropped (also when the test fails).
+struct Resume(u32);
+
+impl Drop for Resume {
+    fn drop(&mut self) {
+        // SAFETY: kill(2) has no memory-safety preconditions.
+        unsafe { libc::kill(self.0 as libc::pid_t, libc::SIGCONT) };
+    }
+}
+
+/// The reads of Redis an answer may make (check-only descriptors, `limit_remaining`) share
+/// one budget per request: with Redis paused, 64 check-only descriptors of new keys (each
+/// needing a read: the host holds none of them) are answered within about a second — one
+/// second per descriptor, 64 s, before the budget was shared.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_reads_of_one_answer_share_a_bounded_budget() {
+    let etcd = shared_etcd();
+    let r = RedisServer::start();
+    let redis = r.url();
+    let ns = unique_ns("ebudget");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    task(
+        &m,
+        "perkey",
+        r#"{"threshold":10,"slice_ms":60000,"keyed":true}"#,
+    )
+    .await;
+    not_near_a_boundary(60_000, 15_000).await;
+    let a = Agent::start(&redis, &ns, "h1", &[]).await;
+    let c = client(&a).await;
+    let k = |key: String| with_hits(&[("sluice_task", "perkey"), ("sluice_key", &key)], 0);
+    // The task is open (verified while Redis answers).
+    assert_eq!(
+        ok(&c, request("d", vec![k("warm".into())]))
+            .await
+            .overall_code,
+        OK
+    );
+    signal(r.pid(), libc::SIGSTOP);
+    let _resume = Resume(r.pid());
+    let t0 = Instant::now();
+    let ds: Vec<RateLimitDescriptor> = (0..64).map(|i| k(format!("new-{i}"))).collect();
+    let answer = tokio::time::timeout(Duration::from_secs(30), call(&c, request("d", ds))).await;
+    let took = t0.elapsed();
+    eprintln!("64 check-only descriptors with Redis paused: {took:?}");
+    let r = answer
+        .expect("answered within 30 s")
+        .expect("ShouldRateLimit");
+    // on_failure is `local`: a check that cannot ask Redis is not over.
+    assert_eq!(r.overall_code, OK, "{r:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+}
