@@ -539,6 +539,40 @@ mod tests {
         );
     }
 
+    /// Upstream's order at one level: the exact value, then the first pattern the value fits
+    /// (config order), then the node without value; a pattern's value is part of the key
+    /// unless it is shared; `quota` reaches the target.
+    #[test]
+    fn patterns_sit_between_exact_values_and_wildcards() {
+        let r = table(
+            r#"{"domain":"d","version":1,"descriptors":[
+            {"key":"p","value":"/a*","pattern":true,"task":"d.first","keyed":true},
+            {"key":"p","value":"/ab*","pattern":true,"task":"d.second","keyed":true},
+            {"key":"p","value":"/s*","pattern":true,"share":true,"task":"d.shared","quota":true},
+            {"key":"p","value":"/abc","task":"d.exact"},
+            {"key":"p","task":"d.any","keyed":true}
+        ]}"#,
+        )
+        .load();
+        assert_eq!(limit(&r.resolve("d", &[("p", "/abc")])), ("d.exact", None));
+        // "/abd" fits both patterns: the first in config order wins.
+        assert_eq!(
+            limit(&r.resolve("d", &[("p", "/abd")])),
+            ("d.first", Some("/abd"))
+        );
+        assert_eq!(limit(&r.resolve("d", &[("p", "/s/1")])), ("d.shared", None));
+        assert!(matches!(
+            r.resolve("d", &[("p", "/s/1")]),
+            Target::Limit { quota: true, .. }
+        ));
+        assert_eq!(
+            limit(&r.resolve("d", &[("p", "/z")])),
+            ("d.any", Some("/z"))
+        );
+        // A pattern of another key does not match.
+        assert_eq!(r.resolve("d", &[("q", "/abc")]), Target::None);
+    }
+
     #[test]
     fn keys_escape_and_hash() {
         assert_eq!(key_of(&["a"]), "a");
