@@ -7,7 +7,7 @@
 //!  one etcd transaction: /NS/envoy/<domain> + /NS/tasks/<task>… (puts and deletes)
 //!     │
 //!     ├─ task watch ─▶ Roller (meta, slices) as for any task
-//!     └─ mirror (leader) ─▶ Redis NS:envoy[<domain>] = {"domain","version","descriptors"}
+//!     └─ mirror (leader, fenced) ─▶ Redis NS:envoy[<domain>] = {"domain","version","descriptors"}
 //! ```
 //!
 //! * [`parse`]: the YAML text → [`Domain`], every error naming the field path
@@ -15,7 +15,9 @@
 //! * [`compile`]: [`Domain`] → the contract's `<Node>` JSON plus one task spec per node with a
 //!   limited `rate_limit`, validated by [`crate::spec::parse_request`] like a `PUT` body.
 //! * [`apply`] / [`remove`] / [`list`]: the etcd side, one transaction each.
-//! * [`mirror`]: the leader's loop copying domain documents into `NS:envoy`.
+//! * [`mirror`]: the leader's loop copying domain documents into `NS:envoy`, each domain
+//!   fenced by the leader's epoch and term like a task (`NS:envoy:fence{NS:envoy}`), so two
+//!   manager clusters on one namespace keep their own domains.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
