@@ -573,6 +573,40 @@ mod tests {
         assert_eq!(r.resolve("d", &[("q", "/abc")]), Target::None);
     }
 
+    /// The reference: a plain recursive glob (`*` = any run of characters, every other
+    /// character itself).
+    fn glob(p: &[u8], v: &[u8]) -> bool {
+        match p.split_first() {
+            None => v.is_empty(),
+            Some((b'*', rest)) => (0..=v.len()).any(|i| glob(rest, &v[i..])),
+            Some((c, rest)) => v.first() == Some(c) && glob(rest, &v[1..]),
+        }
+    }
+
+    /// `pattern_matches` agrees with the reference glob on random patterns and values over a
+    /// small alphabet (so matches, overlaps and near misses are frequent); never panics.
+    #[test]
+    fn prop_pattern_matches_the_reference_glob() {
+        use proptest::prelude::*;
+        use proptest::test_runner::TestRunner;
+        let mut runner =
+            TestRunner::new(sluice_testkit::prop_config("routes pattern matching", 512));
+        let strategy = ("[ab*]{0,8}", "[ab]{0,10}");
+        runner
+            .run(&strategy, |(pattern, value)| {
+                let parts: Vec<String> = pattern.split('*').map(str::to_string).collect();
+                prop_assert_eq!(
+                    pattern_matches(&parts, &value),
+                    glob(pattern.as_bytes(), value.as_bytes()),
+                    "pattern {:?} value {:?}",
+                    pattern,
+                    value
+                );
+                Ok(())
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+
     #[test]
     fn keys_escape_and_hash() {
         assert_eq!(key_of(&["a"]), "a");
