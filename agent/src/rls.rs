@@ -5,23 +5,33 @@
 //!   domain's imported configuration ([`crate::routes`]) or the direct form
 //!   `sluice_task = T [, sluice_key = K]`;
 //! * `hits_addend` → the permits (0 counts as 1, as in Envoy); a descriptor's own
-//!   `hits_addend` wins for that descriptor;
+//!   `hits_addend` wins for that descriptor; a cost above [`MAX_HITS`] (more than any slice
+//!   can admit) is `OVER_LIMIT` at once, and the request's other descriptors are not decided:
+//!   nothing is taken or counted (`decisions_total{decision="cost_above_max"}`);
+//! * a descriptor's `hits_addend: 0` is check-only (Envoy's pattern): `OVER_LIMIT` when
+//!   nothing is left of the slice cluster-wide, counting nothing (see `exhausted`);
+//! * `quota_mode` descriptors: decided with the plain ones, the first that admits (in request
+//!   order) charged; the request is over when a plain one is or every quota one is;
 //! * all descriptors of one request are decided **all or nothing**: when one is over its
 //!   limit, the permits the others took are given back (envoyproxy/ratelimit counts them all);
 //! * `overall_code` is `OVER_LIMIT` when a descriptor is; each status carries
 //!   `current_limit` (the imported limit, or the task's threshold per slice),
-//!   `limit_remaining` (what this host holds of the slice: the cluster may hold more) and
+//!   `limit_remaining` (the cluster-wide estimate: what this host holds of the slice plus the
+//!   slice's `rem` in Redis, read at most every 250 ms) and
 //!   `duration_until_reset` (the end of the slice, or the FAILED fallback's retry time);
 //! * a descriptor that matches nothing, an `unlimited` one, one replaced by another's
-//!   `replaces`, and one naming a task that does not exist are `OK` without a limit;
+//!   `replaces`, and one naming a task that does not exist are `OK` without a limit (an
+//!   `unlimited` one with `limit_remaining` = `u32::MAX`, as upstream);
 //! * while Redis is unusable (FAILED) the task's `on_failure` decides, as in the SDK;
 //! * `shadow_mode` (the task's `shadow`): the would-be rejection answers `OK`, counted as a
 //!   would-reject in the task's history;
-//! * descriptor `limit` overrides (`RateLimitOverride`) are ignored: the configured limit
-//!   decides (counted in `sluice_agent_request_errors_total{reason="override_ignored"}`).
+//! * a descriptor `limit` override (`RateLimitOverride`) that states the limit the descriptor
+//!   resolves to is honoured (it changes nothing); any other is refused, `INVALID_ARGUMENT`
+//!   naming `descriptors[i].limit`, nothing decided (`request_errors_total{reason=
+//!   "override_refused"}`): limits are tasks, made by the manager, not by a request.
 
-use std::collections::HashSet;
-use std::sync::Arc;
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
@@ -33,7 +43,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::google::protobuf::Duration as PbDuration;
-use sluice::{Decision, Task};
+use sluice::{Decision, HostState, Key, Mode, OnFailure, Task};
+use sluice_protocol::Keys;
 use tonic::{Request, Response, Status};
 
 use crate::AppState;
@@ -46,11 +57,134 @@ pub const MAX_DESCRIPTORS: usize = 64;
 /// The service.
 pub struct Rls {
     state: Arc<AppState>,
+    /// The slices' `rem` in Redis, for `limit_remaining` ([`Rls::cluster_remaining`]).
+    rems: Mutex<HashMap<(String, Option<String>), Rem>>,
+    /// Reads of `rem` in flight (at most [`MAX_REM_READS`]; beyond, answers go without).
+    rem_reads: tokio::sync::Semaphore,
 }
+
+/// What Redis last said of a slice's `rem`.
+#[derive(Clone, Copy)]
+struct Rem {
+    start_ms: i64,
+    /// `None`: the slice does not exist (a key's slice is made, full, at its first pull).
+    rem: Option<i64>,
+    at: Instant,
+}
+
+/// A slice's `rem` read from Redis is used this long for `limit_remaining`.
+const REM_FRESH: Duration = Duration::from_millis(250);
+/// Longest wait for Redis's answer about a slice's `rem` when answering `limit_remaining`.
+const REM_TIMEOUT: Duration = Duration::from_millis(100);
+/// Most (task, key) pairs whose `rem` is remembered (the map is emptied when full).
+const MAX_REMS: usize = 10_000;
+/// Most reads of `rem` in flight at once; an answer that finds none free states this host's
+/// holdings only (so a flood of new keys costs Redis at most this many reads at a time).
+const MAX_REM_READS: usize = 32;
 
 /// The tonic server of the service.
 pub fn service(state: Arc<AppState>) -> RateLimitServiceServer<Rls> {
-    RateLimitServiceServer::new(Rls { state })
+    RateLimitServiceServer::new(Rls {
+        state,
+        rems: Mutex::new(HashMap::new()),
+        rem_reads: tokio::sync::Semaphore::new(MAX_REM_READS),
+    })
+}
+
+/// The `rem` field of the current slice of `task` (or of its `key`'s slice) in Redis:
+/// `Ok(None)` when the slice does not exist, `Err` when Redis did not answer by `deadline`.
+async fn slice_rem(
+    s: &AppState,
+    task: &Task,
+    key: Option<&Key>,
+    start_ms: i64,
+    deadline: Instant,
+) -> Result<Option<i64>, ()> {
+    let timeout = deadline.saturating_duration_since(Instant::now());
+    if timeout.is_zero() {
+        return Err(());
+    }
+    let keys = Keys::new(&s.cfg.namespace).map_err(|_| ())?;
+    let hash = match key {
+        Some(k) => keys.key_slice(task.name(), &sluice_protocol::key_digest(k.key()), start_ms),
+        None => keys.slice(task.name(), start_ms),
+    };
+    let q = async {
+        let mut c = s.decider.redis().conn().await.ok()?;
+        redis::cmd("HGET")
+            .arg(&hash)
+            .arg(sluice_protocol::slice_field::REM)
+            .query_async::<Option<i64>>(&mut c)
+            .await
+            .ok()
+    };
+    match tokio::time::timeout(timeout, q).await {
+        Ok(Some(v)) => Ok(v),
+        _ => Err(()),
+    }
+}
+
+impl Rls {
+    /// `limit_remaining` of an admitted descriptor: the cluster-wide estimate — what this host
+    /// holds of the slice plus what Redis has not handed out yet (the slice's `rem`, read at
+    /// most every [`REM_FRESH`] per task or key, waited for at most [`REM_TIMEOUT`] and never
+    /// past `deadline` (the answer's budget for these reads, [`REM_TIMEOUT`]); a key's
+    /// slice not made yet counts as its whole cap). Other hosts' holdings are not known: the
+    /// estimate is at most what the cluster can still admit, short by what other hosts hold.
+    /// Modes other than `pooled`, FAILED and a silent Redis: what this host holds.
+    async fn cluster_remaining(&self, task: &Task, key: Option<&Key>, deadline: Instant) -> u64 {
+        let s = &self.state;
+        let Some(info) = task.limit_info("", None, true, key) else {
+            return 0;
+        };
+        let Some(m) = task.meta() else {
+            return info.remaining;
+        };
+        let key = key.filter(|_| m.keyed);
+        if m.mode != Mode::Pooled || task.state() == HostState::Failed {
+            return info.remaining;
+        }
+        let start = sluice_protocol::slice::start(task.now_us().div_euclid(1_000), m.slice_ms);
+        let id = (task.name().to_string(), key.map(|k| k.key().to_string()));
+        let cached = self
+            .rems
+            .lock()
+            .ok()
+            .and_then(|g| g.get(&id).copied())
+            .filter(|r| r.start_ms == start && r.at.elapsed() < REM_FRESH);
+        let rem = match cached {
+            Some(r) => r.rem,
+            None => {
+                let Ok(_permit) = self.rem_reads.try_acquire() else {
+                    return info.remaining;
+                };
+                let deadline = deadline.min(Instant::now() + REM_TIMEOUT);
+                let Ok(rem) = slice_rem(s, task, key, start, deadline).await else {
+                    return info.remaining;
+                };
+                if let Ok(mut g) = self.rems.lock() {
+                    if g.len() >= MAX_REMS && !g.contains_key(&id) {
+                        g.clear();
+                    }
+                    g.insert(
+                        id,
+                        Rem {
+                            start_ms: start,
+                            rem,
+                            at: Instant::now(),
+                        },
+                    );
+                }
+                rem
+            }
+        };
+        let redis_left = match rem {
+            Some(r) => r.max(0) as u64,
+            None if key.is_some() => info.limit,
+            None => 0,
+        };
+        info.remaining.saturating_add(redis_left)
+    }
 }
 
 fn pb_duration(d: Duration) -> PbDuration {
@@ -60,11 +194,22 @@ fn pb_duration(d: Duration) -> PbDuration {
     }
 }
 
+/// Largest cost of one descriptor: `sluice_protocol::MAX_COUNT`, the largest threshold a task
+/// may have, so more than any slice can ever admit. A descriptor above it is OVER_LIMIT at
+/// once, decided and counted nowhere (its cost would not fit the slice's counters).
+pub const MAX_HITS: u64 = sluice_protocol::MAX_COUNT;
+
 /// One descriptor of a request as resolved.
 struct Slot {
     target: Target,
     hits: u64,
     part: Option<usize>,
+    /// Refused at the door: its cost is above [`MAX_HITS`].
+    too_costly: bool,
+    /// A check-only descriptor (`hits_addend: 0`) found its limit exhausted.
+    check_over: bool,
+    /// A `quota_mode` descriptor refused with this decision.
+    quota_over: Option<Decision>,
 }
 
 /// The limit to state for a task: the imported spec, else the task's threshold per slice.
@@ -83,6 +228,85 @@ fn current_limit(spec: Option<&LimitSpec>, task: &Task) -> Option<RateLimit> {
         requests_per_unit: m.threshold.min(u32::MAX as u64) as u32,
         unit,
     })
+}
+
+/// Decides `parts` — one on its own (its decision says more, e.g. a shadow task's would-be
+/// rejection), several all or nothing: the decision and which part refused.
+async fn decide_parts(s: &AppState, parts: &[Part]) -> Option<(Decision, Option<usize>)> {
+    match parts.len() {
+        0 => None,
+        1 => {
+            let d = s.decider.decide(&parts[0]).await;
+            Some((d, (!d.is_allowed()).then_some(0)))
+        }
+        _ => {
+            let a = s.decider.decide_all(parts).await;
+            Some((a.decision, a.refused.filter(|_| !a.decision.is_allowed())))
+        }
+    }
+}
+
+/// The spelling of an Envoy rate-limit unit.
+fn unit_name(unit: i32) -> &'static str {
+    match unit {
+        1 => "second",
+        2 => "minute",
+        3 => "hour",
+        4 => "day",
+        5 => "month",
+        6 => "year",
+        7 => "week",
+        _ => "unknown unit",
+    }
+}
+
+/// Longest wait for Redis's answer to a check-only descriptor.
+const CHECK_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Whether a check-only descriptor's limit is exhausted: nothing left of the current slice,
+/// cluster-wide (a request of one permit would be refused). Nothing is taken or counted.
+///
+/// * the host holds some of the slice (the task's, or the key's): not exhausted;
+/// * the host knows the slice is spent (state LIMITED), or the threshold is 0: exhausted;
+/// * otherwise the slice's `rem` in Redis (one `HGET`): 0 = exhausted; a key's slice not
+///   created yet is not (it starts at the key's cap);
+/// * FAILED, or Redis does not answer by `deadline` (the check-only descriptors of a request
+///   share [`CHECK_TIMEOUT`]): the task's `on_failure` says
+///   (`deny` = exhausted; `allow` and `local` = not: a local limiter cannot be asked without
+///   deciding);
+/// * shadow tasks, and modes other than `pooled` (no imported task is one): never exhausted.
+async fn exhausted(s: &AppState, p: &Part, deadline: Instant) -> bool {
+    let Some(m) = p.task.meta() else {
+        return false;
+    };
+    if m.shadow || m.mode != Mode::Pooled {
+        return false;
+    }
+    let failed = || m.on_failure == OnFailure::Deny;
+    if p.task.state() == HostState::Failed {
+        return failed();
+    }
+    if m.threshold == 0 {
+        return true;
+    }
+    let key = p.key.as_ref().filter(|_| m.keyed);
+    if p.task
+        .limit_info("", None, true, key)
+        .is_some_and(|l| l.remaining > 0)
+    {
+        return false;
+    }
+    if key.is_none() && p.task.state() == HostState::Limited {
+        return true;
+    }
+    let start = sluice_protocol::slice::start(p.task.now_us().div_euclid(1_000), m.slice_ms);
+    match slice_rem(s, &p.task, key, start, deadline).await {
+        Ok(Some(rem)) => rem <= 0,
+        // A key's slice is made at its first pull, full; a task's missing slice means the
+        // leader is gone past the horizon: the SDK goes FAILED there.
+        Ok(None) => key.is_none() && failed(),
+        Err(()) => failed(),
+    }
 }
 
 #[tonic::async_trait]
@@ -113,6 +337,8 @@ impl RateLimitService for Rls {
             )));
         }
         let routes = s.routes.load();
+        // Request `limit` overrides: (descriptor, requests_per_unit, unit).
+        let mut overrides: Vec<(usize, u32, i32)> = Vec::new();
         let base_hits = u64::from(req.hits_addend.max(1));
         let mut slots: Vec<Slot> = Vec::with_capacity(req.descriptors.len());
         for (i, d) in req.descriptors.iter().enumerate() {
@@ -122,8 +348,8 @@ impl RateLimitService for Rls {
                     "descriptors[{i}] has no entries"
                 )));
             }
-            if d.limit.is_some() {
-                s.metrics.error("rls", "override_ignored");
+            if let Some(o) = &d.limit {
+                overrides.push((i, o.requests_per_unit, o.unit));
             }
             let entries: Vec<(&str, &str)> = d
                 .entries
@@ -135,6 +361,9 @@ impl RateLimitService for Rls {
                 target: routes.resolve(&req.domain, &entries),
                 hits,
                 part: None,
+                too_costly: false,
+                check_over: false,
+                quota_over: None,
             });
         }
         // `replaces`: a matched limit named by another matched limit's `replaces` is not applied.
@@ -159,6 +388,10 @@ impl RateLimitService for Rls {
             }
         }
         let mut parts: Vec<Part> = Vec::new();
+        // Check-only descriptors (`hits_addend: 0`): slot index and part.
+        let mut checks: Vec<(usize, Part)> = Vec::new();
+        // `quota_mode` descriptors: slot index and part.
+        let mut quota_parts: Vec<(usize, Part)> = Vec::new();
         let mut tasks: Vec<Option<Task>> = Vec::with_capacity(slots.len());
         for (i, sl) in slots.iter_mut().enumerate() {
             let Target::Limit { task, key, .. } = &sl.target else {
@@ -176,9 +409,18 @@ impl RateLimitService for Rls {
             match s.decider.part(task, key.as_deref(), sl.hits).await {
                 Ok(p) => {
                     tasks.push(Some(p.task.clone()));
-                    if sl.hits > 0 {
+                    if sl.hits > MAX_HITS {
+                        // Not decided: nothing is taken or counted (not even as rejected).
+                        sl.too_costly = true;
+                        s.metrics.decision("rls", "cost_above_max");
+                    } else if sl.hits > 0 && matches!(sl.target, Target::Limit { quota: true, .. })
+                    {
+                        quota_parts.push((i, p));
+                    } else if sl.hits > 0 {
                         sl.part = Some(parts.len());
                         parts.push(p);
+                    } else {
+                        checks.push((i, p));
                     }
                 }
                 Err(DecideError::UnknownTask(_)) => {
@@ -201,20 +443,98 @@ impl RateLimitService for Rls {
                 }
             }
         }
+        // A cost refused at the door refuses the request: the other parts are not decided
+        // (all or nothing, as if they had been given back).
+        // A `limit` override is honoured when it states the limit that applies (it changes
+        // nothing); any other is refused before anything is decided: the agent cannot make a
+        // limit of its own (limits are tasks, made by the manager).
+        for &(i, rpu, unit) in &overrides {
+            let applies = match (&slots[i].target, &tasks[i]) {
+                (Target::Limit { spec, .. }, Some(task)) => current_limit(spec.as_ref(), task),
+                _ => None,
+            };
+            if applies
+                .as_ref()
+                .is_some_and(|l| l.requests_per_unit == rpu && l.unit == unit)
+            {
+                continue;
+            }
+            s.metrics.error("rls", "override_refused");
+            let configured = match applies {
+                Some(l) => format!("{} per {}", l.requests_per_unit, unit_name(l.unit)),
+                None => "none".to_string(),
+            };
+            return Err(Status::invalid_argument(format!(
+                "descriptors[{i}].limit: request limit overrides are not supported unless they \
+                 state the configured limit ({rpu} per {} asked, configured: {configured}): \
+                 Sluice's limits are tasks made by the manager — import the limit into the \
+                 domain's config, or drop the override from Envoy's rate limit actions",
+                unit_name(unit)
+            )));
+        }
+        let mut door_refused = slots.iter().any(|sl| sl.too_costly);
+        // Check-only descriptors are checked first (they take nothing): one over its limit
+        // refuses the request, and the others are then not decided (all or nothing).
+        if !door_refused {
+            let deadline = Instant::now() + CHECK_TIMEOUT;
+            for (i, p) in &checks {
+                if exhausted(s, p, deadline).await {
+                    slots[*i].check_over = true;
+                    door_refused = true;
+                    s.metrics.decision("rls", "check_over_limit");
+                } else {
+                    s.metrics.decision("rls", "check_ok");
+                }
+            }
+        }
         // (the decision, which part refused): one part is decided on its own (its decision
         // says more, e.g. a shadow task's would-be rejection); several all or nothing.
-        let all: Option<(Decision, Option<usize>)> = match parts.len() {
-            0 => None,
-            1 => {
-                let d = s.decider.decide(&parts[0]).await;
-                Some((d, (!d.is_allowed()).then_some(0)))
+        // With `quota_mode` descriptors: the plain parts together with the first quota part
+        // that admits, tried in order (all or nothing each time: a refused attempt gives its
+        // permits back); the request is refused when a plain part refuses, or when every
+        // quota part does (as upstream: over iff a plain descriptor is, or all quota ones are).
+        let mut quota_all_refused = false;
+        let all: Option<(Decision, Option<usize>)> = if door_refused {
+            None
+        } else if quota_parts.is_empty() {
+            decide_parts(s, &parts).await
+        } else {
+            let mut out = None;
+            for (slot, qp) in &quota_parts {
+                // Each attempt may wait for a refill: attempts stop at the request timeout
+                // (the quota parts not tried count as refused).
+                if t0.elapsed() >= s.cfg.request_timeout {
+                    break;
+                }
+                let mut with = parts.clone();
+                with.push(qp.clone());
+                match decide_parts(s, &with).await {
+                    Some((d, Some(i))) if i == parts.len() => {
+                        slots[*slot].quota_over = Some(d);
+                        s.metrics.decision("rls", decision_name(&d));
+                    }
+                    Some((d, r)) => {
+                        if r.is_none() {
+                            s.metrics.decision("rls", decision_name(&d));
+                        }
+                        out = Some((d, r));
+                        break;
+                    }
+                    None => break,
+                }
             }
-            _ => {
-                let a = s.decider.decide_all(&parts).await;
-                Some((a.decision, a.refused.filter(|_| !a.decision.is_allowed())))
+            if out.is_none() {
+                quota_all_refused = true;
+                // Every quota part refused: the plain parts were given back each time.
+                for _ in &parts {
+                    s.metrics.decision("rls", "given_back");
+                }
             }
+            out
         };
         let refused = all.and_then(|(_, r)| r);
+        // All the reads of `rem` of one answer share REM_TIMEOUT.
+        let rem_deadline = Instant::now() + REM_TIMEOUT;
         let mut statuses = Vec::with_capacity(slots.len());
         let mut over = false;
         // For the x-ratelimit-* headers: the tightest limit stated.
@@ -223,13 +543,23 @@ impl RateLimitService for Rls {
             let (Target::Limit { spec, .. }, Some(task)) = (&sl.target, task) else {
                 statuses.push(DescriptorStatus {
                     code: Code::Ok as i32,
+                    // As envoyproxy/ratelimit: an unlimited descriptor has all of it left.
+                    limit_remaining: if sl.target == Target::Unlimited {
+                        u32::MAX
+                    } else {
+                        0
+                    },
                     ..Default::default()
                 });
                 continue;
             };
-            let is_refused = sl.part.is_some() && sl.part == refused;
-            let decision = match (is_refused, all) {
-                (true, Some((d, _))) => d,
+            let is_refused = sl.too_costly
+                || sl.check_over
+                || sl.quota_over.is_some()
+                || (sl.part.is_some() && sl.part == refused);
+            let decision = match (is_refused, sl.quota_over, all) {
+                (true, Some(d), _) => d,
+                (true, None, Some((d, _))) => d,
                 _ => Decision::Allowed,
             };
             if let (Some((d, r)), Some(_)) = (all, sl.part) {
@@ -248,9 +578,9 @@ impl RateLimitService for Rls {
             let remaining = if is_refused {
                 0
             } else {
-                task.limit_info("", None, true, key)
-                    .map(|l| l.remaining.min(u32::MAX as u64) as u32)
-                    .unwrap_or(0)
+                self.cluster_remaining(task, key, rem_deadline)
+                    .await
+                    .min(u32::MAX as u64) as u32
             };
             let limit = current_limit(spec.as_ref(), task);
             if let Some(l) = &limit
@@ -258,7 +588,7 @@ impl RateLimitService for Rls {
             {
                 tightest = Some((remaining, l.clone(), reset));
             }
-            over |= is_refused;
+            over |= is_refused && sl.quota_over.is_none();
             statuses.push(DescriptorStatus {
                 code: if is_refused {
                     Code::OverLimit as i32
@@ -271,6 +601,7 @@ impl RateLimitService for Rls {
                 quota: None,
             });
         }
+        over |= quota_all_refused;
         let mut headers = Vec::new();
         if s.cfg.response_headers
             && let Some((remaining, l, reset)) = tightest

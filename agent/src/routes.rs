@@ -5,7 +5,10 @@
 //! Redis hash `NS:envoy` (field = domain). The agent re-reads that hash every
 //! `--routes-refresh` and matches descriptors locally, exactly as envoyproxy/ratelimit walks
 //! its configuration: at each level the child whose key **and** value equal the entry's, else
-//! the child with that key and no value (a wildcard: every distinct value gets its own limit);
+//! the first child (in config order) with that key whose value is a pattern the entry's value
+//! fits (`*` = any run of characters: [`pattern_matches`]; each matched value its own limit
+//! unless `share_threshold`), else the child with that key and no value (a wildcard: every
+//! distinct value gets its own limit);
 //! the node matched by the descriptor's **last** entry gives the limit.
 //!
 //! Besides imported domains, any domain accepts the direct form: a descriptor whose entries
@@ -46,6 +49,17 @@ pub struct Node {
     /// `shadow_mode`.
     #[serde(default)]
     pub shadow: bool,
+    /// `quota_mode`: over its limit, this descriptor alone does not refuse the request; the
+    /// request is refused when every `quota_mode` descriptor of it is over.
+    #[serde(default)]
+    pub quota: bool,
+    /// `value` is a pattern (`*` = any run of characters): upstream's value wildcards.
+    #[serde(default)]
+    pub pattern: bool,
+    /// `share_threshold`: every value the pattern matches shares one limit (not part of the
+    /// key); otherwise each matched value has its own.
+    #[serde(default)]
+    pub share: bool,
     /// `rate_limit.name`.
     #[serde(default)]
     pub name: Option<String>,
@@ -107,6 +121,8 @@ pub enum Target {
         shadow: bool,
         /// Names this limit replaces.
         replaces: Vec<String>,
+        /// `quota_mode` of the imported node.
+        quota: bool,
     },
 }
 
@@ -114,15 +130,63 @@ pub enum Target {
 #[derive(Debug, Default)]
 struct Tree {
     version: u64,
-    /// `key\0value` (value present) or `key` (wildcard) → node.
-    children: HashMap<String, TreeNode>,
+    children: Level,
+}
+
+/// The nodes of one level.
+#[derive(Debug, Default)]
+struct Level {
+    /// `key\0value` (value present, patterns too) or `key` (wildcard) → node.
+    map: HashMap<String, TreeNode>,
+    /// The pattern values of this level in config order: (key, the pattern split at `*`, the
+    /// node's `map` key).
+    patterns: Vec<(String, Vec<String>, String)>,
 }
 
 #[derive(Debug)]
 struct TreeNode {
     node_limit: Option<NodeLimit>,
     wildcard: bool,
-    children: HashMap<String, TreeNode>,
+    /// Matched through a pattern whose values each have their own limit (the value is part
+    /// of the key).
+    per_value: bool,
+    children: Level,
+}
+
+/// Whether `value` fits `parts` (a pattern split at `*`): it starts with the first part, ends
+/// with the last, and holds the middle ones in order between them, without overlap.
+///
+/// ```
+/// # use sluice_agent::routes::pattern_matches;
+/// let p = |s: &str| s.split('*').map(str::to_string).collect::<Vec<_>>();
+/// assert!(pattern_matches(&p("foo*"), "foobar"));
+/// assert!(pattern_matches(&p("foo*"), "foo"));
+/// assert!(!pattern_matches(&p("foo*"), "fo"));
+/// assert!(pattern_matches(&p("a*b*c"), "axxbyyc"));
+/// assert!(!pattern_matches(&p("a*b*c"), "acb"));
+/// assert!(!pattern_matches(&p("ab*ba"), "aba"));
+/// ```
+pub fn pattern_matches(parts: &[String], value: &str) -> bool {
+    let (Some(first), Some(last)) = (parts.first(), parts.last()) else {
+        return false;
+    };
+    if parts.len() == 1 {
+        return first == value;
+    }
+    if value.len() < parts.iter().map(String::len).sum::<usize>()
+        || !value.starts_with(first.as_str())
+        || !value.ends_with(last.as_str())
+    {
+        return false;
+    }
+    let mut rest = &value[first.len()..value.len() - last.len()];
+    for p in &parts[1..parts.len() - 1] {
+        match rest.find(p.as_str()) {
+            Some(i) => rest = &rest[i + p.len()..],
+            None => return false,
+        }
+    }
+    true
 }
 
 #[derive(Debug, Clone)]
@@ -132,6 +196,7 @@ struct NodeLimit {
     keyed: bool,
     spec: Option<LimitSpec>,
     shadow: bool,
+    quota: bool,
     replaces: Vec<String>,
 }
 
@@ -139,15 +204,14 @@ fn exact(key: &str, value: &str) -> String {
     format!("{key}\0{value}")
 }
 
-fn index(
-    nodes: &[Node],
-    depth: usize,
-    count: &mut usize,
-) -> Result<HashMap<String, TreeNode>, String> {
+fn index(nodes: &[Node], depth: usize, count: &mut usize) -> Result<Level, String> {
     if depth > MAX_DEPTH {
         return Err(format!("deeper than {MAX_DEPTH} levels"));
     }
-    let mut out = HashMap::with_capacity(nodes.len());
+    let mut out = Level {
+        map: HashMap::with_capacity(nodes.len()),
+        patterns: Vec::new(),
+    };
     for n in nodes {
         *count += 1;
         if *count > MAX_NODES {
@@ -174,6 +238,7 @@ fn index(
                 keyed: n.keyed,
                 spec,
                 shadow: n.shadow,
+                quota: n.quota,
                 replaces: n.replaces.clone(),
             })
         } else {
@@ -183,12 +248,18 @@ fn index(
             Some(v) => exact(&n.key, v),
             None => n.key.clone(),
         };
+        let pattern = n.pattern && n.value.as_deref().is_some_and(|v| v.contains('*'));
+        if pattern && let Some(v) = &n.value {
+            let parts = v.split('*').map(str::to_string).collect();
+            out.patterns.push((n.key.clone(), parts, k.clone()));
+        }
         let node = TreeNode {
             node_limit: limit,
             wildcard: n.value.is_none(),
+            per_value: pattern && !n.share,
             children: index(&n.descriptors, depth + 1, count)?,
         };
-        if out.insert(k, node).is_some() {
+        if out.map.insert(k, node).is_some() {
             return Err(format!(
                 "two nodes {:?} = {:?} at one level",
                 n.key,
@@ -236,14 +307,25 @@ impl Tree {
         let mut level = &self.children;
         let mut wild: Vec<&str> = Vec::new();
         for (i, (k, v)) in entries.iter().enumerate() {
-            let node = match level.get(&exact(k, v)) {
-                Some(n) => n,
-                None => match level.get(*k) {
-                    Some(n) if n.wildcard => n,
-                    _ => return Target::None,
+            // As envoyproxy/ratelimit: the exact value, else the first pattern (in config
+            // order) the value fits, else the node without value.
+            let exact_node = level.map.get(&exact(k, v));
+            let (node, by_pattern) = match exact_node {
+                Some(n) => (n, false),
+                None => match level
+                    .patterns
+                    .iter()
+                    .find(|(pk, parts, _)| pk == k && pattern_matches(parts, v))
+                    .and_then(|(_, _, mk)| level.map.get(mk))
+                {
+                    Some(n) => (n, true),
+                    None => match level.map.get(*k) {
+                        Some(n) if n.wildcard => (n, false),
+                        _ => return Target::None,
+                    },
                 },
             };
-            if node.wildcard {
+            if node.wildcard || (by_pattern && node.per_value) {
                 wild.push(v);
             }
             if i + 1 == entries.len() {
@@ -258,11 +340,12 @@ impl Tree {
                             spec: l.spec.clone(),
                             shadow: l.shadow,
                             replaces: l.replaces.clone(),
+                            quota: l.quota,
                         },
                     },
                 };
             }
-            if node.children.is_empty() {
+            if node.children.map.is_empty() {
                 return Target::None;
             }
             level = &node.children;
@@ -311,6 +394,7 @@ fn direct(entries: &[(&str, &str)]) -> Target {
             spec: None,
             shadow: false,
             replaces: Vec::new(),
+            quota: false,
         },
         [(DIRECT_TASK, t), (DIRECT_KEY, k)] => Target::Limit {
             task: t.to_string(),
@@ -318,6 +402,7 @@ fn direct(entries: &[(&str, &str)]) -> Target {
             spec: None,
             shadow: false,
             replaces: Vec::new(),
+            quota: false,
         },
         _ => Target::None,
     }
@@ -452,6 +537,74 @@ mod tests {
             limit(&r.resolve("any", &[("sluice_task", "t1"), ("sluice_key", "k")])),
             ("t1", Some("k"))
         );
+    }
+
+    /// Upstream's order at one level: the exact value, then the first pattern the value fits
+    /// (config order), then the node without value; a pattern's value is part of the key
+    /// unless it is shared; `quota` reaches the target.
+    #[test]
+    fn patterns_sit_between_exact_values_and_wildcards() {
+        let r = table(
+            r#"{"domain":"d","version":1,"descriptors":[
+            {"key":"p","value":"/a*","pattern":true,"task":"d.first","keyed":true},
+            {"key":"p","value":"/ab*","pattern":true,"task":"d.second","keyed":true},
+            {"key":"p","value":"/s*","pattern":true,"share":true,"task":"d.shared","quota":true},
+            {"key":"p","value":"/abc","task":"d.exact"},
+            {"key":"p","task":"d.any","keyed":true}
+        ]}"#,
+        )
+        .load();
+        assert_eq!(limit(&r.resolve("d", &[("p", "/abc")])), ("d.exact", None));
+        // "/abd" fits both patterns: the first in config order wins.
+        assert_eq!(
+            limit(&r.resolve("d", &[("p", "/abd")])),
+            ("d.first", Some("/abd"))
+        );
+        assert_eq!(limit(&r.resolve("d", &[("p", "/s/1")])), ("d.shared", None));
+        assert!(matches!(
+            r.resolve("d", &[("p", "/s/1")]),
+            Target::Limit { quota: true, .. }
+        ));
+        assert_eq!(
+            limit(&r.resolve("d", &[("p", "/z")])),
+            ("d.any", Some("/z"))
+        );
+        // A pattern of another key does not match.
+        assert_eq!(r.resolve("d", &[("q", "/abc")]), Target::None);
+    }
+
+    /// The reference: a plain recursive glob (`*` = any run of characters, every other
+    /// character itself).
+    fn glob(p: &[u8], v: &[u8]) -> bool {
+        match p.split_first() {
+            None => v.is_empty(),
+            Some((b'*', rest)) => (0..=v.len()).any(|i| glob(rest, &v[i..])),
+            Some((c, rest)) => v.first() == Some(c) && glob(rest, &v[1..]),
+        }
+    }
+
+    /// `pattern_matches` agrees with the reference glob on random patterns and values over a
+    /// small alphabet (so matches, overlaps and near misses are frequent); never panics.
+    #[test]
+    fn prop_pattern_matches_the_reference_glob() {
+        use proptest::prelude::*;
+        use proptest::test_runner::TestRunner;
+        let mut runner =
+            TestRunner::new(sluice_testkit::prop_config("routes pattern matching", 512));
+        let strategy = ("[ab*]{0,8}", "[ab]{0,10}");
+        runner
+            .run(&strategy, |(pattern, value)| {
+                let parts: Vec<String> = pattern.split('*').map(str::to_string).collect();
+                prop_assert_eq!(
+                    pattern_matches(&parts, &value),
+                    glob(pattern.as_bytes(), value.as_bytes()),
+                    "pattern {:?} value {:?}",
+                    pattern,
+                    value
+                );
+                Ok(())
+            })
+            .unwrap_or_else(|e| panic!("{e}"));
     }
 
     #[test]

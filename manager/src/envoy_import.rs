@@ -7,7 +7,7 @@
 //!  one etcd transaction: /NS/envoy/<domain> + /NS/tasks/<task>… (puts and deletes)
 //!     │
 //!     ├─ task watch ─▶ Roller (meta, slices) as for any task
-//!     └─ mirror (leader) ─▶ Redis NS:envoy[<domain>] = {"domain","version","descriptors"}
+//!     └─ mirror (leader, fenced) ─▶ Redis NS:envoy[<domain>] = {"domain","version","descriptors"}
 //! ```
 //!
 //! * [`parse`]: the YAML text → [`Domain`], every error naming the field path
@@ -15,7 +15,9 @@
 //! * [`compile`]: [`Domain`] → the contract's `<Node>` JSON plus one task spec per node with a
 //!   limited `rate_limit`, validated by [`crate::spec::parse_request`] like a `PUT` body.
 //! * [`apply`] / [`remove`] / [`list`]: the etcd side, one transaction each.
-//! * [`mirror`]: the leader's loop copying domain documents into `NS:envoy`.
+//! * [`mirror`]: the leader's loop copying domain documents into `NS:envoy`, each domain
+//!   fenced by the leader's epoch and term like a task (`NS:envoy:fence{NS:envoy}`), so two
+//!   manager clusters on one namespace keep their own domains.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -303,6 +305,11 @@ pub struct Descriptor {
     pub rate_limit: Option<RateLimit>,
     /// `shadow_mode`.
     pub shadow: bool,
+    /// `quota_mode`.
+    pub quota: bool,
+    /// `share_threshold` (only on a pattern value): every value the pattern matches shares
+    /// one limit instead of each having its own.
+    pub share: bool,
     /// Nested `descriptors`.
     pub descriptors: Vec<Descriptor>,
     /// Where it is (`descriptors[0].descriptors[1]`).
@@ -428,10 +435,22 @@ const DESCRIPTOR_KEYS: &[&str] = &[
     "value",
     "rate_limit",
     "shadow_mode",
+    "quota_mode",
     "detailed_metric",
+    "value_to_metric",
+    "share_threshold",
+    "metadata",
     "descriptors",
 ];
+
+/// Largest `metadata` of one descriptor, in bytes of its text (keys and scalars).
+pub const MAX_METADATA_BYTES: usize = 4096;
 const RATE_LIMIT_KEYS: &[&str] = &["unit", "requests_per_unit", "unlimited", "name", "replaces"];
+
+/// A value with `*`: a pattern (`*` = any run of characters), as upstream's value wildcards.
+pub fn is_pattern(v: &str) -> bool {
+    v.contains('*')
+}
 
 fn is_name_part(s: &str) -> bool {
     !s.is_empty()
@@ -484,6 +503,17 @@ pub fn parse(text: &str) -> Result<Domain, ImportError> {
     walk(&d.descriptors, &mut |n: &Descriptor| {
         if let Some(r) = &n.rate_limit {
             for (i, (name, line)) in r.replaces.iter().enumerate() {
+                if bad.is_none() && r.name.as_ref() == Some(name) {
+                    // envoyproxy/ratelimit refuses this too: the limit would switch itself
+                    // off in every request that matches it.
+                    bad = Some(ie(
+                        format!("{}.rate_limit.replaces[{i}].name", n.field),
+                        *line,
+                        format!(
+                            "{name:?} is its own name: a rate_limit cannot replace itself (it would never apply; envoyproxy/ratelimit refuses it too)"
+                        ),
+                    ));
+                }
                 if bad.is_none() && !names.contains(name) {
                     bad = Some(ie(
                         format!("{}.rate_limit.replaces[{i}].name", n.field),
@@ -579,19 +609,44 @@ fn parse_descriptor(
                     format!("must be at most {MAX_TEXT} bytes"),
                 ));
             }
-            if v.ends_with('*') {
-                return Err(ie(
-                    o.field("value"),
-                    line,
-                    "value wildcards (a value ending in `*`) are not supported by the Sluice import: list each value, or leave `value` out to give every distinct value its own limit",
-                ));
-            }
+            // A `*` makes the value a pattern (upstream's value wildcards): matched by the
+            // agent, see `sluice_agent::routes`.
             Some(v.to_string())
         }
     };
     let shadow = o.bool("shadow_mode")?;
+    let share = o.bool("share_threshold")?;
+    if share && !value.as_deref().is_some_and(is_pattern) {
+        let line = o.get("share_threshold").map_or(o.line, |n| n.line);
+        return Err(ie(
+            o.field("share_threshold"),
+            line,
+            "share_threshold needs a value with `*` (a pattern): it makes every value the pattern matches share one limit",
+        ));
+    }
     // Accepted for compatibility: Sluice keeps per-task metrics for every limit anyway.
     o.bool("detailed_metric")?;
+    o.bool("value_to_metric")?;
+    // A request is refused by its quota_mode descriptors only when all of them are over.
+    let quota = o.bool("quota_mode")?;
+    // Free-form, as upstream: it only returns it in response dynamic metadata, which Sluice
+    // does not send. Checked (a mapping, bounded) and otherwise ignored.
+    if let Some(md) = o.get("metadata") {
+        if !matches!(md.v, Y::Map(_)) {
+            return Err(ie(
+                o.field("metadata"),
+                md.line,
+                format!("must be a mapping, got {}", md.kind()),
+            ));
+        }
+        if text_bytes(md) > MAX_METADATA_BYTES {
+            return Err(ie(
+                o.field("metadata"),
+                md.line,
+                format!("larger than {MAX_METADATA_BYTES} bytes"),
+            ));
+        }
+    }
     let rate_limit = match o.get("rate_limit") {
         None => None,
         Some(r) => Some(parse_rate_limit(&o.field("rate_limit"), r)?),
@@ -614,10 +669,21 @@ fn parse_descriptor(
         value,
         rate_limit,
         shadow,
+        share,
+        quota,
         descriptors,
         field: field.to_string(),
         line: n.line,
     })
+}
+
+/// Bytes of the keys and scalars of a YAML node.
+fn text_bytes(n: &YNode) -> usize {
+    match &n.v {
+        Y::Scalar { text, .. } => text.len() + 1,
+        Y::Map(m) => m.iter().map(|(k, _, v)| k.len() + 1 + text_bytes(v)).sum(),
+        Y::Seq(v) => v.iter().map(text_bytes).sum(),
+    }
 }
 
 fn parse_rate_limit(field: &str, n: &YNode) -> Result<RateLimit, ImportError> {
@@ -903,7 +969,11 @@ fn compile_list(
     let mut out = Vec::with_capacity(list.len());
     for n in list {
         prefix.push((n.key.clone(), n.value.clone()));
-        let keyed = keyed_above || n.value.is_none();
+        // Every value its own limit below a node without value, and below a pattern (unless
+        // its values share one).
+        let keyed = keyed_above
+            || n.value.is_none()
+            || (n.value.as_deref().is_some_and(is_pattern) && !n.share);
         let task = match &n.rate_limit {
             Some(r) if !r.unlimited => {
                 let name = names.get(&n.field).cloned().unwrap_or_default();
@@ -949,6 +1019,9 @@ fn compile_list(
             "task": task,
             "unlimited": r.is_some_and(|r| r.unlimited),
             "shadow": n.shadow,
+            "quota": n.quota,
+            "pattern": n.value.as_deref().is_some_and(is_pattern),
+            "share": n.share,
             "name": r.and_then(|r| r.name.clone()),
             "replaces": r
                 .map(|r| r.replaces.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>())
@@ -1237,31 +1310,104 @@ pub async fn list(client: &Client, keys: &Keys) -> Result<(Vec<(DomainDoc, i64)>
 // ---------------------------------------------------------------------------------------------
 // The leader's mirror into Redis `NS:envoy`.
 
-/// Writes a domain's compiled JSON unless the stored one is as new or newer (of this etcd
-/// history: a stored version above the revision the leader just read comes from another one).
-/// KEYS[1] = NS:envoy; ARGV = domain, version, value, revision read.
-const MIRROR_SET_LUA: &str = r#"
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
+/// The fence preamble of the mirror scripts: the per-domain counterpart of the task fence
+/// (`sluice_protocol::scripts::FENCE_LUA`). KEYS[2] = the fence hash (`NS:envoy:fence{NS:envoy}`),
+/// field = domain, value = `"<epoch> <term> <fenced_ms>"`; ARGV[1] = domain, ARGV[2..4] = the
+/// writer's term, epoch, stale_after (ms).
+///
+/// ```text
+///   no fence stored ............................... comparable (legacy, or never written)
+///   stored epoch equal, stored term ≤ term ......... comparable
+///   stored epoch equal, term > ours, fresh ......... refused {0, term, age}
+///   stored epoch other, fresh ...................... refused {4, term, age, epoch}
+///   stored fence stale (≥ stale_after) ............. taken over (not comparable)
+/// ```
+///
+/// Defines `now`, `fence_of()` → (refusal or nil, comparable: versions of one history and no
+/// takeover, mine: this very term holds the fence, age of the stored fence in ms) and `claim()`.
+macro_rules! mirror_fence {
+    () => {
+        r#"
+local domain = ARGV[1]
+local term = tonumber(ARGV[2])
+local epoch = ARGV[3]
+local stale = tonumber(ARGV[4])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local function fence_of()
+  local f = redis.call('HGET', KEYS[2], domain)
+  if not f then return nil, true, false, 0 end
+  local e, t, at = string.match(f, '^(%S+) (%-?%d+) (%-?%d+)$')
+  if not e then return nil, true, false, 0 end
+  t = tonumber(t)
+  local age = now - tonumber(at)
+  if e ~= epoch then
+    if age < stale then return {4, t, age, e}, false, false, age end
+    return nil, false, false, age
+  end
+  if t > term then
+    if age < stale then return {0, t, age}, false, false, age end
+    return nil, false, false, age
+  end
+  return nil, true, t == term, age
+end
+local function claim()
+  redis.call('HSET', KEYS[2], domain, epoch .. ' ' .. term .. ' ' .. now)
+end
+"#
+    };
+}
+
+/// Writes a domain's compiled JSON, fenced ([`mirror_fence!`]), unless the stored one is as
+/// new or newer of this epoch's history (a stored version above the revision the leader just
+/// read comes from another history). A document already as new only gets its fence claimed or
+/// refreshed (at least every quarter of stale_after, so a live owner's fence never goes stale).
+/// KEYS[1] = NS:envoy, KEYS[2] = the fence hash; ARGV = domain, term, epoch, stale_after,
+/// version, value, revision read. Returns `{1}` written, `{2}` unchanged, or a refusal.
+const MIRROR_SET_LUA: &str = concat!(
+    mirror_fence!(),
+    r#"
+local refused, comparable, mine, age = fence_of()
+if refused then return refused end
+local cur = redis.call('HGET', KEYS[1], domain)
 if cur then
   local ok, doc = pcall(cjson.decode, cur)
   local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
-  if v and v >= tonumber(ARGV[2]) and v <= tonumber(ARGV[4]) then return 0 end
+  if comparable and v and v >= tonumber(ARGV[5]) and v <= tonumber(ARGV[7]) then
+    if not mine or age >= stale / 4 then claim() end
+    return {2}
+  end
 end
-redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
-return 1
-"#;
+redis.call('HSET', KEYS[1], domain, ARGV[6])
+claim()
+return {1}
+"#
+);
 
-/// Deletes a domain's field unless it was written from a document newer than the revision at
-/// which the leader saw the domain gone. KEYS[1] = NS:envoy; ARGV = domain, revision read.
-const MIRROR_DEL_LUA: &str = r#"
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return 0 end
-local ok, doc = pcall(cjson.decode, cur)
-local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
-if v and v > tonumber(ARGV[2]) then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-return 1
-"#;
+/// Deletes a domain's field (and its fence), fenced ([`mirror_fence!`]), unless it was written
+/// from a document of this epoch newer than the revision at which the leader saw the domain
+/// gone. KEYS as [`MIRROR_SET_LUA`]; ARGV = domain, term, epoch, stale_after, revision read.
+/// Returns `{1}` deleted, `{2}` nothing to delete, `{3}` newer, or a refusal.
+const MIRROR_DEL_LUA: &str = concat!(
+    mirror_fence!(),
+    r#"
+local refused, comparable = fence_of()
+if refused then return refused end
+local cur = redis.call('HGET', KEYS[1], domain)
+if not cur then
+  redis.call('HDEL', KEYS[2], domain)
+  return {2}
+end
+if comparable then
+  local ok, doc = pcall(cjson.decode, cur)
+  local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
+  if v and v > tonumber(ARGV[5]) then return {3} end
+end
+redis.call('HDEL', KEYS[1], domain)
+redis.call('HDEL', KEYS[2], domain)
+return {1}
+"#
+);
 
 static MIRROR_SET: std::sync::LazyLock<Script> =
     std::sync::LazyLock::new(|| Script::new(MIRROR_SET_LUA));
@@ -1277,72 +1423,130 @@ pub fn routes_value(doc: &DomainDoc, version: i64) -> Value {
     })
 }
 
-/// One pass: make `NS:envoy` equal to the domain documents in etcd.
+/// What one mirror pass did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct MirrorPass {
+    /// Domains written.
+    pub written: usize,
+    /// Domains removed.
+    pub removed: usize,
+    /// Domains another leader holds (a newer term, or another manager cluster — another etcd —
+    /// on the namespace) whose fence is fresh: neither written nor deleted, (domain, why).
+    pub refused: Vec<(String, String)>,
+}
+
+/// The refusal of a mirror script's reply, if it is one.
+fn mirror_refusal(reply: &[redis::Value]) -> Option<String> {
+    let int = |i: usize| -> i64 {
+        reply
+            .get(i)
+            .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok())
+            .unwrap_or(0)
+    };
+    match int(0) {
+        0 => Some(format!(
+            "held by a newer leader (term {}, written {} ms ago)",
+            int(1),
+            int(2)
+        )),
+        4 => Some(format!(
+            "written by another manager cluster (epoch {}, term {}) {} ms ago",
+            reply
+                .get(3)
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+                .unwrap_or_default(),
+            int(1),
+            int(2)
+        )),
+        _ => None,
+    }
+}
+
+/// One pass: make `NS:envoy` equal to the domain documents in etcd, for the domains this
+/// leader may write (every write fenced by its term and epoch, per domain, as slice keys are:
+/// two manager clusters on one namespace each keep their own domains, and a domain both
+/// import stays the first one's until its fence goes stale).
 pub async fn mirror_once(
     ctx: &LeaderContext,
     client: &Client,
     keys: &Keys,
     redis: &Redis,
-) -> Result<(usize, usize)> {
+) -> Result<MirrorPass> {
     let (docs, revision) = list(client, keys).await?;
     let hash = keys.envoy_routes();
+    let fence_hash = keys.envoy_fence();
+    let fence = ctx.fence();
     let mut c = redis
         .conn()
         .await
         .map_err(crate::error::redis("envoy mirror"))?;
-    let stored: HashMap<String, String> = redis::cmd("HGETALL")
+    let stored: Vec<String> = redis::cmd("HKEYS")
         .arg(&hash)
         .query_async(&mut c)
         .await
         .map_err(crate::error::redis("envoy mirror read"))?;
-    let (mut written, mut removed) = (0, 0);
+    let mut pass = MirrorPass::default();
     for (doc, version) in &docs {
-        let current = stored
-            .get(&doc.domain)
-            .and_then(|s| serde_json::from_str::<Value>(s).ok())
-            .and_then(|v| v["version"].as_i64());
-        if current == Some(*version) {
-            continue;
-        }
         if !ctx.is_valid() {
             return Err(Error::NotLeader);
         }
-        let n: i64 = MIRROR_SET
+        let reply: Vec<redis::Value> = MIRROR_SET
             .key(&hash)
+            .key(&fence_hash)
             .arg(&doc.domain)
+            .arg(fence.term)
+            .arg(fence.epoch.to_string())
+            .arg(fence.stale_after_ms.max(1))
             .arg(*version)
             .arg(routes_value(doc, *version).to_string())
             .arg(revision)
             .invoke_async(&mut c)
             .await
             .map_err(crate::error::redis("envoy mirror write"))?;
-        if n > 0 {
+        if let Some(why) = mirror_refusal(&reply) {
+            pass.refused.push((doc.domain.clone(), why));
+        } else if reply
+            .first()
+            .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok())
+            == Some(1)
+        {
             info!(domain = doc.domain, version, "envoy domain mirrored");
-            written += 1;
+            pass.written += 1;
         }
     }
     let live: BTreeSet<&str> = docs.iter().map(|(d, _)| d.domain.as_str()).collect();
-    for field in stored.keys().filter(|f| !live.contains(f.as_str())) {
+    for field in stored.iter().filter(|f| !live.contains(f.as_str())) {
         if !ctx.is_valid() {
             return Err(Error::NotLeader);
         }
-        let n: i64 = MIRROR_DEL
+        let reply: Vec<redis::Value> = MIRROR_DEL
             .key(&hash)
+            .key(&fence_hash)
             .arg(field)
+            .arg(fence.term)
+            .arg(fence.epoch.to_string())
+            .arg(fence.stale_after_ms.max(1))
             .arg(revision)
             .invoke_async(&mut c)
             .await
             .map_err(crate::error::redis("envoy mirror delete"))?;
-        if n > 0 {
+        if let Some(why) = mirror_refusal(&reply) {
+            pass.refused.push((field.clone(), why));
+        } else if reply
+            .first()
+            .and_then(|v| redis::from_redis_value_ref::<i64>(v).ok())
+            == Some(1)
+        {
             info!(domain = field, "envoy domain removed from the mirror");
-            removed += 1;
+            pass.removed += 1;
         }
     }
-    Ok((written, removed))
+    Ok(pass)
 }
 
 /// Leader-only: mirrors etcd's domain documents into `NS:envoy` every `every` until the
-/// leadership ends (the same period as rolling; one etcd range read and one HGETALL a pass).
+/// leadership ends (the same period as rolling; one etcd range read, one HKEYS and one script
+/// call per domain a pass). Domains refused by the fence are logged when the set changes.
 pub async fn mirror(
     ctx: LeaderContext,
     client: Client,
@@ -1351,9 +1555,26 @@ pub async fn mirror(
     every: Duration,
 ) {
     let mut failing = false;
+    let mut refused: Vec<(String, String)> = Vec::new();
     loop {
         match mirror_once(&ctx, &client, &keys, &redis).await {
-            Ok(_) => failing = false,
+            Ok(pass) => {
+                failing = false;
+                let names =
+                    |v: &[(String, String)]| v.iter().map(|(d, _)| d.clone()).collect::<Vec<_>>();
+                if names(&pass.refused) != names(&refused) {
+                    for (domain, why) in &pass.refused {
+                        warn!(
+                            domain,
+                            why, "envoy domain not mirrored: its fence is another leader's"
+                        );
+                    }
+                    if pass.refused.is_empty() {
+                        info!("envoy mirror: no domain held by another leader any more");
+                    }
+                }
+                refused = pass.refused;
+            }
             Err(Error::NotLeader) => return,
             Err(e) => {
                 if !failing {
@@ -1495,10 +1716,10 @@ descriptors:
                 "at most one day",
             ),
             (
-                "domain: d\ndescriptors:\n  - key: a\n    value: foo*\n",
-                "descriptors[0].value",
-                4,
-                "not supported",
+                "domain: d\ndescriptors:\n  - key: a\n    value: foo\n    share_threshold: true\n",
+                "descriptors[0].share_threshold",
+                5,
+                "needs a value with `*`",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    colour: red\n",
@@ -1529,6 +1750,12 @@ descriptors:
                 "descriptors[2]",
                 6,
                 "duplicate descriptor",
+            ),
+            (
+                "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      name: me\n      unit: second\n      requests_per_unit: 1\n      replaces:\n        - name: me\n",
+                "descriptors[0].rate_limit.replaces[0].name",
+                9,
+                "its own name",
             ),
             (
                 "domain: d\ndescriptors:\n  - key: a\n    rate_limit:\n      unit: second\n      requests_per_unit: 1\n      replaces:\n        - name: nope\n",

@@ -376,6 +376,15 @@ impl Keys {
         format!("{}:envoy", self.ns)
     }
 
+    /// `NS:envoy:fence{NS:envoy}`: hash of the fence of each mirrored domain (field = domain,
+    /// value = `"<epoch> <term> <fenced_ms>"`), written with `NS:envoy` by the leader's mirror
+    /// scripts. The hash tag puts it in `NS:envoy`'s Cluster slot (a tag is hashed alone, and
+    /// `NS:envoy` has none, so its whole name is its tag); the `NS:` prefix keeps it under the
+    /// manager's ACL pattern.
+    pub fn envoy_fence(&self) -> String {
+        format!("{ns}:envoy:fence{{{ns}:envoy}}", ns = self.ns)
+    }
+
     /// `/NS/envoy/`: prefix of the imported envoyproxy/ratelimit domain documents.
     pub fn etcd_envoy_prefix(&self) -> String {
         format!("/{}/envoy/", self.ns)

@@ -1,8 +1,43 @@
 
-local cur = redis.call('HGET', KEYS[1], ARGV[1])
-if not cur then return 0 end
-local ok, doc = pcall(cjson.decode, cur)
-local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
-if v and v > tonumber(ARGV[2]) then return 0 end
-redis.call('HDEL', KEYS[1], ARGV[1])
-return 1
+local domain = ARGV[1]
+local term = tonumber(ARGV[2])
+local epoch = ARGV[3]
+local stale = tonumber(ARGV[4])
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
+local function fence_of()
+  local f = redis.call('HGET', KEYS[2], domain)
+  if not f then return nil, true, false, 0 end
+  local e, t, at = string.match(f, '^(%S+) (%-?%d+) (%-?%d+)$')
+  if not e then return nil, true, false, 0 end
+  t = tonumber(t)
+  local age = now - tonumber(at)
+  if e ~= epoch then
+    if age < stale then return {4, t, age, e}, false, false, age end
+    return nil, false, false, age
+  end
+  if t > term then
+    if age < stale then return {0, t, age}, false, false, age end
+    return nil, false, false, age
+  end
+  return nil, true, t == term, age
+end
+local function claim()
+  redis.call('HSET', KEYS[2], domain, epoch .. ' ' .. term .. ' ' .. now)
+end
+
+local refused, comparable = fence_of()
+if refused then return refused end
+local cur = redis.call('HGET', KEYS[1], domain)
+if not cur then
+  redis.call('HDEL', KEYS[2], domain)
+  return {2}
+end
+if comparable then
+  local ok, doc = pcall(cjson.decode, cur)
+  local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
+  if v and v > tonumber(ARGV[5]) then return {3} end
+end
+redis.call('HDEL', KEYS[1], domain)
+redis.call('HDEL', KEYS[2], domain)
+return {1}
