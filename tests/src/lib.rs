@@ -2053,6 +2053,7 @@ pub async fn roll_task(
         force: false,
         refresh: true,
         meta: Some(m),
+        meta_extra: &[],
         slices: &slices,
     };
     let out = scripts::roll(&mut c, keys, &req).await.expect("roll");
