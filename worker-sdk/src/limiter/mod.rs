@@ -18,7 +18,7 @@
 //! | [`leaky_bucket`] | the same word, read as a water level | a constant drain of `limit` per window | `burst` (default 1 % of `limit`) |
 //! | [`fixed_window`] | window end + count, 1 (+1 shared with the sliding window) | `limit` per aligned window | a whole window at its start |
 //! | [`sliding_window`] | the same + the previous window's count | `limit` per aligned window, and in any window as estimated from two | none beyond the estimate |
-//! | [`sliding_log`] | 128 time buckets + a commit sequence | `limit` in any window, exactly up to one bucket (window / 127, ≥ 1 ms) | none |
+//! | [`sliding_log`] | 128 time buckets + a commit sequence + the window they were written on | `limit` in any window, exactly up to one bucket (window / 127, ≥ 1 ms) | none |
 //!
 //! # Time
 //!

@@ -27,7 +27,10 @@
 //! window length merges rather than loses: a ring word still within the window when its place
 //! is reused keeps its count (under the later of the two ends). A bucket that lies more than a
 //! window ahead of now (the clock stepped back) is moved to now's bucket, so it counts one
-//! more window and is then forgotten.
+//! more window and is then forgotten. A *longer* window than the ring was written on (cell 5
+//! records it) may reach admissions whose words a shorter window's buckets already reused, so
+//! the ring is then filled as on a change of family: nothing more is admitted in the window of
+//! the change (found by the model, seed 7828340290572986977).
 
 use std::sync::atomic::Ordering;
 
@@ -38,6 +41,9 @@ pub const BUCKETS: usize = 128;
 
 /// Cell of the commit sequence.
 const SEQ: usize = 4;
+
+/// Cell of the window length (ms) the ring was last written on (0 = none recorded).
+const WINDOW: usize = 5;
 
 /// Now on the bucket grid, ms.
 #[derive(Debug, Clone, Copy)]
@@ -137,8 +143,27 @@ fn take_back(ws: Words<'_>, bk: &Buckets, word: u64, n: u64) {
     }
 }
 
+/// A longer window than the ring was written on: the ring holds only about one old window of
+/// admissions (its places were reused at the old bucket length), so what was admitted between
+/// the old and the new window's reach may be gone. The ring is then filled as on a change of
+/// family (nothing more is admitted in the window of the change); a shorter window loses
+/// nothing. Filled before the record moves: a process stopped in between leaves the old record,
+/// and the next decision fills again (which adds nothing once full).
+fn follow_window(ws: Words<'_>, i: &Input, w: i64) {
+    let cell = ws.cell(WINDOW);
+    let seen = cell.load(Ordering::Acquire);
+    if seen == w as u64 {
+        return;
+    }
+    if seen != 0 && (w as u64) > seen {
+        fill(ws, i);
+    }
+    let _ = cas(cell, seen, w as u64);
+}
+
 pub(super) fn decide(ws: Words<'_>, i: &Input) -> Verdict {
     let bk = Buckets::new(i);
+    follow_window(ws, i, bk.w);
     let limit = i.p.limit.min(COUNT_MAX);
     let seq = ws.cell(SEQ);
     loop {
@@ -169,8 +194,9 @@ pub(super) fn fill(ws: Words<'_>, i: &Input) {
     let bk = Buckets::new(i);
     let limit = i.p.limit.min(COUNT_MAX);
     let (total, _) = sum(ws, &bk);
-    if total < limit {
-        let _ = add(ws, &bk, limit - total);
+    if total < limit && add(ws, &bk, limit - total).is_some() {
+        // Like an admission: a decision that summed before the fill starts over.
+        ws.cell(SEQ).fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -236,5 +262,53 @@ mod tests {
         };
         let w = admitted_per_window(SlidingLog, &p, 0, 100, 4_000_000);
         assert!(w[1..].iter().all(|x| (990..=1_000).contains(x)), "{w:?}");
+    }
+
+    /// Found by `model::prop_param_changes` (seed 7828340290572986977): a short window reuses
+    /// the ring's places at its short bucket length, so when the window grows again the
+    /// admissions made before the short period were gone and the limit was admitted again.
+    #[test]
+    fn a_longer_window_never_forgets_what_the_ring_lost() {
+        let long = Params {
+            limit: 33,
+            window_us: 1_500_000,
+            burst: 0,
+        };
+        let short = Params {
+            limit: 33,
+            window_us: 137_000,
+            burst: 0,
+        };
+        let c = MemCells::default();
+        let mut log = Vec::new();
+        let t0 = 1_700_000_000_000_000i64;
+        assert!(decide(SlidingLog, &long, &c, t0, 30).admitted());
+        log.push((t0, 30));
+        // One short-window admission at the ring place of the 30 (on its 2 ms grid), after
+        // they left the short window: it overwrites their word.
+        let place = |t: i64, b: i64| (t / 1_000 / b) % super::BUCKETS as i64;
+        let mut t = t0 + 140_000;
+        while place(t, 2) != place(t0, 12) {
+            t += 1_000;
+        }
+        assert!(t < t0 + 1_000_000);
+        assert!(decide(SlidingLog, &short, &c, t, 1).admitted());
+        log.push((t, 1));
+        // Back to 1.5 s: what the last 1.5 s admitted counts.
+        for _ in 0..40 {
+            t += 1_000;
+            let inside: u64 = log
+                .iter()
+                .filter(|e| e.0 > t - 1_500_000)
+                .map(|e| e.1)
+                .sum();
+            if decide(SlidingLog, &long, &c, t, 1).admitted() {
+                assert!(
+                    inside < 33,
+                    "admitted with {inside} in the last 1.5 s at {t}"
+                );
+                log.push((t, 1));
+            }
+        }
     }
 }
