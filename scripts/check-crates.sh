@@ -55,7 +55,18 @@ if [ -n "${SLUICE_SKIP_PACKAGE:-}" ]; then
   log "crates: cargo package SKIPPED (SLUICE_SKIP_PACKAGE)"
 else
   log "crates: cargo package ${PUBLISHED[*]} (verified)"
-  cargo package --locked --quiet --allow-dirty "${pkgs[@]}"
+  # Same versions every run: cargo verifies each crate against the others' tarballs through a
+  # local registry, and takes a registry crate it built before as current (registry sources
+  # are never rechecked) — so a second run would build against the first run's crates. The
+  # verification gets its own target dir (target/package-check, dependencies kept), our
+  # crates' builds and extracted sources (CARGO_HOME registry/src/-<hash>/) go first.
+  rm -rf target/package target/package-check/debug/.fingerprint/sluice-*
+  for p in "${PUBLISHED[@]}"; do
+    rm -rf "${CARGO_HOME:-$HOME/.cargo}"/registry/src/-*/"$p"-* \
+      "${CARGO_HOME:-$HOME/.cargo}"/registry/cache/-*/"$p"-*
+  done
+  CARGO_TARGET_DIR=target/package-check cargo package --locked --quiet --allow-dirty "${pkgs[@]}"
+  mkdir -p target/package && cp target/package-check/package/*.crate target/package/
   for p in "${PUBLISHED[@]}"; do
     f=$(ls target/package/"$p"-*.crate)
     log "  $f ($(du -h "$f" | cut -f1))"
