@@ -243,3 +243,46 @@ async fn host_ids_differing_in_punctuation_get_their_own_segments() {
         );
     }
 }
+
+/// Found by the adversarial review: one request as large as the slice made its host size every
+/// later pull by it (the largest cost asked was remembered for as long as the slot lived), so
+/// that host took the whole slice at its first pull of every slice and left nothing for the
+/// others while the stock sat unused. Now the largest cost sizes the next pull only (a caller
+/// still waiting asks again). Host A asks for the whole cap once, then 20 per second; host B
+/// asks for far more than the cap: B gets most of every later slice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_request_of_the_whole_cap_does_not_make_its_host_hoard_every_slice() {
+    let ns = unique_ns("hoard");
+    let keys = Keys::new(&ns).unwrap();
+    let (ha, hb) = (format!("{ns}-a"), format!("{ns}-b"));
+    let _seg = SegmentGuard(vec![(ns.clone(), ha.clone()), (ns.clone(), hb.clone())]);
+    roll_task(&keys, "t", &pooled_meta(1_000, 1_000, false, 0), 30).await;
+    let (ca, cb) = (client(&ns, &ha), client(&ns, &hb));
+    let (a, b) = (ca.task("t").unwrap(), cb.task("t").unwrap());
+    assert!(a.wait_ready(Duration::from_secs(5)) && b.wait_ready(Duration::from_secs(5)));
+    let _ = a.try_acquire(1_000);
+    let end = std::time::Instant::now() + Duration::from_millis(6_500);
+    let bt = std::thread::spawn(move || {
+        let mut per_slice = std::collections::BTreeMap::<i64, u64>::new();
+        while std::time::Instant::now() < end {
+            let (d, at) = b.try_acquire_stamped(1);
+            if d.is_allowed() {
+                *per_slice.entry(at / 1_000_000).or_default() += 1;
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        per_slice
+    });
+    while std::time::Instant::now() < end {
+        let _ = a.try_acquire(1);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let per_slice = bt.join().unwrap();
+    // Whole slices after the first two (the first is A's whole-cap request's).
+    let full: Vec<u64> = per_slice.values().copied().skip(2).take(3).collect();
+    assert_eq!(full.len(), 3, "{per_slice:?}");
+    assert!(
+        full.iter().all(|&n| n >= 600),
+        "B admitted per slice {per_slice:?}: A hoarded the slices"
+    );
+}

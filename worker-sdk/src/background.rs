@@ -562,6 +562,15 @@ async fn pull(
         plan = pull::paced(plan, cap, slice_ms, input.max_n);
     }
     let want = if demand { plan.want } else { 0 };
+    if want > 0 && input.max_n > 0 {
+        // The largest cost asked sizes this pull, and only this one: a caller still waiting
+        // for that much asks again when it decides next (`Task::want`), while one request of
+        // a large cost long ago no longer makes this host pull (and strand) whole slices.
+        let _ =
+            slot.ctl
+                .max_n
+                .compare_exchange(input.max_n, 0, Ordering::Relaxed, Ordering::Relaxed);
+    }
     let request_id = sh.request_id();
     let req = PullRequest {
         task: &t.name,

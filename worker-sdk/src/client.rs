@@ -1131,7 +1131,7 @@ impl Task {
 
     /// Waits (blocking, polling) until the task's meta is known, at most `timeout`.
     pub fn wait_ready(&self, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
+        let deadline = deadline_after(timeout);
         loop {
             if self.meta().is_some() {
                 return true;

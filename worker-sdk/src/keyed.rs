@@ -900,13 +900,13 @@ impl Key {
 
     /// [`Key::acquire_stamped`], with how to give the permits back.
     pub(crate) async fn acquire_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
-        let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
+        let deadline = crate::client::deadline_after(self.task.shared.cfg.acquire_timeout);
         loop {
             match self.wait_step(n, deadline) {
                 Next::Done(d, at, r) => return (d, at, r),
                 Next::Task => {
-                    let d = self.task.acquire(n).await;
-                    let at = self.task.now_us();
+                    // Stamped where the task charged it: a refund goes to that slice.
+                    let (d, at) = self.task.acquire_stamped(n).await;
                     return (d, at, self.task.refund_of(d, at));
                 }
                 Next::Direct { m, start_ms, at } => {
@@ -937,13 +937,12 @@ impl Key {
 
     /// [`Key::acquire_blocking_stamped`], with how to give the permits back.
     pub(crate) fn acquire_blocking_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
-        let deadline = Instant::now() + self.task.shared.cfg.acquire_timeout;
+        let deadline = crate::client::deadline_after(self.task.shared.cfg.acquire_timeout);
         loop {
             match self.wait_step(n, deadline) {
                 Next::Done(d, at, r) => return (d, at, r),
                 Next::Task => {
-                    let d = self.task.acquire_blocking(n);
-                    let at = self.task.now_us();
+                    let (d, at) = self.task.acquire_blocking_stamped(n);
                     return (d, at, self.task.refund_of(d, at));
                 }
                 Next::Direct { m, start_ms, at } => {

@@ -314,6 +314,48 @@ mod tests {
         assert_eq!((count(s), count(next)), (10, 10), "(S, S + 1) local quotas");
     }
 
+    /// The same through a key of a task that is not keyed (decided as the task, by
+    /// `Task::acquire`): its stamp was read after the decision too, so its refund went to
+    /// S + 1 as well.
+    #[tokio::test]
+    async fn a_key_part_decided_as_its_task_gives_permits_back_to_their_slice() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.host_id = "refundkey".into();
+        cfg.max_tasks = 2;
+        cfg.allow_unknown = false;
+        cfg.clock = ClockSource::Redis;
+        let client = Client::new(cfg).unwrap();
+        let a = client.task("a").unwrap();
+        let b = client.task("b").unwrap();
+        let (seg, _) = Segment::open(client.segment_path(), 2).unwrap();
+        let slot = seg.slot(seg.find("a").unwrap()).unwrap();
+        let day = 86_400_000u64;
+        assert!(slot.store_meta(&meta(day), slot.generation()));
+        let key = a.key("k").unwrap();
+        let now_us = a.now_us();
+        let s = (now_us as u64 / (day * 1_000) * day) as i64;
+        let next = s + day as i64;
+        assert!(slot.deposit(s, day, 10, false, now_us));
+        assert!(slot.deposit(next, day, 10, false, now_us));
+        let count =
+            |start: i64| unpack_quota(slot.entry(start, day).word.load(Ordering::Relaxed)).2;
+        let path = client.segment_path().to_path_buf();
+        AFTER_PART.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                let (seg, _) = Segment::open(&path, 2).unwrap();
+                seg.header()
+                    .clock_offset_us
+                    .store(-((day * 1_000) as i64), Ordering::Relaxed);
+            }))
+        });
+        let d = acquire_all(&[Limit::Key(&key, 1), Limit::Task(&b, 1)]).await;
+        AFTER_PART.with(|h| *h.borrow_mut() = None);
+        assert_eq!(d.refused, Some(1), "{d:?}");
+        assert_eq!((count(s), count(next)), (10, 10), "(S, S + 1) local quotas");
+    }
+
     /// Issue 23 item 10: `try_acquire_all`'s task parts follow shadow mode like every other
     /// decision: a refused part of a shadowed task is admitted (`ShadowLimited`) and counted
     /// as a rejection and a would-reject; main enforced it and counted no would-reject.
