@@ -286,3 +286,49 @@ async fn one_request_of_the_whole_cap_does_not_make_its_host_hoard_every_slice()
         "B admitted per slice {per_slice:?}: A hoarded the slices"
     );
 }
+
+/// Found by the adversarial review: the keyed door had no bound — `Key::try_acquire(u64::MAX)`
+/// was limited and counted as a rejection of 2^64 − 1, and two such keys in one report
+/// overflowed its sum (a panic that ended the background thread in debug builds: nothing was
+/// pulled or flushed again). Now they are `TooLarge`, counted nowhere, and the keys' normal
+/// traffic after them is admitted and reaches Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_key_cost_is_refused_uncounted_and_keys_go_on() {
+    let ns = unique_ns("kbounds");
+    let keys = Keys::new(&ns).unwrap();
+    let host = format!("{ns}-h");
+    let _seg = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let mut m = pooled_meta(100, 1_000, false, 0);
+    m.keyed = true;
+    roll_task(&keys, "t", &m, 20).await;
+    let c = client(&ns, &host);
+    let t = c.task("t").unwrap();
+    assert!(t.wait_ready(Duration::from_secs(5)));
+    for (k, n) in [("a", u64::MAX), ("b", u64::MAX), ("c", MAX_COUNT + 1)] {
+        assert_eq!(
+            t.key(k).unwrap().try_acquire(n),
+            Decision::TooLarge { max: MAX_COUNT },
+            "key {k}: try_acquire({n})"
+        );
+    }
+    // Normal key traffic after them: admitted, and counted in Redis (the report and the
+    // flush still run).
+    let k = t.key("a").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut admitted = 0u64;
+    loop {
+        if k.acquire(1).await.is_allowed() {
+            admitted += 1;
+        }
+        let (adm, rej) = redis_counts(&keys, "t", &starts_around(1_000, 12));
+        assert!(rej < MAX_COUNT, "a huge cost was counted: rej {rej}");
+        if adm >= 5 && admitted >= 5 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "key admissions never reached Redis: adm {adm}, admitted {admitted}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}

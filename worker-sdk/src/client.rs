@@ -1434,7 +1434,7 @@ impl Task {
 
     /// A cost no slice can hold: [`Decision::TooLarge`], counted nowhere, warned once.
     #[cold]
-    fn too_large(&self, n: u64, max: u64) -> Decision {
+    pub(crate) fn too_large(&self, n: u64, max: u64) -> Decision {
         if !self.inner.warned_too_large.swap(true, Ordering::Relaxed) {
             tracing::warn!(task = %self.inner.name, cost = n, max,
                 "a decision asked for more permits than a slice of the task can ever hold: \

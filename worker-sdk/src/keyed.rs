@@ -1065,6 +1065,11 @@ impl Key {
         if n == 0 {
             return KStep::Decided(Decision::Allowed);
         }
+        if n > crate::protocol::MAX_COUNT {
+            // As for tasks: no slice can hold it; refused and counted nowhere (a count this
+            // large would overflow the key table's report and the slice's counters).
+            return KStep::Decided(self.task.too_large(n, crate::protocol::MAX_COUNT));
+        }
         let r = self.task.inner.slot_ref();
         let Some((slot, m)) = self.task.slot_meta() else {
             return KStep::Task;
@@ -1779,8 +1784,8 @@ async fn report(sh: &Shared, table: &KeyTable) {
         }
         let slot = ((id >> 48) & 0x7FFF) as usize;
         let p = per.entry(slot).or_default();
-        p.0 += a;
-        p.1 += r;
+        p.0 = p.0.saturating_add(a);
+        p.1 = p.1.saturating_add(r);
         if let Some(k) = e.key_string() {
             p.2.push((k, a, r));
         }
