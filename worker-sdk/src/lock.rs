@@ -281,11 +281,15 @@ async fn acquire(
     let deadline = Instant::now().checked_add(wait);
     let past = |now: Instant| deadline.is_some_and(|d| now >= d);
     let ttl_ms = ttl.as_millis() as u64;
+    // One owner for the whole wait: an attempt whose answer was lost (a call given up after
+    // `pull_timeout` while Redis ran it) took the lock for this owner, and the next attempt is
+    // answered with that lock (the script is re-entrant for its owner) instead of finding it
+    // busy for a whole TTL with nobody holding it.
+    let owner = sh.request_id();
     loop {
         if caller.is_closed() {
             return None;
         }
-        let owner = sh.request_id();
         let t0 = boot_ms();
         let r = call(sh, Retry::Idempotent, |mut c| {
             let owner = &owner;
