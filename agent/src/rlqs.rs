@@ -69,6 +69,10 @@ use crate::routes::key_of;
 pub const TASK_ENTRY: &str = "sluice_task";
 /// Most entries of one `BucketId` (a bucket with more is refused as invalid).
 pub const MAX_BUCKET_ENTRIES: usize = 32;
+/// Most bytes of one `BucketId`'s names and values together (a larger one is refused as
+/// invalid): the agent keeps every bucket id it tracks, so the count bounds
+/// (`--rlqs-max-buckets`) bound its memory only with each id bounded too.
+pub const MAX_BUCKET_ID_BYTES: usize = 4_096;
 /// The shortest slice RLQS assigns for: Envoy arms an assignment's expiry with the whole
 /// seconds of its TTL, and a TTL ends at the slice's end, so with shorter slices every
 /// assignment would expire at once.
@@ -494,7 +498,8 @@ impl StreamState {
                 self.state.metrics.error("rlqs", "no_bucket_id");
                 continue;
             }
-            if id.bucket.len() > MAX_BUCKET_ENTRIES {
+            let bytes: usize = id.bucket.iter().map(|(k, v)| k.len() + v.len()).sum();
+            if id.bucket.len() > MAX_BUCKET_ENTRIES || bytes > MAX_BUCKET_ID_BYTES {
                 self.state.metrics.error("rlqs", "invalid");
                 continue;
             }

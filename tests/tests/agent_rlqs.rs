@@ -1134,3 +1134,62 @@ async fn idle_streams_are_ended() {
     )
     .await;
 }
+
+/// Adversarial review: a bucket id was bounded by its number of entries only, so buckets with
+/// megabyte values could hold gigabytes within the bucket count bounds. A bucket id over
+/// 4 KiB (names and values) is refused as invalid; its neighbours are assigned as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bucket_ids_over_4_kib_are_refused() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("rlqsbig");
+    let m = start_manager(&etcd, &redis, &ns).await;
+    task(
+        &m,
+        &redis,
+        &ns,
+        "second",
+        r#"{"threshold":1000,"slice_ms":1000}"#,
+    )
+    .await;
+    let a = Agent::start(&redis, &ns, &format!("{ns}-h1"), &[]).await;
+    let mut big = t("second");
+    big.push(("tenant", "x".repeat(5_000)));
+    let c = Client::start(
+        &a,
+        vec![
+            Demand {
+                entries: t("second"),
+                per_sec: 20.0,
+                stop_after: None,
+            },
+            Demand {
+                entries: big.clone(),
+                per_sec: 20.0,
+                stop_after: None,
+            },
+        ],
+        Duration::from_secs(10),
+    )
+    .await;
+    wait_until(
+        "assignments of the normal bucket",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            let n = c.got_for(&t("second")).len();
+            async move { (n >= 3).then_some(()) }
+        },
+    )
+    .await;
+    let got = c.finish().await;
+    let big_id = sorted(&bucket_id(&big).bucket);
+    assert!(
+        got.iter().all(|g| g.bucket != big_id),
+        "a bucket id of 5 KB was assigned"
+    );
+    let metrics = a.metrics().await;
+    assert!(
+        metrics.contains(r#"api="rlqs",reason="invalid""#),
+        "{metrics}"
+    );
+}
