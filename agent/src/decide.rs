@@ -220,6 +220,12 @@ pub struct DeciderLimits {
 }
 
 impl Decider {
+    /// Counter batches the SDK client dropped because Redis refused them
+    /// ([`sluice::Client::flushes_dropped`]).
+    pub fn flushes_dropped(&self) -> u64 {
+        self.client.flushes_dropped()
+    }
+
     /// A decider over `client`; `redis` is used for the first-sight lookups only.
     pub fn new(
         client: Client,

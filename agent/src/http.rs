@@ -513,6 +513,7 @@ async fn decide(State(s): State<Arc<AppState>>, body: Body) -> Response {
     responses((status = 200, description = "The agent's metrics (docs/agent.md)", body = String, content_type = "application/openmetrics-text"))
 )]
 async fn metrics(State(s): State<Arc<AppState>>) -> impl IntoResponse {
+    s.metrics.flushes_dropped(s.decider.flushes_dropped());
     (
         [(
             header::CONTENT_TYPE,

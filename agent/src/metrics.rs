@@ -1,5 +1,6 @@
 //! The agent's metrics (OpenMetrics text at `GET /metrics`), prefix `sluice_agent_`.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -30,6 +31,9 @@ struct ApiReason {
 /// Every metric of one agent.
 pub struct Metrics {
     registry: Registry,
+    flushes_dropped: Counter,
+    /// The SDK client's total when the counter was last brought up to it.
+    flushes_seen: AtomicU64,
     decisions: Family<ApiDecision, Counter>,
     requests: Family<Api, Counter>,
     errors: Family<ApiReason, Counter>,
@@ -118,7 +122,15 @@ impl Metrics {
             "RLQS assignments sent with a time to live under 1 s (Envoy counts whole seconds: it expires them at once)",
             rlqs_short_ttl.clone(),
         );
+        let flushes_dropped = Counter::default();
+        registry.register(
+            "flushes_dropped",
+            "Batches of counters (adm, rej, ... of one slice) Redis refused and the SDK dropped instead of resending forever (logged each time)",
+            flushes_dropped.clone(),
+        );
         Self {
+            flushes_dropped,
+            flushes_seen: AtomicU64::new(0),
             registry,
             decisions,
             requests,
@@ -179,6 +191,14 @@ impl Metrics {
     pub fn rlqs(&self, streams_delta: i64, buckets_delta: i64) {
         self.rlqs_streams.inc_by(streams_delta);
         self.rlqs_buckets.inc_by(buckets_delta);
+    }
+
+    /// Brings the dropped-flush counter up to the SDK client's total (at each scrape).
+    pub fn flushes_dropped(&self, total: u64) {
+        let prev = self.flushes_seen.fetch_max(total, Ordering::AcqRel);
+        if total > prev {
+            self.flushes_dropped.inc_by(total - prev);
+        }
     }
 
     /// OpenMetrics text.

@@ -365,3 +365,50 @@ async fn costs_above_max_count_are_refused_and_counted_nowhere() {
     )
     .await;
 }
+
+/// Issue 23 item 4 (the metric): a flush Redis refuses (the slice's `rej` already at i64::MAX,
+/// so the next rejection's HINCRBY overflows) is dropped by the agent's SDK client and counted
+/// in `sluice_agent_flushes_dropped_total`; the agent's later admissions are still counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_flush_redis_refuses_is_counted_in_the_agents_metrics() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("aflush");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    task(&m, "five", r#"{"threshold":5,"slice_ms":60000}"#).await;
+    let into = now_ms().rem_euclid(60_000);
+    if into > 45_000 {
+        tokio::time::sleep(Duration::from_millis((60_000 - into + 200) as u64)).await;
+    }
+    let s = now_ms() - now_ms().rem_euclid(60_000);
+    let a = Agent::start(&redis, &ns, "h1", &[]).await;
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
+    let mut r = redis_conn(&redis);
+    let _: () = redis::cmd("HSET")
+        .arg(keys.slice("five", s))
+        .arg("rej")
+        .arg(i64::MAX)
+        .query(&mut r)
+        .unwrap();
+    let (_, v) = a
+        .decide(&json!({"requests": (0..6).map(|_| json!({"task": "five"})).collect::<Vec<_>>()}))
+        .await;
+    assert_eq!(
+        decisions(&v).last().map(String::as_str),
+        Some("limited"),
+        "{v}"
+    );
+    wait_until(
+        "the refused flush counted in the agent's metrics",
+        Duration::from_secs(15),
+        Duration::from_millis(200),
+        || {
+            let a = &a;
+            async move {
+                let m = a.metrics().await;
+                (metric_value(&m, "sluice_agent_flushes_dropped_total").unwrap_or(0.0) >= 1.0)
+                    .then_some(())
+            }
+        },
+    )
+    .await;
+}
