@@ -434,12 +434,36 @@ return out
 /// `f:<host id> = <seq>`, and a flush whose `seq` is not above it is skipped for that slice.
 /// A host's flushes are exclusive (its flush lock) and numbered in increasing order, so a
 /// retry (same `seq`) never counts twice, nor does a late duplicate of an older flush.
+///
+/// **All or nothing**: every counter a flush would add to is read first; when one would leave
+/// ±9.2 × 10^18 (HINCRBY's i64, with room for the doubles Lua compares in) or is not a number,
+/// the whole flush is refused with an error naming the slice and field, before any write. (A
+/// script is not rolled back on error: before, the counters added ahead of a failing HINCRBY
+/// stayed, without the sequence number, so a resend added them twice.)
 pub const FLUSH_LUA: &str = r#"
 local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n', 'wrej'}
 local ff = 'f:' .. ARGV[1]
 local seq = tonumber(ARGV[2])
 local per = 6
 if #KEYS > 0 and #ARGV - 2 == 7 * #KEYS then per = 7 end
+local lim = 9.2e18
+for k = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[k]) == 1 then
+    local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
+    if seq > last then
+      local cur = redis.call('HMGET', KEYS[k], unpack(f, 1, per))
+      for j = 1, per do
+        local d = tonumber(ARGV[2 + (k - 1) * per + j])
+        if d and d ~= 0 then
+          local c = tonumber(cur[j] or '0')
+          if not c or c + d > lim or c + d < -lim then
+            return redis.error_reply('ERR counter overflow: ' .. KEYS[k] .. ' ' .. f[j])
+          end
+        end
+      end
+    end
+  end
+end
 local n = 0
 for k = 1, #KEYS do
   if redis.call('EXISTS', KEYS[k]) == 1 then

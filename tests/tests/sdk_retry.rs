@@ -261,6 +261,41 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
         .unwrap();
     assert_eq!(adm(&mut sync), 6);
 
+    // All or nothing (review of issue 23): a flush one of whose counters would overflow is
+    // refused before any write — before, the `adm` added ahead of the failing `rej` stayed
+    // without the sequence number, so the SDK's resend added it twice.
+    let _: () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("rej")
+        .arg(i64::MAX - 5)
+        .query(&mut sync)
+        .unwrap();
+    let both = vec![(
+        start,
+        SliceCounters {
+            admitted: 3,
+            rejected: 10,
+            ..SliceCounters::default()
+        },
+    )];
+    for _ in 0..2 {
+        let e = scripts::flush(&mut c, &keys, "t", "h1", 102, &both)
+            .await
+            .expect_err("an overflowing flush is refused");
+        assert!(e.to_string().contains("overflow"), "{e}");
+        // A plain ERR: the SDK tells a refusal (dropped) from a lost answer (resent) by it.
+        assert_eq!(
+            e.kind(),
+            redis::ErrorKind::Server(redis::ServerErrorKind::ResponseError),
+            "{e}"
+        );
+        assert_eq!(adm(&mut sync), 6, "a refused flush wrote nothing");
+    }
+    scripts::flush(&mut c, &keys, "t", "h1", 103, &batch(3))
+        .await
+        .unwrap();
+    assert_eq!(adm(&mut sync), 9);
+
     // Windows: an ended slice and one starting in 2 slices grant nothing and count nothing;
     // the next slice (prefetch) is granted.
     for (s, len) in [(start - 120_000, 60_000), (start + 120_000, 60_000)] {

@@ -4,6 +4,24 @@ local ff = 'f:' .. ARGV[1]
 local seq = tonumber(ARGV[2])
 local per = 6
 if #KEYS > 0 and #ARGV - 2 == 7 * #KEYS then per = 7 end
+local lim = 9.2e18
+for k = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[k]) == 1 then
+    local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
+    if seq > last then
+      local cur = redis.call('HMGET', KEYS[k], unpack(f, 1, per))
+      for j = 1, per do
+        local d = tonumber(ARGV[2 + (k - 1) * per + j])
+        if d and d ~= 0 then
+          local c = tonumber(cur[j] or '0')
+          if not c or c + d > lim or c + d < -lim then
+            return redis.error_reply('ERR counter overflow: ' .. KEYS[k] .. ' ' .. f[j])
+          end
+        end
+      end
+    end
+  end
+end
 local n = 0
 for k = 1, #KEYS do
   if redis.call('EXISTS', KEYS[k]) == 1 then
