@@ -203,7 +203,12 @@ pub fn try_acquire_all(parts: &[Limit<'_>]) -> AllDecision {
 /// [`try_acquire_all`], waiting for refills as [`Task::acquire`] / [`Key::acquire`] do (and
 /// deciding exact tasks with their Redis call).
 pub async fn acquire_all(parts: &[Limit<'_>]) -> AllDecision {
-    let mut taken = Vec::with_capacity(parts.len());
+    let mut guard = Taken {
+        parts,
+        taken: Vec::with_capacity(parts.len()),
+        settled: false,
+    };
+    let taken = &mut guard.taken;
     let mut admitted = Admitted::default();
     for (i, p) in parts.iter().enumerate() {
         let (d, r) = match p {
@@ -221,12 +226,31 @@ pub async fn acquire_all(parts: &[Limit<'_>]) -> AllDecision {
             }
         };
         if !d.is_allowed() {
-            return refused(parts, &taken, d, i);
+            let out = refused(parts, taken, d, i);
+            guard.settled = true;
+            return out;
         }
         admitted.add(d);
         taken.push(r);
     }
+    guard.settled = true;
     admitted.all()
+}
+
+/// The parts `acquire_all` admitted so far: given back if its future is dropped (cancelled,
+/// timed out) before the answer, so a cancelled call leaves nothing taken.
+struct Taken<'p, 'a> {
+    parts: &'p [Limit<'a>],
+    taken: Vec<Option<Refund>>,
+    settled: bool,
+}
+
+impl Drop for Taken<'_, '_> {
+    fn drop(&mut self) {
+        if !self.settled {
+            refund_all(self.parts, &self.taken);
+        }
+    }
 }
 
 /// [`acquire_all`] for programs without an async runtime.
@@ -354,6 +378,40 @@ mod tests {
         AFTER_PART.with(|h| *h.borrow_mut() = None);
         assert_eq!(d.refused, Some(1), "{d:?}");
         assert_eq!((count(s), count(next)), (10, 10), "(S, S + 1) local quotas");
+    }
+
+    /// Review of issue 23: an `acquire_all` dropped while a later part waits (a timeout around
+    /// it) gave nothing back — the parts admitted before stayed taken. Redis here accepts
+    /// connections and never answers, so part 1 waits for its pull.
+    #[tokio::test]
+    async fn a_cancelled_acquire_all_gives_back_what_it_took() {
+        let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new(format!("redis://{}", silent.local_addr().unwrap()));
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.host_id = "cancelall".into();
+        cfg.max_tasks = 2;
+        cfg.allow_unknown = false;
+        let client = Client::new(cfg).unwrap();
+        let a = client.task("a").unwrap();
+        let b = client.task("b").unwrap();
+        let (seg, _) = Segment::open(client.segment_path(), 2).unwrap();
+        let day = 86_400_000u64;
+        let sa = seg.slot(seg.find("a").unwrap()).unwrap();
+        let sb = seg.slot(seg.find("b").unwrap()).unwrap();
+        assert!(sa.store_meta(&meta(day), sa.generation()));
+        assert!(sb.store_meta(&meta(day), sb.generation())); // no quota: waits for a pull
+        let now_us = a.now_us();
+        let s = (now_us as u64 / (day * 1_000) * day) as i64;
+        assert!(sa.deposit(s, day, 10, false, now_us));
+        let count = |start: i64| unpack_quota(sa.entry(start, day).word.load(Ordering::Relaxed)).2;
+        let r = tokio::time::timeout(
+            std::time::Duration::from_millis(200),
+            acquire_all(&[Limit::Task(&a, 1), Limit::Task(&b, 1)]),
+        )
+        .await;
+        assert!(r.is_err(), "part 1 did not wait: {r:?}");
+        assert_eq!(count(s), 10, "part 0's permit was not given back");
     }
 
     /// Issue 23 item 10: `try_acquire_all`'s task parts follow shadow mode like every other
