@@ -125,6 +125,57 @@ async fn slice_rem(
 }
 
 impl Rls {
+    /// The `rem` of slice `start` of `task` (or its `key`'s) in Redis, as [`slice_rem`], read
+    /// at most every [`REM_FRESH`] per task or key and by at most [`MAX_REM_READS`] reads at
+    /// once: beyond them `wait` waits for one until `deadline`, else answers `Err` at once.
+    /// With `wait` (a check-only descriptor) a remembered `rem` is reused only when it says
+    /// the slice is spent: `rem` never grows within a slice, so that answer cannot go stale,
+    /// while a positive one may have been spent by another host since.
+    async fn rem_of(
+        &self,
+        task: &Task,
+        key: Option<&Key>,
+        start: i64,
+        deadline: Instant,
+        wait: bool,
+    ) -> Result<Option<i64>, ()> {
+        let id = (task.name().to_string(), key.map(|k| k.key().to_string()));
+        let cached = self
+            .rems
+            .lock()
+            .ok()
+            .and_then(|g| g.get(&id).copied())
+            .filter(|r| r.start_ms == start && r.at.elapsed() < REM_FRESH)
+            .filter(|r| !wait || r.rem.is_some_and(|v| v <= 0));
+        if let Some(r) = cached {
+            return Ok(r.rem);
+        }
+        let _permit = if wait {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, self.rem_reads.acquire()).await {
+                Ok(Ok(p)) => p,
+                _ => return Err(()),
+            }
+        } else {
+            self.rem_reads.try_acquire().map_err(|_| ())?
+        };
+        let rem = slice_rem(&self.state, task, key, start, deadline).await?;
+        if let Ok(mut g) = self.rems.lock() {
+            if g.len() >= MAX_REMS && !g.contains_key(&id) {
+                g.clear();
+            }
+            g.insert(
+                id,
+                Rem {
+                    start_ms: start,
+                    rem,
+                    at: Instant::now(),
+                },
+            );
+        }
+        Ok(rem)
+    }
+
     /// `limit_remaining` of an admitted descriptor: the cluster-wide estimate — what this host
     /// holds of the slice plus what Redis has not handed out yet (the slice's `rem`, read at
     /// most every [`REM_FRESH`] per task or key, waited for at most [`REM_TIMEOUT`] and never
@@ -133,7 +184,6 @@ impl Rls {
     /// estimate is at most what the cluster can still admit, short by what other hosts hold.
     /// Modes other than `pooled`, FAILED and a silent Redis: what this host holds.
     async fn cluster_remaining(&self, task: &Task, key: Option<&Key>, deadline: Instant) -> u64 {
-        let s = &self.state;
         let Some(info) = task.limit_info("", None, true, key) else {
             return 0;
         };
@@ -145,38 +195,9 @@ impl Rls {
             return info.remaining;
         }
         let start = sluice_protocol::slice::start(task.now_us().div_euclid(1_000), m.slice_ms);
-        let id = (task.name().to_string(), key.map(|k| k.key().to_string()));
-        let cached = self
-            .rems
-            .lock()
-            .ok()
-            .and_then(|g| g.get(&id).copied())
-            .filter(|r| r.start_ms == start && r.at.elapsed() < REM_FRESH);
-        let rem = match cached {
-            Some(r) => r.rem,
-            None => {
-                let Ok(_permit) = self.rem_reads.try_acquire() else {
-                    return info.remaining;
-                };
-                let deadline = deadline.min(Instant::now() + REM_TIMEOUT);
-                let Ok(rem) = slice_rem(s, task, key, start, deadline).await else {
-                    return info.remaining;
-                };
-                if let Ok(mut g) = self.rems.lock() {
-                    if g.len() >= MAX_REMS && !g.contains_key(&id) {
-                        g.clear();
-                    }
-                    g.insert(
-                        id,
-                        Rem {
-                            start_ms: start,
-                            rem,
-                            at: Instant::now(),
-                        },
-                    );
-                }
-                rem
-            }
+        let deadline = deadline.min(Instant::now() + REM_TIMEOUT);
+        let Ok(rem) = self.rem_of(task, key, start, deadline, false).await else {
+            return info.remaining;
         };
         let redis_left = match rem {
             Some(r) => r.max(0) as u64,
@@ -268,14 +289,14 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(1);
 ///
 /// * the host holds some of the slice (the task's, or the key's): not exhausted;
 /// * the host knows the slice is spent (state LIMITED), or the threshold is 0: exhausted;
-/// * otherwise the slice's `rem` in Redis (one `HGET`): 0 = exhausted; a key's slice not
+/// * otherwise the slice's `rem` in Redis (one `HGET`, at most `MAX_REM_READS` at once, shared with `limit_remaining`'s reads; a spent slice is remembered for `REM_FRESH`): 0 = exhausted; a key's slice not
 ///   created yet is not (it starts at the key's cap);
 /// * FAILED, or Redis does not answer by `deadline` (the check-only descriptors of a request
 ///   share [`CHECK_TIMEOUT`]): the task's `on_failure` says
 ///   (`deny` = exhausted; `allow` and `local` = not: a local limiter cannot be asked without
 ///   deciding);
 /// * shadow tasks, and modes other than `pooled` (no imported task is one): never exhausted.
-async fn exhausted(s: &AppState, p: &Part, deadline: Instant) -> bool {
+async fn exhausted(rls: &Rls, p: &Part, deadline: Instant) -> bool {
     let Some(m) = p.task.meta() else {
         return false;
     };
@@ -300,7 +321,9 @@ async fn exhausted(s: &AppState, p: &Part, deadline: Instant) -> bool {
         return true;
     }
     let start = sluice_protocol::slice::start(p.task.now_us().div_euclid(1_000), m.slice_ms);
-    match slice_rem(s, &p.task, key, start, deadline).await {
+    // Shared with limit_remaining's reads: cached for REM_FRESH, at most MAX_REM_READS at once
+    // (a flood of check-only descriptors costs Redis no more than that).
+    match rls.rem_of(&p.task, key, start, deadline, true).await {
         Ok(Some(rem)) => rem <= 0,
         // A key's slice is made at its first pull, full; a task's missing slice means the
         // leader is gone past the horizon: the SDK goes FAILED there.
@@ -478,7 +501,7 @@ impl RateLimitService for Rls {
         if !door_refused {
             let deadline = Instant::now() + CHECK_TIMEOUT;
             for (i, p) in &checks {
-                if exhausted(s, p, deadline).await {
+                if exhausted(self, p, deadline).await {
                     slots[*i].check_over = true;
                     door_refused = true;
                     s.metrics.decision("rls", "check_over_limit");
