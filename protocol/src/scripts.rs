@@ -316,8 +316,10 @@ redis.call('HSET', KEYS[1], pf, ARGV[5] .. ':' .. grant)
 if #ARGV >= 11 then
   local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n', 'wrej'}
   for j = 1, math.min(#ARGV - 5, 7) do
-    local d = tonumber(ARGV[j + 5])
-    if d and d ~= 0 then redis.call('HINCRBY', KEYS[1], f[j], d) end
+    local a = ARGV[j + 5]
+    if string.match(a, '^-?%d+$') and tonumber(a) ~= 0 then
+      redis.call('HINCRBY', KEYS[1], f[j], a)
+    end
   end
 end
 return {grant, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
@@ -435,9 +437,11 @@ return out
 /// A host's flushes are exclusive (its flush lock) and numbered in increasing order, so a
 /// retry (same `seq`) never counts twice, nor does a late duplicate of an older flush.
 ///
-/// **All or nothing**: every counter a flush would add to is read first; when one would leave
-/// ±9.2 × 10^18 (HINCRBY's i64, with room for the doubles Lua compares in) or is not a number,
-/// the whole flush is refused with an error naming the slice and field, before any write. (A
+/// **All or nothing**: every delta and every counter it adds to is checked first; a delta or
+/// stored value that is not a plain decimal integer, or a sum that would leave ±9.2 × 10^18
+/// (HINCRBY's i64, with room for the doubles Lua compares in), refuses the whole flush with an
+/// error naming the slice and field, before any write. The deltas go to HINCRBY as the strings
+/// they came as (a Lua number would be written back as `1e+17`, which HINCRBY refuses). (A
 /// script is not rolled back on error: before, the counters added ahead of a failing HINCRBY
 /// stayed, without the sequence number, so a resend added them twice.)
 pub const FLUSH_LUA: &str = r#"
@@ -453,10 +457,18 @@ for k = 1, #KEYS do
     if seq > last then
       local cur = redis.call('HMGET', KEYS[k], unpack(f, 1, per))
       for j = 1, per do
-        local d = tonumber(ARGV[2 + (k - 1) * per + j])
-        if d and d ~= 0 then
-          local c = tonumber(cur[j] or '0')
-          if not c or c + d > lim or c + d < -lim then
+        local a = ARGV[2 + (k - 1) * per + j]
+        if not string.match(a, '^-?%d+$') then
+          return redis.error_reply('ERR counter not an integer: ' .. f[j] .. ' ' .. a)
+        end
+        local d = tonumber(a)
+        if d ~= 0 then
+          local c = cur[j] or '0'
+          if not string.match(c, '^-?%d+$') then
+            return redis.error_reply('ERR counter not an integer: ' .. KEYS[k] .. ' ' .. f[j])
+          end
+          c = tonumber(c)
+          if c + d > lim or c + d < -lim then
             return redis.error_reply('ERR counter overflow: ' .. KEYS[k] .. ' ' .. f[j])
           end
         end
@@ -470,8 +482,8 @@ for k = 1, #KEYS do
     local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
     if seq > last then
       for j = 1, per do
-        local d = tonumber(ARGV[2 + (k - 1) * per + j])
-        if d and d ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], d) end
+        local a = ARGV[2 + (k - 1) * per + j]
+        if tonumber(a) ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], a) end
       end
       redis.call('HSET', KEYS[k], ff, ARGV[2])
     end

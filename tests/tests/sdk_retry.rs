@@ -295,6 +295,31 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
         .await
         .unwrap();
     assert_eq!(adm(&mut sync), 9);
+    // Large deltas are added exactly: a Lua number would reach HINCRBY as `1e+17` (refused,
+    // after `adm` was added). `rej` set back first.
+    let _: () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("rej")
+        .arg(0)
+        .query(&mut sync)
+        .unwrap();
+    let large = vec![(
+        start,
+        SliceCounters {
+            admitted: 1,
+            rejected: 100_000_000_000_000_000,
+            ..SliceCounters::default()
+        },
+    )];
+    scripts::flush(&mut c, &keys, "t", "h1", 104, &large)
+        .await
+        .expect("a large delta is added");
+    let rej: u64 = redis::cmd("HGET")
+        .arg(&key)
+        .arg("rej")
+        .query(&mut sync)
+        .unwrap();
+    assert_eq!((adm(&mut sync), rej), (10, 100_000_000_000_000_000));
 
     // Windows: an ended slice and one starting in 2 slices grant nothing and count nothing;
     // the next slice (prefetch) is granted.

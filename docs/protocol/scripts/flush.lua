@@ -11,10 +11,18 @@ for k = 1, #KEYS do
     if seq > last then
       local cur = redis.call('HMGET', KEYS[k], unpack(f, 1, per))
       for j = 1, per do
-        local d = tonumber(ARGV[2 + (k - 1) * per + j])
-        if d and d ~= 0 then
-          local c = tonumber(cur[j] or '0')
-          if not c or c + d > lim or c + d < -lim then
+        local a = ARGV[2 + (k - 1) * per + j]
+        if not string.match(a, '^-?%d+$') then
+          return redis.error_reply('ERR counter not an integer: ' .. f[j] .. ' ' .. a)
+        end
+        local d = tonumber(a)
+        if d ~= 0 then
+          local c = cur[j] or '0'
+          if not string.match(c, '^-?%d+$') then
+            return redis.error_reply('ERR counter not an integer: ' .. KEYS[k] .. ' ' .. f[j])
+          end
+          c = tonumber(c)
+          if c + d > lim or c + d < -lim then
             return redis.error_reply('ERR counter overflow: ' .. KEYS[k] .. ' ' .. f[j])
           end
         end
@@ -28,8 +36,8 @@ for k = 1, #KEYS do
     local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
     if seq > last then
       for j = 1, per do
-        local d = tonumber(ARGV[2 + (k - 1) * per + j])
-        if d and d ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], d) end
+        local a = ARGV[2 + (k - 1) * per + j]
+        if tonumber(a) ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], a) end
       end
       redis.call('HSET', KEYS[k], ff, ARGV[2])
     end

@@ -42,8 +42,10 @@ redis.call('HSET', KEYS[1], pf, ARGV[5] .. ':' .. grant)
 if #ARGV >= 11 then
   local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n', 'wrej'}
   for j = 1, math.min(#ARGV - 5, 7) do
-    local d = tonumber(ARGV[j + 5])
-    if d and d ~= 0 then redis.call('HINCRBY', KEYS[1], f[j], d) end
+    local a = ARGV[j + 5]
+    if string.match(a, '^-?%d+$') and tonumber(a) ~= 0 then
+      redis.call('HINCRBY', KEYS[1], f[j], a)
+    end
   end
 end
 return {grant, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
