@@ -63,6 +63,15 @@ pub struct Rls {
     rem_reads: tokio::sync::Semaphore,
 }
 
+/// Why a slice's `rem` is not known.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RemMiss {
+    /// Every read slot was taken until the deadline: Redis was not asked.
+    Busy,
+    /// Redis did not answer by the deadline.
+    Failed,
+}
+
 /// What Redis last said of a slice's `rem`.
 #[derive(Clone, Copy)]
 struct Rem {
@@ -129,8 +138,9 @@ impl Rls {
     /// at most every [`REM_FRESH`] per task or key and by at most [`MAX_REM_READS`] reads at
     /// once: beyond them `wait` waits for one until `deadline`, else answers `Err` at once.
     /// With `wait` (a check-only descriptor) a remembered `rem` is reused only when it says
-    /// the slice is spent: `rem` never grows within a slice, so that answer cannot go stale,
-    /// while a positive one may have been spent by another host since.
+    /// the slice is spent: a positive one may have been spent by another host since, while a
+    /// spent one grows again only when the slice's cap is raised (ROLL adds the difference),
+    /// so a check-only descriptor may answer OVER_LIMIT up to [`REM_FRESH`] after a raise.
     async fn rem_of(
         &self,
         task: &Task,
@@ -138,7 +148,7 @@ impl Rls {
         start: i64,
         deadline: Instant,
         wait: bool,
-    ) -> Result<Option<i64>, ()> {
+    ) -> Result<Option<i64>, RemMiss> {
         let id = (task.name().to_string(), key.map(|k| k.key().to_string()));
         let cached = self
             .rems
@@ -154,12 +164,14 @@ impl Rls {
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, self.rem_reads.acquire()).await {
                 Ok(Ok(p)) => p,
-                _ => return Err(()),
+                _ => return Err(RemMiss::Busy),
             }
         } else {
-            self.rem_reads.try_acquire().map_err(|_| ())?
+            self.rem_reads.try_acquire().map_err(|_| RemMiss::Busy)?
         };
-        let rem = slice_rem(&self.state, task, key, start, deadline).await?;
+        let rem = slice_rem(&self.state, task, key, start, deadline)
+            .await
+            .map_err(|()| RemMiss::Failed)?;
         if let Ok(mut g) = self.rems.lock() {
             if g.len() >= MAX_REMS && !g.contains_key(&id) {
                 g.clear();
@@ -289,8 +301,10 @@ const CHECK_TIMEOUT: Duration = Duration::from_secs(1);
 ///
 /// * the host holds some of the slice (the task's, or the key's): not exhausted;
 /// * the host knows the slice is spent (state LIMITED), or the threshold is 0: exhausted;
-/// * otherwise the slice's `rem` in Redis (one `HGET`, at most `MAX_REM_READS` at once, shared with `limit_remaining`'s reads; a spent slice is remembered for `REM_FRESH`): 0 = exhausted; a key's slice not
-///   created yet is not (it starts at the key's cap);
+/// * otherwise the slice's `rem` in Redis (one `HGET`, at most `MAX_REM_READS` at once,
+///   shared with `limit_remaining`'s reads; a spent slice is remembered for `REM_FRESH`; with
+///   every read slot taken until the deadline the check is skipped: not known to be spent):
+///   0 = exhausted; a key's slice not created yet is not (it starts at the key's cap);
 /// * FAILED, or Redis does not answer by `deadline` (the check-only descriptors of a request
 ///   share [`CHECK_TIMEOUT`]): the task's `on_failure` says
 ///   (`deny` = exhausted; `allow` and `local` = not: a local limiter cannot be asked without
@@ -328,7 +342,10 @@ async fn exhausted(rls: &Rls, p: &Part, deadline: Instant) -> bool {
         // A key's slice is made at its first pull, full; a task's missing slice means the
         // leader is gone past the horizon: the SDK goes FAILED there.
         Ok(None) => key.is_none() && failed(),
-        Err(()) => failed(),
+        // Not asked (every read slot taken until the deadline): not known to be spent. The
+        // decision of a charged descriptor still holds the limit; only the check is skipped.
+        Err(RemMiss::Busy) => false,
+        Err(RemMiss::Failed) => failed(),
     }
 }
 
