@@ -262,6 +262,8 @@ struct StreamState {
     /// Buckets refused because the stream (or the agent) tracks too many (logged once per
     /// stream).
     overflow_logged: bool,
+    /// An over-bound bucket id was logged on this stream.
+    invalid_logged: bool,
     /// Tasks whose assignments went out with a TTL under 1 s (logged once per task).
     short_ttl_logged: HashSet<String>,
     domain: String,
@@ -501,6 +503,14 @@ impl StreamState {
             let bytes: usize = id.bucket.iter().map(|(k, v)| k.len() + v.len()).sum();
             if id.bucket.len() > MAX_BUCKET_ENTRIES || bytes > MAX_BUCKET_ID_BYTES {
                 self.state.metrics.error("rlqs", "invalid");
+                if !self.invalid_logged {
+                    // Once per stream: such a bucket gets no assignment (Envoy's no-assignment
+                    // behaviour applies), which nobody would notice from a counter alone.
+                    tracing::warn!(domain = %self.domain, entries = id.bucket.len(), bytes,
+                        max_entries = MAX_BUCKET_ENTRIES, max_bytes = MAX_BUCKET_ID_BYTES,
+                        "RLQS bucket ids over the bounds get no assignment");
+                    self.invalid_logged = true;
+                }
                 continue;
             }
             let key = bucket_key(&id);
@@ -836,6 +846,7 @@ async fn run_stream(
         next_num: 0,
         timers: Timers::default(),
         overflow_logged: false,
+        invalid_logged: false,
         short_ttl_logged: HashSet::new(),
         domain: String::new(),
     };

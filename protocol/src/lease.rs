@@ -130,7 +130,8 @@ return {1, hold, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unme
 /// Takes lock `L` if it is free, drawing its fencing token in the same call.
 ///
 /// `KEYS[1]` `NS:{L}:lock`, `KEYS[2]` `NS:{L}:lock:token`. `ARGV`: owner (unique per
-/// acquisition attempt, so a retry of the same attempt gets the same token back), ttl (ms).
+/// acquisition — the SDK keeps one for every attempt of one `lock()` wait — so a retry, or an
+/// attempt after one whose answer was lost, gets the same token back), ttl (ms).
 ///
 /// Returns `{1, token, ttl_ms}` (acquired; or this owner's token again on a retry) or `{0,
 /// holder_token, pttl_ms}` (held by another).

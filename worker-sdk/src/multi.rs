@@ -238,7 +238,8 @@ pub async fn acquire_all(parts: &[Limit<'_>]) -> AllDecision {
 }
 
 /// The parts `acquire_all` admitted so far: given back if its future is dropped (cancelled,
-/// timed out) before the answer, so a cancelled call leaves nothing taken.
+/// timed out) before the answer. What cannot be given back stays taken, as for a refusal: a
+/// part of an exact mode (its Redis call runs on) and a key decided directly in Redis.
 struct Taken<'p, 'a> {
     parts: &'p [Limit<'a>],
     taken: Vec<Option<Refund>>,
