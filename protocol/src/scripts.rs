@@ -440,7 +440,10 @@ return out
 /// **All or nothing**: every delta and every counter it adds to is checked first; a delta or
 /// stored value that is not a plain decimal integer, or a sum that would leave ±9.2 × 10^18
 /// (HINCRBY's i64, with room for the doubles Lua compares in), refuses the whole flush with an
-/// error naming the slice and field, before any write. The deltas go to HINCRBY as the strings
+/// error naming the slice and field, before any write. Except `rej` and `wrej`, which
+/// **saturate** at 9.2 × 10^18: a refused request counts its cost at face value (up to
+/// `MAX_COUNT`), so a long slice under hostile costs can reach the limit, and a statistic
+/// pinned at its ceiling is better than dropping the slice's `adm` with it. The deltas go to HINCRBY as the strings
 /// they came as (a Lua number would be written back as `1e+17`, which HINCRBY refuses). (A
 /// script is not rolled back on error: before, the counters added ahead of a failing HINCRBY
 /// stayed, without the sequence number, so a resend added them twice.)
@@ -451,6 +454,7 @@ local seq = tonumber(ARGV[2])
 local per = 6
 if #KEYS > 0 and #ARGV - 2 == 7 * #KEYS then per = 7 end
 local lim = 9.2e18
+local sat = {[2] = true, [7] = true}
 for k = 1, #KEYS do
   if redis.call('EXISTS', KEYS[k]) == 1 then
     local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
@@ -468,7 +472,7 @@ for k = 1, #KEYS do
             return redis.error_reply('ERR counter not an integer: ' .. KEYS[k] .. ' ' .. f[j])
           end
           c = tonumber(c)
-          if c + d > lim or c + d < -lim then
+          if (c + d > lim or c + d < -lim) and not (sat[j] and d > 0) then
             return redis.error_reply('ERR counter overflow: ' .. KEYS[k] .. ' ' .. f[j])
           end
         end
@@ -483,7 +487,15 @@ for k = 1, #KEYS do
     if seq > last then
       for j = 1, per do
         local a = ARGV[2 + (k - 1) * per + j]
-        if tonumber(a) ~= 0 then redis.call('HINCRBY', KEYS[k], f[j], a) end
+        local d = tonumber(a)
+        if d ~= 0 then
+          local c = sat[j] and d > 0 and tonumber(redis.call('HGET', KEYS[k], f[j]) or '0')
+          if c and c + d > lim then
+            if c < lim then redis.call('HSET', KEYS[k], f[j], '9200000000000000000') end
+          else
+            redis.call('HINCRBY', KEYS[k], f[j], a)
+          end
+        end
       end
       redis.call('HSET', KEYS[k], ff, ARGV[2])
     end

@@ -264,9 +264,10 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
     // All or nothing (review of issue 23): a flush one of whose counters would overflow is
     // refused before any write — before, the `adm` added ahead of the failing `rej` stayed
     // without the sequence number, so the SDK's resend added it twice.
+    // (`ok` here: `rej` and `wrej` saturate instead, below.)
     let _: () = redis::cmd("HSET")
         .arg(&key)
-        .arg("rej")
+        .arg("ok")
         .arg(i64::MAX - 5)
         .query(&mut sync)
         .unwrap();
@@ -274,7 +275,7 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
         start,
         SliceCounters {
             admitted: 3,
-            rejected: 10,
+            ok: 10,
             ..SliceCounters::default()
         },
     )];
@@ -291,6 +292,12 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
         );
         assert_eq!(adm(&mut sync), 6, "a refused flush wrote nothing");
     }
+    let _: () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("ok")
+        .arg(0)
+        .query(&mut sync)
+        .unwrap();
     scripts::flush(&mut c, &keys, "t", "h1", 103, &batch(3))
         .await
         .unwrap();
@@ -320,6 +327,42 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
         .query(&mut sync)
         .unwrap();
     assert_eq!((adm(&mut sync), rej), (10, 100_000_000_000_000_000));
+    // `rej` and `wrej` are statistics of refused costs, counted at face value (review of
+    // issue 23, finding 6): near the limit they saturate at 9.2e18 and the flush's `adm` is
+    // still counted — before, the whole slice's counters were refused and dropped.
+    let field = |sync: &mut redis::Connection, f: &str| -> String {
+        redis::cmd("HGET").arg(&key).arg(f).query(sync).unwrap()
+    };
+    for (stored, expect) in [
+        ("9199999500000000000", "9200000000000000000"),
+        ("9223372036854775800", "9223372036854775800"),
+    ] {
+        let _: () = redis::cmd("HSET")
+            .arg(&key)
+            .arg("rej")
+            .arg(stored)
+            .arg("wrej")
+            .arg(stored)
+            .query(&mut sync)
+            .unwrap();
+        let before = adm(&mut sync);
+        let hostile = vec![(
+            start,
+            SliceCounters {
+                admitted: 1,
+                rejected: 1_000_000_000_000,
+                would_reject: 1_000_000_000_000,
+                ..SliceCounters::default()
+            },
+        )];
+        let seq = if stored.starts_with("9199") { 105 } else { 106 };
+        scripts::flush(&mut c, &keys, "t", "h1", seq, &hostile)
+            .await
+            .expect("rej and wrej saturate: the flush is counted");
+        assert_eq!(adm(&mut sync), before + 1, "adm counted with saturated rej");
+        assert_eq!(field(&mut sync, "rej"), expect, "rej from {stored}");
+        assert_eq!(field(&mut sync, "wrej"), expect, "wrej from {stored}");
+    }
 
     // Windows: an ended slice and one starting in 2 slices grant nothing and count nothing;
     // the next slice (prefetch) is granted.
