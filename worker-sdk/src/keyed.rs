@@ -734,9 +734,11 @@ enum Next {
 /// Where a key's decision stands.
 enum KStep {
     Decided(Decision),
-    /// Admitted from the entry's quota word `parity` of slice tag `tag` (refundable).
+    /// Admitted from the entry's quota word `parity` of slice tag `tag`, while the entry held
+    /// identity `ident` (refundable).
     Admitted {
         entry: usize,
+        ident: u64,
         parity: usize,
         tag: u32,
     },
@@ -859,8 +861,21 @@ impl Key {
         let now_us = self.task.now_us();
         let d = match self.decide(n, now_us) {
             KStep::Decided(d) => d,
-            KStep::Admitted { entry, parity, tag } => {
-                return (Decision::Allowed, Some(Refund::Key { entry, parity, tag }));
+            KStep::Admitted {
+                entry,
+                ident,
+                parity,
+                tag,
+            } => {
+                return (
+                    Decision::Allowed,
+                    Some(Refund::Key {
+                        entry,
+                        ident,
+                        parity,
+                        tag,
+                    }),
+                );
             }
             KStep::Task => {
                 // The task as a whole decides, shadow mode included (a shadow task's
@@ -971,10 +986,20 @@ impl Key {
         let now_us = self.task.now_us();
         match self.decide(n, now_us) {
             KStep::Decided(d) => Next::Done(self.task.shadowed(n, now_us, d), now_us, None),
-            KStep::Admitted { entry, parity, tag } => Next::Done(
+            KStep::Admitted {
+                entry,
+                ident,
+                parity,
+                tag,
+            } => Next::Done(
                 Decision::Allowed,
                 now_us,
-                Some(Refund::Key { entry, parity, tag }),
+                Some(Refund::Key {
+                    entry,
+                    ident,
+                    parity,
+                    tag,
+                }),
             ),
             KStep::Task => Next::Task,
             KStep::Direct { m, start_ms } => Next::Direct {
@@ -1000,9 +1025,25 @@ impl Key {
     /// Gives back what [`Refund`] says this key's decision took (see [`crate::multi`]).
     pub(crate) fn refund(&self, r: &Refund, n: u64) {
         match *r {
-            Refund::Key { entry, parity, tag } => {
-                if let Some(e) = self.table().and_then(|t| t.entry(entry)) {
+            Refund::Key {
+                entry,
+                ident,
+                parity,
+                tag,
+            } => {
+                // Only into the entry while it still holds this key: an entry reclaimed for
+                // another key in the same slice has a word with the same tag, and the permits
+                // would become that key's (review of issue 23). A reclaim racing the give-back
+                // is undone if the permits are still there; if they were spent, the other key
+                // admitted them and this key's are lost (never more than the slice granted).
+                if let Some(e) = self.table().and_then(|t| t.entry(entry))
+                    && e.ident.load(Ordering::Acquire) == ident
+                {
                     give_back(&e.quota[parity], tag, n);
+                    if e.ident.load(Ordering::Acquire) != ident {
+                        take_back(&e.quota[parity], tag, n);
+                        return;
+                    }
                     let _ = e
                         .adm
                         .fetch_update(Ordering::AcqRel, Ordering::Acquire, |a| {
@@ -1130,6 +1171,7 @@ impl Key {
                     }
                     return KStep::Admitted {
                         entry: i,
+                        ident: id,
                         parity: (index & 1) as usize,
                         tag,
                     };
@@ -1399,6 +1441,8 @@ pub(crate) enum Refund {
     /// Quota word `parity` of key table entry `entry`, slice tag `tag`.
     Key {
         entry: usize,
+        /// The entry's identity word when the permits were taken.
+        ident: u64,
         parity: usize,
         tag: u32,
     },
@@ -1426,6 +1470,22 @@ pub(crate) fn give_back(q: &AtomicU64, tag: u32, n: u64) {
             (c as u64 + n).min(crate::shm::MAX_COUNT as u64) as u32,
         );
         match q.compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => return,
+            Err(x) => w = x,
+        }
+    }
+}
+
+/// Takes `n` permits out of a quota word that still holds the slice `tag` and at least `n`
+/// (undoes a [`give_back`] that raced with a reclaim; nothing if they were spent meanwhile).
+fn take_back(q: &AtomicU64, tag: u32, n: u64) {
+    let mut w = q.load(Ordering::Acquire);
+    loop {
+        let (t, _, c) = unpack_quota(w);
+        if t != tag || w == 0 || (c as u64) < n {
+            return;
+        }
+        match q.compare_exchange_weak(w, w - n, Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => return,
             Err(x) => w = x,
         }
@@ -2165,5 +2225,62 @@ mod tests {
             !deposit(e, 10_000, 1_000, 5, false, 11_000_000),
             "ended slice"
         );
+    }
+
+    /// Review of issue 23: a refund (a refused `acquire_all`'s key part) went into the entry
+    /// it was taken from even after the entry was reclaimed for another key in the same slice
+    /// (its word has the same tag): that key gained the permits. Now only while the entry still
+    /// holds the key.
+    #[test]
+    fn a_refund_never_goes_to_another_key_of_a_reclaimed_entry() {
+        use crate::protocol::{Fallback, Mode, OnFailure, TaskMeta};
+        use crate::{Client, Config};
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = Config::new("redis://127.0.0.1:1");
+        cfg.shm_dir = dir.path().to_path_buf();
+        cfg.host_id = "refundowner".into();
+        cfg.max_tasks = 1;
+        cfg.key_slots = 64;
+        let client = Client::new(cfg).unwrap();
+        let task = client.task("a").unwrap();
+        let (seg, _) = crate::shm::Segment::open(client.segment_path(), 1).unwrap();
+        let slot = seg.slot(seg.find("a").unwrap()).unwrap();
+        let m = TaskMeta {
+            slice_ms: 86_400_000,
+            threshold: 1_000,
+            pull: 0,
+            local_limit: 1,
+            on_failure: OnFailure::Deny,
+            mode: Mode::Pooled,
+            fallback: Fallback::default(),
+            version: 1,
+            lease_ms: 0,
+            keyed: true,
+            key_overrides: Default::default(),
+            shadow: false,
+            pacing: crate::protocol::Pacing::None,
+            pace_burst: 0,
+        };
+        assert!(slot.store_meta(&m, slot.generation()));
+        let key = task.key("k").unwrap();
+        assert!(key.fill_local(10, false));
+        let (d, r) = key.try_refundable(1);
+        assert_eq!(d, Decision::Allowed);
+        let Some(r @ Refund::Key { entry, parity, .. }) = r else {
+            panic!("not a key refund: {r:?}");
+        };
+        let e = key.table().unwrap().entry(entry).unwrap();
+        let held = || unpack_quota(e.quota[parity].load(Ordering::Relaxed)).2;
+        assert_eq!(held(), 9);
+        // While the entry still holds the key, the refund lands.
+        key.refund(&r, 1);
+        assert_eq!(held(), 10);
+        let (_, r) = key.try_refundable(1);
+        let r = r.unwrap();
+        // Reclaimed for another key (a new identity; the word keeps this slice's tag).
+        let other = e.ident.load(Ordering::Acquire) ^ 1;
+        e.ident.store(other, Ordering::Release);
+        key.refund(&r, 1);
+        assert_eq!(held(), 9, "the other key gained this key's refund");
     }
 }
