@@ -62,7 +62,9 @@
 //! `{"host":"H","child":0,"task":"T","bucket":1796023086000,"adm":10,"rej":3,"fb":0}`
 //! (`adm` includes `fb`, the fallback-admitted part). A long-running observer (the soak) checks
 //! invariants from it while the run goes on, and keeps the data of a host it SIGKILLs. A bucket
-//! is closed when a decision falls into a later one, and at the end of the run.
+//! is closed when a decision falls into a later one, and at the end of the run. With `--rate`,
+//! `"late": ms` (additive) says the loop woke up that late for a decision of the bucket (the
+//! machine was busy; written when 15 ms or more): the soak does not judge liveness there.
 //!
 //! # Concurrency tasks
 //!
@@ -776,13 +778,21 @@ impl Progress {
     }
 
     fn bucket(&mut self, start: i64, v: [u64; 3]) {
+        self.bucket_late(start, v, 0);
+    }
+
+    /// [`Progress::bucket`] with how late (ms) the paced loop woke up for a decision in the
+    /// bucket, at most (written as `"late"` when 15 ms or more).
+    fn bucket_late(&mut self, start: i64, v: [u64; 3], late_ms: u64) {
         let Some(f) = self.file.as_mut() else { return };
-        let line = serde_json::json!({
+        let mut line = serde_json::json!({
             "host": self.host, "child": self.child, "task": self.task,
             "bucket": start, "adm": v[0], "rej": v[1], "fb": v[2],
-        })
-        .to_string()
-            + "\n";
+        });
+        if late_ms >= 15 {
+            line["late"] = late_ms.into();
+        }
+        let line = line.to_string() + "\n";
         // O_APPEND: one write lands whole at the end, whatever the other children write.
         if let Err(e) = f.write_all(line.as_bytes()) {
             tracing::warn!(error = %e, "cannot append to the progress file");
@@ -911,6 +921,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     let bucket_ms = args.bucket_ms;
     let mut cur_bucket = i64::MIN;
     let mut cur = [0u64; 3];
+    let mut cur_late = 0u64;
     let mut done: u64 = 0;
     let every = args.latency_every;
     let mut lat = (every > 0).then(LatHist::new);
@@ -928,6 +939,9 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
                     std::thread::sleep(next.saturating_sub(elapsed).min(Duration::from_millis(5)));
                     continue;
                 }
+                // How late this wake-up is for the next decision (the machine was busy).
+                let late = elapsed.saturating_sub(iv.mul_f64(done as f64));
+                cur_late = cur_late.max(late.as_millis() as u64);
                 (due - done).min(max_decisions - done)
             }
             None => 256.min(max_decisions - done),
@@ -947,7 +961,8 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
             if bucket != cur_bucket {
                 if cur_bucket != i64::MIN {
                     r.add_bucket(cur_bucket, cur);
-                    progress.bucket(cur_bucket, cur);
+                    progress.bucket_late(cur_bucket, cur, cur_late);
+                    cur_late = 0;
                 }
                 cur_bucket = bucket;
                 cur = [0, 0, 0];
@@ -982,7 +997,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     }
     if cur_bucket != i64::MIN {
         r.add_bucket(cur_bucket, cur);
-        progress.bucket(cur_bucket, cur);
+        progress.bucket_late(cur_bucket, cur, cur_late);
     }
     let secs = started.elapsed().as_secs_f64().max(1e-9);
     r.decisions_per_sec = (r.admitted + r.rejected) as f64 / secs;

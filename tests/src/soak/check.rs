@@ -333,6 +333,9 @@ pub struct Coverage {
     pub redis_keys: u64,
     /// Slices checked for liveness.
     pub live_slices: u64,
+    /// Slices of liveness windows not judged: the machine stalled around them (see
+    /// [`check_liveness`]).
+    pub stalled_slices: u64,
 }
 
 /// Safety of `task`: the per-slice and per-window bounds, in every clean regime, of the
@@ -765,6 +768,14 @@ pub fn check_liveness(
             });
             continue;
         };
+        // A machine starved for longer than a tenth of the slice (at least 25 ms, what the
+        // SDK's pull policy absorbs) around it — the slice before included, where its first
+        // chunk is prefetched — can lose more than the 10 % margin by itself: no limiter
+        // serves a 100 ms slice while its hosts do not run. Not judged, and counted.
+        if ledger.longest_stall(s - l - off, s + l + off) >= (l / 10).max(25) {
+            cov.stalled_slices += 1;
+            continue;
+        }
         let cells = match spec.class() {
             Class::Window => ledger.real_sums(task, *s, s + l),
             _ => ledger.sums(task, *s, s + l),
@@ -813,11 +824,12 @@ pub fn check_liveness(
             ),
         });
     }
-    // Every eligible host that asked admitted something over the window.
-    if !per_host {
+    // Every eligible host that asked admitted something over the window — unless the machine
+    // stalled in it (as above: its pulls may all have come too late).
+    let (a, b) = (starts[0], starts[starts.len() - 1] + l);
+    if !per_host || ledger.longest_stall(a - l - off, b + off) >= (l / 10).max(25) {
         return out;
     }
-    let (a, b) = (starts[0], starts[starts.len() - 1] + l);
     for (h, c) in ledger.sums(task, a, b).iter().enumerate() {
         if eligible.get(h).copied().unwrap_or(false) && c.demand() > 0 && c.global() == 0 {
             out.push(Violation {
@@ -1187,6 +1199,64 @@ mod tests {
             !v.is_empty() && v.iter().all(|v| v.invariant == "liveness.total"),
             "{v:?}"
         );
+    }
+
+    /// Issue 23 item 19: a slice around which the machine stalled for more than a tenth of
+    /// it (at least 25 ms) is not judged, and counted; a shorter stall changes nothing; the
+    /// per-host check of a window with such a stall is not made either.
+    #[test]
+    fn liveness_skips_slices_around_a_stall_and_counts_them() {
+        let mut l = ledger(spec(100, 1_000, "pooled"));
+        fill(&mut l, 0, 10_000, [4, 4], 0); // 80 %: too little wherever judged
+        let mut m = HashMap::new();
+        for s in (0..10_000).step_by(1_000) {
+            m.insert((0, s), SliceRead { cap: 100, adm: 80 });
+        }
+        let run = |l: &Ledger| {
+            let mut cov = Coverage::default();
+            let v = check_liveness(
+                l,
+                0,
+                0,
+                10_000,
+                &[true, true],
+                false,
+                &mut Map(m.clone()),
+                &mut cov,
+            );
+            (v.len(), cov.stalled_slices, cov.live_slices)
+        };
+        let (all, none, judged) = run(&l);
+        assert_eq!(none, 0);
+        assert_eq!(all as u64, judged, "every slice too low");
+        // 99 ms in [5_000, 5_099): shorter than a tenth of a 1 s slice.
+        l.stalls.push((5_000, 5_099));
+        assert_eq!(run(&l).0, all);
+        // 100 ms at 5_500: slices 5_000 (its own) and 6_000 (prefetched in 5_000's) skipped.
+        l.stalls.push((5_500, 5_600));
+        let (v, stalled, _) = run(&l);
+        assert_eq!((v, stalled), (all - 2, 2));
+        // The per-host check: host 1 admits nothing; judged without a stall, not with one.
+        let mut l = ledger(spec(100, 1_000, "pooled"));
+        fill(&mut l, 0, 10_000, [9, 0], 0);
+        let host = |l: &Ledger| {
+            check_liveness(
+                l,
+                0,
+                0,
+                10_000,
+                &[true, true],
+                true,
+                &mut Map(m.clone()),
+                &mut Coverage::default(),
+            )
+            .iter()
+            .filter(|v| v.invariant == "liveness.host")
+            .count()
+        };
+        assert_eq!(host(&l), 1);
+        l.stalls.push((5_500, 5_600));
+        assert_eq!(host(&l), 0);
     }
 
     #[test]

@@ -122,9 +122,27 @@ pub struct Ledger {
     pub cells: Vec<Vec<BTreeMap<i64, Cell>>>,
     /// Largest |clock offset| any host ran with.
     pub max_offset_ms: i64,
+    /// When the machine was starved: real-time intervals `[from, to)` in which the soak's
+    /// stall probe (a thread sleeping 10 ms in a loop) or a load generator's paced loop (its
+    /// progress lines' `late`, placed at the bucket's end) woke up late by at least
+    /// [`STALL_MIN_MS`]. Liveness is not judged across them (see `check_liveness`).
+    pub stalls: Vec<(i64, i64)>,
 }
 
+/// The smallest wake-up delay of the stall probe recorded as a stall, ms.
+pub const STALL_MIN_MS: i64 = 15;
+
 impl Ledger {
+    /// The longest stall overlapping `[from, to)`, ms (0 = none).
+    pub fn longest_stall(&self, from: i64, to: i64) -> i64 {
+        self.stalls
+            .iter()
+            .filter(|(a, b)| *a < to && *b > from)
+            .map(|(a, b)| b - a)
+            .max()
+            .unwrap_or(0)
+    }
+
     /// An empty ledger for `tasks` tasks on `hosts` hosts.
     pub fn new(tasks: usize, hosts: usize) -> Self {
         Self {
@@ -133,6 +151,7 @@ impl Ledger {
             disturbances: Vec::new(),
             cells: vec![vec![BTreeMap::new(); hosts]; tasks],
             max_offset_ms: 0,
+            stalls: Vec::new(),
         }
     }
 
@@ -242,6 +261,7 @@ impl Ledger {
                 *per_host = per_host.split_off(&before);
             }
         }
+        self.stalls.retain(|(_, to)| *to >= before);
     }
 
     /// The newest spec version of `task`, if any.

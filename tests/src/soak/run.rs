@@ -206,14 +206,16 @@ pub async fn run(o: Options) -> bool {
     } = stats;
     let summary = format!(
         "seed {}, {} steps in {wall:.0} s ({kinds:?}); checked {} slices, {} sliding windows, \
-         {} keys around grid changes, {} liveness slices in {liveness_checks} task checks, \
-         {fence_observations} fencing observations; CPU {:.0} % of one core ({:.0} % of 2 cores)",
+         {} keys around grid changes, {} liveness slices in {liveness_checks} task checks \
+         ({} not judged: the machine stalled), {fence_observations} fencing observations; \
+         CPU {:.0} % of one core ({:.0} % of 2 cores)",
         o.seed,
         steps.len(),
         coverage.slices,
         coverage.windows,
         coverage.redis_keys,
         coverage.live_slices,
+        coverage.stalled_slices,
         100.0 * cpu / wall,
         50.0 * cpu / wall,
     );

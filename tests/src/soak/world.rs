@@ -224,7 +224,34 @@ pub struct World {
     last_meta: Instant,
     last_second: Instant,
     last_prune: Instant,
+    /// Stalls seen by the stall probe, not yet moved to the ledger.
+    stalls: std::sync::Arc<std::sync::Mutex<Vec<(i64, i64)>>>,
     log: File,
+}
+
+/// Starts the stall probe: a thread that sleeps 10 ms in a loop and records every wake-up
+/// late by at least [`super::ledger::STALL_MIN_MS`] as a stall `[due, woke)` (real time): the
+/// machine was starved then (other work on the cores), and every process of the soak with it.
+/// It runs until the soak exits.
+fn stall_probe() -> std::sync::Arc<std::sync::Mutex<Vec<(i64, i64)>>> {
+    let out = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let probe = out.clone();
+    std::thread::Builder::new()
+        .name("stall-probe".into())
+        .spawn(move || {
+            loop {
+                let due = now_ms() + 10;
+                std::thread::sleep(Duration::from_millis(10));
+                let woke = now_ms();
+                if woke - due >= super::ledger::STALL_MIN_MS
+                    && let Ok(mut v) = probe.lock()
+                {
+                    v.push((due, woke));
+                }
+            }
+        })
+        .expect("start the stall probe");
+    out
 }
 
 /// The faketime value for an offset in ms (`+1.200s`, `-0.300s`).
@@ -298,6 +325,7 @@ impl World {
             last_meta: Instant::now(),
             last_second: Instant::now(),
             last_prune: Instant::now(),
+            stalls: stall_probe(),
             log,
         };
         for i in 0..REPLICAS {
@@ -617,7 +645,14 @@ impl World {
                     });
                     match parsed {
                         Some((b, a, rj, fb)) if b % 100 == 0 && fb <= a => {
-                            self.ledger.count(r.task, h, b, a, rj, fb, r.offset_ms)
+                            self.ledger.count(r.task, h, b, a, rj, fb, r.offset_ms);
+                            // The run's loop woke up `late` ms late in this bucket: a stall,
+                            // placed at the bucket's end in real time (see `Ledger::stalls`).
+                            let late = v.as_ref().and_then(|v| v["late"].as_i64()).unwrap_or(0);
+                            if late >= super::ledger::STALL_MIN_MS {
+                                let end = b - r.offset_ms + 100;
+                                self.ledger.stalls.push((end - late.min(60_000), end));
+                            }
                         }
                         _ => self.violations.push(Violation {
                             invariant: "loadgen.progress",
@@ -935,6 +970,9 @@ impl World {
 
     /// One round of monitoring (called every 100 ms by [`World::idle`]).
     fn monitor(&mut self) {
+        if let Ok(mut v) = self.stalls.lock() {
+            self.ledger.stalls.append(&mut v);
+        }
         self.read_progress();
         if self.last_meta.elapsed() >= Duration::from_millis(250) {
             self.last_meta = Instant::now();
