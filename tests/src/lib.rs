@@ -2096,3 +2096,97 @@ pub async fn protocol_conn(url: &str) -> sluice_protocol::conn::RedisConn {
         .await
         .unwrap_or_else(|e| panic!("cannot connect to Redis at {url}: {e}"))
 }
+
+// ───────────────────────── a proxy that loses replies ─────────────────────────
+
+/// A TCP proxy on loopback in front of a server (Redis) that can lose replies: after
+/// [`ReplyLoser::lose_replies_of_open_connections`], every byte the server sends on a
+/// connection accepted before the call is dropped (the requests still reach the server and run),
+/// while connections accepted afterwards work normally (unless
+/// [`ReplyLoser::lose_replies_of_next_connections`] says the next few lose theirs too). That is a reply lost on its way back: a
+/// client times out, reconnects and retries a call the server already executed. Threads, no
+/// runtime; they end when their sockets close (the listener's thread lives with the process).
+pub struct ReplyLoser {
+    addr: std::net::SocketAddr,
+    lose_before: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    lose_next: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    next_id: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl ReplyLoser {
+    /// Starts the proxy in front of `upstream` (`host:port`).
+    pub fn start(upstream: &str) -> Self {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicU64;
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        let addr = listener.local_addr().unwrap();
+        let lose_before = Arc::new(AtomicU64::new(0));
+        let lose_next = Arc::new(AtomicU64::new(0));
+        let next_id = Arc::new(AtomicU64::new(1));
+        let (lb, ln, ni) = (lose_before.clone(), lose_next.clone(), next_id.clone());
+        let up = upstream.to_string();
+        std::thread::spawn(move || {
+            for client in listener.incoming() {
+                let Ok(client) = client else { continue };
+                let Ok(server) = std::net::TcpStream::connect(&up) else {
+                    continue;
+                };
+                let id = ni.fetch_add(1, Ordering::SeqCst);
+                let lost_from_start = ln
+                    .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                    .is_ok();
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut &client, &mut &server);
+                    let _ = server.shutdown(std::net::Shutdown::Both);
+                });
+                let lb = lb.clone();
+                std::thread::spawn(move || {
+                    use std::io::{Read, Write};
+                    let (mut from, mut to) = (s2, c2);
+                    let mut buf = [0u8; 16 * 1024];
+                    loop {
+                        let n = match from.read(&mut buf) {
+                            Ok(0) | Err(_) => break,
+                            Ok(n) => n,
+                        };
+                        if lost_from_start || id < lb.load(Ordering::SeqCst) {
+                            continue; // lost on the way back
+                        }
+                        if to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
+        Self {
+            addr,
+            lose_before,
+            lose_next,
+            next_id,
+        }
+    }
+
+    /// The next `n` connections accepted lose every reply too.
+    pub fn lose_replies_of_next_connections(&self, n: u64) {
+        self.lose_next.store(n, Ordering::SeqCst);
+    }
+
+    /// `redis://` URL of the proxy.
+    pub fn url(&self) -> String {
+        format!("redis://{}", self.addr)
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> u64 {
+        self.next_id.load(Ordering::SeqCst) - 1
+    }
+
+    /// From now on, replies on every connection already open are lost.
+    pub fn lose_replies_of_open_connections(&self) {
+        self.lose_before
+            .store(self.next_id.load(Ordering::SeqCst), Ordering::SeqCst);
+    }
+}

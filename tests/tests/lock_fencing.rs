@@ -463,3 +463,61 @@ fn lock_tokens_increase_and_one_holder_at_a_time_across_redis_restarts() {
     let (t, k) = totals.get();
     eprintln!("lock model: {k} cases, {t} acquisitions");
 }
+
+/// Review of issue 23 (finding 4): the replies of the call that takes a lock are lost (Redis
+/// ran it; the answer never came back), on the open connection and on the fresh one the SDK
+/// retries on, so the call fails and `lock()` tries again. That attempt must be answered with
+/// the lock (one owner for the whole wait; the script is re-entrant for its owner): before,
+/// each attempt drew a new owner, so it found the lock busy — held by nobody — and `lock()`
+/// failed (or waited a whole TTL).
+#[tokio::test]
+async fn a_lock_whose_acquiring_reply_was_lost_is_held_by_its_caller() {
+    let redis = shared_redis();
+    let upstream = redis.trim_start_matches("redis://").trim_end_matches('/');
+    let proxy = ReplyLoser::start(upstream);
+    let ns = unique_ns("locklost");
+    let host = format!("{ns}-h");
+    let _segments = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let mut cfg = sdk_config(&proxy.url(), &ns, &host);
+    cfg.pull_timeout = Duration::from_millis(400);
+    cfg.acquire_timeout = Duration::from_secs(3);
+    let c = sluice::Client::new(cfg).expect("client");
+    // The connection is open and works.
+    let warm = c.lock("warm", Duration::from_secs(10)).await.expect("warm");
+    assert!(warm.release().await.unwrap());
+    let before = proxy.connections();
+    assert!(
+        before >= 1,
+        "the client's connection goes through the proxy"
+    );
+    proxy.lose_replies_of_open_connections();
+    proxy.lose_replies_of_next_connections(1);
+    let t0 = Instant::now();
+    let g = c
+        .lock("l", Duration::from_secs(30))
+        .await
+        .expect("the lock taken by the lost call is this caller's");
+    assert!(t0.elapsed() < Duration::from_secs(3), "{:?}", t0.elapsed());
+    eprintln!(
+        "connections {before} → {}, took {:?}",
+        proxy.connections(),
+        t0.elapsed()
+    );
+    assert!(
+        proxy.connections() >= before + 2,
+        "the lost replies made the client reconnect twice"
+    );
+    // Redis holds it for this guard's token, and the guard releases it.
+    let mut r = redis_conn(&redis);
+    let stored: Option<u64> = redis::cmd("HGET")
+        .arg(Keys::new(&ns).unwrap().lock("l"))
+        .arg("token")
+        .query(&mut r)
+        .unwrap();
+    assert_eq!(stored, Some(g.token()));
+    assert!(
+        g.release().await.expect("release"),
+        "released by its holder"
+    );
+    assert!(!lock_exists(&redis, &ns, "l"), "nothing left held");
+}
