@@ -61,6 +61,8 @@ pub struct Rls {
     rems: Mutex<HashMap<(String, Option<String>), Rem>>,
     /// Reads of `rem` in flight (at most [`MAX_REM_READS`]; beyond, answers go without).
     rem_reads: tokio::sync::Semaphore,
+    /// One read of a task's (or key's) `rem` at a time: the others wait for its answer.
+    reading: Mutex<HashMap<(String, Option<String>), Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// Why a slice's `rem` is not known.
@@ -78,6 +80,8 @@ struct Rem {
     start_ms: i64,
     /// `None`: the slice does not exist (a key's slice is made, full, at its first pull).
     rem: Option<i64>,
+    /// When the read was sent.
+    asked: Instant,
     at: Instant,
 }
 
@@ -97,6 +101,7 @@ pub fn service(state: Arc<AppState>) -> RateLimitServiceServer<Rls> {
         state,
         rems: Mutex::new(HashMap::new()),
         rem_reads: tokio::sync::Semaphore::new(MAX_REM_READS),
+        reading: Mutex::new(HashMap::new()),
     })
 }
 
@@ -135,8 +140,9 @@ async fn slice_rem(
 
 impl Rls {
     /// The `rem` of slice `start` of `task` (or its `key`'s) in Redis, as [`slice_rem`], read
-    /// at most every [`REM_FRESH`] per task or key and by at most [`MAX_REM_READS`] reads at
-    /// once: beyond them `wait` waits for one until `deadline`, else answers `Err` at once.
+    /// at most every [`REM_FRESH`] per task or key, by one read at a time per task or key (the
+    /// others wait for its answer) and by at most [`MAX_REM_READS`] reads at once: beyond them
+    /// `wait` waits until `deadline`, else answers `Err` at once.
     /// With `wait` (a check-only descriptor) a remembered `rem` is reused only when it says
     /// the slice is spent: a positive one may have been spent by another host since, while a
     /// spent one grows again only when the slice's cap is raised (ROLL adds the difference),
@@ -150,14 +156,41 @@ impl Rls {
         wait: bool,
     ) -> Result<Option<i64>, RemMiss> {
         let id = (task.name().to_string(), key.map(|k| k.key().to_string()));
-        let cached = self
-            .rems
-            .lock()
-            .ok()
-            .and_then(|g| g.get(&id).copied())
-            .filter(|r| r.start_ms == start && r.at.elapsed() < REM_FRESH)
-            .filter(|r| !wait || r.rem.is_some_and(|v| v <= 0));
-        if let Some(r) = cached {
+        let arrived = Instant::now();
+        // A check-only descriptor takes a remembered `rem` that says "spent", or any `rem`
+        // read after it arrived (as fresh as a read of its own).
+        let cached = || {
+            self.rems
+                .lock()
+                .ok()
+                .and_then(|g| g.get(&id).copied())
+                .filter(|r| r.start_ms == start && r.at.elapsed() < REM_FRESH)
+                .filter(|r| !wait || r.rem.is_some_and(|v| v <= 0) || r.asked >= arrived)
+        };
+        if let Some(r) = cached() {
+            return Ok(r.rem);
+        }
+        // One read per task (or key) at a time; the others wait for it and take its answer
+        // from the cache (a burst of checks of one spent slice reads it once).
+        let one = {
+            let Ok(mut g) = self.reading.lock() else {
+                return Err(RemMiss::Busy);
+            };
+            if g.len() >= MAX_REMS && !g.contains_key(&id) {
+                g.retain(|_, m| Arc::strong_count(m) > 1);
+            }
+            g.entry(id.clone()).or_default().clone()
+        };
+        let _one = if wait {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match tokio::time::timeout(left, one.lock_owned()).await {
+                Ok(g) => g,
+                Err(_) => return Err(RemMiss::Busy),
+            }
+        } else {
+            one.try_lock_owned().map_err(|_| RemMiss::Busy)?
+        };
+        if let Some(r) = cached() {
             return Ok(r.rem);
         }
         let _permit = if wait {
@@ -169,6 +202,8 @@ impl Rls {
         } else {
             self.rem_reads.try_acquire().map_err(|_| RemMiss::Busy)?
         };
+
+        let asked = Instant::now();
         let rem = slice_rem(&self.state, task, key, start, deadline)
             .await
             .map_err(|()| RemMiss::Failed)?;
@@ -181,6 +216,7 @@ impl Rls {
                 Rem {
                     start_ms: start,
                     rem,
+                    asked,
                     at: Instant::now(),
                 },
             );
