@@ -58,12 +58,15 @@ pub const MAX_DESCRIPTORS: usize = 64;
 pub struct Rls {
     state: Arc<AppState>,
     /// The slices' `rem` in Redis, for `limit_remaining` ([`Rls::cluster_remaining`]).
-    rems: Mutex<HashMap<(String, Option<String>), Rem>>,
+    rems: Mutex<HashMap<RemId, Rem>>,
     /// Reads of `rem` in flight (at most [`MAX_REM_READS`]; beyond, answers go without).
     rem_reads: tokio::sync::Semaphore,
     /// One read of a task's (or key's) `rem` at a time: the others wait for its answer.
-    reading: Mutex<HashMap<(String, Option<String>), Arc<tokio::sync::Mutex<()>>>>,
+    reading: Mutex<HashMap<RemId, Arc<tokio::sync::Mutex<()>>>>,
 }
+
+/// A task's name, and the key for a keyed task's key slices.
+type RemId = (String, Option<String>);
 
 /// Why a slice's `rem` is not known.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
