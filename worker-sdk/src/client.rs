@@ -1578,7 +1578,7 @@ fn pace_check(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::protocol::{Fallback, FallbackAlgorithm};
     use crate::shm::ClaimOptions;
@@ -1667,7 +1667,8 @@ mod tests {
         );
     }
 
-    fn meta(slice_ms: u64) -> TaskMeta {
+    /// A pooled task's meta for unit tests (threshold 1,000, `on_failure: deny`).
+    pub(crate) fn meta(slice_ms: u64) -> TaskMeta {
         TaskMeta {
             slice_ms,
             threshold: 1_000,

@@ -2233,7 +2233,7 @@ mod tests {
     /// holds the key.
     #[test]
     fn a_refund_never_goes_to_another_key_of_a_reclaimed_entry() {
-        use crate::protocol::{Fallback, Mode, OnFailure, TaskMeta};
+        use crate::protocol::TaskMeta;
         use crate::{Client, Config};
         let dir = tempfile::tempdir().unwrap();
         let mut cfg = Config::new("redis://127.0.0.1:1");
@@ -2246,20 +2246,8 @@ mod tests {
         let (seg, _) = crate::shm::Segment::open(client.segment_path(), 1).unwrap();
         let slot = seg.slot(seg.find("a").unwrap()).unwrap();
         let m = TaskMeta {
-            slice_ms: 86_400_000,
-            threshold: 1_000,
-            pull: 0,
-            local_limit: 1,
-            on_failure: OnFailure::Deny,
-            mode: Mode::Pooled,
-            fallback: Fallback::default(),
-            version: 1,
-            lease_ms: 0,
             keyed: true,
-            key_overrides: Default::default(),
-            shadow: false,
-            pacing: crate::protocol::Pacing::None,
-            pace_burst: 0,
+            ..crate::client::tests::meta(86_400_000)
         };
         assert!(slot.store_meta(&m, slot.generation()));
         let key = task.key("k").unwrap();

@@ -272,29 +272,11 @@ pub fn acquire_all_blocking(parts: &[Limit<'_>]) -> AllDecision {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::protocol::{Fallback, OnFailure, TaskMeta};
+    use crate::client::tests::meta;
+    use crate::protocol::TaskMeta;
     use crate::shm::{Segment, unpack_quota};
     use crate::{Client, ClockSource, Config};
     use std::sync::atomic::Ordering;
-
-    fn meta(slice_ms: u64) -> TaskMeta {
-        TaskMeta {
-            slice_ms,
-            threshold: 1_000,
-            pull: 0,
-            local_limit: 1,
-            on_failure: OnFailure::Deny,
-            mode: Mode::Pooled,
-            fallback: Fallback::default(),
-            version: 1,
-            lease_ms: 0,
-            keyed: false,
-            key_overrides: Default::default(),
-            shadow: false,
-            pacing: crate::protocol::Pacing::None,
-            pace_burst: 0,
-        }
-    }
 
     /// Issue 23 item 6: part 0 takes a permit of slice S; the clock passes S's end right after
     /// (a preempted caller); part 1 refuses. The permit goes back to S's local quota — main
