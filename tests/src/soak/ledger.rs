@@ -27,12 +27,21 @@ pub struct Cell {
     pub off_min: i64,
     /// Largest clock offset of the runs that counted here.
     pub off_max: i64,
+    /// Agent hosts: admissions by the global quota whose slice is not known (the request and
+    /// its answer straddle a bucket edge); part of `fb`, so the safety sums leave them out,
+    /// and liveness counts them ([`Cell::quota`]).
+    pub strad: u64,
 }
 
 impl Cell {
     /// Admitted by the global quota.
     pub fn global(&self) -> u64 {
         self.adm.saturating_sub(self.fb)
+    }
+
+    /// Admitted by the global quota, whether or not the slice is known (liveness).
+    pub fn quota(&self) -> u64 {
+        self.global() + self.strad.min(self.fb)
     }
 
     /// Decisions asked for.
@@ -161,6 +170,13 @@ impl Ledger {
         c.off_max = c.off_max.max(offset_ms);
     }
 
+    /// Adds `n` straddling admissions (already counted in `adm` and `fb`) of an agent host.
+    pub fn count_straddled(&mut self, task: usize, host: usize, bucket: i64, n: u64) {
+        if let Some(c) = self.cells[task][host].get_mut(&bucket) {
+            c.strad += n;
+        }
+    }
+
     /// Records a meta observation at `at_ms`.
     pub fn observe_meta(&mut self, task: usize, at_ms: i64, state: MetaState) {
         let runs = &mut self.meta[task];
@@ -202,6 +218,7 @@ impl Ledger {
             s.adm += c.adm;
             s.rej += c.rej;
             s.fb += c.fb;
+            s.strad += c.strad;
             s.off_min = s.off_min.min(c.off_min);
             s.off_max = s.off_max.max(c.off_max);
         }
@@ -228,6 +245,7 @@ impl Ledger {
                         s.adm += c.adm;
                         s.rej += c.rej;
                         s.fb += c.fb;
+                        s.strad += c.strad;
                     }
                 }
                 s

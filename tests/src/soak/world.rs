@@ -25,6 +25,16 @@ use crate::{
     pids_with_cmdline, remove_segment, signal, wait_gone, workspace_bin,
 };
 
+// The agent hosts' part of the world (a child module: it sees the world's fields).
+#[path = "world_agents.rs"]
+mod world_agents;
+// The Envoy imports' part of the world.
+#[path = "world_envoy.rs"]
+mod world_envoy;
+// A second manager cluster on the namespace.
+#[path = "world_cluster2.rs"]
+mod world_cluster2;
+
 /// Replicas of the manager.
 pub const REPLICAS: usize = 3;
 /// `--lease-ttl` of the replicas.
@@ -86,6 +96,8 @@ struct Host {
     offset_ms: i64,
     down: bool,
     runs: Vec<Run>,
+    /// An agent host's `sluice-agent` (its runs are `agent_host` drivers).
+    agent: Option<super::agents::AgentProc>,
 }
 
 /// Reads slice hashes from the soak's Redis.
@@ -184,6 +196,8 @@ pub struct Settings {
     pub shape: Shape,
     /// Seed of the run-time choices (run lengths, processes per run, who is picked).
     pub seed: u64,
+    /// Agent hosts: the last `agents.len()` of `shape.hosts` (after the faketime host).
+    pub agents: Vec<super::agents::AgentApi>,
 }
 
 /// Everything a soak runs, and what it has seen.
@@ -225,6 +239,7 @@ pub struct World {
     last_second: Instant,
     last_prune: Instant,
     log: File,
+    envoy: world_envoy::EnvoyWorld,
 }
 
 /// The faketime value for an offset in ms (`+1.200s`, `-0.300s`).
@@ -253,13 +268,23 @@ impl World {
         let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
         let redis_url = redis.url();
         let log = File::create(s.logs.join("steps.log")).expect("create steps.log");
+        let sdk_hosts = s.shape.hosts - s.agents.len();
         let hosts = (0..s.shape.hosts)
             .map(|i| Host {
                 id: format!("{}-h{i}", s.ns),
-                faketime: i + 1 == s.shape.hosts,
-                offset_ms: if i + 1 == s.shape.hosts { 300 } else { 0 },
+                faketime: i + 1 == sdk_hosts,
+                offset_ms: if i + 1 == sdk_hosts { 300 } else { 0 },
                 down: false,
                 runs: Vec::new(),
+                agent: s.agents.get(i.wrapping_sub(sdk_hosts)).map(|api| {
+                    super::agents::AgentProc::new(
+                        *api,
+                        &format!("{}-h{i}", s.ns),
+                        &redis_url,
+                        &s.ns,
+                        s.logs.clone(),
+                    )
+                }),
             })
             .collect();
         let t0 = now_ms();
@@ -299,11 +324,13 @@ impl World {
             last_second: Instant::now(),
             last_prune: Instant::now(),
             log,
+            envoy: Default::default(),
         };
         for i in 0..REPLICAS {
             w.start_replica(i).await;
         }
         w.wait_leader(Duration::from_secs(20)).await;
+        w.start_agents();
         w
     }
 
@@ -531,8 +558,18 @@ impl World {
                 &capacity.max(1).to_string(),
             ],
         );
-        let mut cmd = Command::new(workspace_bin("examples/loadgen"));
-        cmd.args(&args).env("RUST_LOG", "sluice=info");
+        let mut cmd = match &h.agent {
+            Some(a) => a.driver(
+                &task_name(task),
+                host_rate as f64 * super::agents::AGENT_RATE_SHARE,
+                duration_ms,
+                &progress.display().to_string(),
+            ),
+            None => Command::new(workspace_bin("examples/loadgen")),
+        };
+        if h.agent.is_none() {
+            cmd.args(&args).env("RUST_LOG", "sluice=info");
+        }
         if h.faketime {
             cmd.env("LD_PRELOAD", &self.faketime_lib)
                 .env("FAKETIME", faketime_offset(h.offset_ms))
@@ -617,7 +654,11 @@ impl World {
                     });
                     match parsed {
                         Some((b, a, rj, fb)) if b % 100 == 0 && fb <= a => {
-                            self.ledger.count(r.task, h, b, a, rj, fb, r.offset_ms)
+                            self.ledger.count(r.task, h, b, a, rj, fb, r.offset_ms);
+                            // Agent hosts: admissions whose slice is not known (agents.rs).
+                            if let Some(n) = v.as_ref().and_then(|v| v["strad"].as_u64()) {
+                                self.ledger.count_straddled(r.task, h, b, n);
+                            }
                         }
                         _ => self.violations.push(Violation {
                             invariant: "loadgen.progress",
@@ -931,6 +972,7 @@ impl World {
         for e in found {
             self.violate("crash.process", None, e);
         }
+        self.check_agents();
     }
 
     /// One round of monitoring (called every 100 ms by [`World::idle`]).
@@ -947,6 +989,7 @@ impl World {
             self.check_processes();
             self.poll_fencing();
             self.check_safety(false);
+            self.envoy_monitor(false);
         }
         if self.last_prune.elapsed() >= Duration::from_secs(30) {
             self.last_prune = Instant::now();
@@ -1097,6 +1140,9 @@ impl World {
             Step::HostKill { host, down_ms } => {
                 let d = self.ledger.begin(Disturb::Host(*host), now_ms());
                 self.hosts[*host].down = true;
+                if self.hosts[*host].agent.is_some() {
+                    return self.kill_agent(*host, *down_ms, d).await;
+                }
                 let note = tokio::task::block_in_place(|| self.kill_host(*host));
                 self.idle(*down_ms).await;
                 self.hosts[*host].down = false;
@@ -1105,7 +1151,7 @@ impl World {
                 format!("{note}; restarted after {down_ms} ms")
             }
             Step::ClockShift { offset_ms } => {
-                let h = self.hosts.len() - 1;
+                let h = self.hosts.iter().rposition(|h| h.faketime).unwrap_or(0);
                 let d = self.ledger.begin(Disturb::Clock, now_ms());
                 self.hosts[h].down = true;
                 let note = tokio::task::block_in_place(|| self.stop_host(h));
@@ -1121,6 +1167,9 @@ impl World {
                 "paused".into()
             }
             Step::Quiet => self.quiet().await,
+            Step::EnvoyImport { limits } => self.envoy_import(limits).await,
+            Step::EnvoyDelete => self.envoy_delete().await,
+            Step::SecondCluster { run_ms } => self.second_cluster(*run_ms).await,
         }
     }
 
@@ -1265,6 +1314,8 @@ impl World {
         }
         self.idle(0).await;
         tokio::task::block_in_place(|| self.check_safety(true));
+        tokio::task::block_in_place(|| self.envoy_shutdown());
+        tokio::task::block_in_place(|| self.stop_agents());
         for i in 0..self.replicas.len() {
             self.save_replica_log(i);
             if let Some(mut m) = self.replicas[i].m.take() {
