@@ -183,6 +183,8 @@ struct Shared {
     errors: u64,
     skipped: u64,
     first_error: Option<String>,
+    /// Per bucket: admitted straddlers in flight during it and counted in another.
+    reach: BTreeMap<i64, u64>,
     /// Answer latencies, ms (at most 100,000 kept).
     lat: Vec<u32>,
 }
@@ -220,6 +222,11 @@ impl Shared {
                 }
                 if straddle && !outside {
                     c.strad += 1;
+                    let mut x = sent.div_euclid(BUCKET_MS) * BUCKET_MS;
+                    while x < b {
+                        *self.reach.entry(x).or_default() += 1;
+                        x += BUCKET_MS;
+                    }
                 }
                 note_limit(c, limit);
             }
@@ -263,6 +270,31 @@ impl Shared {
                 "host": args.host, "child": 0, "task": args.task, "bucket": b,
                 "adm": c.adm, "rej": c.rej, "fb": c.fb, "nolim": c.nolim, "strad": c.strad,
                 "lmin": c.lmin.map_or(-1, |v| v as i64), "lmax": c.lmax.map_or(-1, |v| v as i64),
+            });
+            text.push_str(&line.to_string());
+            text.push('\n');
+        }
+        // Reach of buckets written before (a late answer): lines of their own (the soak adds
+        // lines of one bucket up). Only for buckets already closed, so a bucket's own line
+        // carries the rest.
+        let closed_before = self
+            .buckets
+            .keys()
+            .next()
+            .copied()
+            .unwrap_or(i64::MAX)
+            .min(now.unwrap_or(i64::MAX));
+        let late = match now {
+            Some(_) => {
+                let keep = self.reach.split_off(&closed_before);
+                std::mem::replace(&mut self.reach, keep)
+            }
+            None => std::mem::take(&mut self.reach),
+        };
+        for (b, n) in late {
+            let line = json!({
+                "host": args.host, "child": 0, "task": args.task, "bucket": b,
+                "adm": 0, "rej": 0, "fb": 0, "reach": n,
             });
             text.push_str(&line.to_string());
             text.push('\n');

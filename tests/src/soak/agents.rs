@@ -229,7 +229,83 @@ impl AgentProc {
 
 #[cfg(test)]
 mod tests {
+    use super::super::check::{Coverage, SliceRead, Slices, check_liveness};
+    use super::super::ledger::{ApiVersion, Ledger};
+    use super::super::spec::Spec;
     use super::*;
+
+    struct Caps(u64);
+
+    impl Slices for Caps {
+        fn read(&mut self, _task: usize, starts: &[i64]) -> Option<Vec<Option<SliceRead>>> {
+            Some(vec![
+                Some(SliceRead {
+                    cap: self.0,
+                    adm: 0
+                });
+                starts.len()
+            ])
+        }
+    }
+
+    /// An agent host's admission whose answer arrived in a later slice may have been charged
+    /// to the slice it was in flight during: liveness counts it there as possible (`reach`),
+    /// so a slice the agent drained with late answers is no liveness violation; a slice where
+    /// nobody admitted and nothing was in flight still is.
+    #[test]
+    fn liveness_counts_what_an_agent_had_in_flight() {
+        let spec = Spec {
+            threshold: 38,
+            slice_ms: 100,
+            local_limit: 38,
+            on_failure: "local",
+            mode: "pooled",
+            fallback: None,
+            schedules: Vec::new(),
+            dynamic: None,
+        };
+        let mut l = Ledger::new(1, 2);
+        l.api[0].push(ApiVersion {
+            at_ms: 0,
+            spec: Some(spec),
+            confirmed: true,
+        });
+        for b in (10_000..11_000).step_by(100) {
+            l.count(0, 0, b, 18, 30, 0, 0); // the SDK host: 18 of 38, 30 refused
+            l.count(0, 1, b, 0, 5, 0, 0); // the agent host: its answers arrive later
+            l.count_reach(0, 1, b, 20); // … for 20 admissions in flight here
+        }
+        let mut cov = Coverage::default();
+        let v = check_liveness(
+            &l,
+            0,
+            10_000,
+            11_000,
+            &[true, true],
+            true,
+            &mut Caps(38),
+            &mut cov,
+        );
+        assert!(v.is_empty(), "{v:?}");
+        let mut bare = Ledger::new(1, 2);
+        bare.api = l.api.clone();
+        for b in (10_000..11_000).step_by(100) {
+            bare.count(0, 0, b, 18, 30, 0, 0);
+            bare.count(0, 1, b, 0, 5, 0, 0);
+        }
+        let v = check_liveness(
+            &bare,
+            0,
+            10_000,
+            11_000,
+            &[true, true],
+            true,
+            &mut Caps(38),
+            &mut cov,
+        );
+        assert!(v.iter().any(|v| v.invariant == "liveness.total"), "{v:?}");
+        assert!(v.iter().any(|v| v.invariant == "liveness.host"), "{v:?}");
+    }
 
     #[test]
     fn agent_lists_parse() {

@@ -317,6 +317,63 @@ mod tests {
         assert!(check_answers(&l, 0, &answers(late, bad), 0, i64::MAX, 9, &t).is_empty());
     }
 
+    /// A slice reader that finds nothing (the bucket sums are what is judged).
+    struct NoSlices;
+
+    impl super::super::check::Slices for NoSlices {
+        fn read(
+            &mut self,
+            _task: usize,
+            starts: &[i64],
+        ) -> Option<Vec<Option<super::super::check::SliceRead>>> {
+            Some(vec![None; starts.len()])
+        }
+    }
+
+    /// The imported limit is the per-slice bound of the RLS host's admissions (the soak's
+    /// derivation, on the Envoy ledger); a deletion makes it 0; straddling admissions (the
+    /// agent's slice unknown) count in liveness, not in the safety sum.
+    #[test]
+    fn imported_limits_bound_the_rls_hosts_slices() {
+        use super::super::check::{Coverage, check_safety};
+        use super::super::ledger::MetaState;
+        let t = Timing::default();
+        let mut l = ledger_with(&[(0, Some(20))]);
+        let live = MetaState::Live {
+            slice_ms: 1_000,
+            class: super::super::spec::Class::Slice,
+        };
+        for i in 0..=240 {
+            l.observe_meta(0, i * 250, live);
+        }
+        for b in (0..60_000).step_by(100) {
+            l.count(0, 0, b, 2, 3, 0, 0); // 20 per slice: at the limit
+        }
+        let mut cov = Coverage::default();
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut NoSlices, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        // One admission over the imported limit in slice 10 000.
+        l.count(0, 0, 10_300, 1, 0, 0, 0);
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut NoSlices, &t, &mut cov);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!((v[0].invariant, v[0].slice), ("safety.slice", Some(10_000)));
+        // A straddler: outside the safety sum, inside liveness.
+        let mut l2 = l.clone();
+        l2.count(0, 0, 20_300, 5, 0, 5, 0);
+        l2.count_straddled(0, 0, 20_300, 5);
+        let c = l2.sums(0, 20_000, 21_000)[0];
+        assert_eq!((c.global(), c.quota()), (20, 25));
+        // Deleted at 30 s: from its applied time on, the bound is 0.
+        l.api[0].push(ApiVersion {
+            at_ms: 30_000,
+            spec: None,
+            confirmed: true,
+        });
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut NoSlices, &t, &mut cov);
+        let bad: Vec<i64> = v.iter().filter_map(|v| v.slice).collect();
+        assert!(bad.contains(&40_000) && !bad.contains(&20_000), "{bad:?}");
+    }
+
     #[test]
     fn configs_are_valid_and_edits_keep_a_descriptor() {
         let mut rng = Rng::new(5);

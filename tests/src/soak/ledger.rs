@@ -31,6 +31,10 @@ pub struct Cell {
     /// its answer straddle a bucket edge); part of `fb`, so the safety sums leave them out,
     /// and liveness counts them ([`Cell::quota`]).
     pub strad: u64,
+    /// Agent hosts: straddling admissions attributed to another bucket whose request was in
+    /// flight during this one (the agent may have charged this bucket's slice: liveness counts
+    /// them as possibly here, [`Cell::quota`]).
+    pub reach: u64,
 }
 
 impl Cell {
@@ -39,9 +43,11 @@ impl Cell {
         self.adm.saturating_sub(self.fb)
     }
 
-    /// Admitted by the global quota, whether or not the slice is known (liveness).
+    /// Admitted by the global quota, whether or not the slice is known, plus what an agent
+    /// host may have admitted here and counted elsewhere (liveness: an upper bound, so the
+    /// floor never fires on where an answer arrived).
     pub fn quota(&self) -> u64 {
-        self.global() + self.strad.min(self.fb)
+        self.global() + self.strad.min(self.fb) + self.reach
     }
 
     /// Decisions asked for.
@@ -177,6 +183,12 @@ impl Ledger {
         }
     }
 
+    /// Adds `n` admissions of an agent host that were in flight during `bucket` and counted
+    /// in another ([`Cell::reach`]).
+    pub fn count_reach(&mut self, task: usize, host: usize, bucket: i64, n: u64) {
+        self.cells[task][host].entry(bucket).or_default().reach += n;
+    }
+
     /// Records a meta observation at `at_ms`.
     pub fn observe_meta(&mut self, task: usize, at_ms: i64, state: MetaState) {
         let runs = &mut self.meta[task];
@@ -219,6 +231,7 @@ impl Ledger {
             s.rej += c.rej;
             s.fb += c.fb;
             s.strad += c.strad;
+            s.reach += c.reach;
             s.off_min = s.off_min.min(c.off_min);
             s.off_max = s.off_max.max(c.off_max);
         }
@@ -246,6 +259,7 @@ impl Ledger {
                         s.rej += c.rej;
                         s.fb += c.fb;
                         s.strad += c.strad;
+                        s.reach += c.reach;
                     }
                 }
                 s

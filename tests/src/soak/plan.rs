@@ -455,9 +455,13 @@ impl Planner {
                 self.envoy.take()?;
                 Step::EnvoyDelete
             }
-            "cluster2" => Step::SecondCluster {
-                run_ms: self.rng.range(5_000, 15_000),
-            },
+            // While the Envoy domain is imported: its mirror is what the second could delete.
+            "cluster2" => {
+                self.envoy.as_ref()?;
+                Step::SecondCluster {
+                    run_ms: self.rng.range(5_000, 15_000),
+                }
+            }
             other => unreachable!("step kind {other} has no generator"),
         })
     }

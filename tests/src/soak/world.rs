@@ -659,6 +659,9 @@ impl World {
                             if let Some(n) = v.as_ref().and_then(|v| v["strad"].as_u64()) {
                                 self.ledger.count_straddled(r.task, h, b, n);
                             }
+                            if let Some(n) = v.as_ref().and_then(|v| v["reach"].as_u64()) {
+                                self.ledger.count_reach(r.task, h, b, n);
+                            }
                         }
                         _ => self.violations.push(Violation {
                             invariant: "loadgen.progress",

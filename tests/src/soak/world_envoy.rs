@@ -310,9 +310,10 @@ impl World {
                         v["adm"].as_u64()?,
                         v["rej"].as_u64()?,
                         v["fb"].as_u64()?,
-                        v["nolim"].as_u64()?,
-                        v["lmin"].as_i64()?,
-                        v["lmax"].as_i64()?,
+                        // Absent on a driver's late `reach` lines.
+                        v["nolim"].as_u64().unwrap_or(0),
+                        v["lmin"].as_i64().unwrap_or(-1),
+                        v["lmax"].as_i64().unwrap_or(-1),
                     ))
                 });
                 match p {
