@@ -11,11 +11,13 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use sluice_tests::soak::agents::AgentApi;
 use sluice_tests::soak::plan::{DEFAULT_WEIGHTS, Weights};
 use sluice_tests::soak::run::{Options, run};
 
 const USAGE: &str = "usage: soak [--seed S] (--minutes N | --seconds N) [--tasks N] [--hosts N] \
-[--weights name=w,…] [--fixed-slices] [--logs DIR] [--keep-going] [--keep-logs]";
+[--weights name=w,…] [--fixed-slices] [--logs DIR] [--keep-going] [--keep-logs] \
+[--agents rls,http|none]";
 
 fn parse() -> Result<Options, String> {
     let mut seed = None;
@@ -27,6 +29,7 @@ fn parse() -> Result<Options, String> {
     let mut keep_going = false;
     let mut keep_logs = false;
     let mut fixed_slices = false;
+    let mut agents = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
@@ -45,6 +48,7 @@ fn parse() -> Result<Options, String> {
             "--keep-going" => keep_going = true,
             "--keep-logs" => keep_logs = true,
             "--fixed-slices" => fixed_slices = true,
+            "--agents" => agents = Some(AgentApi::parse_list(&value("--agents")?)?),
             "-h" | "--help" => {
                 let kinds: Vec<String> = DEFAULT_WEIGHTS
                     .iter()
@@ -92,6 +96,7 @@ fn parse() -> Result<Options, String> {
         keep_going,
         keep_logs,
         fixed_slices,
+        agents: agents.unwrap_or_else(|| AgentApi::default_for(seed)),
     })
 }
 

@@ -786,7 +786,7 @@ pub fn check_liveness(
             .filter(|(_, e)| **e)
             .map(|(c, _)| c.demand())
             .sum();
-        let admitted: u64 = cells.iter().map(Cell::global).sum();
+        let admitted: u64 = cells.iter().map(Cell::quota).sum();
         let pressed = demand as f64 >= 1.1 * read.cap as f64;
         if spec.class() == Class::Window {
             if pressed {
@@ -831,7 +831,7 @@ pub fn check_liveness(
         return out;
     }
     for (h, c) in ledger.sums(task, a, b).iter().enumerate() {
-        if eligible.get(h).copied().unwrap_or(false) && c.demand() > 0 && c.global() == 0 {
+        if eligible.get(h).copied().unwrap_or(false) && c.demand() > 0 && c.quota() == 0 {
             out.push(Violation {
                 invariant: "liveness.host",
                 task: name.clone(),

@@ -27,12 +27,27 @@ pub struct Cell {
     pub off_min: i64,
     /// Largest clock offset of the runs that counted here.
     pub off_max: i64,
+    /// Agent hosts: admissions by the global quota whose slice is not known (the request and
+    /// its answer straddle a bucket edge); part of `fb`, so the safety sums leave them out,
+    /// and liveness counts them ([`Cell::quota`]).
+    pub strad: u64,
+    /// Agent hosts: straddling admissions attributed to another bucket whose request was in
+    /// flight during this one (the agent may have charged this bucket's slice: liveness counts
+    /// them as possibly here, [`Cell::quota`]).
+    pub reach: u64,
 }
 
 impl Cell {
     /// Admitted by the global quota.
     pub fn global(&self) -> u64 {
         self.adm.saturating_sub(self.fb)
+    }
+
+    /// Admitted by the global quota, whether or not the slice is known, plus what an agent
+    /// host may have admitted here and counted elsewhere (liveness: an upper bound, so the
+    /// floor never fires on where an answer arrived).
+    pub fn quota(&self) -> u64 {
+        self.global() + self.strad.min(self.fb) + self.reach
     }
 
     /// Decisions asked for.
@@ -180,6 +195,19 @@ impl Ledger {
         c.off_max = c.off_max.max(offset_ms);
     }
 
+    /// Adds `n` straddling admissions (already counted in `adm` and `fb`) of an agent host.
+    pub fn count_straddled(&mut self, task: usize, host: usize, bucket: i64, n: u64) {
+        if let Some(c) = self.cells[task][host].get_mut(&bucket) {
+            c.strad += n;
+        }
+    }
+
+    /// Adds `n` admissions of an agent host that were in flight during `bucket` and counted
+    /// in another ([`Cell::reach`]).
+    pub fn count_reach(&mut self, task: usize, host: usize, bucket: i64, n: u64) {
+        self.cells[task][host].entry(bucket).or_default().reach += n;
+    }
+
     /// Records a meta observation at `at_ms`.
     pub fn observe_meta(&mut self, task: usize, at_ms: i64, state: MetaState) {
         let runs = &mut self.meta[task];
@@ -221,6 +249,8 @@ impl Ledger {
             s.adm += c.adm;
             s.rej += c.rej;
             s.fb += c.fb;
+            s.strad += c.strad;
+            s.reach += c.reach;
             s.off_min = s.off_min.min(c.off_min);
             s.off_max = s.off_max.max(c.off_max);
         }
@@ -247,6 +277,8 @@ impl Ledger {
                         s.adm += c.adm;
                         s.rej += c.rej;
                         s.fb += c.fb;
+                        s.strad += c.strad;
+                        s.reach += c.reach;
                     }
                 }
                 s

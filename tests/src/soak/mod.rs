@@ -14,8 +14,12 @@
 //! * [`world`] — the processes (servers, replicas, hosts and their loadgen runs) and the
 //!   actions of each step.
 //! * [`run`] — the main loop: plan, apply, monitor, check, report.
+//! * [`agents`] — agent hosts: a `sluice-agent` per host, asked over RLS or HTTP.
+//! * [`envoy`] — an envoyproxy/ratelimit domain imported, re-imported and deleted.
 
+pub mod agents;
 pub mod check;
+pub mod envoy;
 pub mod ledger;
 pub mod plan;
 pub mod rng;

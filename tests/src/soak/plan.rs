@@ -25,7 +25,7 @@ pub const CRONS: [&str; 4] = [
 
 /// The kinds of random steps, by the name used in `--weights` and in the step log, with their
 /// default weights.
-pub const DEFAULT_WEIGHTS: [(&str, u32); 19] = [
+pub const DEFAULT_WEIGHTS: [(&str, u32); 22] = [
     ("put.threshold", 10),
     ("put.slice", 6),
     ("put.mode", 5),
@@ -45,6 +45,9 @@ pub const DEFAULT_WEIGHTS: [(&str, u32); 19] = [
     ("host.kill", 5),
     ("clock.shift", 3),
     ("pause", 6),
+    ("envoy.import", 3),
+    ("envoy.delete", 1),
+    ("cluster2", 1),
 ];
 
 /// Step weights: the defaults, overridden by `name=weight,…`.
@@ -174,6 +177,18 @@ pub enum Step {
     },
     /// Repair everything, let it settle, and check liveness.
     Quiet,
+    /// Import (or re-import) the Envoy domain `soakenv` ([`super::envoy`]).
+    EnvoyImport {
+        /// `requests_per_unit` per descriptor (`None`: left out).
+        limits: Vec<Option<u64>>,
+    },
+    /// Delete the Envoy domain.
+    EnvoyDelete,
+    /// A second manager cluster (own etcd, same Redis and namespace) for `run_ms`.
+    SecondCluster {
+        /// How long it runs once it leads, ms.
+        run_ms: u64,
+    },
 }
 
 /// A step and the time to let pass after it (monitoring and checking meanwhile).
@@ -225,6 +240,20 @@ impl fmt::Display for Step {
             Step::ClockShift { offset_ms } => write!(f, "clock.shift to {offset_ms:+} ms"),
             Step::Pause { ms } => write!(f, "pause {ms} ms"),
             Step::Quiet => write!(f, "quiet period + liveness check"),
+            Step::EnvoyImport { limits } => {
+                let l: Vec<String> = (limits.iter().zip(super::envoy::DESCRIPTORS))
+                    .map(|(l, d)| match l {
+                        Some(n) => format!("path={d}: {n}/s"),
+                        None => format!("path={d}: left out"),
+                    })
+                    .collect();
+                write!(f, "envoy.import {}: {}", super::envoy::DOMAIN, l.join(", "))
+            }
+            Step::EnvoyDelete => write!(f, "envoy.delete {}", super::envoy::DOMAIN),
+            Step::SecondCluster { run_ms } => write!(
+                f,
+                "cluster2: a second manager cluster on the namespace for {run_ms} ms"
+            ),
         }
     }
 }
@@ -236,12 +265,17 @@ pub struct Shape {
     pub host_rate: Vec<u64>,
     /// Number of simulated hosts (the last one runs under faketime).
     pub hosts: usize,
+    /// How many of `hosts` are agent hosts (the last ones), each offering
+    /// [`super::agents::AGENT_RATE_SHARE`] of a host's rate.
+    pub agents: usize,
 }
 
 impl Shape {
     /// Demand of a task per slice of `slice_ms`, all hosts.
     pub fn demand(&self, task: usize, slice_ms: u64) -> f64 {
-        (self.host_rate[task] * self.hosts as u64) as f64 * slice_ms as f64 / 1_000.0
+        let hosts = (self.hosts - self.agents) as f64
+            + self.agents as f64 * super::agents::AGENT_RATE_SHARE;
+        self.host_rate[task] as f64 * hosts * slice_ms as f64 / 1_000.0
     }
 }
 
@@ -259,6 +293,8 @@ pub struct Planner {
     next_quiet: u64,
     /// Every spec of a task keeps the slice length of its first one.
     fixed_slices: Option<Vec<u64>>,
+    /// The Envoy domain's limits as last imported (None: not imported).
+    envoy: Option<Vec<Option<u64>>>,
 }
 
 impl Planner {
@@ -270,12 +306,17 @@ impl Planner {
         let mut p = Self {
             rng,
             weights,
-            shape: Shape { host_rate, hosts },
+            shape: Shape {
+                host_rate,
+                hosts,
+                agents: 0,
+            },
             specs: vec![None; tasks],
             down: Vec::new(),
             index: 0,
             next_quiet: 0,
             fixed_slices: None,
+            envoy: None,
         };
         p.next_quiet = p.rng.range(4, 7);
         p
@@ -405,6 +446,22 @@ impl Planner {
             "pause" => Step::Pause {
                 ms: self.rng.range(1_000, 5_000),
             },
+            "envoy.import" => {
+                let limits = super::envoy::next_limits(&mut self.rng, self.envoy.as_deref());
+                self.envoy = Some(limits.clone());
+                Step::EnvoyImport { limits }
+            }
+            "envoy.delete" => {
+                self.envoy.take()?;
+                Step::EnvoyDelete
+            }
+            // While the Envoy domain is imported: its mirror is what the second could delete.
+            "cluster2" => {
+                self.envoy.as_ref()?;
+                Step::SecondCluster {
+                    run_ms: self.rng.range(5_000, 15_000),
+                }
+            }
             other => unreachable!("step kind {other} has no generator"),
         })
     }
@@ -599,6 +656,9 @@ pub fn count_kinds<'a>(steps: impl IntoIterator<Item = &'a Step>) -> BTreeMap<&'
             Step::ClockShift { .. } => "clock.shift",
             Step::Pause { .. } => "pause",
             Step::Quiet => "quiet",
+            Step::EnvoyImport { .. } => "envoy.import",
+            Step::EnvoyDelete => "envoy.delete",
+            Step::SecondCluster { .. } => "cluster2",
         };
         *m.entry(k).or_insert(0) += 1;
     }

@@ -33,6 +33,8 @@ pub struct Options {
     pub keep_logs: bool,
     /// Every task keeps its first slice length (see [`Planner::initial_specs`]).
     pub fixed_slices: bool,
+    /// Agent hosts (after the `hosts` SDK hosts), each asking its own `sluice-agent`.
+    pub agents: Vec<super::agents::AgentApi>,
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -128,7 +130,9 @@ pub async fn run(o: Options) -> bool {
     println!("soak seed {}", o.seed);
     watch_signals();
     let ns = format!("soak{}x{}", std::process::id(), o.seed % 1_000);
-    let mut planner = Planner::new(o.seed, o.weights.clone(), o.tasks, o.hosts);
+    let all_hosts = o.hosts + o.agents.len();
+    let mut planner = Planner::new(o.seed, o.weights.clone(), o.tasks, all_hosts);
+    planner.shape.agents = o.agents.len();
     let specs = planner.initial_specs(o.fixed_slices);
     let t0 = Instant::now();
     let cpu0 = cpu_seconds();
@@ -138,6 +142,7 @@ pub async fn run(o: Options) -> bool {
         tasks: o.tasks,
         shape: planner.shape.clone(),
         seed: o.seed,
+        agents: o.agents.clone(),
     })
     .await;
     w.say(&format!(
@@ -153,6 +158,15 @@ pub async fn run(o: Options) -> bool {
         "offered decisions per second per host, by task: {:?}",
         planner.shape.host_rate
     ));
+    if !o.agents.is_empty() {
+        let a: Vec<String> = (o.agents.iter().enumerate())
+            .map(|(i, a)| format!("h{} {}", o.hosts + i, a.name()))
+            .collect();
+        w.say(&format!(
+            "agent hosts (a sluice-agent each): {}",
+            a.join(", ")
+        ));
+    }
     let mut history: Vec<String> = Vec::new();
     for (t, s) in specs.iter().enumerate() {
         let note = w.put(t, s).await;

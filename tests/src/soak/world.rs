@@ -25,6 +25,16 @@ use crate::{
     pids_with_cmdline, remove_segment, signal, wait_gone, workspace_bin,
 };
 
+// The agent hosts' part of the world (a child module: it sees the world's fields).
+#[path = "world_agents.rs"]
+mod world_agents;
+// The Envoy imports' part of the world.
+#[path = "world_envoy.rs"]
+mod world_envoy;
+// A second manager cluster on the namespace.
+#[path = "world_cluster2.rs"]
+mod world_cluster2;
+
 /// Replicas of the manager.
 pub const REPLICAS: usize = 3;
 /// `--lease-ttl` of the replicas.
@@ -86,6 +96,8 @@ struct Host {
     offset_ms: i64,
     down: bool,
     runs: Vec<Run>,
+    /// An agent host's `sluice-agent` (its runs are `agent_host` drivers).
+    agent: Option<super::agents::AgentProc>,
 }
 
 /// Reads slice hashes from the soak's Redis.
@@ -184,6 +196,8 @@ pub struct Settings {
     pub shape: Shape,
     /// Seed of the run-time choices (run lengths, processes per run, who is picked).
     pub seed: u64,
+    /// Agent hosts: the last `agents.len()` of `shape.hosts` (after the faketime host).
+    pub agents: Vec<super::agents::AgentApi>,
 }
 
 /// Everything a soak runs, and what it has seen.
@@ -227,6 +241,7 @@ pub struct World {
     /// Stalls seen by the stall probe, not yet moved to the ledger.
     stalls: std::sync::Arc<std::sync::Mutex<Vec<(i64, i64)>>>,
     log: File,
+    envoy: world_envoy::EnvoyWorld,
 }
 
 /// Starts the stall probe: a thread that sleeps 10 ms in a loop and records every wake-up
@@ -280,13 +295,23 @@ impl World {
         let redis = RedisServer::start_with(&["--enable-debug-command", "yes"]);
         let redis_url = redis.url();
         let log = File::create(s.logs.join("steps.log")).expect("create steps.log");
+        let sdk_hosts = s.shape.hosts - s.agents.len();
         let hosts = (0..s.shape.hosts)
             .map(|i| Host {
                 id: format!("{}-h{i}", s.ns),
-                faketime: i + 1 == s.shape.hosts,
-                offset_ms: if i + 1 == s.shape.hosts { 300 } else { 0 },
+                faketime: i + 1 == sdk_hosts,
+                offset_ms: if i + 1 == sdk_hosts { 300 } else { 0 },
                 down: false,
                 runs: Vec::new(),
+                agent: s.agents.get(i.wrapping_sub(sdk_hosts)).map(|api| {
+                    super::agents::AgentProc::new(
+                        *api,
+                        &format!("{}-h{i}", s.ns),
+                        &redis_url,
+                        &s.ns,
+                        s.logs.clone(),
+                    )
+                }),
             })
             .collect();
         let t0 = now_ms();
@@ -327,11 +352,13 @@ impl World {
             last_prune: Instant::now(),
             stalls: stall_probe(),
             log,
+            envoy: Default::default(),
         };
         for i in 0..REPLICAS {
             w.start_replica(i).await;
         }
         w.wait_leader(Duration::from_secs(20)).await;
+        w.start_agents();
         w
     }
 
@@ -559,8 +586,18 @@ impl World {
                 &capacity.max(1).to_string(),
             ],
         );
-        let mut cmd = Command::new(workspace_bin("examples/loadgen"));
-        cmd.args(&args).env("RUST_LOG", "sluice=info");
+        let mut cmd = match &h.agent {
+            Some(a) => a.driver(
+                &task_name(task),
+                host_rate as f64 * super::agents::AGENT_RATE_SHARE,
+                duration_ms,
+                &progress.display().to_string(),
+            ),
+            None => Command::new(workspace_bin("examples/loadgen")),
+        };
+        if h.agent.is_none() {
+            cmd.args(&args).env("RUST_LOG", "sluice=info");
+        }
         if h.faketime {
             cmd.env("LD_PRELOAD", &self.faketime_lib)
                 .env("FAKETIME", faketime_offset(h.offset_ms))
@@ -652,6 +689,13 @@ impl World {
                             if late >= super::ledger::STALL_MIN_MS {
                                 let end = b - r.offset_ms + 100;
                                 self.ledger.stalls.push((end - late.min(60_000), end));
+                            }
+                            // Agent hosts: admissions whose slice is not known (agents.rs).
+                            if let Some(n) = v.as_ref().and_then(|v| v["strad"].as_u64()) {
+                                self.ledger.count_straddled(r.task, h, b, n);
+                            }
+                            if let Some(n) = v.as_ref().and_then(|v| v["reach"].as_u64()) {
+                                self.ledger.count_reach(r.task, h, b, n);
                             }
                         }
                         _ => self.violations.push(Violation {
@@ -966,6 +1010,7 @@ impl World {
         for e in found {
             self.violate("crash.process", None, e);
         }
+        self.check_agents();
     }
 
     /// One round of monitoring (called every 100 ms by [`World::idle`]).
@@ -985,6 +1030,7 @@ impl World {
             self.check_processes();
             self.poll_fencing();
             self.check_safety(false);
+            self.envoy_monitor(false);
         }
         if self.last_prune.elapsed() >= Duration::from_secs(30) {
             self.last_prune = Instant::now();
@@ -1135,6 +1181,9 @@ impl World {
             Step::HostKill { host, down_ms } => {
                 let d = self.ledger.begin(Disturb::Host(*host), now_ms());
                 self.hosts[*host].down = true;
+                if self.hosts[*host].agent.is_some() {
+                    return self.kill_agent(*host, *down_ms, d).await;
+                }
                 let note = tokio::task::block_in_place(|| self.kill_host(*host));
                 self.idle(*down_ms).await;
                 self.hosts[*host].down = false;
@@ -1143,7 +1192,7 @@ impl World {
                 format!("{note}; restarted after {down_ms} ms")
             }
             Step::ClockShift { offset_ms } => {
-                let h = self.hosts.len() - 1;
+                let h = self.hosts.iter().rposition(|h| h.faketime).unwrap_or(0);
                 let d = self.ledger.begin(Disturb::Clock, now_ms());
                 self.hosts[h].down = true;
                 let note = tokio::task::block_in_place(|| self.stop_host(h));
@@ -1159,6 +1208,9 @@ impl World {
                 "paused".into()
             }
             Step::Quiet => self.quiet().await,
+            Step::EnvoyImport { limits } => self.envoy_import(limits).await,
+            Step::EnvoyDelete => self.envoy_delete().await,
+            Step::SecondCluster { run_ms } => self.second_cluster(*run_ms).await,
         }
     }
 
@@ -1303,6 +1355,8 @@ impl World {
         }
         self.idle(0).await;
         tokio::task::block_in_place(|| self.check_safety(true));
+        tokio::task::block_in_place(|| self.envoy_shutdown());
+        tokio::task::block_in_place(|| self.stop_agents());
         for i in 0..self.replicas.len() {
             self.save_replica_log(i);
             if let Some(mut m) = self.replicas[i].m.take() {
