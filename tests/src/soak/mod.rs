@@ -14,9 +14,12 @@
 //! * [`world`] — the processes (servers, replicas, hosts and their loadgen runs) and the
 //!   actions of each step.
 //! * [`run`] — the main loop: plan, apply, monitor, check, report.
+//! * [`locks`] — the lock track: holders of one lock, a fenced resource, the lock's Redis
+//!   restarted from its dump; its invariants.
 
 pub mod check;
 pub mod ledger;
+pub mod locks;
 pub mod plan;
 pub mod rng;
 pub mod run;

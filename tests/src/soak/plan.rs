@@ -25,7 +25,7 @@ pub const CRONS: [&str; 4] = [
 
 /// The kinds of random steps, by the name used in `--weights` and in the step log, with their
 /// default weights.
-pub const DEFAULT_WEIGHTS: [(&str, u32); 19] = [
+pub const DEFAULT_WEIGHTS: [(&str, u32); 22] = [
     ("put.threshold", 10),
     ("put.slice", 6),
     ("put.mode", 5),
@@ -45,6 +45,9 @@ pub const DEFAULT_WEIGHTS: [(&str, u32); 19] = [
     ("host.kill", 5),
     ("clock.shift", 3),
     ("pause", 6),
+    ("lock.kill", 3),
+    ("lock.stop", 3),
+    ("lock.redis", 2),
 ];
 
 /// Step weights: the defaults, overridden by `name=weight,…`.
@@ -174,6 +177,21 @@ pub enum Step {
     },
     /// Repair everything, let it settle, and check liveness.
     Quiet,
+    /// SIGKILL the lock's current holder (the lock track, `locks.rs`).
+    LockKill,
+    /// SIGSTOP the lock's current holder for `ms` (past the TTL), then SIGCONT.
+    LockStop {
+        /// How long it stays stopped, ms.
+        ms: u64,
+    },
+    /// `SAVE` the lock's Redis, SIGKILL it `more_ms` later (tokens handed out meanwhile are
+    /// not in the dump), restart it from the dump `down_ms` after that.
+    LockRedisRestart {
+        /// Time between the `SAVE` and the kill, ms.
+        more_ms: u64,
+        /// Downtime, ms.
+        down_ms: u64,
+    },
 }
 
 /// A step and the time to let pass after it (monitoring and checking meanwhile).
@@ -225,6 +243,12 @@ impl fmt::Display for Step {
             Step::ClockShift { offset_ms } => write!(f, "clock.shift to {offset_ms:+} ms"),
             Step::Pause { ms } => write!(f, "pause {ms} ms"),
             Step::Quiet => write!(f, "quiet period + liveness check"),
+            Step::LockKill => write!(f, "lock.kill"),
+            Step::LockStop { ms } => write!(f, "lock.stop for {ms} ms"),
+            Step::LockRedisRestart { more_ms, down_ms } => write!(
+                f,
+                "lock.redis: SAVE, kill {more_ms} ms later, down {down_ms} ms"
+            ),
         }
     }
 }
@@ -404,6 +428,14 @@ impl Planner {
             }
             "pause" => Step::Pause {
                 ms: self.rng.range(1_000, 5_000),
+            },
+            "lock.kill" => Step::LockKill,
+            "lock.stop" => Step::LockStop {
+                ms: self.rng.range(1_500, 4_000),
+            },
+            "lock.redis" => Step::LockRedisRestart {
+                more_ms: self.rng.range(300, 2_500),
+                down_ms: self.rng.range(0, 1_500),
             },
             other => unreachable!("step kind {other} has no generator"),
         })
@@ -599,6 +631,9 @@ pub fn count_kinds<'a>(steps: impl IntoIterator<Item = &'a Step>) -> BTreeMap<&'
             Step::ClockShift { .. } => "clock.shift",
             Step::Pause { .. } => "pause",
             Step::Quiet => "quiet",
+            Step::LockKill => "lock.kill",
+            Step::LockStop { .. } => "lock.stop",
+            Step::LockRedisRestart { .. } => "lock.redis",
         };
         *m.entry(k).or_insert(0) += 1;
     }

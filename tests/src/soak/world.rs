@@ -225,6 +225,8 @@ pub struct World {
     last_second: Instant,
     last_prune: Instant,
     log: File,
+    /// The lock track (`locks.rs`), once started.
+    pub locks: Option<super::locks::Track>,
 }
 
 /// The faketime value for an offset in ms (`+1.200s`, `-0.300s`).
@@ -299,6 +301,7 @@ impl World {
             last_second: Instant::now(),
             last_prune: Instant::now(),
             log,
+            locks: None,
         };
         for i in 0..REPLICAS {
             w.start_replica(i).await;
@@ -935,6 +938,9 @@ impl World {
 
     /// One round of monitoring (called every 100 ms by [`World::idle`]).
     fn monitor(&mut self) {
+        if let Some(l) = &self.locks {
+            self.violations.extend(l.take_violations());
+        }
         self.read_progress();
         if self.last_meta.elapsed() >= Duration::from_millis(250) {
             self.last_meta = Instant::now();
@@ -1121,6 +1127,12 @@ impl World {
                 "paused".into()
             }
             Step::Quiet => self.quiet().await,
+            Step::LockKill | Step::LockStop { .. } | Step::LockRedisRestart { .. } => {
+                match &self.locks {
+                    Some(l) => tokio::task::block_in_place(|| l.apply(step)),
+                    None => "no lock track".into(),
+                }
+            }
         }
     }
 
@@ -1259,6 +1271,11 @@ impl World {
     /// replicas (SIGTERM: exit 0), servers; then nothing carrying the namespace may run and no
     /// segment of it may be left. Returns every violation seen, and the statistics.
     pub async fn shutdown(mut self) -> (Vec<Violation>, Stats) {
+        if let Some(l) = self.locks.take() {
+            let (v, note) = tokio::task::block_in_place(|| l.shutdown());
+            self.say(&note);
+            self.violations.extend(v);
+        }
         for h in 0..self.hosts.len() {
             self.hosts[h].down = true;
             tokio::task::block_in_place(|| self.stop_host(h));
