@@ -490,6 +490,9 @@ async fn run_case(
                 .map(|_| {
                     let mut cfg = sdk_config(&redis.url(), ns, h);
                     cfg.flush_interval = Duration::from_millis(100);
+                    // A task FAILED while Redis was paused is probed back within 1 s (the
+                    // default 5 s would outlast RECOVERY).
+                    cfg.probe_interval = Duration::from_secs(1);
                     let client = sluice::Client::new(cfg).unwrap();
                     let tasks: Vec<Task> =
                         TASKS.iter().map(|(n, _)| client.task(n).unwrap()).collect();
