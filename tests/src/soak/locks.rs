@@ -183,6 +183,13 @@ pub fn check_overlap(others: &[Belief], restarts: &[Restart], b: &Belief) -> Opt
     None
 }
 
+/// Whether `b` overlaps another holder's belief at all (allowed or not: for the summary).
+pub fn overlaps(others: &[Belief], b: &Belief) -> bool {
+    others
+        .iter()
+        .any(|o| o.holder != b.holder && b.from_ms.max(o.from_ms) < b.to_ms.min(o.to_ms))
+}
+
 /// `locks.liveness`: no token since `last_token_ms` at `now_ms`, the lock's Redis down for
 /// `down_ms` of that time.
 pub fn check_liveness(last_token_ms: i64, now_ms: i64, down_ms: i64) -> Option<Violation> {
@@ -264,6 +271,8 @@ pub struct LockStats {
     pub gave_up: u64,
     /// Longest time without a new token, ms.
     pub longest_gap_ms: i64,
+    /// `held true` answers whose belief overlapped another's inside a restart window.
+    pub allowed_overlaps: u64,
 }
 
 struct Inner {
@@ -677,6 +686,9 @@ impl Inner {
                 };
                 h.belief = Some(b);
                 let v = check_overlap(&self.beliefs, &self.restarts, &b);
+                if v.is_none() && overlaps(&self.beliefs, &b) {
+                    self.stats.allowed_overlaps += 1;
+                }
                 self.violate(v);
                 match self.beliefs.iter_mut().find(|x| x.holder == b.holder) {
                     Some(x) => *x = b,
@@ -806,7 +818,8 @@ impl Inner {
             "lock track: {} tokens, {} writes accepted, {} refused (deposed holders), held \
              answers {} true / {} false, {} holders killed, {} stopped past the TTL, {} \
              restarts of the lock's Redis from its dump ({} with an older counter), {} holders \
-             gave up waiting, longest wait for a token {} ms",
+             gave up waiting, longest wait for a token {} ms, {} held answers overlapping \
+             another holder's inside a restart window",
             s.tokens,
             s.written,
             s.refused,
@@ -817,7 +830,8 @@ impl Inner {
             s.restarts,
             s.older_counter,
             s.gave_up,
-            s.longest_gap_ms
+            s.longest_gap_ms,
+            s.allowed_overlaps
         );
         (std::mem::take(&mut self.violations), note)
     }
@@ -899,6 +913,8 @@ mod tests {
         assert!(check_overlap(&[x3], &[r], &b(2, 20, 900, 2_000)).is_some());
         // A holder is never compared with itself.
         assert!(check_overlap(&[x], &[], &b(1, 10, 0, 2_000)).is_none());
+        assert!(overlaps(&[x2], &b(2, 20, 900, 1_500)));
+        assert!(!overlaps(&[x], &b(2, 20, 1_001, 1_500)));
     }
 
     #[test]
