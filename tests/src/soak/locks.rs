@@ -515,6 +515,23 @@ impl Inner {
                 }
             }
         }
+        // Every holder's new lines, in the order they arrived (tokens are judged in that
+        // order, whichever slot they came from).
+        let mut lines = Vec::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            if let Some(h) = &s.holder {
+                while let Ok((line, at)) = h.lines.try_recv() {
+                    lines.push((at, i, line));
+                }
+            }
+        }
+        lines.sort_by_key(|l| (l.0, l.1));
+        for (at, i, line) in lines {
+            if let Some(mut h) = self.slots[i].holder.take() {
+                self.on_line(&mut h, &line, at);
+                self.slots[i].holder = Some(h);
+            }
+        }
         for i in 0..self.slots.len() {
             self.tend(i, now);
         }
@@ -547,10 +564,7 @@ impl Inner {
             signal(h.child.id(), libc::SIGCONT);
             h.stopped_until = None;
         }
-        while let Ok((line, at)) = h.lines.try_recv() {
-            self.on_line(&mut h, &line, at);
-        }
-        // Exited?
+        // Exited? (Its last lines first.)
         if let Ok(Some(st)) = h.child.try_wait() {
             while let Ok((line, at)) = h.lines.try_recv() {
                 self.on_line(&mut h, &line, at);
