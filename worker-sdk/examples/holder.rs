@@ -5,9 +5,11 @@
 //! holder --redis URL --namespace NS --host-id H permits --task T --count N
 //!     takes N permits (waiting up to 10 s), prints "held N", then holds them until stdin closes
 //! holder --redis URL --namespace NS --host-id H lock --name L --ttl-ms T --resource KEY
+//!        [--resource-redis URL2]
 //!     takes lock L, prints "token <t>", then for each stdin line "write <value>" writes
-//!     <value> to the fenced resource KEY with its token and prints "written" or
-//!     "refused <highest token seen>"; prints "held true|false" for a line "held"
+//!     <value> to the fenced resource KEY (in the Redis at URL2, else at URL) with its token
+//!     and prints "written" or "refused <highest token seen>"; prints "held true|false" for a
+//!     line "held"; releases the lock and exits 0 when stdin closes
 //! ```
 //!
 //! # The fenced resource
@@ -53,6 +55,10 @@ enum What {
         ttl_ms: u64,
         #[arg(long)]
         resource: String,
+        /// The Redis of the resource, when it is not the lock's (the soak keeps it apart, so
+        /// a restart of the lock's Redis does not roll the resource back too).
+        #[arg(long)]
+        resource_redis: Option<String>,
     },
 }
 
@@ -111,6 +117,7 @@ fn main() -> Result<(), String> {
             name,
             ttl_ms,
             resource,
+            resource_redis,
         } => {
             let guard = rt
                 .block_on(client.lock_timeout(
@@ -120,7 +127,9 @@ fn main() -> Result<(), String> {
                 ))
                 .map_err(|e| e.to_string())?;
             say(&format!("token {}", guard.token()));
-            let target = sluice_protocol::conn::RedisTarget::parse(&args.redis)?;
+            let target = sluice_protocol::conn::RedisTarget::parse(
+                resource_redis.as_deref().unwrap_or(&args.redis),
+            )?;
             let redis = sluice_protocol::conn::Redis::new(target, Default::default());
             let script = redis::Script::new(FENCED_WRITE);
             for line in std::io::stdin().lock().lines() {

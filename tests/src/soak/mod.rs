@@ -16,11 +16,14 @@
 //! * [`run`] — the main loop: plan, apply, monitor, check, report.
 //! * [`agents`] — agent hosts: a `sluice-agent` per host, asked over RLS or HTTP.
 //! * [`envoy`] — an envoyproxy/ratelimit domain imported, re-imported and deleted.
+//! * [`locks`] — the lock track: holders of one lock, a fenced resource, the lock's Redis
+//!   restarted from its dump; its invariants.
 
 pub mod agents;
 pub mod check;
 pub mod envoy;
 pub mod ledger;
+pub mod locks;
 pub mod plan;
 pub mod rng;
 pub mod run;

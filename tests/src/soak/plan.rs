@@ -25,7 +25,7 @@ pub const CRONS: [&str; 4] = [
 
 /// The kinds of random steps, by the name used in `--weights` and in the step log, with their
 /// default weights.
-pub const DEFAULT_WEIGHTS: [(&str, u32); 22] = [
+pub const DEFAULT_WEIGHTS: [(&str, u32); 25] = [
     ("put.threshold", 10),
     ("put.slice", 6),
     ("put.mode", 5),
@@ -48,6 +48,9 @@ pub const DEFAULT_WEIGHTS: [(&str, u32); 22] = [
     ("envoy.import", 3),
     ("envoy.delete", 1),
     ("cluster2", 1),
+    ("lock.kill", 3),
+    ("lock.stop", 3),
+    ("lock.redis", 2),
 ];
 
 /// Step weights: the defaults, overridden by `name=weight,…`.
@@ -189,6 +192,21 @@ pub enum Step {
         /// How long it runs once it leads, ms.
         run_ms: u64,
     },
+    /// SIGKILL the lock's current holder (the lock track, `locks.rs`).
+    LockKill,
+    /// SIGSTOP the lock's current holder for `ms` (past the TTL), then SIGCONT.
+    LockStop {
+        /// How long it stays stopped, ms.
+        ms: u64,
+    },
+    /// `SAVE` the lock's Redis, SIGKILL it `more_ms` later (tokens handed out meanwhile are
+    /// not in the dump), restart it from the dump `down_ms` after that.
+    LockRedisRestart {
+        /// Time between the `SAVE` and the kill, ms.
+        more_ms: u64,
+        /// Downtime, ms.
+        down_ms: u64,
+    },
 }
 
 /// A step and the time to let pass after it (monitoring and checking meanwhile).
@@ -253,6 +271,12 @@ impl fmt::Display for Step {
             Step::SecondCluster { run_ms } => write!(
                 f,
                 "cluster2: a second manager cluster on the namespace for {run_ms} ms"
+            ),
+            Step::LockKill => write!(f, "lock.kill"),
+            Step::LockStop { ms } => write!(f, "lock.stop for {ms} ms"),
+            Step::LockRedisRestart { more_ms, down_ms } => write!(
+                f,
+                "lock.redis: SAVE, kill {more_ms} ms later, down {down_ms} ms"
             ),
         }
     }
@@ -462,6 +486,14 @@ impl Planner {
                     run_ms: self.rng.range(5_000, 15_000),
                 }
             }
+            "lock.kill" => Step::LockKill,
+            "lock.stop" => Step::LockStop {
+                ms: self.rng.range(1_500, 4_000),
+            },
+            "lock.redis" => Step::LockRedisRestart {
+                more_ms: self.rng.range(300, 2_500),
+                down_ms: self.rng.range(0, 1_500),
+            },
             other => unreachable!("step kind {other} has no generator"),
         })
     }
@@ -659,6 +691,9 @@ pub fn count_kinds<'a>(steps: impl IntoIterator<Item = &'a Step>) -> BTreeMap<&'
             Step::EnvoyImport { .. } => "envoy.import",
             Step::EnvoyDelete => "envoy.delete",
             Step::SecondCluster { .. } => "cluster2",
+            Step::LockKill => "lock.kill",
+            Step::LockStop { .. } => "lock.stop",
+            Step::LockRedisRestart { .. } => "lock.redis",
         };
         *m.entry(k).or_insert(0) += 1;
     }

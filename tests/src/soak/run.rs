@@ -154,6 +154,7 @@ pub async fn run(o: Options) -> bool {
         o.duration.as_secs(),
         o.logs.display()
     ));
+    w.locks = Some(super::locks::Track::start(&ns, &o.logs, o.seed));
     w.say(&format!(
         "offered decisions per second per host, by task: {:?}",
         planner.shape.host_rate

@@ -242,6 +242,8 @@ pub struct World {
     stalls: std::sync::Arc<std::sync::Mutex<Vec<(i64, i64)>>>,
     log: File,
     envoy: world_envoy::EnvoyWorld,
+    /// The lock track (`locks.rs`), once started.
+    pub locks: Option<super::locks::Track>,
 }
 
 /// Starts the stall probe: a thread that sleeps 10 ms in a loop and records every wake-up
@@ -353,6 +355,7 @@ impl World {
             stalls: stall_probe(),
             log,
             envoy: Default::default(),
+            locks: None,
         };
         for i in 0..REPLICAS {
             w.start_replica(i).await;
@@ -1018,6 +1021,9 @@ impl World {
         if let Ok(mut v) = self.stalls.lock() {
             self.ledger.stalls.append(&mut v);
         }
+        if let Some(l) = &self.locks {
+            self.violations.extend(l.take_violations());
+        }
         self.read_progress();
         if self.last_meta.elapsed() >= Duration::from_millis(250) {
             self.last_meta = Instant::now();
@@ -1211,6 +1217,12 @@ impl World {
             Step::EnvoyImport { limits } => self.envoy_import(limits).await,
             Step::EnvoyDelete => self.envoy_delete().await,
             Step::SecondCluster { run_ms } => self.second_cluster(*run_ms).await,
+            Step::LockKill | Step::LockStop { .. } | Step::LockRedisRestart { .. } => {
+                match &self.locks {
+                    Some(l) => tokio::task::block_in_place(|| l.apply(step)),
+                    None => "no lock track".into(),
+                }
+            }
         }
     }
 
@@ -1349,6 +1361,11 @@ impl World {
     /// replicas (SIGTERM: exit 0), servers; then nothing carrying the namespace may run and no
     /// segment of it may be left. Returns every violation seen, and the statistics.
     pub async fn shutdown(mut self) -> (Vec<Violation>, Stats) {
+        if let Some(l) = self.locks.take() {
+            let (v, note) = tokio::task::block_in_place(|| l.shutdown());
+            self.say(&note);
+            self.violations.extend(v);
+        }
         for h in 0..self.hosts.len() {
             self.hosts[h].down = true;
             tokio::task::block_in_place(|| self.stop_host(h));
