@@ -8,11 +8,12 @@
 //!  share    = min(cap, max(demand in the last slice, consumption so far projected to the
 //!                          whole slice))            (first slice ever: cap)
 //!  chunk    = share / PULLS_PER_SLICE               (~25 pulls per slice at a steady share)
-//!  chunk   ≥ rate × max(4 round trips, 20 ms)       (a chunk outlives the pull that refills it,
-//!                                                    and a busy machine's scheduling delay)
+//!  chunk   ≥ rate × 4 round trips                   (a chunk outlives the pull that refills it)
+//!  chunk   ≥ min(rate × 20 ms, cap / 25)            (and a busy machine's scheduling delay, but
+//!                                                    no more of the cap than a steady chunk)
 //!  chunk   ≤ rate × time left in the slice × 1.25   (little is stranded at the slice's end)
 //!  chunk   ≥ the largest n asked for; a task's fixed `pull` replaces all of this
-//!  low water = max(chunk / 2, rate × (2 round trips + 20 ms)), below the chunk
+//!  low water = max(chunk / 2, rate × (2 round trips + 2 ms)), below the chunk
 //! ```
 //!
 //! When the local quota falls below the low-water mark a decision pokes the background puller,
@@ -30,13 +31,16 @@
 /// Target pulls per slice for a host consuming its share at a steady rate.
 pub const PULLS_PER_SLICE: u64 = 25;
 
-/// How late the background thread that pulls may run on a busy machine, ms: a chunk holds at
-/// least this much of the host's demand, the refill is asked for with this much still in
-/// hand, and the next slice's first chunk is prefetched at least this long before it starts
-/// (at most a quarter of the slice). Without it, a host deciding 150 times a second on 100 ms
-/// slices pulled one permit at a time and, while another process or a build kept the cores
-/// busy, refused a third of its decisions with quota left in Redis (the soak's seed
-/// 523022005, issue 23 item 19: 11 of a cap of 28 admitted with a demand of 31).
+/// How late the background thread that pulls may run on a busy machine, ms: a chunk holds
+/// this much of the host's demand when that is no more than `cap / 25` (the largest steady
+/// chunk, so a host never holds more of a short slice than before: with several hosts over
+/// their share, bigger chunks gave the first hosts to pull everything — the review of issue 23
+/// measured 200/200/200/200/200/0/0/0/0/0 for 10 hosts on a cap of 1,000 with 20 ms held),
+/// and the next slice's first chunk is prefetched at least this long before it starts (at
+/// most a quarter of the slice). Before, a host deciding 150 times a second on 100 ms slices
+/// of cap 28 pulled one permit at a time and, while the cores were busy, refused a third of
+/// its decisions with quota left in Redis (the soak's seed 523022005, issue 23 item 19: 11 of
+/// a cap of 28 admitted with a demand of 31); it now pulls two.
 pub const SCHED_MS: f64 = 20.0;
 
 /// What the policy looks at.
@@ -107,13 +111,14 @@ pub fn plan(i: &PullInput) -> PullPlan {
         i.fixed.max(max_n)
     } else {
         let base = share.div_ceil(PULLS_PER_SLICE);
-        let by_rate = (rate_per_ms * (4.0 * rtt).max(SCHED_MS)).ceil() as u64;
+        let by_rate = ((rate_per_ms * 4.0 * rtt).ceil() as u64)
+            .max(((rate_per_ms * SCHED_MS).ceil() as u64).min(cap.div_ceil(PULLS_PER_SLICE)));
         let left = slice_ms - elapsed;
         let by_end = (rate_per_ms * left * 1.25).ceil() as u64;
         base.max(by_rate).min(by_end).max(max_n)
     };
     let want = want.min(crate::shm::MAX_COUNT as u64);
-    let by_rate = (rate_per_ms * (2.0 * rtt + SCHED_MS)).ceil() as u64;
+    let by_rate = (rate_per_ms * (2.0 * rtt + 2.0)).ceil() as u64;
     let low_water = want
         .div_ceil(2)
         .max(by_rate)
@@ -214,29 +219,25 @@ mod tests {
     }
 
     #[test]
-    fn fast_rate_with_short_slices_keeps_four_round_trips_or_the_scheduling_delay() {
-        // 100 ms slices, share 10,000 → 100/ms; rtt 2 ms: 4 round trips (8 ms) are less than
-        // the scheduling delay (20 ms) → 2,000 per pull; rtt 10 ms → 4,000.
-        let at = |rtt_ms| {
-            plan(&PullInput {
-                cap: 10_000,
-                slice_ms: 100,
-                demand_prev: 20_000,
-                rtt_ms,
-                ..input()
-            })
-        };
-        let p = at(2.0);
-        assert_eq!(p.want, 2_000);
-        assert!(p.low_water < p.want && p.low_water >= 1_000, "{p:?}");
-        assert_eq!(at(10.0).want, 4_000);
+    fn fast_rate_with_short_slices_keeps_four_round_trips() {
+        // 100 ms slices, share 10,000 → 100/ms; rtt 2 ms → at least 800 per pull. The 20 ms
+        // of demand (2,000) is more than a steady chunk of the cap (400): not taken.
+        let p = plan(&PullInput {
+            cap: 10_000,
+            slice_ms: 100,
+            demand_prev: 20_000,
+            rtt_ms: 2.0,
+            ..input()
+        });
+        assert_eq!(p.want, 800);
+        assert!(p.low_water < p.want && p.low_water >= 600, "{p:?}");
     }
 
     /// Issue 23 item 19 (the soak's seed 523022005): 150 decisions a second on 100 ms slices
     /// of cap 28 pulled one permit at a time, so every decision waited for a round trip of the
     /// background thread, and a busy machine refused a third of them with quota in Redis. The
-    /// chunk now holds 20 ms of demand, the refill is asked for before the last one is spent,
-    /// and the next slice is prefetched 20 ms ahead.
+    /// chunk now holds up to 20 ms of demand, never more than a steady chunk of the cap
+    /// (`cap / 25`, rounded up: 2 here), and the next slice is prefetched 20 ms ahead.
     #[test]
     fn slow_hosts_on_short_slices_hold_the_scheduling_delays_worth() {
         let p = plan(&PullInput {
@@ -246,13 +247,46 @@ mod tests {
             rtt_ms: 1.0,
             ..input()
         });
-        assert_eq!((p.want, p.low_water), (3, 2));
+        assert_eq!((p.want, p.low_water), (2, 1));
+        // A larger cap: the whole 20 ms (3).
+        let p = plan(&PullInput {
+            cap: 100,
+            slice_ms: 100,
+            demand_prev: 15,
+            rtt_ms: 1.0,
+            ..input()
+        });
+        assert_eq!(p.want, 3);
         assert_eq!(prefetch_lead_ms(100, 1.0), 20.0);
         assert_eq!(
             prefetch_lead_ms(40, 1.0),
             10.0,
             "at most a quarter of the slice"
         );
+    }
+
+    /// The review of issue 23 (F1): ten hosts, each asking more than the whole cap, every one
+    /// pulling the largest chunk the policy allows: no pull takes more of the cap than a
+    /// steady chunk (`cap / 25`), so every host gets some of each slice.
+    #[test]
+    fn no_pull_takes_more_than_a_steady_chunk_of_a_short_slice() {
+        for (cap, slice_ms) in [(1_000, 100), (28, 100), (50, 200), (10_000, 1_000)] {
+            for rtt_ms in [0.2, 1.0, 3.0] {
+                let p = plan(&PullInput {
+                    cap,
+                    slice_ms,
+                    demand_prev: 10 * cap,
+                    rtt_ms,
+                    ..input()
+                });
+                let steady = cap.div_ceil(PULLS_PER_SLICE);
+                let by_rtt = (cap as f64 / slice_ms as f64 * 4.0 * rtt_ms).ceil() as u64;
+                assert!(
+                    p.want <= steady.max(by_rtt),
+                    "cap {cap}/{slice_ms} ms rtt {rtt_ms}: {p:?}"
+                );
+            }
+        }
     }
 
     #[test]
