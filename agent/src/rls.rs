@@ -185,10 +185,14 @@ impl Rls {
             g.entry(id.clone()).or_default().clone()
         };
         let _one = if wait {
+            // Waiting for another check's read of this slice that has not answered by this
+            // check's deadline: Redis is slow, not the agent busy — `on_failure` decides, as
+            // for a read of its own (the review of issue 23: answering Busy let a check of a
+            // `deny` task pass while Redis hung).
             let left = deadline.saturating_duration_since(Instant::now());
             match tokio::time::timeout(left, one.lock_owned()).await {
                 Ok(g) => g,
-                Err(_) => return Err(RemMiss::Busy),
+                Err(_) => return Err(RemMiss::Failed),
             }
         } else {
             one.try_lock_owned().map_err(|_| RemMiss::Busy)?

@@ -438,7 +438,8 @@ return out
 /// retry (same `seq`) never counts twice, nor does a late duplicate of an older flush.
 ///
 /// **All or nothing**: every delta and every counter it adds to is checked first; a delta or
-/// stored value that is not a plain decimal integer, or a sum that would leave ±9.2 × 10^18
+/// stored value that is not a plain decimal integer as HINCRBY reads one (no leading zeros,
+/// at most 20 characters), a delta beyond ±9.2 × 10^18, or a sum that would leave ±9.2 × 10^18
 /// (HINCRBY's i64, with room for the doubles Lua compares in), refuses the whole flush with an
 /// error naming the slice and field, before any write. Except `rej` and `wrej`, which
 /// **saturate** at 9.2 × 10^18: a refused request counts its cost at face value (up to
@@ -462,13 +463,16 @@ for k = 1, #KEYS do
       local cur = redis.call('HMGET', KEYS[k], unpack(f, 1, per))
       for j = 1, per do
         local a = ARGV[2 + (k - 1) * per + j]
-        if not string.match(a, '^-?%d+$') then
+        if not (a == '0' or string.match(a, '^-?[1-9]%d*$')) or #a > 20 then
           return redis.error_reply('ERR counter not an integer: ' .. f[j] .. ' ' .. a)
         end
         local d = tonumber(a)
+        if d > lim or d < -lim then
+          return redis.error_reply('ERR counter overflow: ' .. f[j] .. ' ' .. a)
+        end
         if d ~= 0 then
           local c = cur[j] or '0'
-          if not string.match(c, '^-?%d+$') then
+          if not (c == '0' or string.match(c, '^-?[1-9]%d*$')) or #c > 20 then
             return redis.error_reply('ERR counter not an integer: ' .. KEYS[k] .. ' ' .. f[j])
           end
           c = tonumber(c)

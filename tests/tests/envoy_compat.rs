@@ -1019,3 +1019,43 @@ async fn check_only_reads_of_a_spent_slice_are_bounded_and_remembered() {
         "{open} reads of rem for 100 checks"
     );
 }
+
+/// Review of issue 23 (F6): with Redis hung, check-only descriptors of an `on_failure: deny`
+/// task that queue behind another check's read of the same slice are decided by `on_failure`
+/// (over), like the check whose read is in flight — not answered OK as if the agent were
+/// merely busy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn checks_queued_behind_a_read_redis_never_answers_follow_on_failure() {
+    let etcd = shared_etcd();
+    let r = RedisServer::start();
+    let redis = r.url();
+    let ns = unique_ns("ehung");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    task(
+        &m,
+        "strict",
+        r#"{"threshold":1000,"slice_ms":60000,"on_failure":"deny"}"#,
+    )
+    .await;
+    not_near_a_boundary(60_000, 20_000).await;
+    let a = Agent::start(&redis, &ns, "h1", &[]).await;
+    let c = client(&a).await;
+    let check = || request("d", vec![with_hits(&[("sluice_task", "strict")], 0)]);
+    // Known and open while Redis answers (this host holds none of it: each check reads).
+    assert_eq!(ok(&c, check()).await.overall_code, OK);
+    signal(r.pid(), libc::SIGSTOP);
+    let _resume = Resume(r.pid());
+    let mut set = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        let (c, req) = (c.clone(), check());
+        set.spawn(async move { call(&c, req).await });
+    }
+    let mut codes = Vec::new();
+    while let Some(r) = set.join_next().await {
+        codes.push(r.unwrap().expect("ShouldRateLimit").overall_code);
+    }
+    assert!(
+        codes.iter().all(|c| *c == OVER_LIMIT),
+        "a check answered without Redis on a deny task: {codes:?}"
+    );
+}

@@ -292,6 +292,20 @@ async fn replayed_pulls_and_flushes_change_nothing_and_windows_hold() {
         );
         assert_eq!(adm(&mut sync), 6, "a refused flush wrote nothing");
     }
+    // A stored value HINCRBY would refuse (leading zeros: review of issue 23, F8) refuses the
+    // whole flush before any write, like an overflow (before, it passed the check and HINCRBY
+    // failed after `adm` was added).
+    let _: () = redis::cmd("HSET")
+        .arg(&key)
+        .arg("ok")
+        .arg("0012")
+        .query(&mut sync)
+        .unwrap();
+    let e = scripts::flush(&mut c, &keys, "t", "h1", 102, &both)
+        .await
+        .expect_err("a stored 0012 is refused");
+    assert!(e.to_string().contains("not an integer"), "{e}");
+    assert_eq!(adm(&mut sync), 6, "a refused flush wrote nothing");
     let _: () = redis::cmd("HSET")
         .arg(&key)
         .arg("ok")

@@ -63,8 +63,9 @@
 //! (`adm` includes `fb`, the fallback-admitted part). A long-running observer (the soak) checks
 //! invariants from it while the run goes on, and keeps the data of a host it SIGKILLs. A bucket
 //! is closed when a decision falls into a later one, and at the end of the run. With `--rate`,
-//! `"late": ms` (additive) says the loop woke up that late for a decision of the bucket (the
-//! machine was busy; written when 15 ms or more): the soak does not judge liveness there.
+//! `"late": ms` (additive) says the loop's sleep overslept that long in the bucket (the OS
+//! woke the thread late: the machine was busy; time spent deciding does not count; written
+//! when 15 ms or more): the soak does not judge liveness there.
 //!
 //! # Concurrency tasks
 //!
@@ -936,12 +937,14 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
                 let due = (elapsed.as_secs_f64() / iv.as_secs_f64()) as u64 + 1;
                 if due <= done {
                     let next = iv.mul_f64(done as f64);
-                    std::thread::sleep(next.saturating_sub(elapsed).min(Duration::from_millis(5)));
+                    let nap = next.saturating_sub(elapsed).min(Duration::from_millis(5));
+                    std::thread::sleep(nap);
+                    // How late the OS woke this thread (the machine was busy): only the
+                    // oversleep, never time spent deciding (a slow SDK must not excuse itself).
+                    let over = started.elapsed().saturating_sub(elapsed + nap);
+                    cur_late = cur_late.max(over.as_millis() as u64);
                     continue;
                 }
-                // How late this wake-up is for the next decision (the machine was busy).
-                let late = elapsed.saturating_sub(iv.mul_f64(done as f64));
-                cur_late = cur_late.max(late.as_millis() as u64);
                 (due - done).min(max_decisions - done)
             }
             None => 256.min(max_decisions - done),

@@ -1034,8 +1034,8 @@ impl Key {
                 // Only into the entry while it still holds this key: an entry reclaimed for
                 // another key in the same slice has a word with the same tag, and the permits
                 // would become that key's (review of issue 23). A reclaim racing the give-back
-                // is undone if the permits are still there; if they were spent, the other key
-                // admitted them and this key's are lost (never more than the slice granted).
+                // is undone as far as the permits are still there; what the other key spent of
+                // them meanwhile is its excess (at most `n`; the task's slice still holds).
                 if let Some(e) = self.table().and_then(|t| t.entry(entry))
                     && e.ident.load(Ordering::Acquire) == ident
                 {
@@ -1476,16 +1476,18 @@ pub(crate) fn give_back(q: &AtomicU64, tag: u32, n: u64) {
     }
 }
 
-/// Takes `n` permits out of a quota word that still holds the slice `tag` and at least `n`
-/// (undoes a [`give_back`] that raced with a reclaim; nothing if they were spent meanwhile).
+/// Takes up to `n` permits out of a quota word that still holds the slice `tag` (undoes a
+/// [`give_back`] that raced with a reclaim: what was spent of them meanwhile is the other
+/// key's excess, at most `n`, and never above the task's slice).
 fn take_back(q: &AtomicU64, tag: u32, n: u64) {
     let mut w = q.load(Ordering::Acquire);
     loop {
         let (t, _, c) = unpack_quota(w);
-        if t != tag || w == 0 || (c as u64) < n {
+        let k = n.min(c as u64);
+        if t != tag || w == 0 || k == 0 {
             return;
         }
-        match q.compare_exchange_weak(w, w - n, Ordering::AcqRel, Ordering::Acquire) {
+        match q.compare_exchange_weak(w, w - k, Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => return,
             Err(x) => w = x,
         }
@@ -2270,5 +2272,22 @@ mod tests {
         e.ident.store(other, Ordering::Release);
         key.refund(&r, 1);
         assert_eq!(held(), 9, "the other key gained this key's refund");
+    }
+
+    /// Review of issue 23 (F7): a give-back undone after a reclaim takes what is left of the
+    /// permits when the other key spent some of them (all or nothing left them all there).
+    #[test]
+    fn take_back_takes_what_is_left() {
+        let q = AtomicU64::new(0);
+        let tag = tag_of(10_000);
+        q.store(pack_quota(tag, false, 3), Ordering::Relaxed);
+        take_back(&q, tag, 5);
+        assert_eq!(unpack_quota(q.load(Ordering::Relaxed)).2, 0);
+        q.store(pack_quota(tag, false, 9), Ordering::Relaxed);
+        take_back(&q, tag, 5);
+        assert_eq!(unpack_quota(q.load(Ordering::Relaxed)).2, 4);
+        // Another slice's word is left alone.
+        take_back(&q, tag_of(11_000), 4);
+        assert_eq!(unpack_quota(q.load(Ordering::Relaxed)).2, 4);
     }
 }

@@ -13,13 +13,16 @@ for k = 1, #KEYS do
       local cur = redis.call('HMGET', KEYS[k], unpack(f, 1, per))
       for j = 1, per do
         local a = ARGV[2 + (k - 1) * per + j]
-        if not string.match(a, '^-?%d+$') then
+        if not (a == '0' or string.match(a, '^-?[1-9]%d*$')) or #a > 20 then
           return redis.error_reply('ERR counter not an integer: ' .. f[j] .. ' ' .. a)
         end
         local d = tonumber(a)
+        if d > lim or d < -lim then
+          return redis.error_reply('ERR counter overflow: ' .. f[j] .. ' ' .. a)
+        end
         if d ~= 0 then
           local c = cur[j] or '0'
-          if not string.match(c, '^-?%d+$') then
+          if not (c == '0' or string.match(c, '^-?[1-9]%d*$')) or #c > 20 then
             return redis.error_reply('ERR counter not an integer: ' .. KEYS[k] .. ' ' .. f[j])
           end
           c = tonumber(c)

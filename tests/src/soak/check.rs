@@ -336,6 +336,8 @@ pub struct Coverage {
     /// Slices of liveness windows not judged: the machine stalled around them (see
     /// [`check_liveness`]).
     pub stalled_slices: u64,
+    /// Per-host liveness checks not made: the machine stalled in their window.
+    pub stalled_host_checks: u64,
 }
 
 /// Safety of `task`: the per-slice and per-window bounds, in every clean regime, of the
@@ -827,7 +829,11 @@ pub fn check_liveness(
     // Every eligible host that asked admitted something over the window — unless the machine
     // stalled in it (as above: its pulls may all have come too late).
     let (a, b) = (starts[0], starts[starts.len() - 1] + l);
-    if !per_host || ledger.longest_stall(a - l - off, b + off) >= (l / 10).max(25) {
+    if !per_host {
+        return out;
+    }
+    if ledger.longest_stall(a - l - off, b + off) >= (l / 10).max(25) {
+        cov.stalled_host_checks += 1;
         return out;
     }
     for (h, c) in ledger.sums(task, a, b).iter().enumerate() {

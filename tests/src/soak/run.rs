@@ -222,7 +222,8 @@ pub async fn run(o: Options) -> bool {
     let summary = format!(
         "seed {}, {} steps in {wall:.0} s ({kinds:?}); checked {} slices, {} sliding windows, \
          {} keys around grid changes, {} liveness slices in {liveness_checks} task checks \
-         ({} not judged: the machine stalled), {fence_observations} fencing observations; \
+         ({} slices and {} per-host checks not judged: the machine stalled), \
+         {fence_observations} fencing observations; \
          CPU {:.0} % of one core ({:.0} % of 2 cores)",
         o.seed,
         steps.len(),
@@ -231,6 +232,7 @@ pub async fn run(o: Options) -> bool {
         coverage.redis_keys,
         coverage.live_slices,
         coverage.stalled_slices,
+        coverage.stalled_host_checks,
         100.0 * cpu / wall,
         50.0 * cpu / wall,
     );

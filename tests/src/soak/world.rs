@@ -1452,6 +1452,20 @@ impl World {
                 format!("left in /dev/shm: {leaked:?}"),
             );
         }
+        // A run whose liveness was mostly not judged (the machine stalled around it) proves
+        // little: more than half of at least 6 liveness slices is a finding (the review of
+        // issue 23, F4: on a quiet machine stalls are rare; a system that spins the cores
+        // must not excuse itself).
+        let (live, unjudged) = (self.coverage.live_slices, self.coverage.stalled_slices);
+        if live >= 6 && unjudged * 2 > live {
+            self.violate(
+                "liveness.unjudged",
+                None,
+                format!(
+                    "{unjudged} of {live} liveness slices not judged: the machine stalled around them (load from elsewhere, or the system under test spinning)"
+                ),
+            );
+        }
         let v = std::mem::take(&mut self.violations);
         (
             v,
