@@ -867,6 +867,7 @@ mod tests {
             fallback: None,
             schedules: Vec::new(),
             dynamic: None,
+            modes: Default::default(),
         }
     }
 

@@ -27,12 +27,14 @@ pub struct Cell {
     pub off_min: i64,
     /// Largest clock offset of the runs that counted here.
     pub off_max: i64,
+    /// Shadow-admitted decisions (part of `adm`: the limit would have rejected them).
+    pub sh: u64,
 }
 
 impl Cell {
-    /// Admitted by the global quota.
+    /// Admitted by the global quota (neither by fallback nor by shadow mode).
     pub fn global(&self) -> u64 {
-        self.adm.saturating_sub(self.fb)
+        self.adm.saturating_sub(self.fb + self.sh)
     }
 
     /// Decisions asked for.
@@ -161,6 +163,13 @@ impl Ledger {
         c.off_max = c.off_max.max(offset_ms);
     }
 
+    /// Adds shadow-admitted decisions to a cell [`Ledger::count`] made.
+    pub fn count_shadow(&mut self, task: usize, host: usize, bucket: i64, sh: u64) {
+        if let Some(c) = self.cells[task][host].get_mut(&bucket) {
+            c.sh = (c.sh + sh).min(c.adm.saturating_sub(c.fb));
+        }
+    }
+
     /// Records a meta observation at `at_ms`.
     pub fn observe_meta(&mut self, task: usize, at_ms: i64, state: MetaState) {
         let runs = &mut self.meta[task];
@@ -202,6 +211,7 @@ impl Ledger {
             s.adm += c.adm;
             s.rej += c.rej;
             s.fb += c.fb;
+            s.sh += c.sh;
             s.off_min = s.off_min.min(c.off_min);
             s.off_max = s.off_max.max(c.off_max);
         }
@@ -228,6 +238,7 @@ impl Ledger {
                         s.adm += c.adm;
                         s.rej += c.rej;
                         s.fb += c.fb;
+                        s.sh += c.sh;
                     }
                 }
                 s

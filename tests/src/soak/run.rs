@@ -153,6 +153,11 @@ pub async fn run(o: Options) -> bool {
         "offered decisions per second per host, by task: {:?}",
         planner.shape.host_rate
     ));
+    w.say(&format!(
+        "mode focus: {} (seed % 5 = {}; heavier in put.mode and new specs, t0 starts in it)",
+        planner.focus,
+        o.seed % 5
+    ));
     let mut history: Vec<String> = Vec::new();
     for (t, s) in specs.iter().enumerate() {
         let note = w.put(t, s).await;
