@@ -757,11 +757,13 @@ pub fn check_concurrency(
         cov.permit_instants += 1;
         cov.max_in_flight = cov.max_in_flight.max(cur as u64);
         let ms = x.div_euclid(1_000);
+        // Cached per ms: versions are written at ms times (seed 1009: a bound cached for a
+        // whole 100 ms missed a raise written 3 ms before the permits it allowed).
         let bound = match cache {
-            Some((at, b)) if at == ms / 100 => b,
+            Some((at, b)) if at == ms => b,
             _ => {
                 let b = conc_bound(ledger, task, ms, t);
-                cache = Some((ms / 100, b));
+                cache = Some((ms, b));
                 b
             }
         };
@@ -973,6 +975,23 @@ mod tests {
         let v = check_concurrency(&l, &bad, 0, 0, 60_000, &t, &mut cov);
         assert_eq!(v.len(), 1, "{v:?}");
         assert_eq!(v[0].invariant, "concurrency.in_flight");
+        // A raise to 8 written at 45 003 ms: 8 held from 45 005 ms on are within it (the one
+        // of 45 001 ms, before it, is checked against 5).
+        let mut raised = l.clone();
+        let mut c8 = c.clone();
+        c8.threshold = 8;
+        raised.api[0].push(ApiVersion {
+            at_ms: 45_003,
+            spec: Some(c8),
+            confirmed: true,
+        });
+        let mut up: Vec<(i64, i64)> = iv.iter().copied().filter(|v| v.1 < 45_000_000).collect();
+        up.push((45_001_000, 45_090_000));
+        for k in 0..7 {
+            up.push((45_005_000 + k, 45_090_000));
+        }
+        let v = check_concurrency(&raised, &up, 0, 0, 46_000, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
         // Threshold 5 → 3 at 30 s: 5 stay legitimate until applied (33 s) + lease + hold.
         let mut c3 = c.clone();
         c3.threshold = 3;
