@@ -679,6 +679,17 @@ pub fn check_shadow(
     out
 }
 
+/// 2 when a deletion of `task` may have been applied during `[a, b]` (real time), else 1: RETIRE
+/// deletes the `exact_sliding` log, so a window across a deletion and a re-creation holds what
+/// the old log admitted and what the new one does — like a Redis data loss (seed 1005: a
+/// `recreate` of an `exact_sliding` task of 1 537 admitted 1 862 within 1.8 s).
+pub fn retire_factor(ledger: &Ledger, task: usize, a: i64, b: i64, t: &Timing) -> u64 {
+    let retired = ledger.api[task]
+        .iter()
+        .any(|v| v.spec.is_none() && v.at_ms <= b && applied_by(ledger, v.at_ms, t) >= a);
+    if retired { 2 } else { 1 }
+}
+
 /// The most permits of `task` that may be held at `at` (real ms): see the module doc.
 pub fn conc_bound(ledger: &Ledger, task: usize, at: i64, t: &Timing) -> u64 {
     let spans = version_spans(ledger, task, t);
@@ -951,6 +962,50 @@ mod tests {
         // The shadow admissions do not count against the cap (safety.slice's global()).
         let c = l.host_sum(0, 1, 13_000, 14_000);
         assert_eq!((c.adm, c.sh, c.global()), (200, 100, 100));
+    }
+
+    /// Seed 1005: a re-created `exact_sliding` task starts a new log (RETIRE deleted the old
+    /// one), so a window across the re-creation holds both logs' admissions.
+    #[test]
+    fn a_window_across_a_recreation_of_a_sliding_task_may_hold_both_logs() {
+        use super::super::check::{Coverage, SliceRead, Slices, check_safety};
+        struct NoSlices;
+        impl Slices for NoSlices {
+            fn read(&mut self, _: usize, s: &[i64]) -> Option<Vec<Option<SliceRead>>> {
+                Some(vec![None; s.len()])
+            }
+        }
+        let mut l = ledger(spec(100, "exact_sliding"));
+        // 100 in the first half of every second until 20.6 s, deleted at 20 s, re-created at
+        // 20.4 s: the new log admits 100 at once (20.6 s – 21 s).
+        for s in (0..20_000).step_by(1_000) {
+            for b in (s..s + 500).step_by(100) {
+                l.count(0, 0, b, 20, 5, 0, 0);
+            }
+        }
+        for b in (20_000..20_500).step_by(100) {
+            l.count(0, 0, b, 20, 5, 0, 0);
+        }
+        for b in (20_600..21_100).step_by(100) {
+            l.count(0, 1, b, 20, 5, 0, 0);
+        }
+        let t = Timing::default();
+        let mut cov = Coverage::default();
+        let (v, _) = check_safety(&l, 0, 0, 30_000, &mut NoSlices, &t, &mut cov);
+        assert!(!v.is_empty(), "without the deletion, 200 in 800 ms is over");
+        l.api[0].push(ApiVersion {
+            at_ms: 20_000,
+            spec: None,
+            confirmed: true,
+        });
+        l.api[0].push(ApiVersion {
+            at_ms: 20_400,
+            spec: Some(spec(100, "exact_sliding")),
+            confirmed: true,
+        });
+        let (v, _) = check_safety(&l, 0, 0, 30_000, &mut NoSlices, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        assert_eq!(retire_factor(&l, 0, 10_000, 15_000, &t), 1);
     }
 
     #[test]
