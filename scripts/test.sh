@@ -5,7 +5,8 @@
 #   (check-deploy.sh) → the crates as published (check-crates.sh: rustdoc -D warnings, each
 #   feature alone, the MSRV build, cargo package) → build → cargo test (unit, doc,
 #   end-to-end) → schemathesis against a live manager and agent (scripts/check-openapi.sh) →
-#   a 60 s slice of the soak (random seed, printed) → the side-by-side benchmark's smoke test
+#   a 60 s slice of the soak (random seed, printed; seed % 5 picks the modes it drives most:
+#   pooled/exact, paced, shadow, keyed, concurrency) → the side-by-side benchmark's smoke test
 #   (scripts/bench.sh --quick) → browser tests of the dashboard.
 # Everything started here is stopped by PID on exit, failure or Ctrl-C.
 #
@@ -54,7 +55,7 @@ cargo test --workspace --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-
 [ -n "${SLUICE_TEST_FILTER:-}${SLUICE_SKIP_OPENAPI:-}" ] || scripts/check-openapi.sh
 
 if [ -z "${SLUICE_TEST_FILTER:-}" ] && [ -z "${SLUICE_SKIP_SOAK:-}" ]; then
-  log "soak: a ${SLUICE_SOAK_SECONDS:-60} s slice with a random seed (replay: scripts/soak.sh --seed S)"
+  log "soak: a ${SLUICE_SOAK_SECONDS:-60} s slice with a random seed, its mode focus seed % 5 (replay: scripts/soak.sh --seed S)"
   scripts/soak.sh --seconds "${SLUICE_SOAK_SECONDS:-60}"
 fi
 

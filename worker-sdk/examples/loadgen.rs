@@ -67,6 +67,15 @@
 //! woke the thread late: the machine was busy; time spent deciding does not count; written
 //! when 15 ms or more): the soak does not judge liveness there.
 //!
+//! Additive fields (issue 23): `"sh"`, the shadow-admitted part of `adm` (shadow mode,
+//! `Decision::ShadowLimited`). Keyed and concurrency tasks (whose loops run concurrently) write
+//! their lines as the buckets close too — every 100 ms, each bucket that ended 200 ms before —
+//! and a decision recorded after its bucket was written (a loop resumed late) is written in
+//! another line for the same bucket: **lines of one bucket add up**. Keyed tasks also write one
+//! line per reported key (`--key-report`) and bucket:
+//! `{"host":"H","child":0,"task":"T","bucket":1796023086000,"key":"key-3","adm":4,"rej":1,"fb":0}`
+//! (a line with `"key"` is a part of the task's line of that bucket, not an addition to it).
+//!
 //! # Concurrency tasks
 //!
 //! For a task in mode `concurrency` every process runs `--workers W` (extra; default 16)
@@ -75,8 +84,11 @@
 //! dropping it. `--intervals FILE` appends one line `start_us end_us` (Unix µs on the host
 //! clock, read right after the permit was had and right before it is dropped, so the interval
 //! lies inside the time the permit was held) per released permit, one `write` per line on an
-//! `O_APPEND` descriptor. Buckets count permits by their start; `fallback_admitted` counts
-//! permits handed out while FAILED. `--rate` does not apply (the workers are the demand).
+//! `O_APPEND` descriptor; a permit handed out by the FAILED fallback (`Permit::is_fallback`)
+//! has a third word, `start_us end_us f` (additive). Buckets count permits by their start;
+//! `fallback_admitted` counts permits handed out while FAILED. A loop whose task is not (or no
+//! longer) in mode `concurrency` (`PermitError::NotConcurrency`) counts nothing and asks again
+//! 10 ms later. `--rate` does not apply (the workers are the demand).
 //!
 //! # Latency
 //!
@@ -778,26 +790,87 @@ impl Progress {
         })
     }
 
-    fn bucket(&mut self, start: i64, v: [u64; 3]) {
+    /// One bucket's `[admitted, rejected, fallback-admitted, shadow-admitted]`.
+    fn bucket(&mut self, start: i64, v: [u64; 4]) {
         self.bucket_late(start, v, 0);
     }
 
-    /// [`Progress::bucket`] with how late (ms) the paced loop woke up for a decision in the
+    /// [`Progress::bucket`] with how long (ms) the paced loop's sleeps overslept in the
     /// bucket, at most (written as `"late"` when 15 ms or more).
-    fn bucket_late(&mut self, start: i64, v: [u64; 3], late_ms: u64) {
-        let Some(f) = self.file.as_mut() else { return };
+    fn bucket_late(&mut self, start: i64, v: [u64; 4], late_ms: u64) {
         let mut line = serde_json::json!({
             "host": self.host, "child": self.child, "task": self.task,
-            "bucket": start, "adm": v[0], "rej": v[1], "fb": v[2],
+            "bucket": start, "adm": v[0], "rej": v[1], "fb": v[2], "sh": v[3],
         });
         if late_ms >= 15 {
             line["late"] = late_ms.into();
         }
+        self.write(line);
+    }
+
+    /// One reported key's `[admitted, rejected, fallback-admitted]` in one bucket.
+    fn key_bucket(&mut self, key: usize, start: i64, v: [u64; 3]) {
+        let line = serde_json::json!({
+            "host": self.host, "child": self.child, "task": self.task,
+            "bucket": start, "key": format!("key-{key}"), "adm": v[0], "rej": v[1], "fb": v[2],
+        });
+        self.write(line);
+    }
+
+    fn write(&mut self, line: serde_json::Value) {
+        let Some(f) = self.file.as_mut() else { return };
         let line = line.to_string() + "\n";
         // O_APPEND: one write lands whole at the end, whatever the other children write.
         if let Err(e) = f.write_all(line.as_bytes()) {
             tracing::warn!(error = %e, "cannot append to the progress file");
         }
+    }
+}
+
+/// The counts of the concurrent loops of a keyed or concurrency child not yet written to the
+/// progress file: `[admitted, rejected, fallback, shadow]` per bucket, and `[admitted,
+/// rejected, fallback]` per reported key and bucket. Written as the buckets close (see the
+/// module doc, Progress), so an observer sees them while the run goes on.
+#[derive(Default)]
+struct Live {
+    buckets: BTreeMap<i64, [u64; 4]>,
+    keys: BTreeMap<(usize, i64), [u64; 3]>,
+}
+
+impl Live {
+    /// Writes and forgets the buckets that ended by `before` (every bucket with `None`).
+    fn flush(&mut self, progress: &mut Progress, before: Option<i64>, bucket_ms: i64) {
+        let done = |b: i64| before.is_none_or(|t| b + bucket_ms <= t);
+        let (out, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.buckets)
+            .into_iter()
+            .partition(|(b, _)| done(*b));
+        self.buckets = keep.into_iter().collect();
+        for (b, v) in out {
+            progress.bucket(b, v);
+        }
+        let (out, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut self.keys)
+            .into_iter()
+            .partition(|((_, b), _)| done(*b));
+        self.keys = keep.into_iter().collect();
+        for ((k, b), v) in out {
+            progress.key_bucket(k, b, v);
+        }
+    }
+}
+
+/// Writes the closed buckets of `live` every 100 ms until the run's time is up.
+async fn flush_live(
+    live: &std::cell::RefCell<Live>,
+    progress: &std::cell::RefCell<&mut Progress>,
+    started: Instant,
+    duration: Duration,
+    bucket_ms: i64,
+) {
+    while started.elapsed() < duration && !signals::stop_requested() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // A bucket is closed 200 ms after its end (a decision is recorded as it returns).
+        live.borrow_mut()
+            .flush(&mut progress.borrow_mut(), Some(now_ms() - 200), bucket_ms);
     }
 }
 
@@ -921,7 +994,8 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     let mut r = Report::new(args, 1);
     let bucket_ms = args.bucket_ms;
     let mut cur_bucket = i64::MIN;
-    let mut cur = [0u64; 3];
+    // [admitted, rejected, fallback-admitted, shadow-admitted]
+    let mut cur = [0u64; 4];
     let mut cur_late = 0u64;
     let mut done: u64 = 0;
     let every = args.latency_every;
@@ -963,12 +1037,12 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
             let bucket = now_ms - now_ms.rem_euclid(bucket_ms);
             if bucket != cur_bucket {
                 if cur_bucket != i64::MIN {
-                    r.add_bucket(cur_bucket, cur);
+                    r.add_bucket(cur_bucket, [cur[0], cur[1], cur[2]]);
                     progress.bucket_late(cur_bucket, cur, cur_late);
                     cur_late = 0;
                 }
                 cur_bucket = bucket;
-                cur = [0, 0, 0];
+                cur = [0, 0, 0, 0];
             }
             if d.is_allowed() {
                 r.admitted += 1;
@@ -979,6 +1053,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
                 }
                 if d.is_shadowed() {
                     r.shadow_admitted += 1;
+                    cur[3] += 1;
                 }
                 if let Some(b) = &backend {
                     let (outcome, latency) = if b.serve(now_ms) {
@@ -999,7 +1074,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
         }
     }
     if cur_bucket != i64::MIN {
-        r.add_bucket(cur_bucket, cur);
+        r.add_bucket(cur_bucket, [cur[0], cur[1], cur[2]]);
         progress.bucket_late(cur_bucket, cur, cur_late);
     }
     let secs = started.elapsed().as_secs_f64().max(1e-9);
@@ -1049,7 +1124,10 @@ fn concurrency_child(args: &Args, task: &Task, progress: &mut Progress) -> Resul
     let duration = Duration::from_millis(args.duration_ms);
     let hold = Duration::from_millis(args.hold_ms);
     let bucket_ms = args.bucket_ms;
+    let live = std::cell::RefCell::new(Live::default());
+    let progress = std::cell::RefCell::new(progress);
     let counts: Vec<Counts> = rt.block_on(async {
+        let live = &live;
         let loops = (0..args.workers).map(|_| {
             let task = task.clone();
             let intervals = intervals.clone();
@@ -1058,15 +1136,28 @@ fn concurrency_child(args: &Args, task: &Task, progress: &mut Progress) -> Resul
                 // Bounded by time (and by the stop flag).
                 while started.elapsed() < duration && !signals::stop_requested() {
                     let got = task.permit_timeout(Duration::from_millis(100)).await;
+                    if let Err(sluice::PermitError::NotConcurrency) = got {
+                        // Not (or no longer) a concurrency task: nothing was decided.
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
                     let start_us = sluice::clock::host_us();
                     let ms = start_us.div_euclid(1_000);
-                    let c = counts
-                        .entry(ms - ms.rem_euclid(bucket_ms))
-                        .or_insert([0; 3]);
+                    let b = ms - ms.rem_euclid(bucket_ms);
+                    let c = counts.entry(b).or_insert([0; 3]);
+                    {
+                        let mut l = live.borrow_mut();
+                        let x = l.buckets.entry(b).or_insert([0; 4]);
+                        x[usize::from(got.is_err())] += 1;
+                        if got.as_ref().is_ok_and(|p| p.is_fallback()) {
+                            x[2] += 1;
+                        }
+                    }
                     match got {
                         Ok(p) => {
                             c[0] += 1;
-                            if p.is_fallback() {
+                            let fallback = p.is_fallback();
+                            if fallback {
                                 c[2] += 1;
                             }
                             if !hold.is_zero() {
@@ -1075,16 +1166,16 @@ fn concurrency_child(args: &Args, task: &Task, progress: &mut Progress) -> Resul
                             let end_us = sluice::clock::host_us();
                             drop(p);
                             if let Some(f) = &intervals {
-                                let line = format!("{start_us} {end_us}\n");
+                                let line = if fallback {
+                                    format!("{start_us} {end_us} f\n")
+                                } else {
+                                    format!("{start_us} {end_us}\n")
+                                };
                                 // O_APPEND: one write lands whole, whatever others write.
                                 if let Err(e) = (&**f).write_all(line.as_bytes()) {
                                     tracing::warn!(error = %e, "cannot append an interval");
                                 }
                             }
-                        }
-                        Err(sluice::PermitError::NotConcurrency) => {
-                            c[1] += 1;
-                            tokio::time::sleep(Duration::from_millis(10)).await;
                         }
                         Err(_) => c[1] += 1,
                     }
@@ -1092,8 +1183,13 @@ fn concurrency_child(args: &Args, task: &Task, progress: &mut Progress) -> Resul
                 counts
             }
         });
-        futures::future::join_all(loops).await
+        let flusher = flush_live(live, &progress, started, duration, bucket_ms);
+        futures::future::join(futures::future::join_all(loops), flusher)
+            .await
+            .0
     });
+    live.borrow_mut()
+        .flush(&mut progress.borrow_mut(), None, bucket_ms);
     let mut r = Report::new(args, 1);
     let mut merged = Counts::new();
     for c in counts {
@@ -1109,7 +1205,6 @@ fn concurrency_child(args: &Args, task: &Task, progress: &mut Progress) -> Resul
         r.rejected += v[1];
         r.fallback_admitted += v[2];
         r.add_bucket(b, v);
-        progress.bucket(b, v);
     }
     let secs = started.elapsed().as_secs_f64().max(1e-9);
     r.decisions_per_sec = (r.admitted + r.rejected) as f64 / secs;
@@ -1176,6 +1271,8 @@ struct KeyedCounts {
     hot: Vec<u32>,
     lat_hist: BTreeMap<String, u64>,
     lat_clock_ns: u64,
+    /// Shadow-admitted decisions.
+    shadow: u64,
 }
 
 /// Most latency samples kept per loop (a uniform thinning keeps the percentiles honest).
@@ -1209,7 +1306,10 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
     let workers = args.workers;
     let per_loop_rate = args.rate / workers as f64;
     let seed = sluice::clock::host_us() as u64 ^ ((std::process::id() as u64) << 32);
+    let live = std::cell::RefCell::new(Live::default());
+    let progress = std::cell::RefCell::new(progress);
     let counts: Vec<KeyedCounts> = rt.block_on(async {
+        let live = &live;
         let loops = (0..workers).map(|w| {
             let handles = handles.clone();
             let choice = choice.clone();
@@ -1259,10 +1359,14 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
                     let b = ms - ms.rem_euclid(bucket_ms);
                     let e = c.buckets.entry(b).or_insert([0; 3]);
                     let allowed = d.is_allowed();
+                    let fallback = d == Decision::FallbackAllowed;
                     if allowed {
                         e[0] += 1;
-                        if d == Decision::FallbackAllowed {
+                        if fallback {
                             e[2] += 1;
+                        }
+                        if d.is_shadowed() {
+                            c.shadow += 1;
                         }
                     } else {
                         e[1] += 1;
@@ -1271,6 +1375,18 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
                         let ke = c.keys.entry((k, b)).or_insert([0, 0]);
                         ke[usize::from(!allowed)] += 1;
                     }
+                    {
+                        let mut l = live.borrow_mut();
+                        let x = l.buckets.entry(b).or_insert([0; 4]);
+                        x[usize::from(!allowed)] += 1;
+                        x[2] += u64::from(fallback);
+                        x[3] += u64::from(d.is_shadowed());
+                        if k < report_keys {
+                            let y = l.keys.entry((k, b)).or_insert([0; 3]);
+                            y[usize::from(!allowed)] += 1;
+                            y[2] += u64::from(fallback);
+                        }
+                    }
                     done += 1;
                 }
                 c.lat_clock_ns = lat.clock_ns;
@@ -1278,8 +1394,13 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
                 c
             }
         });
-        futures::future::join_all(loops).await
+        let flusher = flush_live(live, &progress, started, duration, bucket_ms);
+        futures::future::join(futures::future::join_all(loops), flusher)
+            .await
+            .0
     });
+    live.borrow_mut()
+        .flush(&mut progress.borrow_mut(), None, bucket_ms);
     let mut r = Report::new(args, 1);
     let mut merged = Counts::new();
     let mut lat = KeyLatency::default();
@@ -1306,6 +1427,7 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
             *r.lat_hist.entry(k).or_insert(0) += n;
         }
         r.lat_clock_ns = Some(c.lat_clock_ns);
+        r.shadow_admitted += c.shadow;
     }
     r.key_latency_us = Some(lat);
     for (b, v) in merged {
@@ -1313,7 +1435,6 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
         r.rejected += v[1];
         r.fallback_admitted += v[2];
         r.add_bucket(b, v);
-        progress.bucket(b, v);
     }
     let secs = started.elapsed().as_secs_f64().max(1e-9);
     r.decisions_per_sec = (r.admitted + r.rejected) as f64 / secs;

@@ -226,8 +226,20 @@ fn own_slot<'a>(sh: &'a Shared, t: &TaskInner, stopping: bool) -> Option<(&'a Sl
     Some((slot, new.generation))
 }
 
-/// One round for one task; true when it wants the next round soon.
+/// One round for one task; true when it wants the next round soon. Whatever the round found,
+/// callers waiting for the task (`permit_timeout`, `acquire`) are woken to decide again and
+/// check their deadline: a round that returns early (no slot, the meta forgotten because the
+/// task was deleted) used to leave them waiting forever, past their timeout (issue 23, found
+/// by the soak, seed 1014: a deleted concurrency task's loadgen never stopped).
 async fn step(sh: &Shared, t: &TaskInner, stopping: bool) -> bool {
+    let busy = step_inner(sh, t, stopping).await;
+    if t.waiters.load(Ordering::Acquire) > 0 {
+        t.deposited.notify_waiters();
+    }
+    busy
+}
+
+async fn step_inner(sh: &Shared, t: &TaskInner, stopping: bool) -> bool {
     t.poked.store(false, Ordering::Release);
     let Some((slot, generation)) = own_slot(sh, t, stopping) else {
         return false;

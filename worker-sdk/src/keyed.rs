@@ -222,6 +222,7 @@ impl KeyTable {
             .mode(0o660)
             .open(crate::shm::sibling(path, ".lock"))?;
         let _guard = crate::shm::Flock::lock(&lock)?;
+        crate::shm::remove_stale_tmp(path);
         if path.exists() {
             match Self::map(path) {
                 Ok(t) if t.entries >= entries as usize => return Ok(t),
@@ -276,7 +277,12 @@ impl KeyTable {
     fn create(path: &Path, entries: u32) -> std::io::Result<()> {
         let tmp = crate::shm::sibling(
             path,
-            &format!(".tmp.{}.{}", std::process::id(), crate::clock::host_us()),
+            &format!(
+                "{}{}.{}",
+                crate::shm::TMP_MARK,
+                std::process::id(),
+                crate::clock::host_us()
+            ),
         );
         let result = (|| {
             let file: File = OpenOptions::new()

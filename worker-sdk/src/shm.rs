@@ -1347,6 +1347,7 @@ impl Segment {
             .open(&lock_path)
             .map_err(err)?;
         let _guard = Flock::lock(&lock).map_err(err)?;
+        remove_stale_tmp(path);
         let mut opened = Opened::Existing;
         if path.exists() {
             match Self::map_existing(path) {
@@ -1545,7 +1546,7 @@ impl Segment {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.subsec_nanos())
             .unwrap_or(0);
-        let tmp = sibling(path, &format!(".tmp.{}.{nanos}", std::process::id()));
+        let tmp = sibling(path, &format!("{TMP_MARK}{}.{nanos}", std::process::id()));
         let result = (|| {
             let file = OpenOptions::new()
                 .read(true)
@@ -1726,6 +1727,34 @@ impl Segment {
 }
 
 /// `path` with `suffix` appended to its file name.
+/// What the temporary file a segment or key table is built in adds to its name:
+/// `<file name>~tmp.<pid>.<n>`, renamed into place once written. No segment, key table or lock
+/// file name contains `~tmp.` ([`escape_name`] escapes `~` in host ids and namespaces, and the
+/// `~` it adds to a long name is followed by hex digits), so the mark names only such files.
+pub(crate) const TMP_MARK: &str = "~tmp.";
+
+/// Removes the temporary files of `path` that a process killed while building one left behind
+/// (issue 23: a host SIGKILLed in its first second left `sluice.<ns>.<host>.tmp.<pid>.<n>` in
+/// `/dev/shm` for good). Call it with `path`'s lock held: nobody else builds one then, so every
+/// such file is a leftover. Best effort: an error leaves the file (the next open tries again).
+pub(crate) fn remove_stale_tmp(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let prefix = format!("{}{TMP_MARK}", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_name().to_string_lossy().starts_with(&prefix)
+            && std::fs::remove_file(e.path()).is_ok()
+        {
+            tracing::warn!(file = %e.path().display(),
+                "removed a temporary file left by a process killed while creating it");
+        }
+    }
+}
+
 pub(crate) fn sibling(path: &Path, suffix: &str) -> PathBuf {
     let mut s = path.as_os_str().to_os_string();
     s.push(suffix);
@@ -1775,6 +1804,39 @@ mod tests {
 
     fn word(s: &Slot, start: i64, len: u64) -> (u32, bool, u32) {
         unpack_quota(s.entry(start, len).word.load(Ordering::Relaxed))
+    }
+
+    /// Issue 23 (found by the soak, seed 1009): a process SIGKILLed inside `create_fresh`
+    /// left its temporary file in the segment directory forever. The next open of the
+    /// segment (its lock held) removes it — and nothing else.
+    #[test]
+    fn a_temporary_file_left_by_a_killed_creator_is_removed_at_the_next_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = Segment::path_for(dir.path(), "ns", "h");
+        let left = sibling(&path, &format!("{TMP_MARK}999999.123456789"));
+        let keys_left = sibling(&path, &format!(".keys{TMP_MARK}999999.1"));
+        // Other hosts' files that only look alike: a host id "h.tmp.1.2" and "h~" (escaped).
+        let other = Segment::path_for(dir.path(), "ns", "h.tmp.1.2");
+        let tilde = Segment::path_for(dir.path(), "ns", "h~tmp.1");
+        for f in [&left, &keys_left, &other, &tilde] {
+            std::fs::write(f, b"x").unwrap();
+        }
+        let (_seg, opened) = Segment::open(&path, 2).unwrap();
+        assert_eq!(opened, Opened::Created);
+        assert!(
+            !left.exists(),
+            "the leftover of a killed creator is removed"
+        );
+        assert!(
+            keys_left.exists(),
+            "the key table's are its own open's business"
+        );
+        assert!(other.exists() && tilde.exists(), "other hosts' files stay");
+        // And an existing segment's open removes one too.
+        std::fs::write(&left, b"x").unwrap();
+        let (_seg2, opened) = Segment::open(&path, 2).unwrap();
+        assert_eq!(opened, Opened::Existing);
+        assert!(!left.exists());
     }
 
     #[test]

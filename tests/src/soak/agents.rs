@@ -263,6 +263,7 @@ mod tests {
             fallback: None,
             schedules: Vec::new(),
             dynamic: None,
+            modes: Default::default(),
         };
         let mut l = Ledger::new(1, 2);
         l.api[0].push(ApiVersion {

@@ -486,7 +486,15 @@ fn window_bounds(
             .map(|i| real.get(&(w + i * BUCKET_MS)).copied().unwrap_or(Some(0)))
             .sum();
         if !troubled && let Some(sum) = sum {
-            let b = m as u64 * bound(spans, w, end, l) * loss_factor(ledger, w - l, end);
+            let b = m as u64
+                * bound(spans, w, end, l)
+                * loss_factor(ledger, w - l, end).max(super::modes::retire_factor(
+                    ledger,
+                    task,
+                    w - l,
+                    end,
+                    t,
+                ));
             cov.windows += 1;
             if sum > b {
                 out.push(Violation {
@@ -885,6 +893,7 @@ mod tests {
             fallback: None,
             schedules: Vec::new(),
             dynamic: None,
+            modes: Default::default(),
         }
     }
 

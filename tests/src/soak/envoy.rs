@@ -62,6 +62,7 @@ pub fn spec_of(rpu: u64) -> Spec {
         fallback: None,
         schedules: Vec::new(),
         dynamic: None,
+        modes: Default::default(),
     }
 }
 

@@ -35,12 +35,14 @@ pub struct Cell {
     /// flight during this one (the agent may have charged this bucket's slice: liveness counts
     /// them as possibly here, [`Cell::quota`]).
     pub reach: u64,
+    /// Shadow-admitted decisions (part of `adm`: the limit would have rejected them).
+    pub sh: u64,
 }
 
 impl Cell {
-    /// Admitted by the global quota.
+    /// Admitted by the global quota (neither by fallback nor by shadow mode).
     pub fn global(&self) -> u64 {
-        self.adm.saturating_sub(self.fb)
+        self.adm.saturating_sub(self.fb + self.sh)
     }
 
     /// Admitted by the global quota, whether or not the slice is known, plus what an agent
@@ -208,6 +210,13 @@ impl Ledger {
         self.cells[task][host].entry(bucket).or_default().reach += n;
     }
 
+    /// Adds shadow-admitted decisions to a cell [`Ledger::count`] made.
+    pub fn count_shadow(&mut self, task: usize, host: usize, bucket: i64, sh: u64) {
+        if let Some(c) = self.cells[task][host].get_mut(&bucket) {
+            c.sh = (c.sh + sh).min(c.adm.saturating_sub(c.fb));
+        }
+    }
+
     /// Records a meta observation at `at_ms`.
     pub fn observe_meta(&mut self, task: usize, at_ms: i64, state: MetaState) {
         let runs = &mut self.meta[task];
@@ -251,6 +260,7 @@ impl Ledger {
             s.fb += c.fb;
             s.strad += c.strad;
             s.reach += c.reach;
+            s.sh += c.sh;
             s.off_min = s.off_min.min(c.off_min);
             s.off_max = s.off_max.max(c.off_max);
         }
@@ -279,6 +289,7 @@ impl Ledger {
                         s.fb += c.fb;
                         s.strad += c.strad;
                         s.reach += c.reach;
+                        s.sh += c.sh;
                     }
                 }
                 s

@@ -11,6 +11,8 @@
 //! * [`plan`] — the steps, their weights, and the planner (a pure function of the seed).
 //! * [`ledger`] — what happened: spec versions, observed meta, disturbances, bucket counts.
 //! * [`check`] — the invariants, pure functions of the ledger (unit-tested without servers).
+//! * [`modes`] — paced, shadow, keyed and concurrency tasks: the seed's focus, their loadgen
+//!   arguments and their invariants.
 //! * [`world`] — the processes (servers, replicas, hosts and their loadgen runs) and the
 //!   actions of each step.
 //! * [`run`] — the main loop: plan, apply, monitor, check, report.
@@ -24,6 +26,7 @@ pub mod check;
 pub mod envoy;
 pub mod ledger;
 pub mod locks;
+pub mod modes;
 pub mod plan;
 pub mod rng;
 pub mod run;

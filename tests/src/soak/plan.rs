@@ -12,8 +12,9 @@
 use std::collections::BTreeMap;
 use std::fmt;
 
+use super::modes::{self, Focus};
 use super::rng::Rng;
-use super::spec::{Dynamic, Spec};
+use super::spec::{Dynamic, Modes, Spec};
 
 /// Cron expressions the soak puts into schedules (UTC, with seconds).
 pub const CRONS: [&str; 4] = [
@@ -319,6 +320,9 @@ pub struct Planner {
     fixed_slices: Option<Vec<u64>>,
     /// The Envoy domain's limits as last imported (None: not imported).
     envoy: Option<Vec<Option<u64>>>,
+    /// The modes this seed favours (`put.mode`, new specs; the first task starts in it).
+    pub focus: Focus,
+    forced: Option<&'static str>,
 }
 
 impl Planner {
@@ -341,6 +345,8 @@ impl Planner {
             next_quiet: 0,
             fixed_slices: None,
             envoy: None,
+            focus: Focus::of_seed(seed),
+            forced: None,
         };
         p.next_quiet = p.rng.range(4, 7);
         p
@@ -350,7 +356,14 @@ impl Planner {
     /// later spec of a task keeps the slice length of its first one (no `put.slice` steps, no
     /// grid change on re-creation): a way to run past defects of grid changes.
     pub fn initial_specs(&mut self, fixed_slices: bool) -> Vec<Spec> {
-        let specs: Vec<Spec> = (0..self.specs.len()).map(|t| self.random_spec(t)).collect();
+        let specs: Vec<Spec> = (0..self.specs.len())
+            .map(|t| {
+                if t == 0 {
+                    self.forced = Some(self.focus.first_variant(&mut self.rng));
+                }
+                self.random_spec(t)
+            })
+            .collect();
         self.specs = specs.iter().cloned().map(Some).collect();
         if fixed_slices {
             self.fixed_slices = Some(specs.iter().map(|s| s.slice_ms).collect());
@@ -586,7 +599,7 @@ impl Planner {
             Vec::new()
         };
         let dynamic = self.rng.chance(0.2).then(|| self.dynamic(threshold));
-        Spec {
+        let mut s = Spec {
             threshold,
             slice_ms,
             local_limit,
@@ -595,7 +608,14 @@ impl Planner {
             fallback,
             schedules,
             dynamic,
-        }
+            modes: Modes::default(),
+        };
+        let v = match self.forced.take() {
+            Some(v) => v,
+            None => modes::draw(&mut self.rng, self.focus),
+        };
+        modes::apply(&mut self.rng, v, &self.shape, task, &mut s);
+        s
     }
 
     /// `cur` changed the way `kind` says.
@@ -624,11 +644,11 @@ impl Planner {
                 s.slice_ms = l;
             }
             "put.mode" => {
-                let mut m = self.mode();
-                while m == s.mode {
-                    m = self.mode();
+                let mut v = modes::draw(&mut self.rng, self.focus);
+                while v == s.variant() {
+                    v = modes::draw(&mut self.rng, self.focus);
                 }
-                s.mode = m;
+                modes::apply(&mut self.rng, v, &self.shape, task, &mut s);
             }
             "put.failure" => {
                 (s.on_failure, s.local_limit, s.fallback) = self.failure(s.threshold);
@@ -664,6 +684,7 @@ impl Planner {
             }
             _ => s = self.random_spec(task),
         }
+        modes::after_edit(&mut self.rng, &self.shape, task, cur, kind, &mut s);
         s
     }
 }
@@ -742,6 +763,9 @@ mod tests {
             };
             assert!(s.slice_ms >= 100 && s.slice_ms <= 10_000 && s.slice_ms % 100 == 0);
             assert!(s.threshold >= 1);
+            if matches!(s.variant(), "keyed" | "concurrency") {
+                continue; // a per-key limit, permits in flight: modes.rs tests them
+            }
             let ratio = p.shape.demand(task, s.slice_ms) / s.threshold as f64;
             assert!(
                 (1.4..=3.2).contains(&ratio),

@@ -168,6 +168,11 @@ pub async fn run(o: Options) -> bool {
             a.join(", ")
         ));
     }
+    w.say(&format!(
+        "mode focus: {} (seed % 5 = {}; heavier in put.mode and new specs, t0 starts in it)",
+        planner.focus,
+        o.seed % 5
+    ));
     let mut history: Vec<String> = Vec::new();
     for (t, s) in specs.iter().enumerate() {
         let note = w.put(t, s).await;

@@ -38,6 +38,21 @@ pub struct Dynamic {
     pub max: u64,
 }
 
+/// The newer decision modes of a spec (issue 23): pacing, shadow, keys, permits in flight.
+/// The default is none of them. [`Spec::normalize`] keeps a combination the API accepts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Modes {
+    /// `"pacing": "smooth"` with this `burst` (mode `pooled` only).
+    pub paced_burst: Option<u64>,
+    /// `"shadow": true` (every mode but `concurrency`).
+    pub shadow: bool,
+    /// `"keyed": true` with these overrides, `(i, threshold)` for the key `key-i` (mode
+    /// `pooled` only).
+    pub keyed: Option<Vec<(u64, u64)>>,
+    /// `lease_ms` of mode `concurrency` (that mode only).
+    pub lease_ms: Option<u64>,
+}
+
 /// A task spec as the soak writes it (the fields it varies; the rest keep their defaults).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Spec {
@@ -57,6 +72,8 @@ pub struct Spec {
     pub schedules: Vec<(&'static str, u64)>,
     /// Dynamic limiting, if present in the spec (enabled or not).
     pub dynamic: Option<Dynamic>,
+    /// Pacing, shadow, keys, lease (see [`Modes`]).
+    pub modes: Modes,
 }
 
 impl Spec {
@@ -83,12 +100,96 @@ impl Spec {
         if let Some(d) = &self.dynamic {
             v["dynamic"] = json!({ "enabled": d.enabled, "min": d.min, "max": d.max });
         }
+        let m = &self.modes;
+        if let Some(b) = m.paced_burst {
+            v["pacing"] = json!("smooth");
+            v["burst"] = json!(b);
+        }
+        if m.shadow {
+            v["shadow"] = json!(true);
+        }
+        if let Some(o) = &m.keyed {
+            v["keyed"] = json!(true);
+            if !o.is_empty() {
+                v["key_overrides"] = o
+                    .iter()
+                    .map(|(k, t)| (format!("key-{k}"), json!(t)))
+                    .collect::<serde_json::Map<_, _>>()
+                    .into();
+            }
+        }
+        if let Some(l) = m.lease_ms {
+            v["lease_ms"] = json!(l);
+        }
         v
     }
 
-    /// The class of its mode.
+    /// The class of its mode (a keyed task is [`Class::Local`] for the task-wide checks: every
+    /// key has its own limit, checked per key in `modes.rs`).
     pub fn class(&self) -> Class {
+        if self.modes.keyed.is_some() {
+            return Class::Local;
+        }
         Class::of_mode(self.mode)
+    }
+
+    /// The variant name of the step log and the focus: `paced`, `shadow` (on any mode),
+    /// `keyed`, `concurrency`, or the mode.
+    pub fn variant(&self) -> &'static str {
+        if self.modes.shadow {
+            "shadow"
+        } else if self.modes.paced_burst.is_some() {
+            "paced"
+        } else if self.modes.keyed.is_some() {
+            "keyed"
+        } else {
+            self.mode
+        }
+    }
+
+    /// Makes the combination one the API accepts (what an edit of another field may have
+    /// broken): pacing and keys in mode `pooled` only, `burst` ≤ `threshold`; `lease_ms` in
+    /// mode `concurrency` only, and there no shadow, schedules or dynamic limiting.
+    pub fn normalize(&mut self) {
+        let m = &mut self.modes;
+        if self.mode != "pooled" {
+            m.paced_burst = None;
+            m.keyed = None;
+        }
+        if let Some(b) = &mut m.paced_burst {
+            *b = (*b).min(self.threshold);
+        }
+        if self.mode == "concurrency" {
+            m.shadow = false;
+            m.lease_ms.get_or_insert(2_000);
+            self.schedules.clear();
+            self.dynamic = None;
+        } else {
+            m.lease_ms = None;
+        }
+    }
+
+    /// The limit of the key `key-i` per slice under this spec: its override in proportion to
+    /// the largest cap (`o · cap / threshold`, `o` when the threshold is 0; rounded up), else
+    /// the largest cap. A spec that is not keyed decides a key's requests on the task's quota,
+    /// so one key gets at most the task's cap. 0 for a concurrency spec (no slices).
+    pub fn key_limit(&self, i: u64) -> u64 {
+        if self.mode == "concurrency" {
+            return 0;
+        }
+        let cap = self.max_cap();
+        match self
+            .modes
+            .keyed
+            .as_ref()
+            .and_then(|o| o.iter().find(|(k, _)| *k == i))
+        {
+            Some((_, o)) if self.threshold == 0 => *o,
+            Some((_, o)) => {
+                (u128::from(*o) * u128::from(cap)).div_ceil(u128::from(self.threshold)) as u64
+            }
+            None => cap,
+        }
     }
 
     /// Dynamic limiting runs.
@@ -115,7 +216,10 @@ impl Spec {
     /// Whether a slice may carry `cap` under this spec (base, a schedule entry, or — while the
     /// controller runs — anything in `[min, max]`).
     pub fn allows(&self, cap: u64) -> bool {
-        cap == self.threshold
+        // A concurrency task has no slices: whatever the future slices hold was written for
+        // an earlier spec, and no leader writes more under this one.
+        self.mode == "concurrency"
+            || cap == self.threshold
             || self.schedules.iter().any(|(_, t)| *t == cap)
             || self
                 .dynamic
@@ -143,6 +247,22 @@ impl Spec {
                 d.max
             );
         }
+        let m = &self.modes;
+        if let Some(b) = m.paced_burst {
+            s += &format!(" paced burst {b}");
+        }
+        if m.shadow {
+            s += " shadow";
+        }
+        if let Some(o) = &m.keyed {
+            s += " keyed";
+            for (k, t) in o {
+                s += &format!(" key-{k}={t}");
+            }
+        }
+        if let Some(l) = m.lease_ms {
+            s += &format!(" lease {l}ms");
+        }
         s
     }
 }
@@ -165,6 +285,7 @@ mod tests {
                 min: 20,
                 max: 120,
             }),
+            modes: Modes::default(),
         }
     }
 
@@ -190,5 +311,39 @@ mod tests {
         assert_eq!(v["schedules"][0]["threshold"], 150);
         assert_eq!(v["dynamic"]["max"], 120);
         assert!(v.get("fallback").is_none());
+        assert!(v.get("keyed").is_none() && v.get("pacing").is_none());
+    }
+
+    #[test]
+    fn modes_in_json_normalized_and_key_limits() {
+        let mut s = spec();
+        s.modes.keyed = Some(vec![(3, 50), (4, 300)]);
+        s.modes.paced_burst = Some(500);
+        s.normalize();
+        assert_eq!(s.modes.paced_burst, Some(100), "burst ≤ threshold");
+        let v = s.to_json();
+        assert_eq!(v["keyed"], true);
+        assert_eq!(v["key_overrides"]["key-3"], 50);
+        assert_eq!(v["pacing"], "smooth");
+        // max cap 150 (schedule): key-3 at 50 · 150 / 100 = 75, key-4 at 450, others 150.
+        assert_eq!(
+            (s.key_limit(3), s.key_limit(4), s.key_limit(0)),
+            (75, 450, 150)
+        );
+        s.mode = "concurrency";
+        s.modes.shadow = true;
+        s.normalize();
+        assert!(s.modes.keyed.is_none() && s.modes.paced_burst.is_none() && !s.modes.shadow);
+        assert!(s.schedules.is_empty() && s.dynamic.is_none());
+        assert_eq!(s.to_json()["lease_ms"], 2_000);
+        assert!(s.allows(12_345), "no slices under a concurrency spec");
+        s.mode = "exact_fixed";
+        s.modes.shadow = true;
+        s.normalize();
+        assert_eq!(s.modes.lease_ms, None);
+        assert_eq!(
+            (s.variant(), s.to_json()["shadow"].clone()),
+            ("shadow", json!(true))
+        );
     }
 }

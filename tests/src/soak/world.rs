@@ -244,6 +244,8 @@ pub struct World {
     envoy: world_envoy::EnvoyWorld,
     /// The lock track (`locks.rs`), once started.
     pub locks: Option<super::locks::Track>,
+    /// Paced, shadow, keyed and concurrency tasks: their runs and checks (modes.rs).
+    pub modes: super::modes::Watch,
 }
 
 /// Starts the stall probe: a thread that sleeps 10 ms in a loop and records every wake-up
@@ -317,6 +319,7 @@ impl World {
             })
             .collect();
         let t0 = now_ms();
+        let hosts_n = s.shape.hosts;
         let mut w = Self {
             keys: Keys::new(&s.ns).expect("namespace"),
             ns: s.ns.clone(),
@@ -356,6 +359,7 @@ impl World {
             log,
             envoy: Default::default(),
             locks: None,
+            modes: super::modes::Watch::new(s.tasks, hosts_n, t0),
         };
         for i in 0..REPLICAS {
             w.start_replica(i).await;
@@ -589,6 +593,10 @@ impl World {
                 &capacity.max(1).to_string(),
             ],
         );
+        let spec = self.ledger.newest(task).and_then(|v| v.spec.clone());
+        let more = self
+            .modes
+            .run_args(&mut self.rng, spec.as_ref(), &base, task, h.offset_ms);
         let mut cmd = match &h.agent {
             Some(a) => a.driver(
                 &task_name(task),
@@ -599,7 +607,7 @@ impl World {
             None => Command::new(workspace_bin("examples/loadgen")),
         };
         if h.agent.is_none() {
-            cmd.args(&args).env("RUST_LOG", "sluice=info");
+            cmd.args(&args).args(&more).env("RUST_LOG", "sluice=info");
         }
         if h.faketime {
             cmd.env("LD_PRELOAD", &self.faketime_lib)
@@ -675,6 +683,22 @@ impl World {
                 for line in complete.lines() {
                     // Validated like any input: a bad line is a finding, not a crash.
                     let v: Option<Value> = serde_json::from_str(line).ok();
+                    // A key's part of a keyed run's bucket (modes.rs).
+                    if let Some(v) = v.as_ref().filter(|v| v.get("key").is_some()) {
+                        if !self.modes.key_line(r.task, h, v, r.offset_ms) {
+                            self.violations.push(Violation {
+                                invariant: "loadgen.progress",
+                                task: Some(task_name(r.task)),
+                                slice: None,
+                                evidence: format!(
+                                    "bad key line in {}: {line:?}",
+                                    r.progress.display()
+                                ),
+                            });
+                        }
+                        continue;
+                    }
+                    let sh = v.as_ref().and_then(|v| v["sh"].as_u64()).unwrap_or(0);
                     let parsed = v.as_ref().and_then(|v| {
                         Some((
                             v["bucket"].as_i64()?,
@@ -700,6 +724,7 @@ impl World {
                             if let Some(n) = v.as_ref().and_then(|v| v["reach"].as_u64()) {
                                 self.ledger.count_reach(r.task, h, b, n);
                             }
+                            self.ledger.count_shadow(r.task, h, b, sh);
                         }
                         _ => self.violations.push(Violation {
                             invariant: "loadgen.progress",
@@ -867,7 +892,12 @@ impl World {
     fn poll_meta(&mut self) {
         let names: Vec<String> = (0..self.ledger.api.len()).map(task_name).collect();
         let keys = &self.keys;
-        type Row = (Option<String>, Option<String>, Option<String>);
+        type Row = (
+            Option<String>,
+            Option<String>,
+            Option<String>,
+            Option<String>,
+        );
         let rows: Option<Vec<Row>> = with_conn(&mut self.conn, &self.redis_url, |c| {
             let mut pipe = redis::pipe();
             for n in &names {
@@ -875,22 +905,34 @@ impl World {
                     .arg(keys.meta(n))
                     .arg(meta_field::SLICE_MS)
                     .arg(meta_field::MODE)
-                    .arg(meta_field::RETIRED);
+                    .arg(meta_field::RETIRED)
+                    .arg(meta_field::KEYED);
             }
             pipe.query(c)
         });
         let Some(rows) = rows else { return };
         let at = now_ms();
-        for (t, (slice_ms, mode, retired)) in rows.into_iter().enumerate() {
+        for (t, (slice_ms, mode, retired, keyed)) in rows.into_iter().enumerate() {
+            // A keyed task has a limit per key: no task-wide bound (modes.rs checks keys).
+            let keyed = keyed.as_deref() == Some("1");
             // Validated like input: anything but a well-formed live meta is "missing".
             let state = match (retired, count_field(slice_ms), mode) {
                 (Some(_), _, _) => MetaState::Tombstone,
                 (None, Some(l), Some(m)) if (100..=86_400_000).contains(&l) => MetaState::Live {
                     slice_ms: l,
-                    class: Class::of_mode(&m),
+                    class: if keyed {
+                        Class::Local
+                    } else {
+                        Class::of_mode(&m)
+                    },
                 },
                 _ => MetaState::Missing,
             };
+            let keyed_grid = match state {
+                MetaState::Live { slice_ms, .. } if keyed => Some(slice_ms),
+                _ => None,
+            };
+            self.modes.observe_keyed(t, at, keyed_grid);
             self.ledger.observe_meta(t, at, state);
         }
     }
@@ -1037,6 +1079,10 @@ impl World {
             self.poll_fencing();
             self.check_safety(false);
             self.envoy_monitor(false);
+            let v = self
+                .modes
+                .check(&self.ledger, &self.timing, now_ms(), false);
+            self.violations.extend(v);
         }
         if self.last_prune.elapsed() >= Duration::from_secs(30) {
             self.last_prune = Instant::now();
@@ -1374,6 +1420,10 @@ impl World {
         tokio::task::block_in_place(|| self.check_safety(true));
         tokio::task::block_in_place(|| self.envoy_shutdown());
         tokio::task::block_in_place(|| self.stop_agents());
+        let v = self.modes.check(&self.ledger, &self.timing, now_ms(), true);
+        self.violations.extend(v);
+        let line = self.modes.summary();
+        self.say(&line);
         for i in 0..self.replicas.len() {
             self.save_replica_log(i);
             if let Some(mut m) = self.replicas[i].m.take() {

@@ -1,0 +1,1067 @@
+//! The newer decision modes in the soak (issue 23): paced pooled tasks, shadow mode, keyed
+//! tasks with overrides and key churn, and concurrency tasks — how the planner draws them
+//! (with a **focus** chosen by the seed, so the CI slice rotates through them), the loadgen
+//! arguments a run gets, and their invariants as pure functions of the [`Ledger`] and of what
+//! the runs reported (unit-tested below with crafted ledgers).
+//!
+//! # Invariants
+//!
+//! * **Paced** tasks are pooled: `safety.slice`, `safety.cap`, fencing and liveness apply as
+//!   they are (check.rs).
+//! * **`shadow.rejected`**: a shadow task refuses nothing. Every bucket decided (in real time:
+//!   a faketime host's buckets moved back by its offset) from the moment a shadow version is
+//!   surely applied ([`applied_by`]) until the next version is written has `rej` = 0. Its
+//!   would-rejects are checked against the cap by `safety.slice` / `safety.window`, which count
+//!   only what the global quota admitted: `adm − fb − sh` (`sh`: shadow-admitted, from the
+//!   progress lines).
+//! * **`safety.key`**: per key `key-i` and per slice `s` of a keyed regime (the meta says
+//!   `keyed = 1` on one grid; `[first observation + ambig, last − 200 ms]` as for the task-wide
+//!   checks), the admissions by the global quota summed over the hosts' buckets `[s, s + L)`
+//!   ≤ the key's bound: the largest [`Spec::key_limit`] of the versions live around the slice
+//!   (the same spans and prefetch allowance as `safety.slice`; a version that is not keyed
+//!   decides a key on the task's quota, at most its cap; a deletion 0), twice that while Redis
+//!   lost its data ([`loss_factor`]).
+//! * **`concurrency.in_flight`**: at no instant are more permits held across all hosts (the
+//!   `--intervals` files: `[start, end]` lies inside the time the permit was held; fallback
+//!   permits, marked `f`, are the documented exception and not counted) than
+//!   [`conc_bound`]: the largest threshold of the concurrency versions live at that instant,
+//!   plus what a reset of the lease hash may strand. Derived from docs/concurrency.md: a host
+//!   hands out under its last applied answer until `t0 + ¾ lease_ms` and learns a new cap at
+//!   its next call (≤ ¼ lease_ms), and a permit handed out is held `hold_ms` more, so a
+//!   version stays live `lease_ms + hold + 100 ms` after its successor is applied; a Redis
+//!   data loss or a deletion (RETIRE deletes the lease hash) lets others be granted the whole
+//!   cap while the old holders' permits are still in use ("no double grant" only within one
+//!   hash), so each such reset adds the cap live at its start for `lease_ms + hold + 100 ms`
+//!   after it is over (Redis: + the settle time).
+//!
+//! Not checked: liveness of keyed tasks (per key) and of concurrency tasks (the quiet period
+//! skips them, as mode `local`).
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use serde_json::Value;
+
+use super::check::{Timing, Violation, applied_by, loss_factor, version_spans};
+use super::ledger::{BUCKET_MS, Cell, Disturb, Ledger};
+use super::plan::{Shape, task_name};
+use super::rng::Rng;
+use super::spec::{Modes, Spec};
+
+/// Longest `--hold-ms` a run gets, plus scheduling slack (ms).
+pub const HOLD_MAX_MS: i64 = 150;
+/// `lease_ms` values the planner writes (hold ≤ lease / 8: well below the TTL, as the docs
+/// ask).
+pub const LEASES: [u64; 3] = [1_000, 2_000, 4_000];
+
+/// The modes a seed favours: `seed % 5` picks one, printed at the start of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Focus {
+    /// `pooled`, `exact_fixed`, `exact_sliding` (the weights before issue 23).
+    PooledExact,
+    /// Paced pooled tasks.
+    Paced,
+    /// Shadow mode.
+    Shadow,
+    /// Keyed tasks.
+    Keyed,
+    /// Concurrency tasks.
+    Concurrency,
+}
+
+impl Focus {
+    /// The focus of a seed.
+    pub fn of_seed(seed: u64) -> Self {
+        [
+            Focus::PooledExact,
+            Focus::Paced,
+            Focus::Shadow,
+            Focus::Keyed,
+            Focus::Concurrency,
+        ][(seed % 5) as usize]
+    }
+
+    /// The variant the first task is created with.
+    pub fn first_variant(self, rng: &mut Rng) -> &'static str {
+        match self {
+            Focus::PooledExact => {
+                rng.pick::<&'static str>(&["pooled", "exact_fixed", "exact_sliding"])
+            }
+            Focus::Paced => "paced",
+            Focus::Shadow => "shadow",
+            Focus::Keyed => "keyed",
+            Focus::Concurrency => "concurrency",
+        }
+    }
+
+    /// Variant weights (`put.mode`, new specs): the focus gets 14 of about 35.
+    pub fn weights(self) -> Vec<(&'static str, u32)> {
+        let mut w = vec![
+            ("pooled", 8),
+            ("exact_fixed", 2),
+            ("exact_sliding", 2),
+            ("local", 2),
+            ("paced", 2),
+            ("shadow", 2),
+            ("keyed", 2),
+            ("concurrency", 2),
+        ];
+        for (k, v) in &mut w {
+            let hit = match self {
+                Focus::PooledExact => *k == "exact_fixed" || *k == "exact_sliding",
+                Focus::Paced => *k == "paced",
+                Focus::Shadow => *k == "shadow",
+                Focus::Keyed => *k == "keyed",
+                Focus::Concurrency => *k == "concurrency",
+            };
+            if hit {
+                *v = if self == Focus::PooledExact { 5 } else { 14 };
+            }
+        }
+        w
+    }
+}
+
+impl fmt::Display for Focus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Focus::PooledExact => "pooled/exact",
+            Focus::Paced => "paced",
+            Focus::Shadow => "shadow",
+            Focus::Keyed => "keyed",
+            Focus::Concurrency => "concurrency",
+        })
+    }
+}
+
+/// A variant by the focus' weights.
+pub fn draw(rng: &mut Rng, focus: Focus) -> &'static str {
+    let w = focus.weights();
+    rng.weighted::<&'static str>(&w)
+}
+
+/// What a threshold means under a variant: a rate of the task, a rate per key, or permits in
+/// flight.
+fn family(variant: &str) -> u8 {
+    match variant {
+        "keyed" => 1,
+        "concurrency" => 2,
+        _ => 0,
+    }
+}
+
+/// A threshold of `family` for `task` on `slice_ms` slices: the task's demand at 1.5–3 × it
+/// (rate); a key's limit at a 4th to a 12th of the task's demand (so skewed keys hit theirs);
+/// 2–12 permits in flight (the runs hold 6–36 loops).
+fn threshold(rng: &mut Rng, fam: u8, shape: &Shape, task: usize, slice_ms: u64) -> u64 {
+    let d = shape.demand(task, slice_ms);
+    match fam {
+        1 => ((d / rng.uniform(4.0, 12.0)).round() as u64).max(1),
+        2 => rng.range(2, 12),
+        _ => ((d / rng.uniform(1.5, 3.0)).round() as u64).max(1),
+    }
+}
+
+/// Turns `s` into `variant` (its mode and [`Modes`]); a change of what the threshold means
+/// (rate, per key, in flight) draws a new threshold and local limit and drops schedules and
+/// dynamic limiting.
+pub fn apply(rng: &mut Rng, variant: &'static str, shape: &Shape, task: usize, s: &mut Spec) {
+    let old = family(s.variant());
+    let new = family(variant);
+    s.modes = Modes::default();
+    if old != new {
+        s.threshold = threshold(rng, new, shape, task, s.slice_ms);
+        s.local_limit = ((s.threshold as f64 * rng.uniform(0.2, 1.0)).round() as u64).max(1);
+        s.schedules.clear();
+        s.dynamic = None;
+    }
+    match variant {
+        "paced" => {
+            s.mode = "pooled";
+            s.modes.paced_burst = Some(if rng.chance(0.4) {
+                0
+            } else {
+                (s.threshold as f64 * rng.uniform(0.05, 0.5)).round() as u64
+            });
+        }
+        "shadow" => {
+            s.mode = *rng.weighted(&[
+                ("pooled", 6),
+                ("exact_fixed", 2),
+                ("exact_sliding", 2),
+                ("local", 1),
+            ]);
+            s.modes.shadow = true;
+            if s.mode == "pooled" && rng.chance(0.25) {
+                s.modes.paced_burst = Some(0);
+            }
+        }
+        "keyed" => {
+            s.mode = "pooled";
+            let n = rng.range(0, 3);
+            let mut o: Vec<(u64, u64)> = Vec::new();
+            for _ in 0..n {
+                let k = rng.below(10);
+                if o.iter().any(|(x, _)| *x == k) {
+                    continue;
+                }
+                let t = if rng.chance(0.1) {
+                    0
+                } else {
+                    ((s.threshold as f64 * rng.uniform(0.2, 2.0)).round() as u64).max(1)
+                };
+                o.push((k, t));
+            }
+            s.modes.keyed = Some(o);
+        }
+        "concurrency" => {
+            s.mode = "concurrency";
+            s.modes.lease_ms = Some(*rng.pick(&LEASES));
+        }
+        m => s.mode = m,
+    }
+    s.normalize();
+}
+
+/// After an edit of `kind` turned `cur` into `s`: keep what the threshold means (a per-key
+/// limit stays one, permits in flight are not a rate to scale with the slice), scale the
+/// overrides with the slice, and keep the combination valid.
+pub fn after_edit(rng: &mut Rng, shape: &Shape, task: usize, cur: &Spec, kind: &str, s: &mut Spec) {
+    let fam = family(s.variant());
+    match kind {
+        "put.threshold" if fam != 0 => {
+            s.threshold = threshold(rng, fam, shape, task, s.slice_ms);
+        }
+        "put.slice" if fam == 2 => {
+            s.threshold = cur.threshold;
+            s.local_limit = cur.local_limit;
+        }
+        "put.slice" => {
+            let f = s.slice_ms as f64 / cur.slice_ms as f64;
+            if let Some(o) = &mut s.modes.keyed {
+                for e in o.iter_mut().filter(|e| e.1 > 0) {
+                    e.1 = ((e.1 as f64 * f).round() as u64).max(1);
+                }
+            }
+            if let Some(b) = &mut s.modes.paced_burst {
+                *b = (*b as f64 * f).round() as u64;
+            }
+        }
+        _ => {}
+    }
+    s.normalize();
+}
+
+/// One interval file of a run (`--intervals`).
+struct IntervalFile {
+    path: PathBuf,
+    task: usize,
+    offset_ms: i64,
+    pos: u64,
+    partial: String,
+}
+
+/// Counts of what the mode checks covered.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ModeCoverage {
+    /// Key slices checked (key × slice).
+    pub key_slices: u64,
+    /// Buckets checked under a shadow version.
+    pub shadow_buckets: u64,
+    /// Permit starts checked against the in-flight bound.
+    pub permit_instants: u64,
+    /// Largest number of permits seen in flight (non-fallback).
+    pub max_in_flight: u64,
+    /// Runs started per variant of the newest spec.
+    pub runs_keyed: u64,
+    /// Runs started on a concurrency spec.
+    pub runs_concurrency: u64,
+}
+
+/// Per-key counts: task → key → host → bucket → cell.
+pub type KeyCells = Vec<BTreeMap<u64, Vec<BTreeMap<i64, Cell>>>>;
+
+/// What the mode checks keep between rounds (owned by the world).
+pub struct Watch {
+    hosts: usize,
+    /// Per-key counts of keyed runs.
+    pub keys: KeyCells,
+    /// Non-fallback permit intervals per task, real µs.
+    pub intervals: Vec<Vec<(i64, i64)>>,
+    files: Vec<IntervalFile>,
+    /// Keyed observations per task: `(first, last, keyed slice_ms or None)`.
+    pub keyed_meta: Vec<Vec<(i64, i64, Option<u64>)>>,
+    keys_until: Vec<i64>,
+    shadow_until: Vec<i64>,
+    conc_until: Vec<i64>,
+    /// What was covered.
+    pub cov: ModeCoverage,
+}
+
+impl Watch {
+    /// Nothing seen yet; the checks start at `t0`.
+    pub fn new(tasks: usize, hosts: usize, t0: i64) -> Self {
+        Self {
+            hosts,
+            keys: vec![BTreeMap::new(); tasks],
+            intervals: vec![Vec::new(); tasks],
+            files: Vec::new(),
+            keyed_meta: vec![Vec::new(); tasks],
+            keys_until: vec![t0; tasks],
+            shadow_until: vec![t0; tasks],
+            conc_until: vec![t0; tasks],
+            cov: ModeCoverage::default(),
+        }
+    }
+
+    /// Extra loadgen arguments of a run of `task` whose newest spec is `spec`: permit holding
+    /// and its intervals file (used if the task is in mode `concurrency` when the run starts),
+    /// loops, and for a keyed spec the keys — a new count (1–40) and skew every run, so keys
+    /// come and go (churn).
+    pub fn run_args(
+        &mut self,
+        rng: &mut Rng,
+        spec: Option<&Spec>,
+        base: &Path,
+        task: usize,
+        offset_ms: i64,
+    ) -> Vec<String> {
+        let path = base.with_extension("intervals");
+        let hold = *rng.pick(&[20u64, 50, 100]);
+        let mut a = vec![
+            "--hold-ms".to_string(),
+            hold.to_string(),
+            "--intervals".to_string(),
+            path.display().to_string(),
+            "--workers".to_string(),
+            rng.range(2, 6).to_string(),
+        ];
+        self.files.push(IntervalFile {
+            path,
+            task,
+            offset_ms,
+            pos: 0,
+            partial: String::new(),
+        });
+        if spec.is_some_and(|s| s.mode == "concurrency") {
+            self.cov.runs_concurrency += 1;
+        }
+        if spec.is_some_and(|s| s.modes.keyed.is_some()) {
+            self.cov.runs_keyed += 1;
+            a.push("--keys".into());
+            a.push(rng.range(1, 40).to_string());
+            if rng.chance(0.5) {
+                a.push("--key-skew".into());
+                a.push(format!("{:.2}", rng.uniform(0.8, 1.5)));
+            }
+        }
+        a
+    }
+
+    /// A progress line with `"key"` (keyed runs); false when it is malformed.
+    pub fn key_line(&mut self, task: usize, host: usize, v: &Value, offset_ms: i64) -> bool {
+        let parsed = (|| {
+            let k = v["key"]
+                .as_str()?
+                .strip_prefix("key-")?
+                .parse::<u64>()
+                .ok()?;
+            Some((
+                k,
+                v["bucket"].as_i64()?,
+                v["adm"].as_u64()?,
+                v["rej"].as_u64()?,
+                v["fb"].as_u64()?,
+            ))
+        })();
+        let Some((k, b, adm, rej, fb)) = parsed.filter(|p| p.1 % BUCKET_MS == 0 && p.4 <= p.2)
+        else {
+            return false;
+        };
+        let hosts = self.hosts;
+        let per_host = self.keys[task]
+            .entry(k)
+            .or_insert_with(|| vec![BTreeMap::new(); hosts]);
+        let c = per_host[host].entry(b).or_insert(Cell {
+            off_min: offset_ms,
+            off_max: offset_ms,
+            ..Cell::default()
+        });
+        c.adm += adm;
+        c.rej += rej;
+        c.fb += fb;
+        c.off_min = c.off_min.min(offset_ms);
+        c.off_max = c.off_max.max(offset_ms);
+        true
+    }
+
+    /// Records whether the meta of `task` said keyed (`Some(slice_ms)`) at `at`.
+    pub fn observe_keyed(&mut self, task: usize, at: i64, keyed: Option<u64>) {
+        let runs = &mut self.keyed_meta[task];
+        match runs.last_mut() {
+            Some(r) if r.2 == keyed => r.1 = at,
+            _ => runs.push((at, at, keyed)),
+        }
+    }
+
+    /// Reads new interval lines; returns the malformed ones.
+    fn read_intervals(&mut self) -> Vec<(usize, String)> {
+        let mut bad = Vec::new();
+        for f in &mut self.files {
+            let Ok(mut file) = File::open(&f.path) else {
+                continue;
+            };
+            if file.seek(SeekFrom::Start(f.pos)).is_err() {
+                continue;
+            }
+            let mut buf = String::new();
+            let Ok(n) = file.read_to_string(&mut buf) else {
+                continue;
+            };
+            f.pos += n as u64;
+            f.partial.push_str(&buf);
+            let text = std::mem::take(&mut f.partial);
+            let (complete, rest) = match text.rfind('\n') {
+                Some(i) => text.split_at(i + 1),
+                None => ("", text.as_str()),
+            };
+            f.partial = rest.to_string();
+            for line in complete.lines() {
+                let w: Vec<&str> = line.split_whitespace().collect();
+                let a = w.first().and_then(|x| x.parse::<i64>().ok());
+                let b = w.get(1).and_then(|x| x.parse::<i64>().ok());
+                match (a, b, w.get(2).copied()) {
+                    (Some(a), Some(b), None) if b >= a => {
+                        let o = f.offset_ms * 1_000;
+                        self.intervals[f.task].push((a - o, b - o));
+                    }
+                    (Some(a), Some(b), Some("f")) if b >= a => {}
+                    _ => bad.push((f.task, format!("{}: {line:?}", f.path.display()))),
+                }
+            }
+        }
+        // Files of runs that ended long ago are read to the end: forget them.
+        bad
+    }
+
+    /// One round of the mode checks at `now` (`fin`: the last one, everything up to now).
+    pub fn check(&mut self, ledger: &Ledger, t: &Timing, now: i64, fin: bool) -> Vec<Violation> {
+        let mut out: Vec<Violation> = self
+            .read_intervals()
+            .into_iter()
+            .map(|(task, line)| Violation {
+                invariant: "loadgen.intervals",
+                task: Some(task_name(task)),
+                slice: None,
+                evidence: format!("bad intervals line {line}"),
+            })
+            .collect();
+        let lag = if fin { 0 } else { t.data_lag_ms };
+        for task in 0..ledger.api.len() {
+            let last_obs = self.keyed_meta[task].last().map_or(now, |r| r.1);
+            let upto = (now - lag).min(last_obs - 200);
+            let (v, next) = check_keys(
+                ledger,
+                &self.keys[task],
+                &self.keyed_meta[task],
+                task,
+                self.keys_until[task],
+                upto,
+                t,
+                &mut self.cov,
+            );
+            out.extend(v);
+            self.keys_until[task] = self.keys_until[task].max(next);
+            let upto = now - lag;
+            out.extend(check_shadow(
+                ledger,
+                task,
+                self.shadow_until[task],
+                upto,
+                t,
+                &mut self.cov,
+            ));
+            self.shadow_until[task] = self.shadow_until[task].max(upto);
+            // Intervals are written when a permit is released (≤ hold after it started).
+            let upto = now - if fin { 0 } else { 3_000 };
+            out.extend(check_concurrency(
+                ledger,
+                &self.intervals[task],
+                task,
+                self.conc_until[task],
+                upto,
+                t,
+                &mut self.cov,
+            ));
+            self.conc_until[task] = self.conc_until[task].max(upto);
+            // Bounded memory: intervals that ended 2 min before what is checked.
+            let keep = self.conc_until[task] * 1_000 - 120_000_000;
+            self.intervals[task].retain(|iv| iv.1 >= keep);
+            let keep = self.keys_until[task] - 300_000;
+            for per_host in self.keys[task].values_mut() {
+                for m in per_host {
+                    *m = m.split_off(&keep);
+                }
+            }
+        }
+        self.files.retain(|f| {
+            // A run's file is kept while it may still grow (runs last ≤ 62 s).
+            std::fs::metadata(&f.path)
+                .and_then(|m| m.modified())
+                .map(|m| m.elapsed().map_or(true, |e| e.as_secs() < 120))
+                .unwrap_or(true)
+        });
+        out
+    }
+
+    /// A one-line summary for the step log.
+    pub fn summary(&self) -> String {
+        let c = &self.cov;
+        format!(
+            "modes: {} key slices, {} shadow buckets, {} permit starts checked (at most {} in flight); {} keyed runs, {} concurrency runs",
+            c.key_slices,
+            c.shadow_buckets,
+            c.permit_instants,
+            c.max_in_flight,
+            c.runs_keyed,
+            c.runs_concurrency
+        )
+    }
+}
+
+/// Per-host sums of one key over the buckets `[from, until)`.
+fn key_sums(per_host: &[BTreeMap<i64, Cell>], from: i64, until: i64) -> Vec<Cell> {
+    per_host
+        .iter()
+        .map(|m| {
+            let mut s = Cell::default();
+            for c in m.range(from..until).map(|(_, c)| c) {
+                s.adm += c.adm;
+                s.rej += c.rej;
+                s.fb += c.fb;
+                s.sh += c.sh;
+            }
+            s
+        })
+        .collect()
+}
+
+/// The keyed regimes of a task: `(from, to, slice_ms)` clean of ambiguity.
+fn keyed_regimes(obs: &[(i64, i64, Option<u64>)], t: &Timing) -> Vec<(i64, i64, u64)> {
+    obs.iter()
+        .filter_map(|(a, b, k)| {
+            let l = (*k)?;
+            let (from, to) = (a + t.ambig_ms, b - 200);
+            (from < to).then_some((from, to, l))
+        })
+        .collect()
+}
+
+/// `safety.key` of `task` for the slices starting at or after `from` whose decisions all fell
+/// before `upto`; returns the violations and the next `from`.
+#[allow(clippy::too_many_arguments)]
+pub fn check_keys(
+    ledger: &Ledger,
+    keys: &BTreeMap<u64, Vec<BTreeMap<i64, Cell>>>,
+    obs: &[(i64, i64, Option<u64>)],
+    task: usize,
+    from: i64,
+    upto: i64,
+    t: &Timing,
+    cov: &mut ModeCoverage,
+) -> (Vec<Violation>, i64) {
+    let spans = version_spans(ledger, task, t);
+    let specs: Vec<Option<&Spec>> = ledger.api[task].iter().map(|v| v.spec.as_ref()).collect();
+    let off = ledger.max_offset_ms;
+    let mut out = Vec::new();
+    let mut next = from;
+    for (rf, rt, l) in keyed_regimes(obs, t) {
+        let l = l as i64;
+        let hi = rt.min(upto);
+        let lo = (rf + off).max(from);
+        let first = lo.div_euclid(l) * l + if lo.rem_euclid(l) == 0 { 0 } else { l };
+        let mut s = first;
+        while s + l + off <= hi {
+            let (a, b) = (s - off, s + l + off);
+            let factor = loss_factor(ledger, a - l, b);
+            for (k, per_host) in keys {
+                let cells = key_sums(per_host, s, s + l);
+                let global: u64 = cells.iter().map(Cell::global).sum();
+                if cells.iter().all(|c| c.demand() == 0) {
+                    continue;
+                }
+                let bound = spans
+                    .iter()
+                    .zip(&specs)
+                    .filter(|(v, _)| v.from_ms <= b && v.until_ms >= a - l - 1_000)
+                    .map(|(_, sp)| sp.map_or(0, |sp| sp.key_limit(*k)))
+                    .max()
+                    .unwrap_or(0)
+                    * factor;
+                cov.key_slices += 1;
+                if global > bound {
+                    let per: Vec<String> = cells
+                        .iter()
+                        .enumerate()
+                        .map(|(h, c)| format!("h{h}: adm {} (fb {}) rej {}", c.adm, c.fb, c.rej))
+                        .collect();
+                    out.push(Violation {
+                        invariant: "safety.key",
+                        task: Some(task_name(task)),
+                        slice: Some(s),
+                        evidence: format!(
+                            "key-{k}, slice {s} ({l} ms): {global} admitted by the global quota > the key's bound {bound}; {}",
+                            per.join(", ")
+                        ),
+                    });
+                }
+            }
+            next = next.max(s + l);
+            s += l;
+        }
+    }
+    (out, next)
+}
+
+/// `shadow.rejected` of `task` over the buckets decided in `[from, upto)` (real time).
+pub fn check_shadow(
+    ledger: &Ledger,
+    task: usize,
+    from: i64,
+    upto: i64,
+    t: &Timing,
+    cov: &mut ModeCoverage,
+) -> Vec<Violation> {
+    let api = &ledger.api[task];
+    let mut out = Vec::new();
+    for (i, v) in api.iter().enumerate() {
+        if !(v.confirmed && v.spec.as_ref().is_some_and(|s| s.modes.shadow)) {
+            continue;
+        }
+        // From surely applied until the next version is written (confirmed or not).
+        let a = applied_by(ledger, v.at_ms, t).max(from);
+        let b = api.get(i + 1).map_or(i64::MAX / 4, |n| n.at_ms).min(upto);
+        if a >= b {
+            continue;
+        }
+        let off = ledger.max_offset_ms;
+        for (h, per_host) in ledger.cells[task].iter().enumerate() {
+            for (bucket, c) in per_host.range(a - off..b + off) {
+                if c.off_min != c.off_max {
+                    continue;
+                }
+                let real = bucket - c.off_min;
+                if real < a || real + BUCKET_MS > b {
+                    continue;
+                }
+                cov.shadow_buckets += 1;
+                if c.rej > 0 {
+                    out.push(Violation {
+                        invariant: "shadow.rejected",
+                        task: Some(task_name(task)),
+                        slice: Some(*bucket),
+                        evidence: format!(
+                            "h{h} rejected {} (admitted {}, shadow {}) in bucket {bucket} (real {real}), while the shadow spec written at {} ({}) was applied since {a}",
+                            c.rej,
+                            c.adm,
+                            c.sh,
+                            v.at_ms,
+                            v.spec.as_ref().map(Spec::describe).unwrap_or_default()
+                        ),
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+/// 2 when a deletion of `task` may have been applied during `[a, b]` (real time), else 1: RETIRE
+/// deletes the `exact_sliding` log, so a window across a deletion and a re-creation holds what
+/// the old log admitted and what the new one does — like a Redis data loss (seed 1005: a
+/// `recreate` of an `exact_sliding` task of 1 537 admitted 1 862 within 1.8 s).
+pub fn retire_factor(ledger: &Ledger, task: usize, a: i64, b: i64, t: &Timing) -> u64 {
+    let retired = ledger.api[task]
+        .iter()
+        .any(|v| v.spec.is_none() && v.at_ms <= b && applied_by(ledger, v.at_ms, t) >= a);
+    if retired { 2 } else { 1 }
+}
+
+/// The most permits of `task` that may be held at `at` (real ms): see the module doc.
+pub fn conc_bound(ledger: &Ledger, task: usize, at: i64, t: &Timing) -> u64 {
+    let spans = version_spans(ledger, task, t);
+    let api = &ledger.api[task];
+    let lease = |i: usize| {
+        api[i]
+            .spec
+            .as_ref()
+            .and_then(|s| s.modes.lease_ms)
+            .unwrap_or(0) as i64
+    };
+    let cap = |i: usize| {
+        api[i]
+            .spec
+            .as_ref()
+            .filter(|s| s.mode == "concurrency")
+            .map_or(0, |s| s.threshold)
+    };
+    // Versions live at `x`, with the lease and hold grace after their successor applied.
+    let live_at = |x: i64| -> u64 {
+        spans
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| s.from_ms <= x && s.until_ms + lease(*i) + HOLD_MAX_MS + 100 >= x)
+            .map(|(i, _)| cap(i))
+            .max()
+            .unwrap_or(0)
+    };
+    let longest = LEASES.iter().copied().max().unwrap_or(0) as i64;
+    let mut bound = live_at(at);
+    // Resets of the lease hash: Redis data loss, and deletions (RETIRE deletes it).
+    for d in &ledger.disturbances {
+        if d.kind != (Disturb::Redis { lost: true }) {
+            continue;
+        }
+        let end = d.to_ms.unwrap_or(i64::MAX / 4) + t.redis_settle_ms + longest + HOLD_MAX_MS + 100;
+        if d.from_ms <= at && at <= end {
+            bound += live_at(d.from_ms);
+        }
+    }
+    for v in api.iter().filter(|v| v.spec.is_none()) {
+        let end = applied_by(ledger, v.at_ms, t) + longest + HOLD_MAX_MS + 100;
+        if v.at_ms <= at && at <= end {
+            bound += live_at(v.at_ms);
+        }
+    }
+    bound
+}
+
+/// `concurrency.in_flight` of `task`: every permit start in `[from, upto)` (ms, real time).
+pub fn check_concurrency(
+    ledger: &Ledger,
+    intervals: &[(i64, i64)],
+    task: usize,
+    from: i64,
+    upto: i64,
+    t: &Timing,
+    cov: &mut ModeCoverage,
+) -> Vec<Violation> {
+    let (lo, hi) = (from * 1_000, upto * 1_000);
+    // Intervals open somewhere in the window; events sorted with ends first at equal times.
+    let mut ev: Vec<(i64, i32)> = intervals
+        .iter()
+        .filter(|iv| iv.1 >= lo - 1 && iv.0 < hi)
+        .flat_map(|&(a, b)| [(a, 1), (b, -1)])
+        .collect();
+    ev.sort();
+    let mut out = Vec::new();
+    let mut cur: i64 = 0;
+    let mut cache: Option<(i64, u64)> = None;
+    for (x, d) in ev {
+        cur += i64::from(d);
+        if d < 0 || x < lo || x >= hi {
+            continue;
+        }
+        cov.permit_instants += 1;
+        cov.max_in_flight = cov.max_in_flight.max(cur as u64);
+        let ms = x.div_euclid(1_000);
+        // Cached per ms: versions are written at ms times (seed 1009: a bound cached for a
+        // whole 100 ms missed a raise written 3 ms before the permits it allowed).
+        let bound = match cache {
+            Some((at, b)) if at == ms => b,
+            _ => {
+                let b = conc_bound(ledger, task, ms, t);
+                cache = Some((ms, b));
+                b
+            }
+        };
+        if cur as u64 > bound && out.len() < 5 {
+            out.push(Violation {
+                invariant: "concurrency.in_flight",
+                task: Some(task_name(task)),
+                slice: Some(ms),
+                evidence: format!(
+                    "{cur} permits held at {x} µs (real time) across the hosts > bound {bound}"
+                ),
+            });
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::ledger::{ApiVersion, MetaState};
+    use super::*;
+
+    fn spec(threshold: u64, mode: &'static str) -> Spec {
+        Spec {
+            threshold,
+            slice_ms: 1_000,
+            local_limit: threshold,
+            on_failure: "local",
+            mode,
+            fallback: None,
+            schedules: Vec::new(),
+            dynamic: None,
+            modes: Modes::default(),
+        }
+    }
+
+    fn ledger(s: Spec) -> Ledger {
+        let mut l = Ledger::new(1, 2);
+        let state = MetaState::Live {
+            slice_ms: s.slice_ms,
+            class: s.class(),
+        };
+        l.api[0].push(ApiVersion {
+            at_ms: 0,
+            spec: Some(s),
+            confirmed: true,
+        });
+        for i in 0..=240 {
+            l.observe_meta(0, i * 250, state);
+        }
+        l
+    }
+
+    #[test]
+    fn the_focus_rotates_with_the_seed_and_weighs_its_variant() {
+        let names: Vec<String> = (0..5).map(|s| Focus::of_seed(s).to_string()).collect();
+        assert_eq!(
+            names,
+            ["pooled/exact", "paced", "shadow", "keyed", "concurrency"]
+        );
+        let mut rng = Rng::new(1);
+        let n = (0..1_000)
+            .filter(|_| draw(&mut rng, Focus::Concurrency) == "concurrency")
+            .count();
+        assert!((300..500).contains(&n), "{n} of 1000");
+    }
+
+    #[test]
+    fn variants_give_valid_specs_and_keep_what_the_threshold_means() {
+        let shape = Shape {
+            host_rate: vec![300],
+            hosts: 3,
+            agents: 0,
+        };
+        let mut rng = Rng::new(7);
+        let mut s = spec(300, "pooled");
+        for _ in 0..2_000 {
+            let v = draw(&mut rng, Focus::Keyed);
+            apply(&mut rng, v, &shape, 0, &mut s);
+            assert_eq!(s.variant(), v, "{s:?}");
+            let ratio = shape.demand(0, s.slice_ms) / s.threshold.max(1) as f64;
+            match v {
+                "keyed" => assert!((3.5..=13.0).contains(&ratio), "{ratio}"),
+                "concurrency" => assert!((2..=12).contains(&s.threshold)),
+                _ => assert!((1.4..=3.2).contains(&ratio), "{v}: {ratio}"),
+            }
+            if s.mode == "concurrency" {
+                assert!(s.schedules.is_empty() && s.dynamic.is_none() && !s.modes.shadow);
+            }
+            let cur = s.clone();
+            after_edit(&mut rng, &shape, 0, &cur, "put.threshold", &mut s);
+            assert_eq!(s.variant(), v);
+        }
+    }
+
+    #[test]
+    fn a_key_over_its_override_is_caught_and_an_old_version_keeps_its_grace() {
+        let mut k = spec(100, "pooled");
+        k.modes.keyed = Some(vec![(3, 20)]);
+        let mut l = ledger(k.clone());
+        let t = Timing::default();
+        let obs = vec![(0, 60_000, Some(1_000u64))];
+        let mut keys: BTreeMap<u64, Vec<BTreeMap<i64, Cell>>> = BTreeMap::new();
+        fn add(
+            keys: &mut BTreeMap<u64, Vec<BTreeMap<i64, Cell>>>,
+            k: u64,
+            h: usize,
+            b: i64,
+            n: u64,
+        ) {
+            let e = keys.entry(k).or_insert_with(|| vec![BTreeMap::new(); 2]);
+            let c = e[h].entry(b).or_default();
+            c.adm += n;
+            c.rej += 1;
+        }
+        for s in (0..60_000).step_by(1_000) {
+            add(&mut keys, 0, 0, s, 60); // key-0: 100 per slice
+            add(&mut keys, 0, 1, s + 500, 40);
+            add(&mut keys, 3, 0, s, 10); // key-3: 20 per slice
+            add(&mut keys, 3, 1, s + 100, 10);
+        }
+        let mut cov = ModeCoverage::default();
+        let (v, next) = check_keys(&l, &keys, &obs, 0, 0, 50_000, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        assert!(cov.key_slices >= 80 && next >= 45_000, "{cov:?} {next}");
+        // One more for key-3 in slice 20 000: over its override.
+        add(&mut keys, 3, 1, 20_300, 1);
+        let (v, _) = check_keys(&l, &keys, &obs, 0, 0, 50_000, &t, &mut cov);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!((v[0].invariant, v[0].slice), ("safety.key", Some(20_000)));
+        // A new version without the override at 30 s: key-3's limit is 100 from then on, and
+        // the old 20 stays legitimate — the bound is the largest of the live versions.
+        let mut k2 = k.clone();
+        k2.modes.keyed = Some(Vec::new());
+        l.api[0].push(ApiVersion {
+            at_ms: 30_000,
+            spec: Some(k2),
+            confirmed: true,
+        });
+        add(&mut keys, 3, 0, 40_000, 70);
+        let (v, _) = check_keys(&l, &keys, &obs, 0, 30_000, 50_000, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        // A Redis data loss doubles the bound of the slices around it.
+        let i = l.begin(Disturb::Redis { lost: true }, 20_500);
+        l.end(i, 20_600);
+        let (v, _) = check_keys(&l, &keys, &obs, 0, 0, 30_000, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+    }
+
+    #[test]
+    fn a_shadow_task_refuses_nothing_once_applied() {
+        let mut s = spec(100, "pooled");
+        s.modes.shadow = true;
+        let mut l = ledger(spec(100, "pooled"));
+        l.api[0].push(ApiVersion {
+            at_ms: 10_000,
+            spec: Some(s),
+            confirmed: true,
+        });
+        l.api[0].push(ApiVersion {
+            at_ms: 40_000,
+            spec: Some(spec(100, "pooled")),
+            confirmed: true,
+        });
+        let t = Timing::default();
+        // Rejections before it applies (13 s) and after it is replaced (40 s): fine.
+        for b in [12_000, 12_900, 40_000, 45_000] {
+            l.count(0, 0, b, 5, 5, 0, 0);
+        }
+        for b in (13_000..40_000).step_by(100) {
+            l.count(0, 1, b, 20, 0, 0, 0);
+            l.count_shadow(0, 1, b, 10);
+        }
+        let mut cov = ModeCoverage::default();
+        let v = check_shadow(&l, 0, 0, 60_000, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        assert_eq!(cov.shadow_buckets, 270, "host 1's buckets of [13 s, 40 s)");
+        // A faketime host (+300 ms) whose bucket 13 200 was decided at 12 900: not checked;
+        // one rejection inside the span is.
+        l.count(0, 0, 13_200, 0, 1, 0, 300);
+        assert!(check_shadow(&l, 0, 0, 60_000, &t, &mut cov).is_empty());
+        l.count(0, 0, 39_800, 1, 1, 0, 300);
+        let v = check_shadow(&l, 0, 0, 60_000, &t, &mut cov);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].invariant, "shadow.rejected");
+        // The shadow admissions do not count against the cap (safety.slice's global()).
+        let c = l.host_sum(0, 1, 13_000, 14_000);
+        assert_eq!((c.adm, c.sh, c.global()), (200, 100, 100));
+    }
+
+    /// Seed 1005: a re-created `exact_sliding` task starts a new log (RETIRE deleted the old
+    /// one), so a window across the re-creation holds both logs' admissions.
+    #[test]
+    fn a_window_across_a_recreation_of_a_sliding_task_may_hold_both_logs() {
+        use super::super::check::{Coverage, SliceRead, Slices, check_safety};
+        struct NoSlices;
+        impl Slices for NoSlices {
+            fn read(&mut self, _: usize, s: &[i64]) -> Option<Vec<Option<SliceRead>>> {
+                Some(vec![None; s.len()])
+            }
+        }
+        let mut l = ledger(spec(100, "exact_sliding"));
+        // 100 in the first half of every second until 20.6 s, deleted at 20 s, re-created at
+        // 20.4 s: the new log admits 100 at once (20.6 s – 21 s).
+        for s in (0..20_000).step_by(1_000) {
+            for b in (s..s + 500).step_by(100) {
+                l.count(0, 0, b, 20, 5, 0, 0);
+            }
+        }
+        for b in (20_000..20_500).step_by(100) {
+            l.count(0, 0, b, 20, 5, 0, 0);
+        }
+        for b in (20_600..21_100).step_by(100) {
+            l.count(0, 1, b, 20, 5, 0, 0);
+        }
+        let t = Timing::default();
+        let mut cov = Coverage::default();
+        let (v, _) = check_safety(&l, 0, 0, 30_000, &mut NoSlices, &t, &mut cov);
+        assert!(!v.is_empty(), "without the deletion, 200 in 800 ms is over");
+        l.api[0].push(ApiVersion {
+            at_ms: 20_000,
+            spec: None,
+            confirmed: true,
+        });
+        l.api[0].push(ApiVersion {
+            at_ms: 20_400,
+            spec: Some(spec(100, "exact_sliding")),
+            confirmed: true,
+        });
+        let (v, _) = check_safety(&l, 0, 0, 30_000, &mut NoSlices, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        assert_eq!(retire_factor(&l, 0, 10_000, 15_000, &t), 1);
+    }
+
+    #[test]
+    fn permits_in_flight_bounded_with_grace_for_a_decrease_and_a_reset() {
+        let mut c = spec(5, "concurrency");
+        c.modes.lease_ms = Some(1_000);
+        let mut l = ledger(c.clone());
+        let t = Timing::default();
+        let mut cov = ModeCoverage::default();
+        // 5 permits held at once, back to back, from 1 s to 60 s.
+        let mut iv: Vec<(i64, i64)> = Vec::new();
+        for s in (1_000..60_000).step_by(100) {
+            for k in 0..5 {
+                iv.push((s * 1_000 + k, s * 1_000 + 99_000));
+            }
+        }
+        assert!(check_concurrency(&l, &iv, 0, 0, 60_000, &t, &mut cov).is_empty());
+        assert_eq!(cov.max_in_flight, 5);
+        // A sixth at 20 s: caught.
+        let mut bad = iv.clone();
+        bad.push((20_000_500, 20_050_000));
+        let v = check_concurrency(&l, &bad, 0, 0, 60_000, &t, &mut cov);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!(v[0].invariant, "concurrency.in_flight");
+        // A raise to 8 written at 45 003 ms: 8 held from 45 005 ms on are within it (the one
+        // of 45 001 ms, before it, is checked against 5).
+        let mut raised = l.clone();
+        let mut c8 = c.clone();
+        c8.threshold = 8;
+        raised.api[0].push(ApiVersion {
+            at_ms: 45_003,
+            spec: Some(c8),
+            confirmed: true,
+        });
+        let mut up: Vec<(i64, i64)> = iv.iter().copied().filter(|v| v.1 < 45_000_000).collect();
+        up.push((45_001_000, 45_090_000));
+        for k in 0..7 {
+            up.push((45_005_000 + k, 45_090_000));
+        }
+        let v = check_concurrency(&raised, &up, 0, 0, 46_000, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        // Threshold 5 → 3 at 30 s: 5 stay legitimate until applied (33 s) + lease + hold.
+        let mut c3 = c.clone();
+        c3.threshold = 3;
+        l.api[0].push(ApiVersion {
+            at_ms: 30_000,
+            spec: Some(c3),
+            confirmed: true,
+        });
+        assert_eq!(conc_bound(&l, 0, 34_000, &t), 5);
+        assert_eq!(conc_bound(&l, 0, 34_300, &t), 3);
+        // A Redis data loss at 50 s: the old holders and the new grants, twice the cap.
+        let i = l.begin(Disturb::Redis { lost: true }, 50_000);
+        l.end(i, 50_100);
+        assert_eq!(conc_bound(&l, 0, 52_000, &t), 6);
+        assert_eq!(conc_bound(&l, 0, 60_000, &t), 3);
+    }
+}

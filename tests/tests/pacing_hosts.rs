@@ -1,0 +1,91 @@
+//! Paced slices over several hosts (found by the soak's paced focus, issue 23: seed 1001, a
+//! paced task of 438 per 1 s slice with three hosts asking 260/s each admitted 247 per slice,
+//! 56 %). Three simulated hosts (one `loadgen` process each) ask 400/s each of a paced task of
+//! 1,000 per 1 s slice: together 1.2 × the pace, each 0.4 × of it. Liveness as for an unpaced
+//! task: every full slice admits ≥ 90 % of its cap (the pace releases it all by the slice's
+//! end and the hosts together always ask for more than it releases). The same demand from one
+//! host (the control, printed) does use ≥ 90 % of every slice.
+//!
+//! Fails today: each host numbers its local stock as the top of everything the task granted
+//! (`pace_check` in worker-sdk/src/client.rs), so the pace moves through every host's stock at
+//! the whole task's rate, and a host that decides slower than the task's pace drops the
+//! difference as "stale stock" — quota nobody else can use any more (it was granted in Redis).
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use sluice_tests::*;
+
+const THRESHOLD: u64 = 1_000;
+const SLICE_MS: i64 = 1_000;
+
+/// `hosts` simulated hosts (one process each) asking `rate`/s for 5 s, started together:
+/// admitted and rejected per slice, all hosts.
+async fn per_slice(redis: &str, ns: &str, hosts: usize, rate: u64) -> BTreeMap<i64, (u64, u64)> {
+    let ids: Vec<String> = (0..hosts).map(|i| format!("{ns}-{hosts}h{i}")).collect();
+    let _seg = SegmentGuard(ids.iter().map(|h| (ns.to_string(), h.clone())).collect());
+    let start_at = (now_ms() + 1_500).to_string();
+    let rate = rate.to_string();
+    let mut runs: Vec<Loadgen> = ids
+        .iter()
+        .map(|h| {
+            Loadgen::spawn(&loadgen_args(
+                redis,
+                ns,
+                "paced",
+                h,
+                1,
+                5_000,
+                &[
+                    "--rate",
+                    &rate,
+                    "--bucket-ms",
+                    "100",
+                    "--start-at-ms",
+                    &start_at,
+                ],
+            ))
+        })
+        .collect();
+    let mut total: BTreeMap<i64, (u64, u64)> = BTreeMap::new();
+    for lg in &mut runs {
+        let r = lg.wait_json(Duration::from_secs(60)).await;
+        for (b, (a, rj)) in loadgen_buckets(&r) {
+            let e = total.entry(b - b.rem_euclid(SLICE_MS)).or_default();
+            e.0 += a;
+            e.1 += rj;
+        }
+    }
+    total
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "liveness defect of paced slices over several hosts (docs/soak.md, paced focus): \
+            each host admits at most its own share of the pace's numbering"]
+async fn paced_hosts_each_slower_than_the_pace_still_use_the_slice() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("pacehosts");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    let body =
+        format!(r#"{{"threshold":{THRESHOLD},"slice_ms":{SLICE_MS},"pacing":"smooth","burst":0}}"#);
+    let (status, v) = m.put("/api/v1/tasks/paced", &body).await;
+    assert!(status == 200 || status == 201, "{status} {v}");
+    m.wait_rolled("paced").await;
+    // The control: one host asking all of it (1,200/s) uses ≥ 90 % of every slice.
+    let control = per_slice(&redis, &ns, 1, 1_200).await;
+    eprintln!("admitted, rejected per slice (1 host at 1,200/s): {control:?}");
+    let total = per_slice(&redis, &ns, 3, 400).await;
+    eprintln!("admitted, rejected per slice (3 hosts): {total:?}");
+    let slices: Vec<i64> = total.keys().copied().collect();
+    let full = &slices[1..slices.len().saturating_sub(1)];
+    assert!(full.len() >= 3, "too few full slices: {full:?}");
+    for s in full {
+        let (a, r) = total[s];
+        assert!(a <= THRESHOLD, "slice {s} over-admitted {a}");
+        assert!(
+            a >= THRESHOLD * 9 / 10,
+            "slice {s} admitted only {a} of {THRESHOLD} with {} asked",
+            a + r
+        );
+    }
+}
