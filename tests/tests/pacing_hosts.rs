@@ -6,10 +6,11 @@
 //! end and the hosts together always ask for more than it releases). The same demand from one
 //! host (the control, printed) does use ≥ 90 % of every slice.
 //!
-//! Fails today: each host numbers its local stock as the top of everything the task granted
-//! (`pace_check` in worker-sdk/src/client.rs), so the pace moves through every host's stock at
-//! the whole task's rate, and a host that decides slower than the task's pace drops the
-//! difference as "stale stock" — quota nobody else can use any more (it was granted in Redis).
+//! Failed before the fix: each host numbers its local stock as the top of everything the task
+//! granted (`pace_check` in worker-sdk/src/client.rs), so the pace moves through every host's
+//! stock at the whole task's rate, and a host that decided slower than the task's pace dropped
+//! the difference as "stale stock" — quota nobody else could use any more (it was granted in
+//! Redis). Stock below the pace is now kept and spent.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -60,8 +61,6 @@ async fn per_slice(redis: &str, ns: &str, hosts: usize, rate: u64) -> BTreeMap<i
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "liveness defect of paced slices over several hosts (docs/soak.md, paced focus): \
-            each host admits at most its own share of the pace's numbering"]
 async fn paced_hosts_each_slower_than_the_pace_still_use_the_slice() {
     let (etcd, redis) = (shared_etcd(), shared_redis());
     let ns = unique_ns("pacehosts");

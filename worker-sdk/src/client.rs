@@ -1311,37 +1311,23 @@ impl Task {
             if t != tag || (c as u64) < n {
                 break;
             }
-            // Paced: stale stock dropped together with this admission (never for a refused
-            // request: a refusal leaves the stock as it was).
-            let mut drop = 0;
-            if m.paced {
-                match pace_check(slot, e, c, start_ms, m.slice_ms, n, now_us) {
-                    Pace::Go { drop: k } => drop = k,
-                    Pace::Wait(us) => return self.pace_limited(slot, e, c, index, start_ms, n, us),
-                }
-            }
-            let take = n + drop;
-            if drop > 0 {
-                // From `granted` first, so the accounting never counts dropped stock as
-                // admitted.
-                e.granted.fetch_sub(drop, Ordering::AcqRel);
+            // Paced: only what the pace has released (a refusal leaves the stock as it was).
+            if m.paced
+                && let Pace::Wait(us) = pace_check(slot, e, c, start_ms, m.slice_ms, n, now_us)
+            {
+                return self.pace_limited(slot, e, c, index, start_ms, n, us);
             }
             match e
                 .word
-                .compare_exchange_weak(q, q - take, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(q, q - n, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
-                    if c as u64 - take < e.low_water.load(Ordering::Relaxed) {
+                    if c as u64 - n < e.low_water.load(Ordering::Relaxed) {
                         self.want(slot, start_ms, n);
                     }
                     return Step::Decided(Decision::Allowed);
                 }
-                Err(x) => {
-                    if drop > 0 {
-                        e.granted.fetch_add(drop, Ordering::AcqRel);
-                    }
-                    q = x;
-                }
+                Err(x) => q = x,
             }
         }
         // Not enough local quota for this slice.
@@ -1504,12 +1490,8 @@ impl Drop for Waiting<'_> {
 /// What the pace says about spending `n` more of a paced slice's local stock now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pace {
-    /// Released: spend `n`, and drop `drop` permits of stale stock with it (in the same
-    /// compare-and-swap): permits the pace released before now that this host never spent.
-    Go {
-        /// Stale permits to drop together with the admission.
-        drop: u64,
-    },
+    /// Released: spend `n`.
+    Go,
     /// Not released yet: µs until it is. The stock is left as it is.
     Wait(u64),
 }
@@ -1522,26 +1504,26 @@ enum Pace {
 /// `count` is taken to be the top of everything granted so far (`pace_granted`, any host's
 /// grants and forfeits included, as Redis reported after this host's last pull), so the
 /// permits it has spent are numbered up to `spent = pace_granted − count`. With
-/// `paced = floor(cap · elapsed / slice)` and `keep = max(1, n − burst)` (the released
-/// permits a request of `n` needs beyond the burst):
+/// `paced = floor(cap · elapsed / slice)`:
 ///
 /// ```text
-///   drop  = min(paced − keep − spent, count − n)   when spent + keep < paced, else 0
-///           stock the pace released while this host did not decide (a paused or starved
-///           process) is dropped, as the script forfeits what nobody pulled, but never below
-///           what this request needs, and only together with its admission
-///   spent + drop + n ≤ paced + burst ......... Go { drop }
-///   otherwise ................................ Wait until elapsed ≥ (spent + n − burst) · slice / cap
-///                                              (then drop = 0: a refusal drops nothing)
+///   spent + n ≤ paced + burst ......... Go
+///   otherwise ......................... Wait until elapsed ≥ (spent + n − burst) · slice / cap
 /// ```
 ///
-/// So a request of any cost up to the slice's cap is admitted as soon as the pace has
-/// released it (item 1 of issue 23: with `keep = 1` always, a request of `burst + 2` or more
-/// was never admitted and each try dropped stock). Every admission at time `t` leaves
-/// `spent ≤ paced(t) + burst`, and `spent` counts at least everything this host admitted in
-/// the slice, so the host never admits more than `paced(t) + burst` by any time `t`. With
-/// other hosts' grants in between, the numbers are over-estimated (the host waits a little
-/// longer than needed, never less), so no host spends a permit before its release.
+/// A request of any cost up to the slice's cap is admitted as soon as the pace has released
+/// it (item 1 of issue 23). Every permit has its own number, each host's stock holds numbers
+/// no host else holds (a grant is a range of the sequence; an older leftover numbered at the
+/// top is over-estimated, never under), and a permit is admitted at `t` only if its number is
+/// below `paced(t) + burst`: so **the whole task** never admits more than `paced(t) + burst`
+/// by any time `t`, whatever the hosts.
+///
+/// Stock numbered below the pace (a host that decided slower than the task's pace, or was
+/// paused) is kept and spent: its numbers are below the pace, so spending it at once stays
+/// within the bound above; what the pace released while *nobody* pulled is forfeited by the
+/// script. (Dropping such stock, as before, lost it for good: with several hosts the numbers
+/// interleave and the pace passes a slow host's whole stock at the task's rate — the soak's
+/// seed 1001: three hosts at 0.4 × the pace each admitted 56 % of the cap.)
 #[inline]
 fn pace_check(
     slot: &Slot,
@@ -1555,7 +1537,7 @@ fn pace_check(
     let cap = e.pace_cap.load(Ordering::Relaxed);
     if cap == 0 {
         // No cap known yet: nothing to pace against (Redis still does).
-        return Pace::Go { drop: 0 };
+        return Pace::Go;
     }
     let burst = slot.ctl.pace_burst.load(Ordering::Relaxed);
     let count = count as u64;
@@ -1563,15 +1545,13 @@ fn pace_check(
     let len_us = (slice_ms.saturating_mul(1_000) as u128).max(1);
     let elapsed_us = now_us.saturating_sub(start_ms.saturating_mul(1_000)).max(0) as u128;
     let paced = (cap as u128 * elapsed_us / len_us).min(cap as u128) as u64;
-    let keep = n.saturating_sub(burst).max(1);
-    let drop = paced
-        .saturating_sub(keep)
-        .saturating_sub(spent)
-        .min(count.saturating_sub(n));
-    let need = spent.saturating_add(drop).saturating_add(n);
+    // Stock numbered below the pace is never dropped: with several hosts the numbers
+    // interleave, and a host deciding slower than the task's pace would lose its stock to
+    // other hosts' grants (see the doc above).
+    let need = spent.saturating_add(n);
     if need <= paced.saturating_add(burst) || need > cap {
         // Released, or beyond the cap (the local quota and Redis decide that).
-        return Pace::Go { drop };
+        return Pace::Go;
     }
     let at_us = ((need - burst) as u128 * len_us).div_ceil(cap as u128);
     Pace::Wait(at_us.saturating_sub(elapsed_us).clamp(1, u64::MAX as u128) as u64)
@@ -1905,18 +1885,20 @@ pub(crate) mod tests {
         }
         refused(task.try_acquire_at(1, now_us));
         assert_eq!(unpack_quota(e.word.load(Ordering::Relaxed)).2, 8);
-        // A paused host: its stock of 8 is numbered 4 below the pace. 3 of them are dropped
-        // (not admitted, not counted); the last one released and the burst go.
+        // A paused host (or one deciding slower than the task's pace, its numbers passed by
+        // other hosts' grants): its stock of 8 is numbered 4 below the pace. Those 4 are
+        // released, and the burst (2) goes on top: 6 admitted, nothing dropped (before, 3 were
+        // dropped and lost: the soak's seed 1001).
         e.pace_granted.store(paced + 4, Ordering::Relaxed);
-        for _ in 0..3 {
+        for _ in 0..6 {
             assert_eq!(task.try_acquire_at(1, now_us), Decision::Allowed);
         }
         refused(task.try_acquire_at(1, now_us));
         assert_eq!(unpack_quota(e.word.load(Ordering::Relaxed)).2, 2);
         assert_eq!(
             slot.consumed(start, day),
-            5,
-            "admitted: 2 + 3, the dropped 3 not"
+            8,
+            "admitted: 2 + 6, none dropped"
         );
         // The pace refusals: counted as rejections.
         assert_eq!(slot.drain_counters(), vec![(start, [0, 2, 0, 0, 0, 0, 0])]);
@@ -1956,8 +1938,8 @@ pub(crate) mod tests {
     }
 
     /// Issue 23 item 1: a request costing more than `burst + 1` is admitted once the pace has
-    /// released it (stale stock is dropped only down to what it needs, with its admission),
-    /// and a refused one leaves the stock as it was.
+    /// released it, and a refused one leaves the stock as it was (stock numbered below the
+    /// pace is kept: never dropped).
     #[test]
     fn paced_requests_above_the_burst_are_admitted_and_refusals_drop_nothing() {
         let dir = tempfile::tempdir().unwrap();
@@ -1985,8 +1967,11 @@ pub(crate) mod tests {
         e.pace_granted.store(paced + 3, Ordering::Relaxed);
         assert!(slot.deposit(start, day, 10, false, now_us));
         let stock = || unpack_quota(e.word.load(Ordering::Relaxed)).2;
-        // Cost 5, burst 0: 2 stale permits dropped, 5 admitted (spent = paced).
+        // Cost 5, burst 0: released (spent + 5 = paced − 2), admitted; spent = paced − 2.
         assert_eq!(task.try_acquire_at(5, now_us), Decision::Allowed);
+        assert_eq!(stock(), 5);
+        // Cost 2: released too (spent + 2 = paced); spent = paced.
+        assert_eq!(task.try_acquire_at(2, now_us), Decision::Allowed);
         assert_eq!(stock(), 3);
         // Nothing more released: cost 2 waits, and the stock stays.
         for _ in 0..3 {
@@ -1996,11 +1981,7 @@ pub(crate) mod tests {
             ));
             assert_eq!(stock(), 3, "a refused request dropped stock");
         }
-        assert_eq!(
-            slot.consumed(start, day),
-            5,
-            "the dropped 2 are not admitted"
-        );
+        assert_eq!(slot.consumed(start, day), 7, "5 + 2 admitted, none dropped");
     }
 
     /// Issue 9 item 9: a handle whose slot was reclaimed for another task (its process kept
