@@ -150,6 +150,21 @@ pub struct Ledger {
 pub const STALL_MIN_MS: i64 = 15;
 
 impl Ledger {
+    /// Whether a shadow version of `task` may have been applied at `at_ms` (any version from
+    /// 10 s before its successor was written back to 10 s after it was written): an agent
+    /// host cannot tell a shadow admission from one by the quota (RLS answers OK for both).
+    pub fn maybe_shadow(&self, task: usize, at_ms: i64) -> bool {
+        let v = &self.api[task];
+        v.iter().enumerate().any(|(i, x)| {
+            let until = v
+                .get(i + 1)
+                .map_or(i64::MAX, |n| n.at_ms.saturating_add(10_000));
+            x.spec.as_ref().is_some_and(|s| s.modes.shadow)
+                && x.at_ms.saturating_sub(10_000) <= at_ms
+                && at_ms < until
+        })
+    }
+
     /// The longest stall overlapping `[from, to)`, ms (0 = none).
     pub fn longest_stall(&self, from: i64, to: i64) -> i64 {
         self.stalls

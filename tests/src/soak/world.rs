@@ -661,6 +661,7 @@ impl World {
     /// Reads new progress lines of every run into the ledger.
     fn read_progress(&mut self) {
         for h in 0..self.hosts.len() {
+            let agent = self.hosts[h].agent.is_some();
             for r in &mut self.hosts[h].runs {
                 let Ok(mut f) = File::open(&r.progress) else {
                     continue;
@@ -724,6 +725,13 @@ impl World {
                             if let Some(n) = v.as_ref().and_then(|v| v["reach"].as_u64()) {
                                 self.ledger.count_reach(r.task, h, b, n);
                             }
+                            // An agent host's admissions of a shadow task cannot be told
+                            // apart (RLS answers OK either way): all counted as shadow.
+                            let sh = if agent && self.ledger.maybe_shadow(r.task, b) {
+                                a.saturating_sub(fb)
+                            } else {
+                                sh
+                            };
                             self.ledger.count_shadow(r.task, h, b, sh);
                         }
                         _ => self.violations.push(Violation {
