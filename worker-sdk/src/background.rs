@@ -233,11 +233,26 @@ fn own_slot<'a>(sh: &'a Shared, t: &TaskInner, stopping: bool) -> Option<(&'a Sl
 /// by the soak, seed 1014: a deleted concurrency task's loadgen never stopped).
 async fn step(sh: &Shared, t: &TaskInner, stopping: bool) -> bool {
     let busy = step_inner(sh, t, stopping).await;
+    // At most every WAITER_WAKE_MS: a woken waiter pokes the background thread, whose next
+    // round would wake it again at once — two threads spinning for as long as it waits (the
+    // review of issue 23 measured it on a deleted concurrency task's `permit_timeout` loop).
     if t.waiters.load(Ordering::Acquire) > 0 {
-        t.deposited.notify_waiters();
+        let now = crate::clock::host_ms();
+        let last = t.woken_ms.load(Ordering::Relaxed);
+        if now - last >= WAITER_WAKE_MS
+            && t.woken_ms
+                .compare_exchange(last, now, Ordering::AcqRel, Ordering::Relaxed)
+                .is_ok()
+        {
+            t.deposited.notify_waiters();
+        }
     }
     busy
 }
+
+/// How often the background thread wakes a task's waiters whatever its rounds found, ms (so a
+/// waiter checks its deadline at least this often even when nothing is deposited).
+pub(crate) const WAITER_WAKE_MS: i64 = 10;
 
 async fn step_inner(sh: &Shared, t: &TaskInner, stopping: bool) -> bool {
     t.poked.store(false, Ordering::Release);
@@ -661,8 +676,16 @@ async fn pull(
             let cap = slot.ctl.cap.load(Ordering::Relaxed);
             let e = slot.entry(start_ms, slice_ms);
             e.pace_cap.store(cap, Ordering::Relaxed);
-            e.pace_granted
-                .store((cap as i64 - remaining).max(0) as u64, Ordering::Relaxed);
+            // The top of the numbering only grows within a slice: a reply applied late (a
+            // pull whose lock was taken over while it stalled) must not lower it, or the host
+            // would number its stock below what it holds (the review of issue 23).
+            let top = (cap as i64 - remaining).max(0) as u64;
+            let (t, _, _) = crate::shm::unpack_quota(e.word.load(Ordering::Acquire));
+            if t == crate::shm::tag_of(start_ms) {
+                e.pace_granted.fetch_max(top, Ordering::AcqRel);
+            } else {
+                e.pace_granted.store(top, Ordering::Relaxed);
+            }
         }
         if !own {
             tracing::debug!(task = %t.name, "slot reclaimed during a pull; grant dropped");

@@ -563,6 +563,9 @@ pub(crate) struct TaskInner {
     pub(crate) poked: AtomicBool,
     pub(crate) deposited: Notify,
     pub(crate) waiters: AtomicUsize,
+    /// When the background thread last woke this task's waiters whatever its round found
+    /// (host ms): at most every [`crate::background::WAITER_WAKE_MS`].
+    pub(crate) woken_ms: AtomicI64,
     /// `try_acquire` on an exact task was warned about (once per task per process).
     warned_would_block: AtomicBool,
     /// A cost too large for any slice was warned about (once per task per process).
@@ -586,6 +589,7 @@ impl TaskInner {
             poked: AtomicBool::new(false),
             deposited: Notify::new(),
             waiters: AtomicUsize::new(0),
+            woken_ms: AtomicI64::new(0),
             warned_would_block: AtomicBool::new(false),
             warned_too_large: AtomicBool::new(false),
             dropped_start: AtomicI64::new(i64::MIN),
