@@ -37,6 +37,9 @@ pub struct Cell {
     pub reach: u64,
     /// Shadow-admitted decisions (part of `adm`: the limit would have rejected them).
     pub sh: u64,
+    /// Agent hosts: admissions of a task that may have been in shadow mode (part of `sh`:
+    /// not the quota's for safety; possibly the quota's for liveness, [`Cell::quota`]).
+    pub amb: u64,
 }
 
 impl Cell {
@@ -49,7 +52,7 @@ impl Cell {
     /// host may have admitted here and counted elsewhere (liveness: an upper bound, so the
     /// floor never fires on where an answer arrived).
     pub fn quota(&self) -> u64 {
-        self.global() + self.strad.min(self.fb) + self.reach
+        self.global() + self.strad.min(self.fb) + self.reach + self.amb
     }
 
     /// Decisions asked for.
@@ -225,6 +228,14 @@ impl Ledger {
         self.cells[task][host].entry(bucket).or_default().reach += n;
     }
 
+    /// Marks `n` of a cell's shadow-admitted decisions as an agent host's ambiguous ones
+    /// ([`Cell::amb`]).
+    pub fn count_ambiguous(&mut self, task: usize, host: usize, bucket: i64, n: u64) {
+        if let Some(c) = self.cells[task][host].get_mut(&bucket) {
+            c.amb = (c.amb + n).min(c.sh);
+        }
+    }
+
     /// Adds shadow-admitted decisions to a cell [`Ledger::count`] made.
     pub fn count_shadow(&mut self, task: usize, host: usize, bucket: i64, sh: u64) {
         if let Some(c) = self.cells[task][host].get_mut(&bucket) {
@@ -274,6 +285,7 @@ impl Ledger {
             s.rej += c.rej;
             s.fb += c.fb;
             s.strad += c.strad;
+            s.amb += c.amb;
             s.reach += c.reach;
             s.sh += c.sh;
             s.off_min = s.off_min.min(c.off_min);
@@ -303,6 +315,8 @@ impl Ledger {
                         s.rej += c.rej;
                         s.fb += c.fb;
                         s.strad += c.strad;
+                        s.amb += c.amb;
+                        s.amb += c.amb;
                         s.reach += c.reach;
                         s.sh += c.sh;
                     }

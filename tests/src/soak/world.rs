@@ -727,12 +727,12 @@ impl World {
                             }
                             // An agent host's admissions of a shadow task cannot be told
                             // apart (RLS answers OK either way): all counted as shadow.
-                            let sh = if agent && self.ledger.maybe_shadow(r.task, b) {
-                                a.saturating_sub(fb)
-                            } else {
-                                sh
-                            };
+                            let amb = agent && self.ledger.maybe_shadow(r.task, b);
+                            let sh = if amb { a.saturating_sub(fb) } else { sh };
                             self.ledger.count_shadow(r.task, h, b, sh);
+                            if amb {
+                                self.ledger.count_ambiguous(r.task, h, b, sh);
+                            }
                         }
                         _ => self.violations.push(Violation {
                             invariant: "loadgen.progress",
