@@ -159,28 +159,39 @@ impl Slices for RedisSlices<'_> {
     }
 
     fn read(&mut self, task: usize, starts: &[i64]) -> Option<Vec<Option<SliceRead>>> {
-        let name = task_name(task);
-        let rows: Vec<(Option<String>, Option<String>)> = with_conn(self.conn, self.url, |c| {
-            let mut pipe = redis::pipe();
-            for s in starts {
-                pipe.cmd("HMGET")
-                    .arg(self.keys.slice(&name, *s))
-                    .arg(slice_field::CAP)
-                    .arg(slice_field::ADMITTED);
-            }
-            pipe.query(c)
-        })?;
-        Some(
-            rows.into_iter()
-                .map(|(cap, adm)| {
-                    Some(SliceRead {
-                        cap: count_field(cap)?,
-                        adm: count_field(adm).unwrap_or(0),
-                    })
-                })
-                .collect(),
-        )
+        read_slices(self.conn, self.url, self.keys, &task_name(task), starts)
     }
+}
+
+/// `cap` and `adm` of the slices of task `name` starting at `starts` (one pipeline); `None`
+/// when Redis cannot be read, a slice without a cap as `None`.
+fn read_slices(
+    conn: &mut Option<redis::Connection>,
+    url: &str,
+    keys: &Keys,
+    name: &str,
+    starts: &[i64],
+) -> Option<Vec<Option<SliceRead>>> {
+    let rows: Vec<(Option<String>, Option<String>)> = with_conn(conn, url, |c| {
+        let mut pipe = redis::pipe();
+        for s in starts {
+            pipe.cmd("HMGET")
+                .arg(keys.slice(name, *s))
+                .arg(slice_field::CAP)
+                .arg(slice_field::ADMITTED);
+        }
+        pipe.query(c)
+    })?;
+    Some(
+        rows.into_iter()
+            .map(|(cap, adm)| {
+                Some(SliceRead {
+                    cap: count_field(cap)?,
+                    adm: count_field(adm).unwrap_or(0),
+                })
+            })
+            .collect(),
+    )
 }
 
 /// Settings of a world.

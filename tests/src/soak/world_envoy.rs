@@ -9,7 +9,7 @@ use std::process::{Child, Stdio};
 use std::time::Duration;
 
 use serde_json::Value;
-use sluice_protocol::{Keys, meta_field, slice_field};
+use sluice_protocol::{Keys, meta_field};
 
 use super::super::agents::AgentApi;
 use super::super::check::{self, SliceRead, Slices};
@@ -72,27 +72,7 @@ struct EnvSlices<'a> {
 
 impl Slices for EnvSlices<'_> {
     fn read(&mut self, task: usize, starts: &[i64]) -> Option<Vec<Option<SliceRead>>> {
-        let name = task_of(task);
-        let rows: Vec<(Option<String>, Option<String>)> = with_conn(self.conn, self.url, |c| {
-            let mut pipe = redis::pipe();
-            for s in starts {
-                pipe.cmd("HMGET")
-                    .arg(self.keys.slice(&name, *s))
-                    .arg(slice_field::CAP)
-                    .arg(slice_field::ADMITTED);
-            }
-            pipe.query(c)
-        })?;
-        Some(
-            rows.into_iter()
-                .map(|(cap, adm)| {
-                    Some(SliceRead {
-                        cap: count_field(cap)?,
-                        adm: count_field(adm).unwrap_or(0),
-                    })
-                })
-                .collect(),
-        )
+        super::read_slices(self.conn, self.url, self.keys, &task_of(task), starts)
     }
 }
 
