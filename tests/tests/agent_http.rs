@@ -366,8 +366,8 @@ async fn costs_above_max_count_are_refused_and_counted_nowhere() {
     .await;
 }
 
-/// Issue 23 item 4 (the metric): a flush Redis refuses (the slice's `rej` already at i64::MAX,
-/// so the next rejection's HINCRBY overflows) is dropped by the agent's SDK client and counted
+/// Issue 23 item 4 (the metric): a flush Redis refuses (the slice's `adm` already at
+/// i64::MAX, so the next admissions' HINCRBY would overflow) is dropped by the agent's SDK client and counted
 /// in `sluice_agent_flushes_dropped_total`; the agent's later admissions are still counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flush_redis_refuses_is_counted_in_the_agents_metrics() {
@@ -385,7 +385,7 @@ async fn a_flush_redis_refuses_is_counted_in_the_agents_metrics() {
     let mut r = redis_conn(&redis);
     let _: () = redis::cmd("HSET")
         .arg(keys.slice("five", s))
-        .arg("rej")
+        .arg("adm")
         .arg(i64::MAX)
         .query(&mut r)
         .unwrap();

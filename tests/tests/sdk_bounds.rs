@@ -99,8 +99,8 @@ async fn a_huge_cost_is_refused_uncounted_and_counting_goes_on() {
     assert_eq!(c.flushes_dropped(), 0);
 }
 
-/// A flush Redis refuses (a slice's `rej` already at i64::MAX: the next rejection's HINCRBY
-/// overflows) is logged, counted in `Client::flushes_dropped` and dropped; the next slices'
+/// A flush Redis refuses (a slice's `adm` already at i64::MAX: the next admissions' HINCRBY
+/// would overflow; `rej` saturates instead since the review of issue 23) is logged, counted in `Client::flushes_dropped` and dropped; the next slices'
 /// counters still reach Redis (main resent the refused batch forever and counted nothing
 /// more).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -123,7 +123,7 @@ async fn a_flush_redis_refuses_is_dropped_and_the_next_slices_are_counted() {
     let mut r = redis_conn(&shared_redis());
     let _: () = redis::cmd("HSET")
         .arg(keys.slice("t", s))
-        .arg("rej")
+        .arg("adm")
         .arg(i64::MAX)
         .query(&mut r)
         .unwrap();
