@@ -39,8 +39,6 @@
 
 use std::collections::BTreeMap;
 use std::fmt;
-use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
@@ -411,24 +409,7 @@ impl Watch {
     fn read_intervals(&mut self) -> Vec<(usize, String)> {
         let mut bad = Vec::new();
         for f in &mut self.files {
-            let Ok(mut file) = File::open(&f.path) else {
-                continue;
-            };
-            if file.seek(SeekFrom::Start(f.pos)).is_err() {
-                continue;
-            }
-            let mut buf = String::new();
-            let Ok(n) = file.read_to_string(&mut buf) else {
-                continue;
-            };
-            f.pos += n as u64;
-            f.partial.push_str(&buf);
-            let text = std::mem::take(&mut f.partial);
-            let (complete, rest) = match text.rfind('\n') {
-                Some(i) => text.split_at(i + 1),
-                None => ("", text.as_str()),
-            };
-            f.partial = rest.to_string();
+            let complete = super::world::new_lines(&f.path, &mut f.pos, &mut f.partial);
             for line in complete.lines() {
                 let w: Vec<&str> = line.split_whitespace().collect();
                 let a = w.first().and_then(|x| x.parse::<i64>().ok());

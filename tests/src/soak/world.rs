@@ -259,6 +259,31 @@ pub struct World {
     pub modes: super::modes::Watch,
 }
 
+/// The complete lines appended to `path` since `pos` (advanced), with the partial last line
+/// of the previous read (`partial`) in front and this read's kept in `partial`: how the
+/// soak tails the files its processes append to. Empty when the file cannot be read.
+pub(super) fn new_lines(path: &Path, pos: &mut u64, partial: &mut String) -> String {
+    let Ok(mut f) = File::open(path) else {
+        return String::new();
+    };
+    if f.seek(SeekFrom::Start(*pos)).is_err() {
+        return String::new();
+    }
+    let mut buf = String::new();
+    let Ok(n) = f.read_to_string(&mut buf) else {
+        return String::new();
+    };
+    *pos += n as u64;
+    partial.push_str(&buf);
+    match partial.rfind('\n') {
+        Some(i) => {
+            let rest = partial.split_off(i + 1);
+            std::mem::replace(partial, rest)
+        }
+        None => String::new(),
+    }
+}
+
 /// Starts the stall probe: a thread that sleeps 10 ms in a loop and records every wake-up
 /// late by at least [`super::ledger::STALL_MIN_MS`] as a stall `[due, woke)` (real time): the
 /// machine was starved then (other work on the cores), and every process of the soak with it.
@@ -674,24 +699,7 @@ impl World {
         for h in 0..self.hosts.len() {
             let agent = self.hosts[h].agent.is_some();
             for r in &mut self.hosts[h].runs {
-                let Ok(mut f) = File::open(&r.progress) else {
-                    continue;
-                };
-                if f.seek(SeekFrom::Start(r.pos)).is_err() {
-                    continue;
-                }
-                let mut buf = String::new();
-                let Ok(n) = f.read_to_string(&mut buf) else {
-                    continue;
-                };
-                r.pos += n as u64;
-                r.partial.push_str(&buf);
-                let text = std::mem::take(&mut r.partial);
-                let (complete, rest) = match text.rfind('\n') {
-                    Some(i) => text.split_at(i + 1),
-                    None => ("", text.as_str()),
-                };
-                r.partial = rest.to_string();
+                let complete = new_lines(&r.progress, &mut r.pos, &mut r.partial);
                 for line in complete.lines() {
                     // Validated like any input: a bad line is a finding, not a crash.
                     let v: Option<Value> = serde_json::from_str(line).ok();

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 use std::fs::File;
-use std::io::{Read, Seek, SeekFrom};
 use std::path::PathBuf;
 use std::process::{Child, Stdio};
 use std::time::Duration;
@@ -264,24 +263,7 @@ impl World {
             let Some(d) = self.envoy.drivers[i].as_mut() else {
                 continue;
             };
-            let Ok(mut f) = File::open(&d.progress) else {
-                continue;
-            };
-            if f.seek(SeekFrom::Start(d.pos)).is_err() {
-                continue;
-            }
-            let mut buf = String::new();
-            let Ok(n) = f.read_to_string(&mut buf) else {
-                continue;
-            };
-            d.pos += n as u64;
-            d.partial.push_str(&buf);
-            let text = std::mem::take(&mut d.partial);
-            let (complete, rest) = match text.rfind('\n') {
-                Some(k) => text.split_at(k + 1),
-                None => ("", text.as_str()),
-            };
-            d.partial = rest.to_string();
+            let complete = super::new_lines(&d.progress, &mut d.pos, &mut d.partial);
             for line in complete.lines() {
                 let v: Option<Value> = serde_json::from_str(line).ok();
                 let p = v.as_ref().and_then(|v| {
