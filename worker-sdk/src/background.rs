@@ -616,6 +616,9 @@ async fn pull(
     })
     .await;
     let rtt = started.elapsed();
+    // The cap this reply was granted under (the pace numbering's curve), not the shared
+    // `ctl.cap` another process's reply may have changed meanwhile.
+    let mut reply_cap = 0u64;
     let outcome = match res {
         Err(_) => PullOutcome::Timeout,
         Ok(Err(e)) => {
@@ -650,6 +653,7 @@ async fn pull(
             replayed,
         })) => {
             record_clock(sh, before, crate::clock::host_us(), redis_time_us);
+            reply_cap = cap;
             slot.ctl.cap.store(cap, Ordering::Relaxed);
             slot.ctl.remaining.store(remaining, Ordering::Relaxed);
             slot.ctl
@@ -673,17 +677,26 @@ async fn pull(
             // Before the deposit, so no decision sees the new stock with an older (lower)
             // number: a paced decision only ever errs towards waiting. The cap also bounds
             // every decision's cost (a larger one is LIMITED and sizes no pull), paced or not.
-            let cap = slot.ctl.cap.load(Ordering::Relaxed);
+            let cap = reply_cap;
             let e = slot.entry(start_ms, slice_ms);
-            e.pace_cap.store(cap, Ordering::Relaxed);
             // The top of the numbering only grows within a slice: a reply applied late (a
             // pull whose lock was taken over while it stalled) must not lower it, or the host
-            // would number its stock below what it holds (the review of issue 23).
+            // would number its stock below what it holds (the review of issue 23). The cap of
+            // the pace curve only grows within a slice too: stock granted under a cap that a
+            // dynamic cut lowered mid-slice is spent on the curve it was granted under (with
+            // the lower cap its numbers lay above the cap and went unpaced at once), and a
+            // raise paces at the new cap from the first reply that carries it.
             let top = (cap as i64 - remaining).max(0) as u64;
             let (t, _, _) = crate::shm::unpack_quota(e.word.load(Ordering::Acquire));
+            let ended = start_ms.saturating_add(slice_ms as i64) <= sh.now_us().div_euclid(1_000);
             if t == crate::shm::tag_of(start_ms) {
+                e.pace_cap.fetch_max(cap, Ordering::AcqRel);
                 e.pace_granted.fetch_max(top, Ordering::AcqRel);
-            } else {
+            } else if !ended {
+                // A slice not ended yet whose entry holds an older slice (or nothing): its
+                // first grant here. A reply for an ended slice leaves the entry alone — it may
+                // hold a newer slice's numbering (deposit drops that grant anyway).
+                e.pace_cap.store(cap, Ordering::Relaxed);
                 e.pace_granted.store(top, Ordering::Relaxed);
             }
         }

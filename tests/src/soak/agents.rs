@@ -241,7 +241,9 @@ mod tests {
             Some(vec![
                 Some(SliceRead {
                     cap: self.0,
-                    adm: 0
+                    adm: 0,
+                    pace_burst: None,
+                    len: 0,
                 });
                 starts.len()
             ])

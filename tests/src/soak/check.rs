@@ -114,6 +114,10 @@ pub struct SliceRead {
     pub cap: u64,
     /// `adm` flushed by workers.
     pub adm: u64,
+    /// `burst` of a paced slice (`pace = 1`), `None` for an unpaced one.
+    pub pace_burst: Option<u64>,
+    /// `len`: the slice length ROLL last wrote it with (0 when absent).
+    pub len: u64,
 }
 
 /// Reads slice hashes: `None` when the store cannot be reached, else one entry per start
@@ -139,6 +143,8 @@ pub struct VersionSpan {
     pub max_cap: u64,
     /// Its slice length (0 for a deletion).
     pub slice_ms: u64,
+    /// Dynamic limiting runs: the leader may move the cap of a slice in progress.
+    pub dynamic: bool,
 }
 
 /// When a change written at `at` has surely reached Redis and the hosts: `apply_lag` later,
@@ -186,6 +192,7 @@ fn spans_of(ledger: &Ledger, api: &[ApiVersion], t: &Timing) -> Vec<VersionSpan>
                 until_ms,
                 max_cap: v.spec.as_ref().map_or(0, |s| s.max_cap()),
                 slice_ms: v.spec.as_ref().map_or(0, |s| s.slice_ms),
+                dynamic: v.spec.as_ref().is_some_and(|s| s.dynamic_enabled()),
             }
         })
         .collect()
@@ -338,6 +345,8 @@ pub struct Coverage {
     pub stalled_slices: u64,
     /// Per-host liveness checks not made: the machine stalled in their window.
     pub stalled_host_checks: u64,
+    /// Paced slices checked against the pace curve (`safety.pace`).
+    pub paced_slices: u64,
 }
 
 /// Safety of `task`: the per-slice and per-window bounds, in every clean regime, of the
@@ -419,6 +428,9 @@ fn slice_bounds(
                 ),
             });
         }
+        if let Some(Some(read)) = reads.as_ref().map(|v| v[i]) {
+            pace_bound(ledger, task, *s, l, &read, spans, cov, out);
+        }
         let cap_bound = cap_bound(cap_spans, *s, s - off, s + l + off, l);
         if let Some(Some(read)) = reads.as_ref().map(|v| v[i])
             && read.cap > cap_bound
@@ -435,6 +447,94 @@ fn slice_bounds(
         }
     }
     Some(last + l)
+}
+
+/// `safety.pace` of the paced slice `s` (length `l`, Redis read `read`): at the end of every
+/// bucket `s + j · 100 ms` (each host's own clock, the time its decisions were stamped with by
+/// `try_acquire_stamped`), what the SDK hosts admitted from the global quota so far in the
+/// slice ≤ `floor(cap · j · 100 / l) + burst` (sdk.md, "Paced slices": every permit has its
+/// own number and a host admits one only once the pace released it, on its own clock, so the
+/// whole task stays on the curve whatever the hosts' offsets). Agent hosts are left out of the
+/// sum (their drivers stamp requests, not decisions; a subset of the admissions is still
+/// bounded). Judged only where nothing else can explain more: one version live from a slice
+/// before to after the slice (a changed cap reaches hosts' pace state late) and no dynamic
+/// limiting (the controller moves the cap of a slice in progress; hosts keep pacing on the
+/// curve their stock was granted under), the slice's `len` equal to the grid's (a new grid
+/// rewrites an ended key it reuses: the review of this check), no Redis data loss around it
+/// (the slice is re-created and its numbers handed out again), no host whose clock moved
+/// within the slice.
+#[allow(clippy::too_many_arguments)]
+fn pace_bound(
+    ledger: &Ledger,
+    task: usize,
+    s: i64,
+    l: i64,
+    read: &SliceRead,
+    spans: &[VersionSpan],
+    cov: &mut Coverage,
+    out: &mut Vec<Violation>,
+) {
+    let Some(burst) = read.pace_burst else {
+        return;
+    };
+    let off = ledger.max_offset_ms;
+    let (a, b) = (s - off - l, s + l + off);
+    let live = spans
+        .iter()
+        .filter(|v| v.from_ms <= b && v.until_ms >= a)
+        .count();
+    if live != 1
+        || spans
+            .iter()
+            .any(|v| (a..=b).contains(&v.from_ms) || (v.dynamic && v.until_ms >= a))
+        || loss_factor(ledger, a, b) != 1
+        || read.cap == 0
+        || read.len != l as u64
+    {
+        return;
+    }
+    let hosts = ledger.sdk_hosts.min(ledger.cells[task].len());
+    let per_host = &ledger.cells[task][..hosts];
+    if per_host
+        .iter()
+        .any(|m| m.range(s..s + l).any(|(_, c)| c.off_min != c.off_max))
+    {
+        return;
+    }
+    cov.paced_slices += 1;
+    let mut so_far = 0u64;
+    let mut bucket = s;
+    while bucket < s + l {
+        so_far += per_host
+            .iter()
+            .filter_map(|m| m.get(&bucket))
+            .map(Cell::global)
+            .sum::<u64>();
+        let end = bucket + BUCKET_MS;
+        let paced = (u128::from(read.cap) * (end - s).min(l) as u128 / l as u128) as u64 + burst;
+        if so_far > paced {
+            let per: Vec<String> = per_host
+                .iter()
+                .enumerate()
+                .map(|(h, m)| {
+                    let n: u64 = m.range(s..end).map(|(_, c)| c.global()).sum();
+                    format!("h{h} {n}")
+                })
+                .collect();
+            out.push(Violation {
+                invariant: "safety.pace",
+                task: Some(task_name(task)),
+                slice: Some(s),
+                evidence: format!(
+                    "paced slice {s} ({l} ms, cap {}, burst {burst}): {so_far} admitted by the SDK hosts by {end} > the pace's {paced} ({})",
+                    read.cap,
+                    per.join(", ")
+                ),
+            });
+            return;
+        }
+        bucket = end;
+    }
 }
 
 /// Checks the windows starting at `w ≥ from` that lie within regime `r` and before `hi`;
@@ -940,6 +1040,72 @@ mod tests {
     }
 
     #[test]
+    fn a_paced_slice_ahead_of_its_pace_is_caught_and_agents_are_left_out() {
+        let mut paced = spec(100, 1_000, "pooled");
+        paced.modes.paced_burst = Some(10);
+        let mut l = ledger(paced);
+        fill(&mut l, 0, 60_000, [5, 5], 0); // on the curve: 10 per 100 ms of cap 100 / 1 s
+        let reads = |burst| {
+            let mut m = HashMap::new();
+            for s in (0..60_000).step_by(1_000) {
+                let r = SliceRead {
+                    cap: 100,
+                    adm: 100,
+                    pace_burst: burst,
+                    len: 1_000,
+                };
+                m.insert((0, s), r);
+            }
+            Map(m)
+        };
+        let t = Timing::default();
+        let mut cov = Coverage::default();
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut reads(Some(10)), &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        assert!(cov.paced_slices >= 40, "{cov:?}");
+        // Slice 20 000: host 1 takes 15 more in the first bucket and 15 fewer in the last —
+        // the slice's total is still the cap, but 25 by 20 100 > 10 + burst 10.
+        l.count(0, 1, 20_000, 15, 0, 0, 0);
+        l.cells[0][1].get_mut(&20_900).unwrap().adm -= 5;
+        l.cells[0][0].get_mut(&20_900).unwrap().adm -= 5;
+        l.cells[0][1].get_mut(&20_800).unwrap().adm -= 5;
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut reads(Some(10)), &t, &mut cov);
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!((v[0].invariant, v[0].slice), ("safety.pace", Some(20_000)));
+        // An unpaced slice may do that; and host 1 as an agent's driver is not summed.
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut reads(None), &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        l.sdk_hosts = 1;
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut reads(Some(10)), &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        // A slice whose `len` is not the grid's (a new grid rewrote the ended key it reused,
+        // with its own cap and pace) or a dynamic spec (the leader moves caps mid-slice): not
+        // judged.
+        l.sdk_hosts = 2;
+        let mut other = reads(Some(10));
+        for r in other.0.values_mut() {
+            r.len = 2_000;
+        }
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut other, &t, &mut cov);
+        assert!(v.is_empty(), "{v:?}");
+        let mut dynamic = l.api[0][0].spec.clone().unwrap();
+        dynamic.dynamic = Some(super::super::spec::Dynamic {
+            enabled: true,
+            min: 50,
+            max: 100,
+        });
+        let mut ld = ledger(dynamic);
+        ld.cells = l.cells.clone();
+        let (v, _) = check_safety(&ld, 0, 0, 50_000, &mut reads(Some(10)), &t, &mut cov);
+        assert!(v.iter().all(|v| v.invariant != "safety.pace"), "{v:?}");
+        // A Redis data loss around the slice: not judged.
+        let i = l.begin(Disturb::Redis { lost: true }, 20_400);
+        l.end(i, 20_450);
+        let (v, _) = check_safety(&l, 0, 0, 50_000, &mut reads(Some(10)), &t, &mut cov);
+        assert!(v.iter().all(|v| v.invariant != "safety.pace"), "{v:?}");
+    }
+
+    #[test]
     fn fallback_admissions_do_not_count_and_the_old_cap_stays_legitimate_for_a_while() {
         let mut l = ledger(spec(200, 1_000, "pooled"));
         fill(&mut l, 0, 60_000, [10, 10], 0); // 200 per slice
@@ -993,7 +1159,15 @@ mod tests {
         fill(&mut l, 0, 22_000, [5, 5], 0);
         let mut m = HashMap::new();
         for s in (0..60_000).step_by(1_000) {
-            m.insert((0, s), SliceRead { cap: 100, adm: 0 });
+            m.insert(
+                (0, s),
+                SliceRead {
+                    cap: 100,
+                    adm: 0,
+                    pace_burst: None,
+                    len: 0,
+                },
+            );
         }
         let t = Timing::default();
         let mut cov = Coverage::default();
@@ -1064,8 +1238,24 @@ mod tests {
         assert!(v.is_empty(), "{v:?}");
         // Redis: one key of the new grid got 80 flushed with cap 50 (bound: max(100, 50)).
         let mut m = HashMap::new();
-        m.insert((0, 21_500), SliceRead { cap: 50, adm: 80 });
-        m.insert((0, 22_000), SliceRead { cap: 50, adm: 120 });
+        m.insert(
+            (0, 21_500),
+            SliceRead {
+                cap: 50,
+                adm: 80,
+                pace_burst: None,
+                len: 0,
+            },
+        );
+        m.insert(
+            (0, 22_000),
+            SliceRead {
+                cap: 50,
+                adm: 120,
+                pace_burst: None,
+                len: 0,
+            },
+        );
         let mut done = Vec::new();
         let v = check_changes(&l, 0, 40_000, &mut done, &mut Map(m), &t, &mut cov);
         assert_eq!(v.len(), 1, "{v:?}");
@@ -1159,7 +1349,15 @@ mod tests {
         }
         let mut m = HashMap::new();
         for s in (0..10_000).step_by(1_000) {
-            m.insert((0, s), SliceRead { cap: 100, adm: 100 });
+            m.insert(
+                (0, s),
+                SliceRead {
+                    cap: 100,
+                    adm: 100,
+                    pace_burst: None,
+                    len: 0,
+                },
+            );
         }
         let mut cov = Coverage::default();
         let v = check_liveness(&l, 0, 0, 10_000, &[true, true], true, &mut Map(m), &mut cov);
@@ -1172,7 +1370,15 @@ mod tests {
         fill(&mut l, 0, 10_000, [9, 0], 0); // host 1 admits nothing
         let mut m = HashMap::new();
         for s in (0..10_000).step_by(1_000) {
-            m.insert((0, s), SliceRead { cap: 100, adm: 90 });
+            m.insert(
+                (0, s),
+                SliceRead {
+                    cap: 100,
+                    adm: 90,
+                    pace_burst: None,
+                    len: 0,
+                },
+            );
         }
         let live = |l: &Ledger, eligible: &[bool], per_host: bool| {
             let mut cov = Coverage::default();
@@ -1225,7 +1431,15 @@ mod tests {
         fill(&mut l, 0, 10_000, [4, 4], 0); // 80 %: too little wherever judged
         let mut m = HashMap::new();
         for s in (0..10_000).step_by(1_000) {
-            m.insert((0, s), SliceRead { cap: 100, adm: 80 });
+            m.insert(
+                (0, s),
+                SliceRead {
+                    cap: 100,
+                    adm: 80,
+                    pace_burst: None,
+                    len: 0,
+                },
+            );
         }
         let run = |l: &Ledger| {
             let mut cov = Coverage::default();
@@ -1284,12 +1498,14 @@ mod tests {
                 until_ms: 859_700,
                 max_cap: 279,
                 slice_ms: 500,
+                dynamic: false,
             },
             VersionSpan {
                 from_ms: 856_700,
                 until_ms: i64::MAX / 4,
                 max_cap: 783,
                 slice_ms: 2_000,
+                dynamic: false,
             },
         ];
         assert_eq!(bound(&spans, 856_000, 856_500, 500), 279);

@@ -147,6 +147,9 @@ pub struct Ledger {
     /// progress lines' `late`, placed at the bucket's end) woke up late by at least
     /// [`STALL_MIN_MS`]. Liveness is not judged across them (see `check_liveness`).
     pub stalls: Vec<(i64, i64)>,
+    /// Hosts `0 .. sdk_hosts` decide through the SDK in the load generator, which stamps each
+    /// bucket with the time the decision was charged at; the others are agents' drivers.
+    pub sdk_hosts: usize,
 }
 
 /// The smallest wake-up delay of the stall probe recorded as a stall, ms.
@@ -187,6 +190,7 @@ impl Ledger {
             cells: vec![vec![BTreeMap::new(); hosts]; tasks],
             max_offset_ms: 0,
             stalls: Vec::new(),
+            sdk_hosts: hosts,
         }
     }
 
@@ -315,7 +319,6 @@ impl Ledger {
                         s.rej += c.rej;
                         s.fb += c.fb;
                         s.strad += c.strad;
-                        s.amb += c.amb;
                         s.amb += c.amb;
                         s.reach += c.reach;
                         s.sh += c.sh;

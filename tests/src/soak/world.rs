@@ -17,6 +17,7 @@ use sluice_protocol::{Keys, meta_field, slice_field};
 
 use super::check::{self, Coverage, FenceState, SliceRead, Slices, Timing, Violation, applied_by};
 use super::ledger::{Disturb, Ledger, MetaState};
+use super::modes;
 use super::plan::{Shape, Step, task_name};
 use super::rng::Rng;
 use super::spec::{Class, Spec};
@@ -77,6 +78,9 @@ struct Run {
     stopped_by_us: bool,
     /// Exited and reaped.
     exited: bool,
+    /// Its processes run permit loops: the `--intervals` file exists (a concurrency child
+    /// creates it before its first decision).
+    permit_loops: bool,
 }
 
 impl Drop for Run {
@@ -163,7 +167,16 @@ impl Slices for RedisSlices<'_> {
     }
 }
 
-/// `cap` and `adm` of the slices of task `name` starting at `starts` (one pipeline); `None`
+/// A slice's `cap`, `adm`, `pace`, `burst`, `len` as stored.
+type RawSlice = (
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+);
+
+/// `cap`, `adm` and pacing of the slices of task `name` starting at `starts` (one pipeline); `None`
 /// when Redis cannot be read, a slice without a cap as `None`.
 fn read_slices(
     conn: &mut Option<redis::Connection>,
@@ -172,22 +185,28 @@ fn read_slices(
     name: &str,
     starts: &[i64],
 ) -> Option<Vec<Option<SliceRead>>> {
-    let rows: Vec<(Option<String>, Option<String>)> = with_conn(conn, url, |c| {
+    let rows: Vec<RawSlice> = with_conn(conn, url, |c| {
         let mut pipe = redis::pipe();
         for s in starts {
             pipe.cmd("HMGET")
                 .arg(keys.slice(name, *s))
                 .arg(slice_field::CAP)
-                .arg(slice_field::ADMITTED);
+                .arg(slice_field::ADMITTED)
+                .arg(slice_field::PACE)
+                .arg(slice_field::BURST)
+                .arg(slice_field::LEN);
         }
         pipe.query(c)
     })?;
     Some(
         rows.into_iter()
-            .map(|(cap, adm)| {
+            .map(|(cap, adm, pace, burst, len)| {
                 Some(SliceRead {
                     cap: count_field(cap)?,
                     adm: count_field(adm).unwrap_or(0),
+                    pace_burst: (pace.as_deref() == Some("1"))
+                        .then(|| count_field(burst).unwrap_or(0)),
+                    len: count_field(len).unwrap_or(0),
                 })
             })
             .collect(),
@@ -374,7 +393,10 @@ impl World {
                 })
                 .collect(),
             hosts,
-            ledger: Ledger::new(s.tasks, s.shape.hosts),
+            ledger: Ledger {
+                sdk_hosts,
+                ..Ledger::new(s.tasks, s.shape.hosts)
+            },
             shape: s.shape,
             conn: None,
             rng: Rng::new(s.seed ^ 0x5eed_0fc0_ffee),
@@ -659,6 +681,9 @@ impl World {
         let offset_ms = h.offset_ms;
         let ends =
             Instant::now() + Duration::from_millis(duration_ms + 1_000 + 50 * u64::from(procs));
+        // The load generator starts deciding at spawn + 1 s + 50 ms a process.
+        let from = now_ms() + 1_000 + 50 * i64::from(procs);
+        self.modes.mark_run(task, from, from + duration_ms as i64);
         self.hosts[host].runs.push(Run {
             id,
             task,
@@ -672,6 +697,7 @@ impl World {
             err,
             stopped_by_us: false,
             exited: false,
+            permit_loops: false,
         });
     }
 
@@ -700,6 +726,9 @@ impl World {
             let agent = self.hosts[h].agent.is_some();
             for r in &mut self.hosts[h].runs {
                 let complete = new_lines(&r.progress, &mut r.pos, &mut r.partial);
+                if !r.permit_loops && !agent && !complete.is_empty() {
+                    r.permit_loops = r.progress.with_extension("intervals").exists();
+                }
                 for line in complete.lines() {
                     // Validated like any input: a bad line is a finding, not a crash.
                     let v: Option<Value> = serde_json::from_str(line).ok();
@@ -730,6 +759,9 @@ impl World {
                     match parsed {
                         Some((b, a, rj, fb)) if b % 100 == 0 && fb <= a => {
                             self.ledger.count(r.task, h, b, a, rj, fb, r.offset_ms);
+                            if r.permit_loops {
+                                self.modes.count_waits(r.task, h, b - r.offset_ms, rj);
+                            }
                             // The run's loop woke up `late` ms late in this bucket: a stall,
                             // placed at the bucket's end in real time (see `Ledger::stalls`).
                             let late = v.as_ref().and_then(|v| v["late"].as_i64()).unwrap_or(0);
@@ -1353,12 +1385,23 @@ impl World {
             let Some(spec) = v.spec.filter(|_| v.confirmed) else {
                 continue;
             };
-            if spec.class() == Class::Local {
+            // Keyed and concurrency tasks have no task-wide quota but per-key and in-flight
+            // liveness (modes.rs); local and shadow-local ones none.
+            let per_mode = spec.modes.keyed.is_some() || spec.mode == "concurrency";
+            if spec.class() == Class::Local && !per_mode {
                 skipped.push(format!("{} local", task_name(task)));
                 continue;
             }
-            let l = spec.slice_ms as i64;
-            let ready = settled.max(applied_by(&self.ledger, v.at_ms, &t)) + 3 * l;
+            // A concurrency task's slice length means nothing to it: judged in seconds.
+            let l = if spec.mode == "concurrency" {
+                1_000
+            } else {
+                spec.slice_ms as i64
+            };
+            // A concurrency task's hosts converge on the cap at their renewals (a quarter
+            // lease each): two leases after everything settled.
+            let lease = 2 * spec.modes.lease_ms.unwrap_or(0) as i64;
+            let ready = settled.max(applied_by(&self.ledger, v.at_ms, &t)) + (3 * l).max(lease);
             let w1 = ready + (3 * l).max(3_000);
             if w1 - now > LONGEST_QUIET_MS {
                 skipped.push(format!("{} ({l} ms slices: too long)", task_name(task)));
@@ -1373,7 +1416,11 @@ impl World {
         for (task, w0, w1, spec) in windows {
             let wait = w1 + t.data_lag_ms + self.ledger.max_offset_ms + 1_500 - now_ms();
             self.idle(wait.max(0) as u64).await;
-            let l = spec.slice_ms as i64;
+            let l = if spec.mode == "concurrency" {
+                1_000
+            } else {
+                spec.slice_ms as i64
+            };
             // The hosts follow the spec's grid (the meta says so), else the spec never arrived.
             let grid_ok = self.ledger.meta[task]
                 .iter()
@@ -1402,6 +1449,46 @@ impl World {
                 .map(|h| !h.faketime || (h.offset_ms >= -l / 10 && h.offset_ms <= l / 2))
                 .collect();
             let per_host = self.hosts.iter().all(|h| h.offset_ms <= l / 2);
+            if spec.modes.keyed.is_some() || spec.mode == "concurrency" {
+                let v = if spec.mode == "concurrency" {
+                    modes::check_permit_liveness(
+                        &self.ledger,
+                        &self.modes.intervals[task],
+                        &self.modes.waits[task],
+                        &self.modes.run_marks[task],
+                        &spec,
+                        task,
+                        w0,
+                        w1,
+                        &eligible,
+                        &mut self.modes.cov,
+                    )
+                } else {
+                    modes::check_key_liveness(
+                        &self.ledger,
+                        &self.modes.keys[task],
+                        &spec,
+                        task,
+                        w0,
+                        w1,
+                        &eligible,
+                        &mut self.modes.cov,
+                    )
+                };
+                self.liveness_checks += 1;
+                checked.push(format!(
+                    "{} ({} s, {})",
+                    task_name(task),
+                    (w1 - w0) / 1_000,
+                    if spec.mode == "concurrency" {
+                        "permits"
+                    } else {
+                        "keys"
+                    }
+                ));
+                self.violations.extend(v);
+                continue;
+            }
             let mut reader = RedisSlices {
                 conn: &mut self.conn,
                 url: &self.redis_url,
