@@ -225,14 +225,15 @@ pub async fn run(o: Options) -> bool {
         logs,
     } = stats;
     let summary = format!(
-        "seed {}, {} steps in {wall:.0} s ({kinds:?}); checked {} slices, {} sliding windows, \
-         {} keys around grid changes, {} liveness slices in {liveness_checks} task checks \
+        "seed {}, {} steps in {wall:.0} s ({kinds:?}); checked {} slices ({} paced on the pace \
+         curve), {} sliding windows, {} keys around grid changes, {} liveness slices in {liveness_checks} task checks \
          ({} slices and {} per-host checks not judged: the machine stalled), \
          {fence_observations} fencing observations; \
          CPU {:.0} % of one core ({:.0} % of 2 cores)",
         o.seed,
         steps.len(),
         coverage.slices,
+        coverage.paced_slices,
         coverage.windows,
         coverage.redis_keys,
         coverage.live_slices,
