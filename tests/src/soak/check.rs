@@ -812,6 +812,16 @@ pub fn check_fencing(
     Vec::new()
 }
 
+/// The decisions the eligible hosts asked for, summed over `cells` (one per host).
+pub fn eligible_demand(cells: &[Cell], eligible: &[bool]) -> u64 {
+    cells
+        .iter()
+        .zip(eligible)
+        .filter(|(_, e)| **e)
+        .map(|(c, _)| c.demand())
+        .sum()
+}
+
 /// Liveness of `task` over the observation window `[w0, w1)` (real time). `eligible[h]`:
 /// host `h`'s demand counts, and (with `per_host`) it must admit something. Slices are summed
 /// by key (each host's own clock) in the per-slice modes, and by real time for
@@ -890,12 +900,7 @@ pub fn check_liveness(
             Class::Window => ledger.real_sums(task, *s, s + l),
             _ => ledger.sums(task, *s, s + l),
         };
-        let demand: u64 = cells
-            .iter()
-            .zip(eligible)
-            .filter(|(_, e)| **e)
-            .map(|(c, _)| c.demand())
-            .sum();
+        let demand = eligible_demand(&cells, eligible);
         let admitted: u64 = cells.iter().map(Cell::quota).sum();
         let pressed = demand as f64 >= 1.1 * read.cap as f64;
         if spec.class() == Class::Window {

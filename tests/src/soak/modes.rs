@@ -582,6 +582,16 @@ impl Watch {
     }
 }
 
+/// One key's per-host counts for a violation's evidence.
+fn key_breakdown(cells: &[Cell]) -> String {
+    let per: Vec<String> = cells
+        .iter()
+        .enumerate()
+        .map(|(h, c)| format!("h{h}: adm {} (fb {}) rej {}", c.adm, c.fb, c.rej))
+        .collect();
+    per.join(", ")
+}
+
 /// Per-host sums of one key over the buckets `[from, until)`.
 fn key_sums(per_host: &[BTreeMap<i64, Cell>], from: i64, until: i64) -> Vec<Cell> {
     per_host
@@ -653,18 +663,13 @@ pub fn check_keys(
                     * factor;
                 cov.key_slices += 1;
                 if global > bound {
-                    let per: Vec<String> = cells
-                        .iter()
-                        .enumerate()
-                        .map(|(h, c)| format!("h{h}: adm {} (fb {}) rej {}", c.adm, c.fb, c.rej))
-                        .collect();
                     out.push(Violation {
                         invariant: "safety.key",
                         task: Some(task_name(task)),
                         slice: Some(s),
                         evidence: format!(
                             "key-{k}, slice {s} ({l} ms): {global} admitted by the global quota > the key's bound {bound}; {}",
-                            per.join(", ")
+                            key_breakdown(&cells)
                         ),
                     });
                 }
@@ -891,12 +896,7 @@ pub fn check_key_liveness(
                 continue;
             }
             let cells = key_sums(per_host, s, s + l);
-            let demand: u64 = cells
-                .iter()
-                .zip(eligible)
-                .filter(|(_, e)| **e)
-                .map(|(c, _)| c.demand())
-                .sum();
+            let demand = super::check::eligible_demand(&cells, eligible);
             if (demand as f64) < 1.1 * limit as f64 {
                 continue;
             }
@@ -909,18 +909,13 @@ pub fn check_key_liveness(
             let floor =
                 (0.9 * limit as f64).min(limit as f64 - stranded) - skew_share * limit as f64;
             if (admitted as f64) < floor {
-                let per: Vec<String> = cells
-                    .iter()
-                    .enumerate()
-                    .map(|(h, c)| format!("h{h}: adm {} (fb {}) rej {}", c.adm, c.fb, c.rej))
-                    .collect();
                 out.push(Violation {
                     invariant: "liveness.key",
                     task: Some(task_name(task)),
                     slice: Some(s),
                     evidence: format!(
                         "key-{k}, slice {s} ({l} ms): {admitted} admitted by the global quota < {floor:.1} of the key's limit {limit} with demand {demand}; {}",
-                        per.join(", ")
+                        key_breakdown(&cells)
                     ),
                 });
             }
