@@ -75,6 +75,8 @@ struct Tally {
     /// slice end (ms) → admitted.
     ok: BTreeMap<i64, u64>,
     over: u64,
+    /// slice end (ms) → OVER_LIMIT answers: the slices whose demand exceeded the limit.
+    over_in: BTreeMap<i64, u64>,
     /// OVER_LIMIT answers whose reset does not land on a slice boundary.
     bad_resets: Vec<String>,
     errors: u64,
@@ -97,8 +99,10 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
     let first_full_end = ((t0 + 1_000) / 1_000 + 2) * 1_000;
     let last_full_end = ((t0 + run_for.as_millis() as i64) / 1_000) * 1_000;
     let mut joins = Vec::new();
+    // Eight loops per agent: demand stays over the limit on a loaded 2-core machine (with
+    // four, a run beside five busy processes sent fewer than 1,000 a slice throughout).
     for a in [&a1, &a2] {
-        for _ in 0..4 {
+        for _ in 0..8 {
             let mut c = client(a).await;
             let tally = tally.clone();
             joins.push(tokio::spawn(async move {
@@ -128,6 +132,7 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
                         OK => *t.ok.entry(end_ms).or_default() += 1,
                         OVER_LIMIT => {
                             t.over += 1;
+                            *t.over_in.entry(end_ms).or_default() += 1;
                             assert_eq!(r.statuses[0].code, OVER_LIMIT);
                             assert_eq!(r.statuses[0].limit_remaining, 0);
                             if (end_ms as f64) < lo && t.bad_resets.len() < 10 {
@@ -145,14 +150,14 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
     for j in joins {
         j.await.unwrap();
     }
-    let (slices, over_answers) = {
+    let (slices, over_answers, over_in) = {
         let t = tally.lock().unwrap();
         assert_eq!(t.errors, 0, "gRPC errors");
         assert!(t.bad_resets.is_empty(), "{:?}", t.bad_resets);
         assert!(t.over > 0, "demand never exceeded the limit: {:?}", t.ok);
         // Full slices only: drop the first and last seen.
         let slices: Vec<(i64, u64)> = t.ok.iter().map(|(k, v)| (*k, *v)).collect();
-        (slices, t.over)
+        (slices, t.over, t.over_in.clone())
     };
     assert!(slices.len() >= 5, "{slices:?}");
     // Over-admission is judged on the agents' own counts in Redis (`adm` of each slice, what
@@ -195,15 +200,31 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
         .filter(|(end, _)| *end >= first_full_end && *end <= last_full_end)
         .collect();
     assert!(full.len() >= 3, "{slices:?}");
-    let low: Vec<_> = full.iter().filter(|(_, n)| *n < 950).collect();
+    // Utilisation is judged where demand exceeded the limit: a slice with an OVER_LIMIT answer.
+    // On a loaded machine the eight client loops may send fewer than 1,000 requests in a slice
+    // (seen: 769–925 admitted and no refusal); such a slice says nothing about the limiter.
+    let pressed: Vec<(i64, u64)> = full
+        .iter()
+        .copied()
+        .filter(|(end, _)| over_in.get(end).copied().unwrap_or(0) > 0)
+        .collect();
+    let low: Vec<_> = pressed.iter().filter(|(_, n)| *n < 950).collect();
     eprintln!(
-        "per-slice admitted (2 agents): {:?}; OVER_LIMIT answers {}",
+        "per-slice admitted (2 agents): {:?}; OVER_LIMIT answers {} ({:?} per slice end); \
+         judged (demand over the limit): {}",
         full.iter().map(|(_, n)| n).collect::<Vec<_>>(),
-        over_answers
+        over_answers,
+        over_in,
+        pressed.len()
+    );
+    assert!(
+        !pressed.is_empty(),
+        "no full slice had demand over the limit: {slices:?}, refusals {over_in:?}"
     );
     assert!(
         low.is_empty(),
-        "full slices under 95 %: {low:?} (all: {slices:?})"
+        "full slices refusing requests under 95 %: {low:?} (all: {slices:?}, refusals \
+         {over_in:?})"
     );
 }
 

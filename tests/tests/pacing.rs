@@ -3,11 +3,18 @@
 //!
 //! With pacing, a slice releases its quota evenly (plus `burst` at its start), decided in the
 //! pull script on Redis time, and the SDK spends its local stock no faster than that pace. So
-//! no 100 ms window (the loadgen's 100 ms buckets, aligned with the slices) admits more than
-//! 100 + burst (+ 1: a permit released just before a window may be spent just inside it),
-//! merged over both processes, the first 100 ms of a slice at most 100 + burst, and the slice
-//! is still used (≥ 90 % of every full slice admitted). Without pacing the same demand would spend each slice in its first
-//! milliseconds.
+//! by the end of every 100 ms window (the loadgen's buckets, aligned with the slices, each
+//! decision stamped with the instant it was charged) the slice has admitted at most its pace
+//! then + burst (+ 1: a permit released just before a window's end may be spent just after
+//! it), merged over both processes; the first 100 ms of a slice at most 100 + burst; and the
+//! slice is still used (≥ 90 % of every full slice admitted). Without pacing the same demand
+//! would spend each slice in its first milliseconds.
+//!
+//! The bound is cumulative, as docs/sdk.md ("Paced slices") states it, not per window: a host
+//! that fell behind the pace (its process descheduled on a loaded machine) keeps the stock
+//! numbered below the pace and spends it at once when it runs again, so one window may admit
+//! more than 100 + burst (seen in CI on a loaded machine: 102, 103) while the slice stays on
+//! its pace curve.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -55,10 +62,10 @@ fn full_slices(buckets: &BTreeMap<i64, u64>) -> Vec<i64> {
     slices[1..slices.len().saturating_sub(1)].to_vec()
 }
 
-/// Permits released at integer ticks (one per ms here): a host may spend the one released
-/// last just after a window starts (a process descheduled across the boundary), so the
-/// guaranteed bound is one above `100 + burst` (see `pace_check` in worker-sdk/src/client.rs);
-/// what the runs show is printed.
+/// Permits released at integer ticks (one per ms here): a decision charged on the SDK's clock
+/// just before a window ends may be stamped just after it, so the bound checked at a window's
+/// end is one above the pace + burst (see `pace_check` in worker-sdk/src/client.rs); what the
+/// runs show is printed.
 const TICK_SLACK: u64 = 1;
 
 fn check(task: &str, buckets: &BTreeMap<i64, u64>, burst: u64) {
@@ -68,14 +75,21 @@ fn check(task: &str, buckets: &BTreeMap<i64, u64>, burst: u64) {
         "{task}: largest 100 ms window {max} (100 + burst = {})",
         THRESHOLD / 10 + burst
     );
-    for (b, a) in buckets {
-        assert!(
-            *a <= THRESHOLD / 10 + burst + TICK_SLACK,
-            "{task}: window {b} admitted {a} > {} + burst {burst} + {TICK_SLACK}",
-            THRESHOLD / 10
-        );
-    }
     let full = full_slices(buckets);
+    // On the pace curve: by each window's end, the slice's admissions so far ≤ its pace + burst.
+    for s in &full {
+        let mut so_far = 0;
+        for (b, a) in buckets.range(*s..*s + SLICE_MS) {
+            so_far += a;
+            let end = b + WINDOW_MS - s;
+            let paced = THRESHOLD * end as u64 / SLICE_MS as u64;
+            assert!(
+                so_far <= paced + burst + TICK_SLACK,
+                "{task}: slice {s} admitted {so_far} by {end} ms > the pace's {paced} + burst \
+                 {burst} + {TICK_SLACK}"
+            );
+        }
+    }
     assert!(full.len() >= 3, "{task}: too few full slices: {full:?}");
     for s in &full {
         let used: u64 = buckets.range(*s..*s + SLICE_MS).map(|(_, a)| a).sum();

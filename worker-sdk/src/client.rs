@@ -1957,14 +1957,14 @@ pub(crate) mod tests {
             ..meta(day)
         };
         assert!(slot.store_meta(&m, slot.generation()));
-        let now_us = task.now_us();
-        let start = (now_us as u64 / (day * 1_000) * day) as i64;
-        let elapsed_us = (now_us - start * 1_000) as u64;
+        // The decision is made at a chosen instant, half-way through today's slice (every
+        // decision here takes `now_us`): the pace has released 500, whatever the time of day
+        // (CI once ran this at 00:05 UTC, when the real clock had released fewer than 7).
+        let start = (task.now_us() as u64 / (day * 1_000) * day) as i64;
+        let elapsed_us = day * 1_000 / 2;
+        let now_us = start * 1_000 + elapsed_us as i64;
         let paced = 1_000 * elapsed_us / (day * 1_000);
-        assert!(
-            paced >= 7,
-            "this test needs 7 permits released (runs after 00:10 UTC)"
-        );
+        assert_eq!(paced, 500);
         let e = slot.entry(start, day);
         e.pace_cap.store(1_000, Ordering::Relaxed);
         // 10 in stock numbered up to paced + 3: spent = paced − 7.
