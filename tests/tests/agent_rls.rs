@@ -2,9 +2,11 @@
 //! `sluice-agent` processes (two simulated hosts), clients built from the published protos
 //! (envoy-types).
 //!
-//! * a task of 1,000 per 1 s slice, 2 agents × 4 concurrent clients, demand well above the
-//!   limit: no slice admits more than 1,000 (merged over both agents), every full slice admits
-//!   ≥ 95 %, and every OVER_LIMIT's `duration_until_reset` ends exactly on the slice boundary;
+//! * a task of 500 per 1 s slice, 2 agents × 8 concurrent clients, demand well above the
+//!   limit: no slice admits more than 500 (merged over both agents), every full slice that
+//!   refused a request admits ≥ 95 % (at least half the full slices must refuse some: demand
+//!   exceeded the limit there), and every OVER_LIMIT's `duration_until_reset` ends exactly on
+//!   the slice boundary;
 //! * the answer's fields: `current_limit`, `limit_remaining`, all-or-nothing over several
 //!   descriptors (a refused request gives back what the others took), descriptors matching
 //!   nothing, the `x-ratelimit-*` headers, invalid requests.
@@ -70,6 +72,9 @@ fn reset_ms(r: &RateLimitResponse, i: usize) -> f64 {
     d.seconds as f64 * 1_000.0 + d.nanos as f64 / 1e6
 }
 
+/// The task's threshold per 1 s slice in the utilisation test.
+const LIMIT: u64 = 500;
+
 #[derive(Default)]
 struct Tally {
     /// slice end (ms) → admitted.
@@ -77,6 +82,10 @@ struct Tally {
     over: u64,
     /// slice end (ms) → OVER_LIMIT answers: the slices whose demand exceeded the limit.
     over_in: BTreeMap<i64, u64>,
+    /// Answers that came back too slowly to tell which slice they were decided in.
+    ambiguous: u64,
+    /// OK answers among them (in Redis's counts, in no slice of `ok`).
+    ok_unplaced: u64,
     /// OVER_LIMIT answers whose reset does not land on a slice boundary.
     bad_resets: Vec<String>,
     errors: u64,
@@ -87,7 +96,14 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
     let (etcd, redis) = (shared_etcd(), shared_redis());
     let ns = unique_ns("rls");
     let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
-    task(&m, "checkout", r#"{"threshold":1000,"slice_ms":1000}"#).await;
+    // 500 per slice: sixteen loops stay well over it on a loaded 2-core machine (at 1,000, runs
+    // beside five busy processes sent 880–1,000 a slice and refused in one slice of five).
+    task(
+        &m,
+        "checkout",
+        &format!(r#"{{"threshold":{LIMIT},"slice_ms":1000}}"#),
+    )
+    .await;
     let a1 = Agent::start(&redis, &ns, "host-1", &[]).await;
     let a2 = Agent::start(&redis, &ns, "host-2", &[]).await;
 
@@ -128,11 +144,18 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
                     let hi = recv as f64 + reset + 1.0;
                     let end_ms = ((hi / 1_000.0).floor() * 1_000.0) as i64;
                     let mut t = tally.lock().unwrap();
+                    // A call slow enough (≥ 1 s on a loaded machine) that [lo, hi] holds two
+                    // boundaries cannot be placed in a slice: counted, not placed.
+                    let unplaced = (end_ms - 1_000) as f64 >= lo;
+                    t.ambiguous += u64::from(unplaced);
                     match r.overall_code {
+                        OK if unplaced => t.ok_unplaced += 1,
                         OK => *t.ok.entry(end_ms).or_default() += 1,
                         OVER_LIMIT => {
                             t.over += 1;
-                            *t.over_in.entry(end_ms).or_default() += 1;
+                            if !unplaced {
+                                *t.over_in.entry(end_ms).or_default() += 1;
+                            }
                             assert_eq!(r.statuses[0].code, OVER_LIMIT);
                             assert_eq!(r.statuses[0].limit_remaining, 0);
                             if (end_ms as f64) < lo && t.bad_resets.len() < 10 {
@@ -150,14 +173,20 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
     for j in joins {
         j.await.unwrap();
     }
-    let (slices, over_answers, over_in) = {
+    let (slices, over_answers, over_in, ambiguous, ok_unplaced) = {
         let t = tally.lock().unwrap();
         assert_eq!(t.errors, 0, "gRPC errors");
         assert!(t.bad_resets.is_empty(), "{:?}", t.bad_resets);
         assert!(t.over > 0, "demand never exceeded the limit: {:?}", t.ok);
         // Full slices only: drop the first and last seen.
         let slices: Vec<(i64, u64)> = t.ok.iter().map(|(k, v)| (*k, *v)).collect();
-        (slices, t.over, t.over_in.clone())
+        (
+            slices,
+            t.over,
+            t.over_in.clone(),
+            t.ambiguous,
+            t.ok_unplaced,
+        )
     };
     assert!(slices.len() >= 5, "{slices:?}");
     // Over-admission is judged on the agents' own counts in Redis (`adm` of each slice, what
@@ -165,7 +194,7 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
     // computed just after the decision, so a decision made a moment before a boundary on a
     // loaded machine may be placed in the next slice (seen once: 1001 by the client, 1000 in
     // Redis). Every OK answer must be in Redis's counts once the agents have flushed.
-    let total_ok: u64 = slices.iter().map(|(_, n)| n).sum();
+    let total_ok: u64 = slices.iter().map(|(_, n)| n).sum::<u64>() + ok_unplaced;
     let keys = sluice_protocol::Keys::new(&ns).unwrap();
     let counts = wait_until(
         "the agents' counts flushed",
@@ -189,10 +218,10 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
         },
     )
     .await;
-    let over: Vec<_> = counts.iter().filter(|(_, n)| *n > 1_000).collect();
+    let over: Vec<_> = counts.iter().filter(|(_, n)| *n > LIMIT).collect();
     assert!(
         over.is_empty(),
-        "slices over 1,000 in Redis: {over:?} (client's view: {slices:?})"
+        "slices over {LIMIT} in Redis: {over:?} (client's view: {slices:?})"
     );
     let full: Vec<(i64, u64)> = slices
         .iter()
@@ -201,30 +230,45 @@ async fn two_agents_enforce_one_limit_per_slice_with_high_utilisation() {
         .collect();
     assert!(full.len() >= 3, "{slices:?}");
     // Utilisation is judged where demand exceeded the limit: a slice with an OVER_LIMIT answer.
-    // On a loaded machine the eight client loops may send fewer than 1,000 requests in a slice
+    // On a loaded machine the client loops may send fewer requests than the limit in a slice
     // (seen: 769–925 admitted and no refusal); such a slice says nothing about the limiter.
     let pressed: Vec<(i64, u64)> = full
         .iter()
         .copied()
         .filter(|(end, _)| over_in.get(end).copied().unwrap_or(0) > 0)
         .collect();
-    let low: Vec<_> = pressed.iter().filter(|(_, n)| *n < 950).collect();
+    // Judged on Redis's counts (what the agents admitted in each slice, placed by the agents'
+    // own clocks), not the client's placement.
+    let in_redis: BTreeMap<i64, u64> = counts
+        .iter()
+        .filter_map(|(k, n)| Some((k.rsplit(':').next()?.parse::<i64>().ok()? + 1_000, *n)))
+        .collect();
+    let low: Vec<(i64, u64)> = pressed
+        .iter()
+        .map(|(end, _)| (*end, in_redis.get(end).copied().unwrap_or(0)))
+        .filter(|(_, n)| *n * 100 < LIMIT * 95)
+        .collect();
     eprintln!(
         "per-slice admitted (2 agents): {:?}; OVER_LIMIT answers {} ({:?} per slice end); \
-         judged (demand over the limit): {}",
+         judged (demand over the limit): {}; ambiguous answers {ambiguous}",
         full.iter().map(|(_, n)| n).collect::<Vec<_>>(),
         over_answers,
         over_in,
         pressed.len()
     );
+    // A limiter that answers OK but slowly (its demand falls below the limit) must not pass by
+    // having no pressed slice to judge.
     assert!(
-        !pressed.is_empty(),
-        "no full slice had demand over the limit: {slices:?}, refusals {over_in:?}"
+        pressed.len() * 2 >= full.len(),
+        "only {} of {} full slices had demand over the limit: {slices:?}, refusals \
+         {over_in:?}, ambiguous answers {ambiguous}",
+        pressed.len(),
+        full.len()
     );
     assert!(
         low.is_empty(),
-        "full slices refusing requests under 95 %: {low:?} (all: {slices:?}, refusals \
-         {over_in:?})"
+        "full slices refusing requests under 95 % in Redis: {low:?} (client's view: \
+         {slices:?}, refusals {over_in:?}, Redis {in_redis:?})"
     );
 }
 
