@@ -219,6 +219,10 @@ struct Args {
     /// Time every N-th decision into `lat_hist` (extra; 0 = none; keyed tasks time every one).
     #[arg(long, default_value_t = 0)]
     latency_every: u64,
+    /// Decide every permit of this task together with one of task T2, all or nothing
+    /// (`sluice::acquire_all`; extra; see the module doc, "Several limits").
+    #[arg(long, value_name = "T2")]
+    all_with: Option<String>,
     /// Internal: run as child number i.
     #[arg(long, hide = true)]
     child: Option<u32>,
@@ -261,6 +265,26 @@ struct Report {
     lat_hist: BTreeMap<String, u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     lat_clock_ns: Option<u64>,
+    /// `--all-with` (additive): the second task's counts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    all_with: Option<AllWith>,
+}
+
+/// `--all-with T2`: what the all-or-nothing decisions did to the second task, and how many
+/// were cancelled or decided alone.
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct AllWith {
+    task: String,
+    /// Decisions admitted (every one of them also admitted the first task).
+    admitted: u64,
+    /// Decisions the second task refused (the first task's part was given back).
+    rejected: u64,
+    /// Its counts per bucket, `[admitted, rejected]`, as `buckets`.
+    buckets: BTreeMap<String, [u64; 2]>,
+    /// Decisions cancelled mid-wait (dropped by a timeout: neither admitted nor rejected).
+    cancelled: u64,
+    /// Decisions of the first task alone, made while one of the two was not a plain pooled task.
+    alone: u64,
 }
 
 /// The latency histogram of `lat_hist`: fixed log buckets (16 per power of two).
@@ -377,6 +401,21 @@ impl Report {
                 let x = e.entry(bucket).or_insert([0, 0]);
                 x[0] += v[0];
                 x[1] += v[1];
+            }
+        }
+        if let Some(a) = r.all_with {
+            let t = self.all_with.get_or_insert_with(|| AllWith {
+                task: a.task.clone(),
+                ..AllWith::default()
+            });
+            t.admitted += a.admitted;
+            t.rejected += a.rejected;
+            t.cancelled += a.cancelled;
+            t.alone += a.alone;
+            for (k, v) in a.buckets {
+                let e = t.buckets.entry(k).or_insert([0, 0]);
+                e[0] += v[0];
+                e[1] += v[1];
             }
         }
         if let Some(l) = r.key_latency_us {
@@ -808,6 +847,15 @@ impl Progress {
         self.write(line);
     }
 
+    /// [`Progress::bucket`] of another task (`--all-with`).
+    fn bucket_of(&mut self, task: &str, start: i64, v: [u64; 4]) {
+        let line = serde_json::json!({
+            "host": self.host, "child": self.child, "task": task,
+            "bucket": start, "adm": v[0], "rej": v[1], "fb": v[2], "sh": v[3],
+        });
+        self.write(line);
+    }
+
     /// One reported key's `[admitted, rejected, fallback-admitted]` in one bucket.
     fn key_bucket(&mut self, key: usize, start: i64, v: [u64; 3]) {
         let line = serde_json::json!({
@@ -971,6 +1019,18 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
         let _ = writeln!(std::io::stdout(), "{line}");
         return Ok(());
     }
+    if args.all_with.is_some() {
+        let r = all_child(args, &client, &task, &mut progress)?;
+        drop(task);
+        drop(client);
+        let r = Report {
+            redis_calls: calls.get(),
+            ..r
+        };
+        let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
+        let _ = writeln!(std::io::stdout(), "{line}");
+        return Ok(());
+    }
     if task.meta().is_some_and(|m| m.mode == Mode::Concurrency) {
         let r = concurrency_child(args, &task, &mut progress)?;
         drop(task);
@@ -1103,6 +1163,185 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
     let _ = writeln!(std::io::stdout(), "{line}");
     Ok(())
+}
+
+/// A plain pooled task (paced and shadow included; not keyed), by its meta in the segment: the
+/// kind `--all-with` decides together (every part of it can be given back).
+fn plain_pooled(task: &Task) -> bool {
+    task.meta()
+        .is_some_and(|m| m.mode == Mode::Pooled && !m.keyed)
+}
+
+/// `--all-with T2`: every decision asks this task and T2 for one permit each with
+/// `sluice::acquire_all` (the async call, on a current-thread runtime), while both are plain
+/// pooled tasks; otherwise this task alone, as the plain loop does. One decision in eight is
+/// cancelled if it still waits after 1 ms (a timeout drops it: what its parts took is given
+/// back). Each part is counted in the bucket of the time it was charged at, under its own
+/// task; a refusal under the task that refused (the parts before it were given back: counted
+/// nowhere); a cancelled decision nowhere. Lines are written as buckets close, 200 ms after
+/// their end (lines of one bucket add up).
+fn all_child(
+    args: &Args,
+    client: &Client,
+    task: &Task,
+    progress: &mut Progress,
+) -> Result<Report, String> {
+    let other_name = args.all_with.clone().unwrap_or_default();
+    let other = client
+        .task(&other_name)
+        .map_err(|e| format!("--all-with {other_name}: {e}"))?;
+    let ready_by = Instant::now() + Duration::from_secs(5);
+    while !other.wait_ready(Duration::from_millis(50))
+        && Instant::now() < ready_by
+        && !signals::stop_requested()
+    {}
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .map_err(|e| format!("runtime: {e}"))?;
+    let names = [args.task.clone(), other_name.clone()];
+    let started = Instant::now();
+    let duration = Duration::from_millis(args.duration_ms);
+    let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
+    let max_decisions: u64 = match interval {
+        Some(_) => (args.rate * args.duration_ms as f64 / 1_000.0).ceil() as u64 + 1,
+        None => 100_000_000_000,
+    };
+    let bucket_ms = args.bucket_ms;
+    let bucket_of = |us: i64| {
+        let ms = us.div_euclid(1_000);
+        ms - ms.rem_euclid(bucket_ms)
+    };
+    let mut r = Report::new(args, 1);
+    let mut a = AllWith {
+        task: other_name,
+        ..AllWith::default()
+    };
+    // (part, bucket) → [admitted, rejected, fallback, shadow], not yet written.
+    let mut live: BTreeMap<(usize, i64), [u64; 4]> = BTreeMap::new();
+    let mut trace = Vec::with_capacity(2);
+    let mut late = 0u64;
+    let mut flushed = Instant::now();
+    let mut done = 0u64;
+    let mut x = u64::from(std::process::id()) | 1;
+    let flush = |live: &mut BTreeMap<(usize, i64), [u64; 4]>,
+                 r: &mut Report,
+                 a: &mut AllWith,
+                 progress: &mut Progress,
+                 before: Option<i64>,
+                 late: u64| {
+        let (out, keep): (Vec<_>, Vec<_>) = std::mem::take(live)
+            .into_iter()
+            .partition(|((_, b), _)| before.is_none_or(|t| b + bucket_ms <= t));
+        *live = keep.into_iter().collect();
+        for ((i, b), v) in out {
+            if i == 0 {
+                r.add_bucket(b, [v[0], v[1], v[2]]);
+                progress.bucket_late(b, v, late);
+            } else {
+                let e = a.buckets.entry(b.to_string()).or_insert([0, 0]);
+                e[0] += v[0];
+                e[1] += v[1];
+                progress.bucket_of(&names[1], b, v);
+            }
+        }
+    };
+    while done < max_decisions && !signals::stop_requested() {
+        let elapsed = started.elapsed();
+        if elapsed >= duration {
+            break;
+        }
+        if flushed.elapsed() >= Duration::from_millis(100) {
+            flushed = Instant::now();
+            flush(
+                &mut live,
+                &mut r,
+                &mut a,
+                progress,
+                Some(now_ms() - 200),
+                late,
+            );
+            late = 0;
+        }
+        if let Some(iv) = interval {
+            let next = iv.mul_f64(done as f64);
+            if elapsed < next {
+                let nap = (next - elapsed).min(Duration::from_millis(5));
+                std::thread::sleep(nap);
+                let over = started.elapsed().saturating_sub(elapsed + nap);
+                late = late.max(over.as_millis() as u64);
+                continue;
+            }
+        }
+        done += 1;
+        let mut count = |part: usize, d: Decision, at_us: i64| {
+            let e = live.entry((part, bucket_of(at_us))).or_insert([0; 4]);
+            if d.is_allowed() {
+                e[0] += 1;
+                e[2] += u64::from(d == Decision::FallbackAllowed);
+                e[3] += u64::from(d.is_shadowed());
+            } else {
+                e[1] += 1;
+            }
+        };
+        if !(plain_pooled(task) && plain_pooled(&other)) {
+            a.alone += 1;
+            let (d, at) = decide(task);
+            count(0, d, at);
+            tally(&mut r, d);
+            continue;
+        }
+        // xorshift64: which decisions are cancelled after 1 ms.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        trace.clear();
+        let parts = [sluice::Limit::Task(task, 1), sluice::Limit::Task(&other, 1)];
+        let fut = sluice::acquire_all_traced(&parts, &mut trace);
+        let all = if x % 8 == 0 {
+            rt.block_on(async { tokio::time::timeout(Duration::from_millis(1), fut).await })
+                .ok()
+        } else {
+            Some(rt.block_on(fut))
+        };
+        match all {
+            None => a.cancelled += 1,
+            Some(all) if all.is_allowed() => {
+                for (i, (d, at)) in trace.iter().enumerate() {
+                    count(i, *d, *at);
+                }
+                tally(&mut r, trace.first().map_or(all.decision, |p| p.0));
+                a.admitted += 1;
+            }
+            Some(all) => {
+                let i = all.refused.unwrap_or(0);
+                if let Some((d, at)) = trace.get(i) {
+                    count(i, *d, *at);
+                }
+                if i == 0 {
+                    r.rejected += 1;
+                } else {
+                    a.rejected += 1;
+                }
+            }
+        }
+    }
+    flush(&mut live, &mut r, &mut a, progress, None, late);
+    r.all_with = Some(a);
+    let secs = started.elapsed().as_secs_f64().max(1e-9);
+    r.decisions_per_sec = done as f64 / secs;
+    Ok(r)
+}
+
+/// Adds one decision of the report's own task to its totals.
+fn tally(r: &mut Report, d: Decision) {
+    if d.is_allowed() {
+        r.admitted += 1;
+        r.fallback_admitted += u64::from(d == Decision::FallbackAllowed);
+        r.shadow_admitted += u64::from(d.is_shadowed());
+    } else {
+        r.rejected += 1;
+    }
 }
 
 /// The counts of one concurrency worker loop: `[admitted, rejected, fallback]` per bucket.

@@ -101,7 +101,9 @@ pub use concurrency::{Permit, PermitError};
 pub use health::Outcome;
 pub use keyed::Key;
 pub use lock::{LockError, LockGuard, MAX_LOCK_TTL, MIN_LOCK_TTL};
-pub use multi::{AllDecision, Limit, acquire_all, acquire_all_blocking, try_acquire_all};
+pub use multi::{
+    AllDecision, Limit, acquire_all, acquire_all_blocking, acquire_all_traced, try_acquire_all,
+};
 pub use state::HostState;
 
 /// The crate README's examples, compiled as doctests.

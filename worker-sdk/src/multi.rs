@@ -203,6 +203,25 @@ pub fn try_acquire_all(parts: &[Limit<'_>]) -> AllDecision {
 /// [`try_acquire_all`], waiting for refills as [`Task::acquire`] / [`Key::acquire`] do (and
 /// deciding exact tasks with their Redis call).
 pub async fn acquire_all(parts: &[Limit<'_>]) -> AllDecision {
+    acquire_all_inner(parts, None).await
+}
+
+/// [`acquire_all`] that also records, for each part decided (in order, up to the refusing one),
+/// its decision and when it was charged (Unix µs on the slice clock: the slice it was charged
+/// to). For load generators and tests that count each limit's decisions per slice. Parts
+/// recorded before a cancellation were given back as [`acquire_all`] says.
+#[doc(hidden)]
+pub async fn acquire_all_traced(
+    parts: &[Limit<'_>],
+    trace: &mut Vec<(Decision, i64)>,
+) -> AllDecision {
+    acquire_all_inner(parts, Some(trace)).await
+}
+
+async fn acquire_all_inner(
+    parts: &[Limit<'_>],
+    mut trace: Option<&mut Vec<(Decision, i64)>>,
+) -> AllDecision {
     let mut guard = Taken {
         parts,
         taken: Vec::with_capacity(parts.len()),
@@ -211,20 +230,23 @@ pub async fn acquire_all(parts: &[Limit<'_>]) -> AllDecision {
     let taken = &mut guard.taken;
     let mut admitted = Admitted::default();
     for (i, p) in parts.iter().enumerate() {
-        let (d, r) = match p {
+        let (d, r, at) = match p {
             Limit::Task(t, n) => {
                 // The refund names the slice the decision was charged to (its stamp), never
                 // the one the clock reads afterwards: across a boundary that was the next
                 // slice, which got permits slice S had taken (issue 23 item 6).
                 let (d, at) = t.acquire_stamped(*n).await;
                 after_part();
-                (d, t.refund_of(d, at))
+                (d, t.refund_of(d, at), at)
             }
             Limit::Key(k, n) => {
-                let (d, _, r) = k.acquire_refundable(*n).await;
-                (d, r)
+                let (d, at, r) = k.acquire_refundable(*n).await;
+                (d, r, at)
             }
         };
+        if let Some(t) = trace.as_deref_mut() {
+            t.push((d, at));
+        }
         if !d.is_allowed() {
             let out = refused(parts, taken, d, i);
             guard.settled = true;

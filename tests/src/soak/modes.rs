@@ -280,6 +280,12 @@ pub struct ModeCoverage {
     pub runs_keyed: u64,
     /// Runs started on a concurrency spec.
     pub runs_concurrency: u64,
+    /// Runs started with `--all-with` (every decision `acquire_all` over two pooled tasks).
+    pub runs_all: u64,
+    /// Progress lines of such runs charged to the second task.
+    pub all_lines: u64,
+    /// Their decisions cancelled mid-wait (runs that ended on their own).
+    pub all_cancelled: u64,
     /// Key slices judged for liveness (key × slice with demand ≥ 1.1 × the limit).
     pub key_live_slices: u64,
     /// Key-grid slices not judged for liveness: the machine stalled around them.
@@ -303,6 +309,9 @@ impl Default for ModeCoverage {
             max_in_flight: 0,
             runs_keyed: 0,
             runs_concurrency: 0,
+            runs_all: 0,
+            all_lines: 0,
+            all_cancelled: 0,
             key_live_slices: 0,
             key_live_stalled: 0,
             permit_live_windows: 0,
@@ -565,13 +574,16 @@ impl Watch {
     pub fn summary(&self) -> String {
         let c = &self.cov;
         format!(
-            "modes: {} key slices, {} shadow buckets, {} permit starts checked (at most {} in flight); {} keyed runs, {} concurrency runs; liveness: {} key slices judged ({} stalled), {} permit windows judged ({} stalled, {} after a demand shift; lowest mean {:.0} % of the cap)",
+            "modes: {} key slices, {} shadow buckets, {} permit starts checked (at most {} in flight); {} keyed runs, {} concurrency runs, {} acquire_all runs ({} lines of their second task, {} decisions cancelled mid-wait); liveness: {} key slices judged ({} stalled), {} permit windows judged ({} stalled, {} after a demand shift; lowest mean {:.0} % of the cap)",
             c.key_slices,
             c.shadow_buckets,
             c.permit_instants,
             c.max_in_flight,
             c.runs_keyed,
             c.runs_concurrency,
+            c.runs_all,
+            c.all_lines,
+            c.all_cancelled,
             c.key_live_slices,
             c.key_live_stalled,
             c.permit_live_windows,

@@ -652,9 +652,27 @@ impl World {
             ],
         );
         let spec = self.ledger.newest(task).and_then(|v| v.spec.clone());
-        let more = self
+        let mut more = self
             .modes
             .run_args(&mut self.rng, spec.as_ref(), &base, task, h.offset_ms);
+        // Several limits, all or nothing: a third of the SDK runs of a plain pooled task decide
+        // every permit together with another plain pooled task (`acquire_all`; the loadgen
+        // decides its task alone while either is not one). Each part is charged to its own
+        // task's ledger; a refusal to the task that refused.
+        let plain =
+            |s: Option<&Spec>| s.is_some_and(|s| s.mode == "pooled" && s.modes.keyed.is_none());
+        if h.agent.is_none() && plain(spec.as_ref()) && self.rng.chance(0.35) {
+            let partners: Vec<usize> = (0..self.ledger.api.len())
+                .filter(|u| *u != task)
+                .filter(|u| plain(self.ledger.newest(*u).and_then(|v| v.spec.as_ref())))
+                .collect();
+            if !partners.is_empty() {
+                let u = *self.rng.pick(&partners);
+                more.push("--all-with".into());
+                more.push(task_name(u));
+                self.modes.cov.runs_all += 1;
+            }
+        }
         let mut cmd = match &h.agent {
             Some(a) => a.driver(
                 &task_name(task),
@@ -756,8 +774,24 @@ impl World {
                             v["fb"].as_u64()?,
                         ))
                     });
-                    match parsed {
-                        Some((b, a, rj, fb)) if b % 100 == 0 && fb <= a => {
+                    // An `--all-with` run writes its second task's lines under that task's name.
+                    let line_task = v.as_ref().and_then(|v| v["task"].as_str());
+                    let t = match line_task {
+                        Some(name) if name != task_name(r.task) => name
+                            .strip_prefix('t')
+                            .and_then(|i| i.parse::<usize>().ok())
+                            .filter(|i| *i < self.ledger.api.len()),
+                        _ => Some(r.task),
+                    };
+                    match (parsed, t) {
+                        (Some((b, a, rj, fb)), Some(t))
+                            if t != r.task && b % 100 == 0 && fb <= a =>
+                        {
+                            self.modes.cov.all_lines += 1;
+                            self.ledger.count(t, h, b, a, rj, fb, r.offset_ms);
+                            self.ledger.count_shadow(t, h, b, sh);
+                        }
+                        (Some((b, a, rj, fb)), Some(_)) if b % 100 == 0 && fb <= a => {
                             self.ledger.count(r.task, h, b, a, rj, fb, r.offset_ms);
                             if r.permit_loops {
                                 self.modes.count_waits(r.task, h, b - r.offset_ms, rj);
@@ -804,6 +838,7 @@ impl World {
     /// run may have panicked.
     fn reap_runs(&mut self) {
         let mut found = Vec::new();
+        let mut cancelled = 0;
         for h in &mut self.hosts {
             for r in &mut h.runs {
                 let Some(c) = r.child.as_mut() else { continue };
@@ -823,9 +858,14 @@ impl World {
                 if !r.stopped_by_us {
                     let out = std::fs::read_to_string(&r.out).unwrap_or_default();
                     let lines: Vec<&str> = out.lines().filter(|l| !l.trim().is_empty()).collect();
-                    let json_ok = lines.len() == 1
-                        && serde_json::from_str::<Value>(lines[0])
-                            .is_ok_and(|v| v["admitted"].is_u64());
+                    let v = (lines.len() == 1)
+                        .then(|| serde_json::from_str::<Value>(lines[0]).ok())
+                        .flatten();
+                    let json_ok = v.as_ref().is_some_and(|v| v["admitted"].is_u64());
+                    cancelled += v
+                        .as_ref()
+                        .and_then(|v| v["all_with"]["cancelled"].as_u64())
+                        .unwrap_or(0);
                     if !st.success() || !json_ok {
                         found.push((
                             "crash.loadgen_exit",
@@ -842,6 +882,7 @@ impl World {
                 }
             }
         }
+        self.modes.cov.all_cancelled += cancelled;
         for (inv, task, evidence) in found {
             self.violations.push(Violation {
                 invariant: inv,
