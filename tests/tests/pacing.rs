@@ -130,12 +130,14 @@ fn check(task: &str, run: &Run, burst: u64) {
         }
     }
     assert!(full.len() >= 3, "{task}: too few full slices: {full:?}");
+    let mut judged = 0;
     for s in &full {
         let used: u64 = buckets.range(*s..*s + SLICE_MS).map(|(_, a)| a).sum();
         assert!(used <= THRESHOLD, "{task}: slice {s} over-admitted {used}");
         // Utilisation says something only where no pull failed: a slice in which the local
         // fallback admitted (a pull timed out on a stalled machine) is left out.
         if !run.fallback_slices.contains(s) {
+            judged += 1;
             assert!(
                 used >= THRESHOLD * 9 / 10,
                 "{task}: slice {s} admitted only {used} of {THRESHOLD}"
@@ -148,6 +150,10 @@ fn check(task: &str, run: &Run, burst: u64) {
             "{task}: first 100 ms of {s} admitted {first}"
         );
     }
+    assert!(
+        judged >= 1,
+        "{task}: every full slice had a fallback admission: no pull worked"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -90,6 +90,26 @@
 //! longer) in mode `concurrency` (`PermitError::NotConcurrency`) counts nothing and asks again
 //! 10 ms later. `--rate` does not apply (the workers are the demand).
 //!
+//! # Several limits
+//!
+//! `--all-with T2` (extra): every decision asks this task and `T2` for one permit each with
+//! `sluice::acquire_all` (all or nothing; the async call on a current-thread runtime) while
+//! both are plain pooled tasks (paced and shadow included, not keyed), and this task alone
+//! (as the plain loop decides it) otherwise. One decision in eight is cancelled if it still
+//! waits after 1 ms (a timeout drops the future: what its parts took is given back). Each part
+//! is counted under its own task, in the bucket of the time it was charged at
+//! (`sluice::acquire_all_traced`); a refusal under the task that refused (the parts before it
+//! were given back and are counted nowhere); a cancelled decision nowhere. Progress lines of
+//! `T2` carry `"task":"T2"`; lines are written as buckets close, 200 ms after their end (lines
+//! of one bucket add up); this task's lines carry `"gb"`, the permits its part took and gave
+//! back (a later part refused, or the decision was cancelled). The JSON line's own counts are
+//! this task's; `all_with` (additive)
+//! holds `T2`'s: `{"task","admitted","rejected","buckets","fallback_buckets","cancelled","alone",
+//! "kept","inconsistent"}` (`kept`: parts admitted that a refusal or cancellation could not give
+//! back — a FAILED fallback admission, an exact part — counted as admitted under their task;
+//! `inconsistent`: answers contradicting all-or-nothing, 0). `--backend-capacity` applies to
+//! the decisions admitted (reported for this task).
+//!
 //! # Latency
 //!
 //! `--latency-every N` (extra) times every N-th decision of the synchronous loop (two
@@ -285,6 +305,14 @@ struct AllWith {
     cancelled: u64,
     /// Decisions of the first task alone, made while one of the two was not a plain pooled task.
     alone: u64,
+    /// Parts admitted that a refusal or cancellation could not give back (counted admitted).
+    kept: u64,
+    /// Answers that contradict all-or-nothing (admitted with a part refused, or refused with
+    /// an earlier part refused): must be 0.
+    inconsistent: u64,
+    /// The second task's fallback-admitted count per bucket (part of `buckets[b][0]`).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    fallback_buckets: BTreeMap<String, u64>,
 }
 
 /// The latency histogram of `lat_hist`: fixed log buckets (16 per power of two).
@@ -412,6 +440,11 @@ impl Report {
             t.rejected += a.rejected;
             t.cancelled += a.cancelled;
             t.alone += a.alone;
+            t.kept += a.kept;
+            t.inconsistent += a.inconsistent;
+            for (k, n) in a.fallback_buckets {
+                *t.fallback_buckets.entry(k).or_insert(0) += n;
+            }
             for (k, v) in a.buckets {
                 let e = t.buckets.entry(k).or_insert([0, 0]);
                 e[0] += v[0];
@@ -847,6 +880,19 @@ impl Progress {
         self.write(line);
     }
 
+    /// [`Progress::bucket_late`] of an `--all-with` run's first task, with `"gb"`: the
+    /// permits its admitted part took and gave back (a later part refused, or cancelled).
+    fn bucket_given_back(&mut self, start: i64, v: [u64; 4], late_ms: u64, gb: u64) {
+        let mut line = serde_json::json!({
+            "host": self.host, "child": self.child, "task": self.task,
+            "bucket": start, "adm": v[0], "rej": v[1], "fb": v[2], "sh": v[3], "gb": gb,
+        });
+        if late_ms >= 15 {
+            line["late"] = late_ms.into();
+        }
+        self.write(line);
+    }
+
     /// [`Progress::bucket`] of another task (`--all-with`).
     fn bucket_of(&mut self, task: &str, start: i64, v: [u64; 4]) {
         let line = serde_json::json!({
@@ -856,11 +902,13 @@ impl Progress {
         self.write(line);
     }
 
-    /// One reported key's `[admitted, rejected, fallback-admitted]` in one bucket.
-    fn key_bucket(&mut self, key: usize, start: i64, v: [u64; 3]) {
+    /// One reported key's `[admitted, rejected, fallback-admitted, shadow-admitted]` in one
+    /// bucket.
+    fn key_bucket(&mut self, key: usize, start: i64, v: [u64; 4]) {
         let line = serde_json::json!({
             "host": self.host, "child": self.child, "task": self.task,
             "bucket": start, "key": format!("key-{key}"), "adm": v[0], "rej": v[1], "fb": v[2],
+            "sh": v[3],
         });
         self.write(line);
     }
@@ -882,7 +930,7 @@ impl Progress {
 #[derive(Default)]
 struct Live {
     buckets: BTreeMap<i64, [u64; 4]>,
-    keys: BTreeMap<(usize, i64), [u64; 3]>,
+    keys: BTreeMap<(usize, i64), [u64; 4]>,
 }
 
 impl Live {
@@ -1002,6 +1050,21 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
             break;
         }
     }
+    // `--all-with`: the second task is opened and its meta awaited before the common start.
+    let other = match &args.all_with {
+        Some(name) => {
+            let t = client
+                .task(name)
+                .map_err(|e| format!("--all-with {name}: {e}"))?;
+            let ready_by = Instant::now() + Duration::from_secs(5);
+            while !t.wait_ready(Duration::from_millis(50))
+                && Instant::now() < ready_by
+                && !signals::stop_requested()
+            {}
+            Some(t)
+        }
+        None => None,
+    };
     let start_at = args.start_at_ms.unwrap_or_else(now_ms);
     let wait = start_at - now_ms();
     if wait > 0 {
@@ -1019,8 +1082,8 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
         let _ = writeln!(std::io::stdout(), "{line}");
         return Ok(());
     }
-    if args.all_with.is_some() {
-        let r = all_child(args, &client, &task, &mut progress)?;
+    if task.meta().is_some_and(|m| m.mode == Mode::Concurrency) {
+        let r = concurrency_child(args, &task, &mut progress)?;
         drop(task);
         drop(client);
         let r = Report {
@@ -1031,8 +1094,8 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
         let _ = writeln!(std::io::stdout(), "{line}");
         return Ok(());
     }
-    if task.meta().is_some_and(|m| m.mode == Mode::Concurrency) {
-        let r = concurrency_child(args, &task, &mut progress)?;
+    if let Some(other) = &other {
+        let r = all_child(args, &task, other, backend.as_ref(), &mut progress)?;
         drop(task);
         drop(client);
         let r = Report {
@@ -1182,19 +1245,12 @@ fn plain_pooled(task: &Task) -> bool {
 /// their end (lines of one bucket add up).
 fn all_child(
     args: &Args,
-    client: &Client,
     task: &Task,
+    other: &Task,
+    backend: Option<&Backend>,
     progress: &mut Progress,
 ) -> Result<Report, String> {
     let other_name = args.all_with.clone().unwrap_or_default();
-    let other = client
-        .task(&other_name)
-        .map_err(|e| format!("--all-with {other_name}: {e}"))?;
-    let ready_by = Instant::now() + Duration::from_secs(5);
-    while !other.wait_ready(Duration::from_millis(50))
-        && Instant::now() < ready_by
-        && !signals::stop_requested()
-    {}
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
@@ -1217,14 +1273,14 @@ fn all_child(
         task: other_name,
         ..AllWith::default()
     };
-    // (part, bucket) → [admitted, rejected, fallback, shadow], not yet written.
-    let mut live: BTreeMap<(usize, i64), [u64; 4]> = BTreeMap::new();
+    // (part, bucket) → [admitted, rejected, fallback, shadow, given back], not yet written.
+    let mut live: BTreeMap<(usize, i64), [u64; 5]> = BTreeMap::new();
     let mut trace = Vec::with_capacity(2);
     let mut late = 0u64;
     let mut flushed = Instant::now();
     let mut done = 0u64;
     let mut x = u64::from(std::process::id()) | 1;
-    let flush = |live: &mut BTreeMap<(usize, i64), [u64; 4]>,
+    let flush = |live: &mut BTreeMap<(usize, i64), [u64; 5]>,
                  r: &mut Report,
                  a: &mut AllWith,
                  progress: &mut Progress,
@@ -1237,12 +1293,15 @@ fn all_child(
         for ((i, b), v) in out {
             if i == 0 {
                 r.add_bucket(b, [v[0], v[1], v[2]]);
-                progress.bucket_late(b, v, late);
+                progress.bucket_given_back(b, [v[0], v[1], v[2], v[3]], late, v[4]);
             } else {
                 let e = a.buckets.entry(b.to_string()).or_insert([0, 0]);
                 e[0] += v[0];
                 e[1] += v[1];
-                progress.bucket_of(&names[1], b, v);
+                if v[2] > 0 {
+                    *a.fallback_buckets.entry(b.to_string()).or_insert(0) += v[2];
+                }
+                progress.bucket_of(&names[1], b, [v[0], v[1], v[2], v[3]]);
             }
         }
     };
@@ -1274,9 +1333,12 @@ fn all_child(
             }
         }
         done += 1;
-        let mut count = |part: usize, d: Decision, at_us: i64| {
-            let e = live.entry((part, bucket_of(at_us))).or_insert([0; 4]);
-            if d.is_allowed() {
+        // A part's decision (`back`: admitted and given back, counted only as such).
+        let mut count_part = |part: usize, d: Decision, at_us: i64, back: bool| {
+            let e = live.entry((part, bucket_of(at_us))).or_insert([0; 5]);
+            if back {
+                e[4] += 1;
+            } else if d.is_allowed() {
                 e[0] += 1;
                 e[2] += u64::from(d == Decision::FallbackAllowed);
                 e[3] += u64::from(d.is_shadowed());
@@ -1284,10 +1346,10 @@ fn all_child(
                 e[1] += 1;
             }
         };
-        if !(plain_pooled(task) && plain_pooled(&other)) {
+        if !(plain_pooled(task) && plain_pooled(other)) {
             a.alone += 1;
             let (d, at) = decide(task);
-            count(0, d, at);
+            count_part(0, d, at, false);
             tally(&mut r, d);
             continue;
         }
@@ -1296,7 +1358,7 @@ fn all_child(
         x ^= x >> 7;
         x ^= x << 17;
         trace.clear();
-        let parts = [sluice::Limit::Task(task, 1), sluice::Limit::Task(&other, 1)];
+        let parts = [sluice::Limit::Task(task, 1), sluice::Limit::Task(other, 1)];
         let fut = sluice::acquire_all_traced(&parts, &mut trace);
         let all = if x % 8 == 0 {
             rt.block_on(async { tokio::time::timeout(Duration::from_millis(1), fut).await })
@@ -1304,19 +1366,53 @@ fn all_child(
         } else {
             Some(rt.block_on(fut))
         };
+        // Parts admitted and not given back by a refusal or a cancellation (a FAILED fallback
+        // admission, an exact part after a mode change mid-call) stay spent: counted as
+        // admitted under their task, as the SDK's own counters do.
+        // Parts given back are counted as such (`gb` on the first task's lines: the host keeps
+        // those permits in its stock).
+        let mut kept = |trace: &[sluice::PartTrace], upto: usize| {
+            for (i, (d, at, back)) in trace.iter().enumerate().take(upto) {
+                if d.is_allowed() {
+                    count_part(i, *d, *at, *back);
+                    a.kept += u64::from(!back);
+                }
+            }
+        };
         match all {
-            None => a.cancelled += 1,
+            None => {
+                a.cancelled += 1;
+                kept(&trace, trace.len());
+            }
             Some(all) if all.is_allowed() => {
-                for (i, (d, at)) in trace.iter().enumerate() {
-                    count(i, *d, *at);
+                if trace.len() != parts.len() || trace.iter().any(|p| !p.0.is_allowed()) {
+                    // Admitted with a part not admitted: a broken all-or-nothing.
+                    a.inconsistent += 1;
+                }
+                for (i, (d, at, _)) in trace.iter().enumerate() {
+                    count_part(i, *d, *at, false);
                 }
                 tally(&mut r, trace.first().map_or(all.decision, |p| p.0));
                 a.admitted += 1;
+                if let Some(b) = backend
+                    && let Some((_, at, _)) = trace.first()
+                {
+                    let (outcome, latency) = if b.serve(at.div_euclid(1_000)) {
+                        (Outcome::Ok, Duration::from_millis(2))
+                    } else {
+                        (Outcome::Err, Duration::from_millis(50))
+                    };
+                    task.report(outcome, latency);
+                }
             }
             Some(all) => {
                 let i = all.refused.unwrap_or(0);
-                if let Some((d, at)) = trace.get(i) {
-                    count(i, *d, *at);
+                if trace.len() != i + 1 || trace[..i].iter().any(|p| !p.0.is_allowed()) {
+                    a.inconsistent += 1;
+                }
+                kept(&trace, i);
+                if let Some((d, at, _)) = trace.get(i) {
+                    count_part(i, *d, *at, false);
                 }
                 if i == 0 {
                     r.rejected += 1;
@@ -1628,9 +1724,10 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
                         x[2] += u64::from(fallback);
                         x[3] += u64::from(d.is_shadowed());
                         if k < report_keys {
-                            let y = l.keys.entry((k, b)).or_insert([0; 3]);
+                            let y = l.keys.entry((k, b)).or_insert([0; 4]);
                             y[usize::from(!allowed)] += 1;
                             y[2] += u64::from(fallback);
+                            y[3] += u64::from(d.is_shadowed());
                         }
                     }
                     done += 1;

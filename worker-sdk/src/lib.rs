@@ -102,7 +102,8 @@ pub use health::Outcome;
 pub use keyed::Key;
 pub use lock::{LockError, LockGuard, MAX_LOCK_TTL, MIN_LOCK_TTL};
 pub use multi::{
-    AllDecision, Limit, acquire_all, acquire_all_blocking, acquire_all_traced, try_acquire_all,
+    AllDecision, Limit, PartTrace, acquire_all, acquire_all_blocking, acquire_all_traced,
+    try_acquire_all,
 };
 pub use state::HostState;
 

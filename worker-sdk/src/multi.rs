@@ -206,21 +206,23 @@ pub async fn acquire_all(parts: &[Limit<'_>]) -> AllDecision {
     acquire_all_inner(parts, None).await
 }
 
-/// [`acquire_all`] that also records, for each part decided (in order, up to the refusing one),
-/// its decision and when it was charged (Unix µs on the slice clock: the slice it was charged
-/// to). For load generators and tests that count each limit's decisions per slice. Parts
-/// recorded before a cancellation were given back as [`acquire_all`] says.
+/// One part of [`acquire_all_traced`]'s record: its decision, when it was charged (Unix µs on
+/// the slice clock: the slice it was charged to), and whether a refusal of a later part (or a
+/// cancellation) gives its permits back (false: an exact-mode admission, a key decided in
+/// Redis, a FAILED fallback admission — they stay spent).
+pub type PartTrace = (Decision, i64, bool);
+
+/// [`acquire_all`] that also records each part decided (in order, up to the refusing one).
+/// For load generators and tests that count each limit's decisions per slice; parts recorded
+/// before a cancellation were given back when their flag says so.
 #[doc(hidden)]
-pub async fn acquire_all_traced(
-    parts: &[Limit<'_>],
-    trace: &mut Vec<(Decision, i64)>,
-) -> AllDecision {
+pub async fn acquire_all_traced(parts: &[Limit<'_>], trace: &mut Vec<PartTrace>) -> AllDecision {
     acquire_all_inner(parts, Some(trace)).await
 }
 
 async fn acquire_all_inner(
     parts: &[Limit<'_>],
-    mut trace: Option<&mut Vec<(Decision, i64)>>,
+    mut trace: Option<&mut Vec<PartTrace>>,
 ) -> AllDecision {
     let mut guard = Taken {
         parts,
@@ -245,7 +247,7 @@ async fn acquire_all_inner(
             }
         };
         if let Some(t) = trace.as_deref_mut() {
-            t.push((d, at));
+            t.push((d, at, r.is_some()));
         }
         if !d.is_allowed() {
             let out = refused(parts, taken, d, i);

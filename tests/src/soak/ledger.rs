@@ -40,6 +40,9 @@ pub struct Cell {
     /// Agent hosts: admissions of a task that may have been in shadow mode (part of `sh`:
     /// not the quota's for safety; possibly the quota's for liveness, [`Cell::quota`]).
     pub amb: u64,
+    /// `--all-with` runs: permits this task's part took and gave back (a later part refused,
+    /// or the decision was cancelled). Not decisions: they stay in the host's stock.
+    pub gb: u64,
 }
 
 impl Cell {
@@ -240,6 +243,13 @@ impl Ledger {
         }
     }
 
+    /// Adds permits an `--all-with` run's part took and gave back ([`Cell::gb`]).
+    pub fn count_given_back(&mut self, task: usize, host: usize, bucket: i64, n: u64) {
+        if let Some(c) = self.cells[task][host].get_mut(&bucket) {
+            c.gb += n;
+        }
+    }
+
     /// Adds shadow-admitted decisions to a cell [`Ledger::count`] made.
     pub fn count_shadow(&mut self, task: usize, host: usize, bucket: i64, sh: u64) {
         if let Some(c) = self.cells[task][host].get_mut(&bucket) {
@@ -292,6 +302,7 @@ impl Ledger {
             s.amb += c.amb;
             s.reach += c.reach;
             s.sh += c.sh;
+            s.gb += c.gb;
             s.off_min = s.off_min.min(c.off_min);
             s.off_max = s.off_max.max(c.off_max);
         }
@@ -322,6 +333,7 @@ impl Ledger {
                         s.amb += c.amb;
                         s.reach += c.reach;
                         s.sh += c.sh;
+                        s.gb += c.gb;
                     }
                 }
                 s

@@ -216,6 +216,8 @@ pub fn apply(rng: &mut Rng, variant: &'static str, shape: &Shape, task: usize, s
                 o.push((k, t));
             }
             s.modes.keyed = Some(o);
+            // Keyed in shadow mode: every key decided and counted, nothing refused.
+            s.modes.shadow = rng.chance(0.2);
         }
         "concurrency" => {
             s.mode = "concurrency";
@@ -442,6 +444,8 @@ impl Watch {
         c.adm += adm;
         c.rej += rej;
         c.fb += fb;
+        // Shadow-admitted (keyed shadow tasks; absent in older lines): part of `adm`.
+        c.sh = (c.sh + v["sh"].as_u64().unwrap_or(0)).min(c.adm.saturating_sub(c.fb));
         c.off_min = c.off_min.min(offset_ms);
         c.off_max = c.off_max.max(offset_ms);
         true

@@ -133,15 +133,15 @@ impl Spec {
         Class::of_mode(self.mode)
     }
 
-    /// The variant name of the step log and the focus: `paced`, `shadow` (on any mode),
-    /// `keyed`, `concurrency`, or the mode.
+    /// The variant name of the step log and the focus: `keyed` (shadow or not: what the
+    /// threshold means), `shadow` (on any other mode), `paced`, `concurrency`, or the mode.
     pub fn variant(&self) -> &'static str {
-        if self.modes.shadow {
+        if self.modes.keyed.is_some() {
+            "keyed"
+        } else if self.modes.shadow {
             "shadow"
         } else if self.modes.paced_burst.is_some() {
             "paced"
-        } else if self.modes.keyed.is_some() {
-            "keyed"
         } else {
             self.mode
         }

@@ -793,6 +793,9 @@ impl World {
                         }
                         (Some((b, a, rj, fb)), Some(_)) if b % 100 == 0 && fb <= a => {
                             self.ledger.count(r.task, h, b, a, rj, fb, r.offset_ms);
+                            if let Some(n) = v.as_ref().and_then(|v| v["gb"].as_u64()) {
+                                self.ledger.count_given_back(r.task, h, b, n);
+                            }
                             if r.permit_loops {
                                 self.modes.count_waits(r.task, h, b - r.offset_ms, rj);
                             }
