@@ -1070,32 +1070,19 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     if wait > 0 {
         sleep_unless_stopped(Duration::from_millis(wait as u64));
     }
-    if args.keys > 0 {
-        let r = keyed_child(args, &task, &mut progress)?;
-        drop(task);
-        drop(client);
-        let r = Report {
-            redis_calls: calls.get(),
-            ..r
-        };
-        let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
-        let _ = writeln!(std::io::stdout(), "{line}");
-        return Ok(());
-    }
-    if task.meta().is_some_and(|m| m.mode == Mode::Concurrency) {
-        let r = concurrency_child(args, &task, &mut progress)?;
-        drop(task);
-        drop(client);
-        let r = Report {
-            redis_calls: calls.get(),
-            ..r
-        };
-        let line = serde_json::to_string(&r).map_err(|e| e.to_string())?;
-        let _ = writeln!(std::io::stdout(), "{line}");
-        return Ok(());
-    }
-    if let Some(other) = &other {
-        let r = all_child(args, &task, other, backend.as_ref(), &mut progress)?;
+    // The modes with their own loops: keyed tasks, concurrency tasks, several limits.
+    let own_loop = if args.keys > 0 {
+        Some(keyed_child(args, &task, &mut progress)?)
+    } else if task.meta().is_some_and(|m| m.mode == Mode::Concurrency) {
+        Some(concurrency_child(args, &task, &mut progress)?)
+    } else if let Some(other) = &other {
+        Some(all_child(args, &task, other, backend.as_ref(), &mut progress)?)
+    } else {
+        None
+    };
+    if let Some(r) = own_loop {
+        // The tasks and the client first: their last flush is part of the Redis calls.
+        drop(other);
         drop(task);
         drop(client);
         let r = Report {
