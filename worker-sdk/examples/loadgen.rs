@@ -107,7 +107,9 @@
 //! holds `T2`'s: `{"task","admitted","rejected","buckets","fallback_buckets","cancelled","alone",
 //! "kept","inconsistent"}` (`kept`: parts admitted that a refusal or cancellation could not give
 //! back — a FAILED fallback admission, an exact part — counted as admitted under their task;
-//! `inconsistent`: answers contradicting all-or-nothing, 0). `--backend-capacity` applies to
+//! `inconsistent`: answers contradicting all-or-nothing, 0; each one is also written to the
+//! progress file at once as `{"host","child","task","inconsistent":"<what>"}` and counted
+//! nowhere else). `--backend-capacity` applies to
 //! the decisions admitted (reported for this task).
 //!
 //! # Latency
@@ -893,6 +895,16 @@ impl Progress {
         self.write(line);
     }
 
+    /// An `--all-with` answer that contradicts all-or-nothing (`"inconsistent"`: the soak's
+    /// violation), written at once.
+    fn inconsistent(&mut self, what: &str) {
+        let line = serde_json::json!({
+            "host": self.host, "child": self.child, "task": self.task,
+            "inconsistent": what,
+        });
+        self.write(line);
+    }
+
     /// [`Progress::bucket`] of another task (`--all-with`).
     fn bucket_of(&mut self, task: &str, start: i64, v: [u64; 4]) {
         let line = serde_json::json!({
@@ -1076,7 +1088,13 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     } else if task.meta().is_some_and(|m| m.mode == Mode::Concurrency) {
         Some(concurrency_child(args, &task, &mut progress)?)
     } else if let Some(other) = &other {
-        Some(all_child(args, &task, other, backend.as_ref(), &mut progress)?)
+        Some(all_child(
+            args,
+            &task,
+            other,
+            backend.as_ref(),
+            &mut progress,
+        )?)
     } else {
         None
     };
@@ -1371,11 +1389,25 @@ fn all_child(
                 a.cancelled += 1;
                 kept(&trace, trace.len());
             }
+            Some(all)
+                if all.is_allowed()
+                    && (trace.len() != parts.len() || trace.iter().any(|p| !p.0.is_allowed())) =>
+            {
+                // Admitted with a part not admitted: a broken all-or-nothing. Counted nowhere
+                // per part; said on the progress file at once (the soak's finding).
+                a.inconsistent += 1;
+                progress.inconsistent(&format!("admitted {all:?} with parts {trace:?}"));
+            }
+            Some(all)
+                if !all.is_allowed()
+                    && all.refused.is_none_or(|i| {
+                        trace.len() != i + 1 || trace[..i].iter().any(|p| !p.0.is_allowed())
+                    }) =>
+            {
+                a.inconsistent += 1;
+                progress.inconsistent(&format!("refused {all:?} with parts {trace:?}"));
+            }
             Some(all) if all.is_allowed() => {
-                if trace.len() != parts.len() || trace.iter().any(|p| !p.0.is_allowed()) {
-                    // Admitted with a part not admitted: a broken all-or-nothing.
-                    a.inconsistent += 1;
-                }
                 for (i, (d, at, _)) in trace.iter().enumerate() {
                     count_part(i, *d, *at, false);
                 }
@@ -1394,9 +1426,6 @@ fn all_child(
             }
             Some(all) => {
                 let i = all.refused.unwrap_or(0);
-                if trace.len() != i + 1 || trace[..i].iter().any(|p| !p.0.is_allowed()) {
-                    a.inconsistent += 1;
-                }
                 kept(&trace, i);
                 if let Some((d, at, _)) = trace.get(i) {
                     count_part(i, *d, *at, false);

@@ -750,6 +750,16 @@ impl World {
                 for line in complete.lines() {
                     // Validated like any input: a bad line is a finding, not a crash.
                     let v: Option<Value> = serde_json::from_str(line).ok();
+                    // An `--all-with` answer that contradicted all-or-nothing (loadgen.rs).
+                    if let Some(what) = v.as_ref().and_then(|v| v["inconsistent"].as_str()) {
+                        self.violations.push(Violation {
+                            invariant: "acquire_all.inconsistent",
+                            task: Some(task_name(r.task)),
+                            slice: None,
+                            evidence: format!("{}: {what}", r.progress.display()),
+                        });
+                        continue;
+                    }
                     // A key's part of a keyed run's bucket (modes.rs).
                     if let Some(v) = v.as_ref().filter(|v| v.get("key").is_some()) {
                         if !self.modes.key_line(r.task, h, v, r.offset_ms) {
