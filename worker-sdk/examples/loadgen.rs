@@ -1062,13 +1062,17 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
             break;
         }
     }
-    // `--all-with`: the second task is opened and its meta awaited before the common start.
+    // `--all-with`: the second task is opened and its meta awaited before the common start
+    // (never past it: a task whose meta is not known yet is decided alone until it is).
     let other = match &args.all_with {
         Some(name) => {
             let t = client
                 .task(name)
                 .map_err(|e| format!("--all-with {name}: {e}"))?;
-            let ready_by = Instant::now() + Duration::from_secs(5);
+            let until_start = args.start_at_ms.map_or(Duration::ZERO, |at| {
+                Duration::from_millis((at - now_ms()).max(0) as u64)
+            });
+            let ready_by = Instant::now() + until_start.min(Duration::from_secs(5));
             while !t.wait_ready(Duration::from_millis(50))
                 && Instant::now() < ready_by
                 && !signals::stop_requested()
