@@ -22,6 +22,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
+use crate::clock::{deadline_after, random_u64};
 use crate::health::{self, Outcome};
 use crate::limiter::{self, Params, Verdict};
 use crate::protocol::conn::{
@@ -541,17 +542,6 @@ fn fast_guard_us(enabled: bool) -> i64 {
             0
         }
     }
-}
-
-/// 64 random bits (`getrandom`; the clock and pid if that fails).
-pub(crate) fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom writes at most `b.len()` bytes into the buffer we pass.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    if n == b.len() as isize {
-        return u64::from_le_bytes(b);
-    }
-    (crate::clock::host_us() as u64).rotate_left(17) ^ ((std::process::id() as u64) << 40)
 }
 
 pub(crate) struct TaskInner {
@@ -1464,14 +1454,6 @@ impl Task {
             self.shared.wake.notify_one();
         }
     }
-}
-
-/// `now + timeout`, or a deadline that never comes when the sum does not fit the clock (a
-/// timeout of `Duration::MAX` waits as long as the refill takes instead of panicking).
-pub(crate) fn deadline_after(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(timeout)
-        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
 
 /// A caller waiting for a refill, counted in `waiters` for as long as it lives: the count

@@ -13,6 +13,12 @@
 //! thread, so starving the reading process of CPU cannot make it older). The client reads the
 //! precise clock whenever the coarse reading is within a guard of three ticks of the slice's
 //! end (see `docs/sdk.md`, "The clock of the fast path").
+//!
+//! Also the two helpers every layer of the SDK uses and that belong to none of them: 64
+//! random bits ([`random_u64`]) and a deadline that cannot overflow ([`deadline_after`]).
+//! This module imports nothing from the crate: it is the bottom of the module graph.
+
+use std::time::{Duration, Instant};
 
 /// Host Unix time in microseconds.
 #[inline]
@@ -78,6 +84,25 @@ pub fn boot_ms() -> i64 {
     #[allow(clippy::unnecessary_cast)]
     let ms = ts.tv_sec as i64 * 1_000 + ts.tv_nsec as i64 / 1_000_000;
     ms
+}
+
+/// 64 random bits (`getrandom`; the clock and pid if that fails).
+pub(crate) fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom writes at most `b.len()` bytes into the buffer we pass.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    if n == b.len() as isize {
+        return u64::from_le_bytes(b);
+    }
+    (host_us() as u64).rotate_left(17) ^ ((std::process::id() as u64) << 40)
+}
+
+/// `now + timeout`, or a deadline that never comes when the sum does not fit the clock (a
+/// timeout of `Duration::MAX` waits as long as the refill takes instead of panicking).
+pub(crate) fn deadline_after(timeout: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(timeout)
+        .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
 
 #[cfg(test)]

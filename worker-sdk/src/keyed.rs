@@ -302,9 +302,9 @@ impl KeyTable {
             h.checksum
                 .store(checksum(entries as u64), Ordering::Relaxed);
             h.secret0
-                .store(crate::client::random_u64(), Ordering::Relaxed);
+                .store(crate::clock::random_u64(), Ordering::Relaxed);
             h.secret1
-                .store(crate::client::random_u64(), Ordering::Relaxed);
+                .store(crate::clock::random_u64(), Ordering::Relaxed);
             h.magic.store(MAGIC, Ordering::Release);
             map.flush()?;
             std::fs::rename(&tmp, path)
@@ -921,7 +921,7 @@ impl Key {
 
     /// [`Key::acquire_stamped`], with how to give the permits back.
     pub(crate) async fn acquire_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
-        let deadline = crate::client::deadline_after(self.task.shared.cfg.acquire_timeout);
+        let deadline = crate::clock::deadline_after(self.task.shared.cfg.acquire_timeout);
         loop {
             match self.wait_step(n, deadline) {
                 Next::Done(d, at, r) => return (d, at, r),
@@ -958,7 +958,7 @@ impl Key {
 
     /// [`Key::acquire_blocking_stamped`], with how to give the permits back.
     pub(crate) fn acquire_blocking_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
-        let deadline = crate::client::deadline_after(self.task.shared.cfg.acquire_timeout);
+        let deadline = crate::clock::deadline_after(self.task.shared.cfg.acquire_timeout);
         loop {
             match self.wait_step(n, deadline) {
                 Next::Done(d, at, r) => return (d, at, r),

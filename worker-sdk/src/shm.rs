@@ -1191,7 +1191,7 @@ fn busy(w: u64, now_ms: i64) -> LockAttempt {
 
 /// A random segment id, never 0.
 fn random_id() -> u64 {
-    crate::client::random_u64().max(1)
+    crate::clock::random_u64().max(1)
 }
 
 /// Why a segment could not be opened.
