@@ -317,6 +317,22 @@ struct AllWith {
     fallback_buckets: BTreeMap<String, u64>,
 }
 
+/// Adds per-bucket `[admitted, rejected]` counts into `into`.
+fn add_pairs(into: &mut BTreeMap<String, [u64; 2]>, from: BTreeMap<String, [u64; 2]>) {
+    for (k, v) in from {
+        let e = into.entry(k).or_insert([0, 0]);
+        e[0] += v[0];
+        e[1] += v[1];
+    }
+}
+
+/// Adds per-bucket counts into `into`.
+fn add_counts(into: &mut BTreeMap<String, u64>, from: BTreeMap<String, u64>) {
+    for (k, n) in from {
+        *into.entry(k).or_insert(0) += n;
+    }
+}
+
 /// The latency histogram of `lat_hist`: fixed log buckets (16 per power of two).
 struct LatHist {
     counts: Vec<u64>,
@@ -417,21 +433,10 @@ impl Report {
         if r.lat_clock_ns.is_some() {
             self.lat_clock_ns = r.lat_clock_ns;
         }
-        for (k, v) in r.buckets {
-            let e = self.buckets.entry(k).or_insert([0, 0]);
-            e[0] += v[0];
-            e[1] += v[1];
-        }
-        for (k, n) in r.fallback_buckets {
-            *self.fallback_buckets.entry(k).or_insert(0) += n;
-        }
+        add_pairs(&mut self.buckets, r.buckets);
+        add_counts(&mut self.fallback_buckets, r.fallback_buckets);
         for (k, b) in r.keys {
-            let e = self.keys.entry(k).or_default();
-            for (bucket, v) in b {
-                let x = e.entry(bucket).or_insert([0, 0]);
-                x[0] += v[0];
-                x[1] += v[1];
-            }
+            add_pairs(self.keys.entry(k).or_default(), b);
         }
         if let Some(a) = r.all_with {
             let t = self.all_with.get_or_insert_with(|| AllWith {
@@ -444,14 +449,8 @@ impl Report {
             t.alone += a.alone;
             t.kept += a.kept;
             t.inconsistent += a.inconsistent;
-            for (k, n) in a.fallback_buckets {
-                *t.fallback_buckets.entry(k).or_insert(0) += n;
-            }
-            for (k, v) in a.buckets {
-                let e = t.buckets.entry(k).or_insert([0, 0]);
-                e[0] += v[0];
-                e[1] += v[1];
-            }
+            add_counts(&mut t.fallback_buckets, a.fallback_buckets);
+            add_pairs(&mut t.buckets, a.buckets);
         }
         if let Some(l) = r.key_latency_us {
             let t = self.key_latency_us.get_or_insert_with(KeyLatency::default);
