@@ -15,7 +15,7 @@
 //! end (see `docs/sdk.md`, "The clock of the fast path").
 //!
 //! Also the two helpers every layer of the SDK uses and that belong to none of them: 64
-//! random bits ([`random_u64`]) and a deadline that cannot overflow ([`deadline_after`]).
+//! random bits (`random_u64`) and a deadline that cannot overflow (`deadline_after`).
 //! This module imports nothing from the crate: it is the bottom of the module graph.
 
 use std::time::{Duration, Instant};
