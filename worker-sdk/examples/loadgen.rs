@@ -1116,12 +1116,8 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     }
     let started = Instant::now();
     let duration = Duration::from_millis(args.duration_ms);
-    let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
     // Bounded in count as well as in time.
-    let max_decisions: u64 = match interval {
-        Some(_) => (args.rate * args.duration_ms as f64 / 1_000.0).ceil() as u64 + 1,
-        None => 100_000_000_000,
-    };
+    let (interval, max_decisions) = rate_bounds(args);
     let mut r = Report::new(args, 1);
     let bucket_ms = args.bucket_ms;
     let mut cur_bucket = i64::MIN;
@@ -1266,11 +1262,7 @@ fn all_child(
     let names = [args.task.clone(), other_name.clone()];
     let started = Instant::now();
     let duration = Duration::from_millis(args.duration_ms);
-    let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
-    let max_decisions: u64 = match interval {
-        Some(_) => (args.rate * args.duration_ms as f64 / 1_000.0).ceil() as u64 + 1,
-        None => 100_000_000_000,
-    };
+    let (interval, max_decisions) = rate_bounds(args);
     let bucket_ms = args.bucket_ms;
     let bucket_of = |us: i64| {
         let ms = us.div_euclid(1_000);
@@ -1446,6 +1438,17 @@ fn all_child(
     let secs = started.elapsed().as_secs_f64().max(1e-9);
     r.decisions_per_sec = done as f64 / secs;
     Ok(r)
+}
+
+/// The interval between decisions (`--rate`; None = as fast as possible) and the most
+/// decisions a run makes (the rate over the duration, + 1).
+fn rate_bounds(args: &Args) -> (Option<Duration>, u64) {
+    let interval = (args.rate > 0.0).then(|| Duration::from_secs_f64(1.0 / args.rate));
+    let max = match interval {
+        Some(_) => (args.rate * args.duration_ms as f64 / 1_000.0).ceil() as u64 + 1,
+        None => 100_000_000_000,
+    };
+    (interval, max)
 }
 
 /// Adds one decision of the report's own task to its totals.
