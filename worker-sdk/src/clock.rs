@@ -3,7 +3,7 @@
 //! `clock_gettime(CLOCK_REALTIME)` through the vDSO: no system call, no allocation. Slices
 //! follow this clock by default (as in the seed: hosts are kept in step by NTP); the client can
 //! subtract the offset to Redis `TIME` measured on every pull instead (see
-//! [`crate::client::ClockSource`]).
+//! [`crate::config::ClockSource`]).
 //!
 //! The admission fast path of [`crate::Task::try_acquire`] reads `CLOCK_REALTIME_COARSE`
 //! instead ([`coarse_us`]): the kernel's copy of the real-time clock as of the last timer

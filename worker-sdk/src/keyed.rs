@@ -65,7 +65,9 @@ use std::time::{Duration, Instant};
 use memmap2::MmapMut;
 
 use crate::background::{Retry, call};
-use crate::client::{Decision, Error, Shared, Task};
+use crate::client::{Shared, Task};
+use crate::decision::Decision;
+use crate::error::Error;
 use crate::protocol::scripts::{self, KeyPullBatchReply, KeyPullReply, KeyPullRequest};
 use crate::protocol::{Mode, OnFailure};
 use crate::shm::{FastMeta, LockAttempt, Slot, field, pack_quota, tag_of, unpack_quota};

@@ -55,6 +55,9 @@
 
 mod background;
 mod client;
+mod config;
+mod decision;
+mod error;
 mod health;
 mod lock;
 mod multi;
@@ -82,8 +85,11 @@ pub mod state;
 #[doc(hidden)]
 pub use sluice_protocol as protocol;
 
-pub use client::{Client, ClockSource, Config, ConfigBuilder, Decision, Error, RedisCalls, Task};
+pub use client::{Client, RedisCalls, Task};
 pub use concurrency::PermitStats;
+pub use config::{ClockSource, Config, ConfigBuilder};
+pub use decision::Decision;
+pub use error::Error;
 pub use shm::SegmentError;
 // Protocol types in the SDK's signatures (`Client::check_redis`, `Task::meta`, `Config`).
 pub use sluice_protocol::conn::{CheckError, RedisSecurity, SecurityError};

@@ -24,7 +24,8 @@
 //! room for it, a FAILED fallback admission. Those stay spent (never over-admitted, possibly
 //! under-used).
 
-use crate::client::{Decision, Step, Task};
+use crate::client::Task;
+use crate::decision::{Decision, Step};
 use crate::keyed::{Key, Refund};
 use crate::protocol::Mode;
 use crate::shm::{parity, tag_of};
