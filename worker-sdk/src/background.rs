@@ -33,7 +33,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::client::{Shared, TaskInner};
+use crate::ctx::{FlushBatch, Shared, TaskInner};
 use crate::protocol::scripts::{self, ExactReply, PullReply, PullRequest, SliceCounters};
 use crate::protocol::{HostReport, Mode, TaskMeta, meta_field};
 use crate::pull::{self, PullInput};
@@ -50,9 +50,6 @@ const UNKNOWN_META_RETRY_MS: i64 = 200;
 const TOUCH_MS: i64 = 1_000;
 /// Shortest time between two warnings about pulls outside the slice window (per task).
 const WINDOW_WARN_MS: i64 = 10_000;
-
-/// A flush whose answer was lost: its sequence number and counters, resent as they were.
-pub(crate) type FlushBatch = (u64, Vec<(i64, SliceCounters)>);
 
 /// Whether a call may be sent twice.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

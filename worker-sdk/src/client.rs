@@ -14,7 +14,7 @@
 //! The decision path never touches the network, never allocates, never blocks and never
 //! panics; everything that talks to Redis runs on the client's own thread and runtime.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -28,179 +28,14 @@ use crate::protocol::conn::{CheckError, ConnOptions, Redis, RedisTarget};
 use crate::protocol::scripts::ExactReply;
 use crate::protocol::{Keys, Mode, OnFailure, TaskMeta, validate_task_name};
 use crate::shm::{
-    ClaimOptions, FastMeta, Opened, QuotaEntry, Segment, Slot, SlotRef, field, tag_of,
-    unpack_quota, word_generation,
+    FastMeta, Opened, QuotaEntry, Segment, Slot, field, tag_of, unpack_quota, word_generation,
 };
 use crate::state::{Health, HostState, Machine, view};
 
-use crate::config::{ClockSource, Config};
+use crate::config::Config;
+use crate::ctx::{Shared, TaskInner, Waiting, fast_guard_us, fast_in_slice};
 use crate::decision::{Decision, PENDING_RETRY, Step};
 use crate::error::Error;
-
-pub(crate) struct Shared {
-    pub(crate) cfg: Config,
-    pub(crate) keys: Keys,
-    pub(crate) seg: Segment,
-    pub(crate) redis: Redis,
-    pub(crate) tasks: Mutex<Vec<Arc<TaskInner>>>,
-    pub(crate) wake: Notify,
-    pub(crate) redis_calls: Arc<AtomicU64>,
-    /// Slices whose counters a flush dropped (Redis refused them).
-    pub(crate) flushes_dropped: AtomicU64,
-    pub(crate) machine: Machine,
-    pub(crate) stop: AtomicBool,
-    /// The background runtime (exact-mode calls run on it).
-    pub(crate) rt: tokio::runtime::Handle,
-    /// Random per client: prefixes request ids and sliding-log members.
-    pub(crate) nonce: u64,
-    /// Sequence of request ids.
-    pub(crate) requests: AtomicU64,
-    /// When the client was created.
-    pub(crate) started: Instant,
-    /// Keyed tasks: the key table and pending key pulls.
-    pub(crate) keyed: crate::keyed::KeyState,
-    /// The fast path's clock guard, µs: a coarse reading at least this far from its slice's
-    /// end decides an admission; 0 = the fast clock is off ([`Config::fast_clock`]).
-    pub(crate) fast_guard_us: i64,
-}
-
-impl Shared {
-    #[inline]
-    pub(crate) fn now_us(&self) -> i64 {
-        let h = crate::clock::host_us();
-        match self.cfg.clock {
-            ClockSource::Host => h,
-            ClockSource::Redis => h - self.seg.header().clock_offset_us.load(Ordering::Relaxed),
-        }
-    }
-
-    /// Now on the coarse clock (see [`crate::clock::coarse_us`]), on the clock slices follow.
-    #[inline]
-    pub(crate) fn coarse_now_us(&self) -> i64 {
-        let h = crate::clock::coarse_us();
-        match self.cfg.clock {
-            ClockSource::Host => h,
-            ClockSource::Redis => h - self.seg.header().clock_offset_us.load(Ordering::Relaxed),
-        }
-    }
-
-    /// A request id unique to this call (a retry of the call reuses it).
-    pub(crate) fn request_id(&self) -> String {
-        format!(
-            "{:016x}.{:x}",
-            self.nonce,
-            self.requests.fetch_add(1, Ordering::Relaxed)
-        )
-    }
-
-    /// How to claim a slot now.
-    pub(crate) fn claim_options(&self) -> ClaimOptions {
-        ClaimOptions {
-            now_ms: crate::clock::host_ms(),
-            lock_timeout_ms: self.cfg.lock_timeout.as_millis() as u64,
-            reclaim_idle_ms: self.cfg.reclaim_idle.as_millis().max(1) as u64,
-        }
-    }
-}
-
-/// Whether a coarse reading `now_us` may decide in the slice `[start_us, start_us +
-/// slice_us)`: inside it and at least `guard_us` before its end. The coarse clock is never
-/// ahead of the precise one and lags it by less than the guard, so the precise clock names the
-/// same slice.
-#[inline]
-fn fast_in_slice(now_us: i64, start_us: i64, slice_us: u64, guard_us: i64) -> bool {
-    let end_us = start_us.wrapping_add(slice_us as i64);
-    now_us >= start_us && now_us < end_us.wrapping_sub(guard_us)
-}
-
-/// The fast path's guard in ticks of the coarse clock. The kernel advances the coarse clock in
-/// whole ticks, from the tick of the CPU that keeps time, so it lags by up to a tick plus the
-/// lateness of that tick (1.3–5.3 ms = 0.3–1.3 ticks measured on a loaded 2-vCPU VM at
-/// `HZ=250`); three ticks leave more than a tick of margin.
-const FAST_GUARD_TICKS: i64 = 3;
-
-/// Largest coarse-clock tick the fast path accepts (µs); a coarser clock turns it off.
-const MAX_COARSE_TICK_US: i64 = 10_000;
-
-/// The fast path's guard for this kernel: [`FAST_GUARD_TICKS`] ticks of the coarse clock (0 =
-/// off).
-fn fast_guard_us(enabled: bool) -> i64 {
-    if !enabled {
-        return 0;
-    }
-    match crate::clock::coarse_resolution_us() {
-        Some(tick) if tick <= MAX_COARSE_TICK_US => FAST_GUARD_TICKS * tick,
-        other => {
-            tracing::info!(tick_us = ?other, "coarse clock too coarse or unknown: the fast \
-                path reads the precise clock");
-            0
-        }
-    }
-}
-
-pub(crate) struct TaskInner {
-    pub(crate) name: String,
-    /// The slot: `index:32 | generation:16`, re-resolved when the slot was reclaimed.
-    slot_ref: AtomicU64,
-    /// Full index of the slice the last decision fell in (saves a division per decision).
-    index_cache: AtomicU64,
-    pub(crate) poked: AtomicBool,
-    pub(crate) deposited: Notify,
-    pub(crate) waiters: AtomicUsize,
-    /// When the background thread last woke this task's waiters whatever its round found
-    /// (host ms): at most every [`crate::background::WAITER_WAKE_MS`].
-    pub(crate) woken_ms: AtomicI64,
-    /// `try_acquire` on an exact task was warned about (once per task per process).
-    warned_would_block: AtomicBool,
-    /// A cost too large for any slice was warned about (once per task per process).
-    warned_too_large: AtomicBool,
-    /// Slice start whose grant was dropped (it had ended): never pulled for again.
-    pub(crate) dropped_start: AtomicI64,
-    /// When this process last refreshed the slot's `used_ms` (host ms).
-    pub(crate) touched_ms: AtomicI64,
-    /// When this process last warned about pulls outside the slice window (host ms).
-    pub(crate) window_warned_ms: AtomicI64,
-    /// A flush whose answer was lost: `(seq, batch)`, resent with the same seq.
-    pub(crate) pending_flush: Mutex<Option<crate::background::FlushBatch>>,
-}
-
-impl TaskInner {
-    pub(crate) fn new(name: &str, r: SlotRef) -> Self {
-        let t = Self {
-            name: name.to_string(),
-            slot_ref: AtomicU64::new(0),
-            index_cache: AtomicU64::new(0),
-            poked: AtomicBool::new(false),
-            deposited: Notify::new(),
-            waiters: AtomicUsize::new(0),
-            woken_ms: AtomicI64::new(0),
-            warned_would_block: AtomicBool::new(false),
-            warned_too_large: AtomicBool::new(false),
-            dropped_start: AtomicI64::new(i64::MIN),
-            touched_ms: AtomicI64::new(0),
-            window_warned_ms: AtomicI64::new(0),
-            pending_flush: Mutex::new(None),
-        };
-        t.set_slot_ref(r);
-        t
-    }
-
-    #[inline]
-    pub(crate) fn slot_ref(&self) -> SlotRef {
-        let w = self.slot_ref.load(Ordering::Acquire);
-        SlotRef {
-            index: (w >> 16) as usize,
-            generation: w as u16,
-        }
-    }
-
-    pub(crate) fn set_slot_ref(&self, r: SlotRef) {
-        self.slot_ref.store(
-            ((r.index as u64) << 16) | r.generation as u64,
-            Ordering::Release,
-        );
-    }
-}
 
 pub(crate) struct Guard {
     shared: Arc<Shared>,
@@ -1050,23 +885,6 @@ impl Task {
     }
 }
 
-/// A caller waiting for a refill, counted in `waiters` for as long as it lives: the count
-/// goes down when the wait ends or when the waiting future is dropped (cancelled).
-pub(crate) struct Waiting<'a>(&'a AtomicUsize);
-
-impl<'a> Waiting<'a> {
-    pub(crate) fn new(c: &'a AtomicUsize) -> Self {
-        c.fetch_add(1, Ordering::AcqRel);
-        Self(c)
-    }
-}
-
-impl Drop for Waiting<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
 /// What the pace says about spending `n` more of a paced slice's local stock now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Pace {
@@ -1140,6 +958,7 @@ fn pace_check(
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::config::ClockSource;
     use crate::protocol::{Fallback, FallbackAlgorithm};
     use crate::shm::ClaimOptions;
 

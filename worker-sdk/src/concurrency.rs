@@ -63,8 +63,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::client::{Shared, Task, TaskInner};
+use crate::client::Task;
 use crate::clock::boot_ms;
+use crate::ctx::{Shared, TaskInner};
 use crate::protocol::lease::{self, LeaseReply};
 use crate::protocol::{Mode, OnFailure};
 use crate::shm::{ConcCells, FastMeta, Holder, LockAttempt, Segment, Slot, SlotRef};

@@ -131,7 +131,7 @@ impl Config {
             acquire_timeout: Duration::from_secs(1),
             clock: ClockSource::Host,
             fast_clock: true,
-            key_slots: crate::keyed::DEFAULT_KEY_SLOTS,
+            key_slots: crate::keytable::DEFAULT_KEY_SLOTS,
             allow_unknown: true,
         }
     }
@@ -169,13 +169,13 @@ impl Config {
                 ),
             );
         }
-        if self.key_slots == 0 || self.key_slots > crate::keyed::MAX_KEY_SLOTS {
+        if self.key_slots == 0 || self.key_slots > crate::keytable::MAX_KEY_SLOTS {
             return bad(
                 "key_slots",
                 format!(
                     "{} is outside 1 ..= {}",
                     self.key_slots,
-                    crate::keyed::MAX_KEY_SLOTS
+                    crate::keytable::MAX_KEY_SLOTS
                 ),
             );
         }

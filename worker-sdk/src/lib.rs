@@ -56,9 +56,11 @@
 mod background;
 mod client;
 mod config;
+mod ctx;
 mod decision;
 mod error;
 mod health;
+mod keytable;
 mod lock;
 mod multi;
 

@@ -22,9 +22,10 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::background::{Retry, call};
-use crate::client::{Client, Guard, Shared};
+use crate::client::{Client, Guard};
 use crate::clock::boot_ms;
 use crate::concurrency::valid_for_ms;
+use crate::ctx::Shared;
 use crate::protocol::lease::{self, LockReply};
 use crate::protocol::{NameError, validate_task_name};
 

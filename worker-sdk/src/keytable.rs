@@ -1,0 +1,455 @@
+//! The host's key table (keyed tasks): a second shared file next to the host segment,
+//! `<segment>.keys`, of entries grouped in buckets; each entry holds a key's identity, its two
+//! quota words, counters and pull lock. Opening, checking and replacing the file, and claiming
+//! and reclaiming entries; the decisions on an entry are `crate::keyed`'s (see its module docs).
+
+use std::fs::{File, OpenOptions};
+use std::hash::Hasher;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+use memmap2::MmapMut;
+
+/// Key table entries unless configured otherwise (6 MiB).
+pub const DEFAULT_KEY_SLOTS: u32 = 16_384;
+/// Most key table entries (96 MiB).
+pub const MAX_KEY_SLOTS: u32 = 262_144;
+/// Entries per bucket.
+pub const WAYS: usize = 8;
+/// A key's pull is at most `cap / CHUNK_DIVISOR` (and at least what the decision needs).
+pub const CHUNK_DIVISOR: u64 = 16;
+/// Keys whose busiest are reported per task and host per report.
+pub const TOP_KEYS: usize = 10;
+
+pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SLUKEYS\x01");
+/// 2: entries carry the id of the segment that claimed them ([`KeyEntry::segment`]); the
+/// report clock moved to the segment header.
+pub(crate) const VERSION: u64 = 2;
+pub(crate) const OWNED: u64 = 1 << 63;
+/// An identity word being claimed: `0:1 | 1:1 | participant:10 | participant generation:16 |
+/// segment id:36` (the claimer, see [`claiming`]).
+pub(crate) const CLAIMING: u64 = 1 << 62;
+pub(crate) const SEG_FRAG: u64 = (1 << 36) - 1;
+/// A claim by a process of another segment (whose liveness cannot be read here) is taken to be
+/// abandoned when the entry's `used_ms` is this old.
+pub(crate) const FOREIGN_CLAIM_MS: i64 = 60_000;
+
+#[repr(C, align(64))]
+pub(crate) struct TableHeader {
+    pub(crate) magic: AtomicU64,
+    pub(crate) version: AtomicU64,
+    pub(crate) entries: AtomicU64,
+    pub(crate) entry_size: AtomicU64,
+    pub(crate) checksum: AtomicU64,
+    pub(crate) secret0: AtomicU64,
+    pub(crate) secret1: AtomicU64,
+}
+
+/// One key's entry in the table.
+#[repr(C, align(64))]
+#[derive(Debug)]
+pub struct KeyEntry {
+    /// 0 = free, `CLAIMING | claimer` = being claimed, else `1:1 | slot:15 | slot
+    /// generation:16 | entry    /// generation:32`.
+    pub(crate) ident: AtomicU64,
+    pub(crate) h0: AtomicU64,
+    pub(crate) h1: AtomicU64,
+    /// Last decision (host Unix ms).
+    pub(crate) used_ms: AtomicI64,
+    /// Reclaimable after this long idle (two slices, ms).
+    pub(crate) idle_ms: AtomicU64,
+    /// [`crate::shm::ShmLock`] word: one pull per key per host.
+    pub(crate) pull_lock: AtomicU64,
+    /// `tag:32 | size:32`: the last pull's size and the slice it was for.
+    pub(crate) grant: AtomicU64,
+    /// The key's cap as last seen (0 = unknown).
+    pub(crate) cap: AtomicU64,
+    /// Packed quota words by slice parity.
+    pub(crate) quota: [AtomicU64; 2],
+    /// FAILED fallback: `tag:32 | count:32`, a fixed window of `local_limit` per slice.
+    pub(crate) local: AtomicU64,
+    /// Permits admitted since the last report.
+    pub(crate) adm: AtomicU64,
+    /// Permits rejected since the last report.
+    pub(crate) rej: AtomicU64,
+    pub(crate) key_len: AtomicU64,
+    /// The id of the segment whose processes claimed the entry ([`crate::shm::Header::segment_id`]):
+    /// the table outlives a replaced segment, whose slots have the same indexes and
+    /// generations as the new one's.
+    pub(crate) segment: AtomicU64,
+    /// Claims of the entry so far: each draws its identity's entry generation from it.
+    pub(crate) claims: AtomicU64,
+    pub(crate) key: [AtomicU64; 32],
+}
+
+pub(crate) const ENTRY_SIZE: usize = std::mem::size_of::<KeyEntry>();
+pub(crate) const HEADER_SIZE: usize = 128;
+const _: () = assert!(ENTRY_SIZE == 384);
+const _: () = assert!(std::mem::size_of::<TableHeader>() <= HEADER_SIZE);
+
+impl KeyEntry {
+    pub(crate) fn key_string(&self) -> Option<String> {
+        let len = self.key_len.load(Ordering::Acquire) as usize;
+        if len > crate::protocol::MAX_KEY_LEN {
+            return None;
+        }
+        let mut b = Vec::with_capacity(len);
+        for w in &self.key {
+            b.extend_from_slice(&w.load(Ordering::Relaxed).to_le_bytes());
+        }
+        b.truncate(len);
+        String::from_utf8(b).ok()
+    }
+}
+
+/// The host's key table (a shared file next to the segment).
+pub struct KeyTable {
+    pub(crate) map: MmapMut,
+    pub(crate) entries: usize,
+    pub(crate) secret: (u64, u64),
+    pub(crate) path: PathBuf,
+}
+
+// The mapping is only ever accessed through atomics.
+unsafe impl Send for KeyTable {}
+unsafe impl Sync for KeyTable {}
+
+impl std::fmt::Debug for KeyTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyTable")
+            .field("path", &self.path)
+            .field("entries", &self.entries)
+            .finish()
+    }
+}
+
+pub(crate) fn checksum(entries: u64) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for w in [MAGIC, VERSION, entries, ENTRY_SIZE as u64] {
+        for b in w.to_le_bytes() {
+            h ^= b as u64;
+            h = h.wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+impl KeyTable {
+    /// Size in bytes of a table of `entries` entries.
+    pub fn size(entries: u32) -> u64 {
+        (HEADER_SIZE + ENTRY_SIZE * entries as usize) as u64
+    }
+
+    /// Opens (creating or replacing when incompatible or smaller) the key table at `path` with
+    /// at least `entries` entries (rounded up to whole buckets, within [`MAX_KEY_SLOTS`]).
+    pub fn open(path: &Path, entries: u32) -> std::io::Result<Self> {
+        let entries = entries
+            .clamp(WAYS as u32, MAX_KEY_SLOTS)
+            .div_ceil(WAYS as u32)
+            * WAYS as u32;
+        let lock = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o660)
+            .open(crate::shm::sibling(path, ".lock"))?;
+        let _guard = crate::shm::Flock::lock(&lock)?;
+        crate::shm::remove_stale_tmp(path);
+        if path.exists() {
+            match Self::map(path) {
+                Ok(t) if t.entries >= entries as usize => return Ok(t),
+                Ok(t) => tracing::warn!(path = %path.display(), from = t.entries, to = entries,
+                    "key table smaller than configured; replacing it"),
+                Err(why) => tracing::warn!(path = %path.display(), %why,
+                    "key table incompatible or corrupt; replacing it"),
+            }
+        }
+        Self::create(path, entries)?;
+        Self::map(path).map_err(std::io::Error::other)
+    }
+
+    pub(crate) fn map(path: &Path) -> Result<Self, String> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(|e| e.to_string())?;
+        let len = file.metadata().map_err(|e| e.to_string())?.len();
+        if len < HEADER_SIZE as u64 {
+            return Err(format!("{len} bytes, shorter than the header"));
+        }
+        // SAFETY: a regular file we keep mapped; every access goes through atomics.
+        let map = unsafe { MmapMut::map_mut(&file) }.map_err(|e| format!("mmap: {e}"))?;
+        // SAFETY: at least HEADER_SIZE bytes, page aligned, atomics only.
+        let h = unsafe { &*(map.as_ptr() as *const TableHeader) };
+        let entries = h.entries.load(Ordering::Acquire);
+        if h.magic.load(Ordering::Acquire) != MAGIC
+            || h.version.load(Ordering::Acquire) != VERSION
+            || h.entry_size.load(Ordering::Acquire) != ENTRY_SIZE as u64
+            || h.checksum.load(Ordering::Acquire) != checksum(entries)
+            || entries == 0
+            || !(entries as usize).is_multiple_of(WAYS)
+            || len < Self::size(entries as u32)
+        {
+            return Err("bad header".into());
+        }
+        let secret = (
+            h.secret0.load(Ordering::Acquire),
+            h.secret1.load(Ordering::Acquire),
+        );
+        drop(file);
+        Ok(Self {
+            map,
+            entries: entries as usize,
+            secret,
+            path: path.to_path_buf(),
+        })
+    }
+
+    pub(crate) fn create(path: &Path, entries: u32) -> std::io::Result<()> {
+        let tmp = crate::shm::sibling(
+            path,
+            &format!(
+                "{}{}.{}",
+                crate::shm::TMP_MARK,
+                std::process::id(),
+                crate::clock::host_us()
+            ),
+        );
+        let result = (|| {
+            let file: File = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o660)
+                .open(&tmp)?;
+            file.set_len(Self::size(entries))?;
+            // SAFETY: a file only this process knows about yet, sized above.
+            let map = unsafe { MmapMut::map_mut(&file)? };
+            // SAFETY: page aligned, atomics only.
+            let h = unsafe { &*(map.as_ptr() as *const TableHeader) };
+            h.version.store(VERSION, Ordering::Relaxed);
+            h.entries.store(entries as u64, Ordering::Relaxed);
+            h.entry_size.store(ENTRY_SIZE as u64, Ordering::Relaxed);
+            h.checksum
+                .store(checksum(entries as u64), Ordering::Relaxed);
+            h.secret0
+                .store(crate::clock::random_u64(), Ordering::Relaxed);
+            h.secret1
+                .store(crate::clock::random_u64(), Ordering::Relaxed);
+            h.magic.store(MAGIC, Ordering::Release);
+            map.flush()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if result.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        result
+    }
+
+    /// Number of entries.
+    pub fn entries(&self) -> usize {
+        self.entries
+    }
+
+    /// The file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Entry `i`.
+    #[inline]
+    pub fn entry(&self, i: usize) -> Option<&KeyEntry> {
+        if i >= self.entries {
+            return None;
+        }
+        // SAFETY: in bounds (size checked on open), 64-byte aligned (header and entries are
+        // multiples of 64), atomics only.
+        Some(unsafe { &*(self.map.as_ptr().add(HEADER_SIZE + i * ENTRY_SIZE) as *const KeyEntry) })
+    }
+
+    /// The identity hash of `key` of the task in slot `slot`.
+    pub fn hash(&self, slot: usize, key: &str) -> (u64, u64) {
+        let mut s = siphasher::sip128::SipHasher13::new_with_keys(self.secret.0, self.secret.1);
+        s.write_u64(slot as u64);
+        s.write(key.as_bytes());
+        let h = siphasher::sip128::Hasher128::finish128(&s);
+        (h.h1, h.h2 | 1)
+    }
+
+    pub(crate) fn bucket(&self, h: (u64, u64)) -> usize {
+        (h.0 as usize % (self.entries / WAYS)) * WAYS
+    }
+
+    /// The live entry of a key: its index and identity word.
+    #[inline]
+    pub(crate) fn lookup(&self, h: (u64, u64), owner: Owner) -> Option<(usize, u64)> {
+        let b = self.bucket(h);
+        for i in b..b + WAYS {
+            let e = self.entry(i)?;
+            let id = e.ident.load(Ordering::Acquire);
+            if id & OWNED != 0
+                && owner_of(id) == owner.bits
+                && e.h0.load(Ordering::Acquire) == h.0
+                && e.h1.load(Ordering::Acquire) == h.1
+                && e.segment.load(Ordering::Acquire) == owner.segment
+                && e.ident.load(Ordering::Acquire) == id
+            {
+                return Some((i, id));
+            }
+        }
+        None
+    }
+
+    /// Claims an entry for a key: a free one of its bucket, else one idle for two of its
+    /// slices or of a reclaimed task slot. `None`: the bucket is full.
+    pub(crate) fn claim(
+        &self,
+        seg: &crate::shm::Segment,
+        h: (u64, u64),
+        owner: Owner,
+        key: &str,
+        slice_ms: u64,
+        now_ms: i64,
+    ) -> Option<(usize, u64)> {
+        let b = self.bucket(h);
+        for i in b..b + WAYS {
+            let e = self.entry(i)?;
+            let id = e.ident.load(Ordering::Acquire);
+            let free = if id == 0 {
+                true
+            } else if id & OWNED == 0 {
+                abandoned(seg, e, id, now_ms)
+            } else {
+                now_ms - e.used_ms.load(Ordering::Acquire)
+                    >= e.idle_ms.load(Ordering::Relaxed) as i64
+                    || !owner_alive(seg, e, id)
+            };
+            if !free {
+                continue;
+            }
+            // Before the identity word says "claiming": whoever sees that word sees this time
+            // (a claim of another segment is judged by it).
+            e.used_ms.store(now_ms, Ordering::Relaxed);
+            let mine = claiming(seg);
+            if e.ident
+                .compare_exchange(id, mine, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                continue;
+            }
+            // A crash from here to the publication leaves the word `mine`: its participant is
+            // dead, so the next claimer of the bucket takes the entry over (`abandoned`).
+            e.h0.store(h.0, Ordering::Relaxed);
+            e.h1.store(h.1, Ordering::Relaxed);
+            e.segment.store(owner.segment, Ordering::Relaxed);
+            // Two slices (at least 1 s). A pull still in flight for the old key when the entry
+            // is reclaimed finds the identity changed and drops its grant.
+            e.idle_ms
+                .store(slice_ms.saturating_mul(2).max(1_000), Ordering::Relaxed);
+            e.grant.store(0, Ordering::Relaxed);
+            e.cap.store(0, Ordering::Relaxed);
+            for q in &e.quota {
+                q.store(0, Ordering::Relaxed);
+            }
+            e.local.store(0, Ordering::Relaxed);
+            e.adm.store(0, Ordering::Relaxed);
+            e.rej.store(0, Ordering::Relaxed);
+            e.pull_lock.store(0, Ordering::Relaxed);
+            let bytes = key.as_bytes();
+            for (j, w) in e.key.iter().enumerate() {
+                let mut b8 = [0u8; 8];
+                let from = (j * 8).min(bytes.len());
+                let to = (from + 8).min(bytes.len());
+                b8[..to - from].copy_from_slice(&bytes[from..to]);
+                w.store(u64::from_le_bytes(b8), Ordering::Relaxed);
+            }
+            e.key_len.store(bytes.len() as u64, Ordering::Relaxed);
+            // Every claim draws a new entry generation, so no earlier identity word of the
+            // entry (cached by a handle) comes back, whatever happened to the claims between.
+            let generation = (e.claims.fetch_add(1, Ordering::AcqRel) + 1) & 0x7FFF_FFFF;
+            let new = OWNED | owner.bits | generation.max(1);
+            if e.ident
+                .compare_exchange(mine, new, Ordering::AcqRel, Ordering::Acquire)
+                .is_err()
+            {
+                // Taken over as abandoned (only a claim stalled for FOREIGN_CLAIM_MS can be):
+                // the entry is another claimer's now.
+                continue;
+            }
+            // Another process may have claimed the same key in another way of the bucket at
+            // the same time: keep the first, give ours back (both would stay correct, as both
+            // pull from the same Redis key; one keeps the host's quota in one place).
+            if let Some((j, other)) = self.lookup(h, owner)
+                && j != i
+            {
+                let _ = e
+                    .ident
+                    .compare_exchange(new, 0, Ordering::AcqRel, Ordering::Acquire);
+                return Some((j, other));
+            }
+            return Some((i, new));
+        }
+        None
+    }
+}
+
+/// The identity word of an entry this process is claiming (see [`CLAIMING`]).
+pub(crate) fn claiming(seg: &crate::shm::Segment) -> u64 {
+    let me = seg.me();
+    CLAIMING
+        | ((me.participant as u64 & 0x3FF) << 52)
+        | ((me.generation as u64) << 36)
+        | (seg.id() & SEG_FRAG)
+}
+
+/// Whether the claim recorded in identity word `id` (not owned, not free) was abandoned: its
+/// claimer, a participant of this segment, is dead (the kernel released its byte lock; see
+/// [`crate::shm`]), or — a claimer of another segment, whose liveness cannot be read from
+/// here — the entry has not been used for [`FOREIGN_CLAIM_MS`]. A claim takes microseconds;
+/// one abandoned by a crash at any instruction is taken over by the next claim of its
+/// bucket, and until then the bucket has one way fewer.
+pub(crate) fn abandoned(seg: &crate::shm::Segment, e: &KeyEntry, id: u64, now_ms: i64) -> bool {
+    if id & SEG_FRAG == seg.id() & SEG_FRAG {
+        !seg.alive(crate::shm::Holder {
+            participant: ((id >> 52) & 0x3FF) as u16,
+            generation: (id >> 36) as u16,
+        })
+    } else {
+        now_ms - e.used_ms.load(Ordering::Acquire) >= FOREIGN_CLAIM_MS
+    }
+}
+
+/// Whose an entry is: a task slot at one generation, of one segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Owner {
+    /// `slot:15 | slot generation:16` shifted into place (bits 32–62 of the identity word).
+    pub(crate) bits: u64,
+    /// The segment's id ([`KeyEntry::segment`]).
+    pub(crate) segment: u64,
+}
+
+pub(crate) fn owner(seg: &crate::shm::Segment, slot: usize, generation: u16) -> Owner {
+    Owner {
+        bits: ((slot as u64 & 0x7FFF) << 48) | ((generation as u64) << 32),
+        segment: seg.id(),
+    }
+}
+
+pub(crate) fn owner_of(id: u64) -> u64 {
+    id & 0x7FFF_FFFF_0000_0000
+}
+
+/// Whether the task slot that claimed entry `e` (identity `id`) still holds it. An entry of
+/// another segment counts as alive: its slots cannot be read from here (it is reclaimed only
+/// once idle).
+pub(crate) fn owner_alive(seg: &crate::shm::Segment, e: &KeyEntry, id: u64) -> bool {
+    if e.segment.load(Ordering::Acquire) != seg.id() {
+        return true;
+    }
+    let slot = ((id >> 48) & 0x7FFF) as usize;
+    let generation = ((id >> 32) & 0xFFFF) as u16;
+    seg.slot(slot).is_some_and(|s| s.generation() == generation)
+}
