@@ -437,7 +437,7 @@ impl Task {
         loop {
             if let Some((m, index, now_us)) = self.exact_target(n) {
                 let sh = self.shared.clone();
-                let fut = crate::background::exact(sh, self.inner.name.clone(), m, index, n);
+                let fut = crate::plumbing::exact(sh, self.inner.name.clone(), m, index, n);
                 let reply = self.shared.rt.spawn(fut).await.ok().flatten();
                 let d = self.exact_decision(reply, &m, index, n, now_us);
                 return (self.shadowed(n, now_us, d), now_us);
@@ -479,7 +479,7 @@ impl Task {
         loop {
             if let Some((m, index, now_us)) = self.exact_target(n) {
                 let (tx, rx) = std::sync::mpsc::channel();
-                let fut = crate::background::exact(
+                let fut = crate::plumbing::exact(
                     self.shared.clone(),
                     self.inner.name.clone(),
                     m,
@@ -598,7 +598,7 @@ impl Task {
             }
             Some(ExactReply::OutsideWindow { redis_time_us }) => {
                 let start_ms = (index * m.slice_ms) as i64;
-                let retry_ms = crate::background::outside_window(
+                let retry_ms = crate::plumbing::outside_window(
                     &self.shared,
                     &self.inner,
                     start_ms,

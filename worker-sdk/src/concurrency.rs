@@ -1047,7 +1047,7 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
     let task = slot.name().unwrap_or_default();
     let send = |call: LeaseCall| async move {
         let before_us = crate::clock::host_us();
-        let res = crate::background::call(sh, crate::background::Retry::Idempotent, |mut c| {
+        let res = crate::plumbing::call(sh, crate::plumbing::Retry::Idempotent, |mut c| {
             let (task, host) = (&task, &sh.cfg.host_id);
             async move { lease::lease(&mut c, &sh.keys, task, host, call.want, call.seq).await }
         })
@@ -1056,7 +1056,7 @@ async fn lease_call(sh: &Shared, slot: &Slot, m: &FastMeta, denied: u64) {
             Ok(Ok(reply)) => {
                 if let LeaseReply::Held { redis_time_us, .. } = reply {
                     // The clock offset to Redis, as every pull measures it (skew detection).
-                    crate::background::record_clock(
+                    crate::plumbing::record_clock(
                         sh,
                         before_us,
                         crate::clock::host_us(),

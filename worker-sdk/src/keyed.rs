@@ -58,7 +58,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::background::{Retry, call};
 use crate::client::Task;
 use crate::ctx::{Event, Labels, Locked, Shared, TaskInner, Want};
 use crate::decision::Decision;
@@ -67,6 +66,7 @@ pub use crate::keytable::{
     CHUNK_DIVISOR, DEFAULT_KEY_SLOTS, KeyEntry, KeyTable, MAX_KEY_SLOTS, TOP_KEYS, WAYS,
 };
 use crate::keytable::{OWNED, Owner, owner, owner_alive, owner_of};
+use crate::plumbing::{Retry, call};
 use crate::protocol::scripts::{self, KeyPullBatchReply, KeyPullReply, KeyPullRequest};
 use crate::protocol::{Mode, OnFailure};
 use crate::shm::{FastMeta, LockAttempt, Slot, field, pack_quota, tag_of, unpack_quota};
@@ -1193,7 +1193,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
             grants,
             redis_time_us,
         })) => {
-            crate::background::record_clock(sh, before, after, redis_time_us);
+            crate::plumbing::record_clock(sh, before, after, redis_time_us);
             for ((i, w, _, want, ..), g) in todo.iter().zip(grants) {
                 let Some(e) = table.entry(*i) else { continue };
                 if e.ident.load(Ordering::Acquire) != w.ident {
@@ -1215,7 +1215,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
             None
         }
         Ok(Ok(KeyPullBatchReply::OutsideWindow { redis_time_us })) => {
-            crate::background::record_clock(sh, before, after, redis_time_us);
+            crate::plumbing::record_clock(sh, before, after, redis_time_us);
             if redis_time_us / 1_000 > start_ms + m.slice_ms as i64 {
                 for (i, w, ..) in &todo {
                     if let Some(e) = table.entry(*i)
@@ -1236,7 +1236,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
             // No task slice to create the key slices from (the leader gone past the horizon,
             // the task deleted or no longer keyed): FAILED, as a PULL that finds none; the
             // waiters re-decide by `on_failure` and the task's probe brings it back.
-            crate::background::record_clock(sh, before, after, redis_time_us);
+            crate::plumbing::record_clock(sh, before, after, redis_time_us);
             Some(PullOutcome::Missing)
         }
     };
@@ -1255,7 +1255,7 @@ fn pull_failed(sh: &Shared, task: &TaskInner, slot: &Slot, outcome: PullOutcome)
     let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
     let tr = sh.machine.after_pull(health, outcome, sh.now_us() / 1_000);
     if tr.health != health || tr.next_probe_ms.is_some() {
-        crate::background::apply_health(task, slot, health, tr.health, tr.next_probe_ms);
+        crate::plumbing::apply_health(task, slot, health, tr.health, tr.next_probe_ms);
     }
 }
 

@@ -63,6 +63,7 @@ mod health;
 mod keytable;
 mod lock;
 mod multi;
+mod plumbing;
 
 #[cfg(feature = "tower")]
 pub mod layer;

@@ -21,11 +21,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::background::{Retry, call};
 use crate::client::{Client, Guard};
 use crate::clock::boot_ms;
 use crate::concurrency::valid_for_ms;
 use crate::ctx::Shared;
+use crate::plumbing::{Retry, call};
 use crate::protocol::lease::{self, LockReply};
 use crate::protocol::{NameError, validate_task_name};
 
