@@ -193,9 +193,9 @@ async fn step_inner(sh: &Shared, t: &TaskInner, stopping: bool) -> bool {
     let busy = if m.mode == Mode::Pooled && !stopping {
         pooled(sh, t, slot, r, &m, sh.now_us()).await
     } else if m.mode == Mode::Concurrency && !stopping {
-        crate::concurrency::step(sh, slot, &m).await
+        crate::refill::permits::step(sh, slot, &m).await
     } else if m.mode == Mode::Concurrency {
-        crate::concurrency::give_back(sh, slot, &m).await;
+        crate::refill::permits::give_back(sh, slot, &m).await;
         false
     } else {
         false
@@ -785,7 +785,7 @@ async fn report_host(sh: &Shared) {
             continue;
         };
         if m.mode == Mode::Concurrency {
-            let (state, report) = crate::concurrency::host_report(&slot.conc);
+            let (state, report) = crate::refill::permits::host_report(&slot.conc);
             tasks.insert(name.clone(), state.as_str().to_string());
             permits.insert(name, report);
             continue;

@@ -57,6 +57,7 @@ mod background;
 mod client;
 mod config;
 mod ctx;
+mod decide;
 mod decision;
 mod error;
 mod health;
@@ -64,6 +65,7 @@ mod keytable;
 mod lock;
 mod multi;
 mod plumbing;
+mod refill;
 
 #[cfg(feature = "tower")]
 pub mod layer;
