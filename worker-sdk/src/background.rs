@@ -60,7 +60,7 @@ pub(crate) fn spawn(
 }
 
 async fn run(sh: Arc<Shared>) {
-    tokio::spawn(crate::keyed::pump(sh.clone()));
+    tokio::spawn(crate::refill::keys::pump(sh.clone()));
     loop {
         let stopping = sh.stop.load(Ordering::Acquire);
         let (tasks, unused) = {
@@ -88,7 +88,7 @@ async fn run(sh: Arc<Shared>) {
                 if stopping {
                     false
                 } else {
-                    crate::keyed::step(&sh).await
+                    crate::refill::keys::step(&sh).await
                 }
             },
         )

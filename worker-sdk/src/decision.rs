@@ -101,3 +101,23 @@ pub(crate) enum Step {
         slice_ms: u64,
     },
 }
+
+/// How to give back the permits of an admitted decision (all-or-nothing decisions).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Refund {
+    /// Quota word `parity` of key table entry `entry`, slice tag `tag`.
+    Key {
+        entry: usize,
+        /// The entry's identity word when the permits were taken.
+        ident: u64,
+        parity: usize,
+        tag: u32,
+    },
+    /// Quota word `parity` of task slot `slot` (generation `generation`), slice tag `tag`.
+    Task {
+        slot: usize,
+        generation: u16,
+        parity: usize,
+        tag: u32,
+    },
+}

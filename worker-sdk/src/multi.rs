@@ -25,8 +25,9 @@
 //! under-used).
 
 use crate::client::Task;
+use crate::decision::Refund;
 use crate::decision::{Decision, Step};
-use crate::keyed::{Key, Refund};
+use crate::keyed::Key;
 use crate::protocol::Mode;
 use crate::shm::{parity, tag_of};
 
@@ -105,7 +106,7 @@ impl Task {
             && let Some(s) = self.shared.seg.slot(slot)
             && s.generation() == generation
         {
-            crate::keyed::give_back(&s.quota[parity].word, tag, n);
+            crate::decide::keyed::give_back(&s.quota[parity].word, tag, n);
         }
     }
 }

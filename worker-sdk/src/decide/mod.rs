@@ -4,4 +4,5 @@
 //! property tests drive them directly and the benchmarks point at them. They must not import
 //! `ctx`, `plumbing`, `refill`, `background` or a front (`client`, `keyed`, `concurrency`).
 
+pub(crate) mod keyed;
 pub(crate) mod permits;

@@ -3,4 +3,5 @@
 //! decision cores (`crate::decide`). Nothing here may import `background` or a front
 //! (`client`, `keyed`, `concurrency`).
 
+pub(crate) mod keys;
 pub(crate) mod permits;

@@ -1,0 +1,439 @@
+//! Keyed tasks, the refill side: the pump that batches key wants into KPULL calls (each under
+//! its entry's pull lock), applying their grants, the key labels read from the meta, and the
+//! host's key report (counters into the task's, top keys).
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::ctx::{Labels, Locked, Shared, TaskInner, Want};
+use crate::decide::keyed::{chunk, deposit};
+use crate::keytable::{KeyEntry, KeyTable, OWNED, TOP_KEYS, owner_alive};
+use crate::plumbing::{Retry, call};
+use crate::protocol::scripts::{self, KeyPullBatchReply};
+use crate::shm::{FastMeta, LockAttempt, Slot, field, tag_of, unpack_quota};
+use crate::state::{Health, PullOutcome};
+
+/// How often (host-wide) key counters are moved into the task counters and top keys reported.
+const REPORT_MS: i64 = 1_000;
+
+/// KPULL calls in flight at once per process.
+const CONCURRENT_PULLS: usize = 64;
+
+/// Most keys in one KPULL call.
+const BATCH: usize = 64;
+
+/// Labels are re-read this often (and when the meta's version changes).
+const LABELS_TTL: Duration = Duration::from_secs(10);
+
+/// Tasks whose labels a process keeps (dropped oldest first beyond this).
+const MAX_LABELLED_TASKS: usize = 4_096;
+
+/// The labels of task `task` (meta version `version`): cached, else read from its meta (one
+/// `HMGET`). A failed read keeps the last known labels, or digests: never clear keys by
+/// default.
+pub(crate) async fn labels_of(sh: &Shared, task: &str, version: i64) -> Labels {
+    {
+        let map = sh.keyed.labels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((l, v, at)) = map.get(task)
+            && *v == version
+            && at.elapsed() < LABELS_TTL
+        {
+            return l.clone();
+        }
+    }
+    use crate::protocol::meta_field::{CLEAR_KEYS, KEY_SECRET};
+    let meta = sh.keys.meta(task);
+    let read = call(sh, Retry::Idempotent, |mut c| {
+        let meta = meta.clone();
+        async move {
+            redis::cmd("HMGET")
+                .arg(&meta)
+                .arg(CLEAR_KEYS)
+                .arg(KEY_SECRET)
+                .query_async::<(Option<String>, Option<String>)>(&mut c)
+                .await
+        }
+    })
+    .await;
+    let mut map = sh.keyed.labels.lock().unwrap_or_else(|e| e.into_inner());
+    let labels = match read {
+        Ok(Ok((clear, secret))) => {
+            if clear.as_deref() == Some("1") {
+                Labels::Clear
+            } else {
+                match secret
+                    .as_deref()
+                    .and_then(crate::protocol::KeySecret::parse)
+                {
+                    Some(s) => Labels::Keyed(s),
+                    None => Labels::Digest,
+                }
+            }
+        }
+        _ => {
+            return map
+                .get(task)
+                .map(|(l, ..)| l.clone())
+                .unwrap_or(Labels::Digest);
+        }
+    };
+    if map.len() >= MAX_LABELLED_TASKS && !map.contains_key(task) {
+        let oldest = map
+            .iter()
+            .min_by_key(|(_, (_, _, at))| *at)
+            .map(|(k, _)| k.clone());
+        if let Some(k) = oldest {
+            map.remove(&k);
+        }
+    }
+    map.insert(task.to_string(), (labels.clone(), version, Instant::now()));
+    labels
+}
+
+/// The background thread's round for keys (host-wide, every second): key counters into the
+/// task counters, and the busiest keys reported. Pulls are the [`pump`]'s.
+pub(crate) async fn step(sh: &Shared) -> bool {
+    if let Some(table) = sh.keyed.opened() {
+        report(sh, table).await;
+    }
+    false
+}
+
+/// Runs on the background runtime beside the rounds: takes the wants as they come and pulls
+/// each on its own task (at most [`CONCURRENT_PULLS`] at once), so a cold key waits one Redis
+/// round trip, not a round of the background thread.
+pub(crate) async fn pump(sh: Arc<Shared>) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_PULLS));
+    loop {
+        if sh.stop.load(Ordering::Acquire) {
+            return;
+        }
+        let notified = sh.keyed.wake.notified();
+        let wants: Vec<(usize, Want)> = {
+            let mut w = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
+            w.drain().collect()
+        };
+        let mut retry = Vec::new();
+        let mut groups: HashMap<(String, i64), Vec<Locked>> = HashMap::new();
+        if let Some(table) = sh.keyed.opened() {
+            for (i, w) in wants {
+                let Some(e) = table.entry(i) else {
+                    continue; // dropped: wakes its waiters
+                };
+                if e.ident.load(Ordering::Acquire) != w.ident
+                    || w.since.elapsed() > sh.cfg.acquire_timeout + sh.cfg.pull_timeout
+                {
+                    continue;
+                }
+                let timeout = sh.cfg.lock_timeout.as_millis() as u64;
+                let token = match sh
+                    .seg
+                    .lock(&e.pull_lock)
+                    .try_lock(crate::clock::host_ms(), timeout)
+                {
+                    LockAttempt::Acquired { token, .. } => token,
+                    LockAttempt::Busy { .. } => {
+                        retry.push((i, w));
+                        continue;
+                    }
+                };
+                groups
+                    .entry((w.task.name.clone(), w.start_ms))
+                    .or_default()
+                    .push((i, w, token));
+            }
+        }
+        for (_, mut items) in groups.drain() {
+            while !items.is_empty() {
+                let rest = items.split_off(items.len().min(BATCH));
+                let batch = std::mem::replace(&mut items, rest);
+                let Ok(permit) = permits.clone().acquire_owned().await else {
+                    return;
+                };
+                let sh2 = sh.clone();
+                tokio::spawn(async move {
+                    pull(&sh2, batch).await;
+                    drop(permit);
+                });
+            }
+        }
+        let again = !retry.is_empty();
+        if again {
+            let mut map = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, w) in retry {
+                // A newer want of the entry may have come in meanwhile: it wins; this one is
+                // dropped, which wakes its waiters (they join the newer one).
+                map.entry(i).or_insert(w);
+            }
+        }
+        let wait = if again {
+            Duration::from_millis(1)
+        } else {
+            Duration::from_millis(10)
+        };
+        tokio::select! {
+            _ = notified => {}
+            _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// The entry holds fewer permits of the want's slice than half its last chunk.
+fn low(e: &KeyEntry, w: &Want) -> bool {
+    let tag = tag_of(w.start_ms);
+    let last = e.grant.load(Ordering::Relaxed);
+    let held: u64 = e
+        .quota
+        .iter()
+        .map(|q| q.load(Ordering::Acquire))
+        .filter(|q| *q != 0 && unpack_quota(*q).0 == tag)
+        .map(|q| {
+            let (_, ex, c) = unpack_quota(q);
+            if ex { u64::MAX } else { c as u64 }
+        })
+        .max()
+        .unwrap_or(0);
+    held < w.n || ((last >> 32) as u32 == tag && held < (last & 0xFFFF_FFFF) / 2)
+}
+
+/// The task's slot and meta, when the slot is still the task's.
+pub(crate) fn slot_meta_of<'a>(sh: &'a Shared, t: &TaskInner) -> Option<(&'a Slot, FastMeta)> {
+    let r = t.slot_ref();
+    let slot = sh.seg.slot(r.index)?;
+    let m = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire))?;
+    (m.generation == r.generation).then_some((slot, m))
+}
+
+/// One KPULL for wants of one task and slice (each holds its entry's pull lock, released here;
+/// the wants are dropped at the end, which wakes their waiters).
+async fn pull(sh: &Shared, items: Vec<Locked>) {
+    let Some(table) = sh.keyed.opened() else {
+        return;
+    };
+    let unlock = |i: usize, token: u64| {
+        if let Some(e) = table.entry(i) {
+            sh.seg.lock(&e.pull_lock).unlock(token);
+        }
+    };
+    let Some((_, first, _)) = items.first() else {
+        return;
+    };
+    let (start_ms, task) = (first.start_ms, first.task.clone());
+    let meta = slot_meta_of(sh, &task).filter(|(_, m)| m.keyed);
+    let over = |m: &FastMeta| start_ms + m.slice_ms as i64 <= sh.now_us() / 1_000;
+    let (slot, m) = match meta {
+        Some((slot, m)) if !over(&m) => (slot, m),
+        _ => {
+            for (i, _, token) in items {
+                unlock(i, token);
+            }
+            return;
+        }
+    };
+    let labels = labels_of(sh, &task.name, slot.meta.version.load(Ordering::Relaxed)).await;
+    // Another process of the host may have refilled an entry meanwhile.
+    let mut todo = Vec::with_capacity(items.len());
+    for (i, w, token) in items {
+        match table.entry(i) {
+            Some(e) if low(e, &w) => {
+                let want = chunk(
+                    e.grant.load(Ordering::Relaxed),
+                    start_ms,
+                    m.slice_ms,
+                    e.cap.load(Ordering::Relaxed),
+                    w.n,
+                );
+                let digest = crate::protocol::key_digest(&w.key);
+                let label = labels.label(&w.key);
+                todo.push((i, w, token, want, digest, label));
+            }
+            _ => unlock(i, token),
+        }
+    }
+    if todo.is_empty() {
+        return;
+    }
+    let wants: Vec<scripts::KeyWant<'_>> = todo
+        .iter()
+        .map(|(_, _, _, want, digest, label)| scripts::KeyWant {
+            key: label,
+            digest,
+            want: *want,
+        })
+        .collect();
+    let request_id = sh.request_id();
+    let req = scripts::KeyPullBatch {
+        task: &task.name,
+        start_ms,
+        slice_ms: m.slice_ms,
+        host_id: &sh.cfg.host_id,
+        request_id: &request_id,
+        meta_version: slot.meta.version.load(Ordering::Relaxed),
+        all_or_nothing: false,
+        keys: &wants,
+    };
+    let before = crate::clock::host_us();
+    let res = call(sh, Retry::Idempotent, |mut c| {
+        let req = req.clone();
+        async move { scripts::key_pull_batch(&mut c, &sh.keys, &req).await }
+    })
+    .await;
+    let after = crate::clock::host_us();
+    tracing::trace!(task = %task.name, keys = todo.len(), rtt_us = after - before, "key pull");
+    let failed = match res {
+        Err(_) => Some(PullOutcome::Timeout),
+        Ok(Err(err)) => {
+            tracing::debug!(task = %task.name, error = %err, "key pull failed");
+            Some(PullOutcome::Error)
+        }
+        Ok(Ok(KeyPullBatchReply::Granted {
+            grants,
+            redis_time_us,
+        })) => {
+            crate::plumbing::record_clock(sh, before, after, redis_time_us);
+            for ((i, w, _, want, ..), g) in todo.iter().zip(grants) {
+                let Some(e) = table.entry(*i) else { continue };
+                if e.ident.load(Ordering::Acquire) != w.ident {
+                    // Reclaimed for another key while the pull was in flight (a pull slower
+                    // than the idle bound): the grant is this key's, never the new one's.
+                    tracing::debug!(task = %task.name, "key entry reclaimed during a pull; grant dropped");
+                    continue;
+                }
+                e.cap.store(g.cap, Ordering::Relaxed);
+                e.grant.store(
+                    ((tag_of(start_ms) as u64) << 32) | (*want).min(0xFFFF_FFFF),
+                    Ordering::Relaxed,
+                );
+                let exhausted = g.remaining <= 0;
+                if g.granted > 0 || exhausted {
+                    deposit(e, start_ms, m.slice_ms, g.granted, exhausted, sh.now_us());
+                }
+            }
+            None
+        }
+        Ok(Ok(KeyPullBatchReply::OutsideWindow { redis_time_us })) => {
+            crate::plumbing::record_clock(sh, before, after, redis_time_us);
+            if redis_time_us / 1_000 > start_ms + m.slice_ms as i64 {
+                for (i, w, ..) in &todo {
+                    if let Some(e) = table.entry(*i)
+                        && e.ident.load(Ordering::Acquire) == w.ident
+                    {
+                        deposit(e, start_ms, m.slice_ms, 0, true, sh.now_us());
+                    }
+                }
+            }
+            None
+        }
+        Ok(Ok(KeyPullBatchReply::StaleMeta { .. })) => {
+            // Re-read the meta at once; the waiters re-decide (and want again).
+            slot.meta.refreshed_ms.store(0, Ordering::Relaxed);
+            None
+        }
+        Ok(Ok(KeyPullBatchReply::Missing { redis_time_us })) => {
+            // No task slice to create the key slices from (the leader gone past the horizon,
+            // the task deleted or no longer keyed): FAILED, as a PULL that finds none; the
+            // waiters re-decide by `on_failure` and the task's probe brings it back.
+            crate::plumbing::record_clock(sh, before, after, redis_time_us);
+            Some(PullOutcome::Missing)
+        }
+    };
+    if let Some(outcome) = failed {
+        pull_failed(sh, &task, slot, outcome);
+    }
+    drop(wants);
+    for (i, w, token, ..) in todo {
+        unlock(i, token);
+        drop(w); // wakes its waiters
+    }
+}
+
+/// A key pull failed with `outcome`: the task's state machine decides (FAILED, next probe).
+pub(crate) fn pull_failed(sh: &Shared, task: &TaskInner, slot: &Slot, outcome: PullOutcome) {
+    let health = Health::decode(slot.ctl.state.load(Ordering::Acquire));
+    let tr = sh.machine.after_pull(health, outcome, sh.now_us() / 1_000);
+    if tr.health != health || tr.next_probe_ms.is_some() {
+        crate::plumbing::apply_health(task, slot, health, tr.health, tr.next_probe_ms);
+    }
+}
+
+/// Host-wide, every second: key counters into the task's counters (charged to the current
+/// slice) and the busiest keys into `NS:{T}:top:<minute>` / `topr:<minute>`.
+async fn report(sh: &Shared, table: &KeyTable) {
+    let h = sh.seg.header();
+    let now_ms = crate::clock::host_ms();
+    let last = h.key_report_ms.load(Ordering::Acquire);
+    if now_ms - last < REPORT_MS
+        || h.key_report_ms
+            .compare_exchange(last, now_ms, Ordering::AcqRel, Ordering::Relaxed)
+            .is_err()
+    {
+        return;
+    }
+    // slot index → (adm, rej, [(key, adm, rej)])
+    type PerTask = (u64, u64, Vec<(String, u64, u64)>);
+    let mut per: HashMap<usize, PerTask> = HashMap::new();
+    let seg_id = sh.seg.id();
+    for i in 0..table.entries {
+        let Some(e) = table.entry(i) else { break };
+        let id = e.ident.load(Ordering::Acquire);
+        if id == 0
+            || id & OWNED == 0
+            || e.segment.load(Ordering::Acquire) != seg_id
+            || !owner_alive(&sh.seg, e, id)
+        {
+            // Free, being claimed, another segment's (its processes report it), or of a task
+            // slot that was reclaimed since (its counts belong to no task here).
+            continue;
+        }
+        let a = e.adm.swap(0, Ordering::AcqRel);
+        let r = e.rej.swap(0, Ordering::AcqRel);
+        if a == 0 && r == 0 {
+            continue;
+        }
+        let slot = ((id >> 48) & 0x7FFF) as usize;
+        let p = per.entry(slot).or_default();
+        p.0 = p.0.saturating_add(a);
+        p.1 = p.1.saturating_add(r);
+        if let Some(k) = e.key_string() {
+            p.2.push((k, a, r));
+        }
+    }
+    let minute = now_ms - now_ms.rem_euclid(60_000);
+    for (slot_i, (a, r, mut keys)) in per {
+        let Some(slot) = sh.seg.slot(slot_i) else {
+            continue;
+        };
+        let Some(m) = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire)) else {
+            continue;
+        };
+        let Some(name) = slot.name() else { continue };
+        let now = sh.now_us() / 1_000;
+        let start = now - now.rem_euclid(m.slice_ms as i64);
+        slot.count(start, m.slice_ms, field::ADMITTED, a);
+        slot.count(start, m.slice_ms, field::REJECTED, r);
+        let labels = labels_of(sh, &name, slot.meta.version.load(Ordering::Relaxed)).await;
+        for k in &mut keys {
+            k.0 = labels.label(&k.0);
+        }
+        let mut pipe = redis::pipe();
+        let ka = sh.keys.top_keys(&name, minute);
+        let kr = sh.keys.top_rejected_keys(&name, minute);
+        keys.sort_by_key(|x| std::cmp::Reverse(x.1));
+        for (k, a, _) in keys.iter().take(TOP_KEYS).filter(|x| x.1 > 0) {
+            pipe.zincr(&ka, k, *a).ignore();
+        }
+        keys.sort_by_key(|x| std::cmp::Reverse(x.2));
+        for (k, _, r) in keys.iter().take(TOP_KEYS).filter(|x| x.2 > 0) {
+            pipe.zincr(&kr, k, *r).ignore();
+        }
+        pipe.pexpire(&ka, 600_000).ignore();
+        pipe.pexpire(&kr, 600_000).ignore();
+        let _ = call(sh, Retry::OnlyUnsent, |mut c| {
+            let pipe = pipe.clone();
+            async move { pipe.query_async::<()>(&mut c).await }
+        })
+        .await;
+    }
+}
