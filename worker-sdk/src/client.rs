@@ -23,17 +23,17 @@ use tokio::sync::Notify;
 
 use crate::clock::{deadline_after, random_u64};
 use crate::health::{self, Outcome};
-use crate::limiter::{self, Params, Verdict};
 use crate::protocol::conn::{CheckError, ConnOptions, Redis, RedisTarget};
 use crate::protocol::scripts::ExactReply;
-use crate::protocol::{Keys, Mode, OnFailure, TaskMeta, validate_task_name};
-use crate::shm::{
-    FastMeta, Opened, QuotaEntry, Segment, Slot, field, tag_of, unpack_quota, word_generation,
-};
+use crate::protocol::{Keys, Mode, TaskMeta, validate_task_name};
+use crate::shm::{FastMeta, Opened, Segment, Slot, field, tag_of, word_generation};
 use crate::state::{Health, HostState, Machine, view};
 
 use crate::config::Config;
-use crate::ctx::{Shared, TaskInner, Waiting, fast_guard_us, fast_in_slice};
+use crate::ctx::{Shared, TaskInner, Waiting, fast_guard_us};
+use crate::decide::exact::{self, Exact};
+use crate::decide::fallback;
+use crate::decide::pooled::{self, Pooled, fast_in_slice};
 use crate::decision::{Decision, PENDING_RETRY, Step};
 use crate::error::Error;
 
@@ -325,27 +325,11 @@ impl Task {
             return None;
         }
         let start_ms = (index * m.slice_ms) as i64;
-        let tag = tag_of(start_ms);
-        let e = &slot.quota[(index & 1) as usize];
-        let mut q = e.word.load(Ordering::Acquire);
-        loop {
-            let (t, _, c) = unpack_quota(q);
-            if t != tag || (c as u64) < n {
-                return None;
-            }
-            match e
-                .word
-                .compare_exchange_weak(q, q - n, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => {
-                    if c as u64 - n < e.low_water.load(Ordering::Relaxed) {
-                        self.want(slot, start_ms, n);
-                    }
-                    return Some((Decision::Allowed, now_us));
-                }
-                Err(x) => q = x,
-            }
+        let low = pooled::take_fast(&slot.quota[(index & 1) as usize], tag_of(start_ms), n)?;
+        if low {
+            self.want(slot, start_ms, n);
         }
+        Some((Decision::Allowed, now_us))
     }
 
     /// [`Task::try_acquire`] on the precise clock always (the fast clock off for this call):
@@ -585,19 +569,12 @@ impl Task {
         n: u64,
         now_us: i64,
     ) -> Decision {
-        match reply {
-            Some(ExactReply::Admitted { .. }) => Decision::Allowed,
-            Some(ExactReply::Refused { retry_after_us, .. }) => {
-                let retry_us = match m.mode {
-                    Mode::ExactSliding => retry_after_us as i64,
-                    _ => (index + 1) as i64 * (m.slice_ms * 1_000) as i64 - now_us,
-                };
-                Decision::Limited {
-                    retry_after: Duration::from_micros(retry_us.max(1) as u64),
-                }
-            }
-            Some(ExactReply::OutsideWindow { redis_time_us }) => {
-                let start_ms = (index * m.slice_ms) as i64;
+        match exact::decide(reply, m, index, now_us) {
+            Exact::Decided(d) => d,
+            Exact::OutsideWindow {
+                start_ms,
+                redis_time_us,
+            } => {
                 let retry_ms = crate::plumbing::outside_window(
                     &self.shared,
                     &self.inner,
@@ -609,7 +586,7 @@ impl Task {
                     retry_after: Duration::from_millis(retry_ms.max(1) as u64),
                 }
             }
-            Some(ExactReply::Missing { .. }) | None => match self.slot() {
+            Exact::Fallback => match self.slot() {
                 Some(slot) => self.fallback(slot, m, index, n, now_us),
                 None => self.unknown(),
             },
@@ -658,16 +635,14 @@ impl Task {
         let index = self.index(now_us, slice_us);
         match m.mode {
             Mode::Pooled => self.pooled(slot, &m, index, n, now_us),
-            Mode::Local => {
-                let d = match self.local(slot, &m, n, now_us) {
-                    Verdict::Admit => Decision::Allowed,
-                    Verdict::Deny { retry_after_us } => Decision::Limited {
-                        retry_after: Duration::from_micros(retry_after_us),
-                    },
-                };
-                self.count(slot, &m, index, n, d.is_allowed());
-                Step::Decided(d)
-            }
+            Mode::Local => Step::Decided(fallback::local_mode(
+                &self.shared.seg,
+                slot,
+                &m,
+                index,
+                n,
+                now_us,
+            )),
             // Exact modes need a Redis round trip per decision, which the synchronous path
             // never waits for; concurrency tasks hand out permits (`try_permit`).
             Mode::ExactFixed | Mode::ExactSliding | Mode::Concurrency => {
@@ -726,119 +701,32 @@ impl Task {
     #[inline]
     fn pooled(&self, slot: &Slot, m: &FastMeta, index: u64, n: u64, now_us: i64) -> Step {
         let start_ms = (index * m.slice_ms) as i64;
-        let tag = tag_of(start_ms);
-        let e = &slot.quota[(index & 1) as usize];
-        let mut q = e.word.load(Ordering::Acquire);
-        loop {
-            let (t, _, c) = unpack_quota(q);
-            if t != tag || (c as u64) < n {
-                break;
-            }
-            // Paced: only what the pace has released (a refusal leaves the stock as it was).
-            if m.paced
-                && let Pace::Wait(us) = pace_check(slot, e, c, start_ms, m.slice_ms, n, now_us)
-            {
-                return self.pace_limited(slot, e, c, index, start_ms, n, us);
-            }
-            match e
-                .word
-                .compare_exchange_weak(q, q - n, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => {
-                    if c as u64 - n < e.low_water.load(Ordering::Relaxed) {
-                        self.want(slot, start_ms, n);
-                    }
-                    return Step::Decided(Decision::Allowed);
+        match pooled::decide(slot, m, index, n, now_us) {
+            Pooled::Admitted { low } => {
+                if low {
+                    self.want(slot, start_ms, n);
                 }
-                Err(x) => q = x,
+                Step::Decided(Decision::Allowed)
+            }
+            Pooled::Limited { retry_after, low } => {
+                if low {
+                    self.want(slot, start_ms, n);
+                }
+                Step::Decided(Decision::Limited { retry_after })
+            }
+            Pooled::Failed => Step::Decided(self.fallback(slot, m, index, n, now_us)),
+            Pooled::Want => {
+                self.want(slot, start_ms, n);
+                Step::Pending {
+                    start_ms,
+                    slice_ms: m.slice_ms,
+                }
             }
         }
-        // Not enough local quota for this slice.
-        if let Health::Failed { .. } = Health::decode(slot.ctl.state.load(Ordering::Acquire)) {
-            return Step::Decided(self.fallback(slot, m, index, n, now_us));
-        }
-        let (t, exhausted, _) = unpack_quota(q);
-        // More than this slice's cap (as Redis reported it) or than a local quota word holds:
-        // LIMITED for the slice and counted (a rejection, as Envoy's ratelimit counts hits
-        // over the limit), but never asked of Redis: no pull is sized for it.
-        let cap = e.pace_cap.load(Ordering::Relaxed);
-        let beyond = t == tag && q != 0 && cap > 0 && n > cap;
-        if (t == tag && exhausted && q != 0) || beyond || n > crate::shm::MAX_COUNT as u64 {
-            slot.count_at(index, start_ms, field::REJECTED, n);
-            let end = start_ms
-                .saturating_add(m.slice_ms as i64)
-                .saturating_mul(1_000);
-            return Step::Decided(Decision::Limited {
-                retry_after: Duration::from_micros((end - now_us).max(1) as u64),
-            });
-        }
-        // Not final: the caller decides whether to wait for the refill (acquire) or not.
-        self.want(slot, start_ms, n);
-        Step::Pending {
-            start_ms,
-            slice_ms: m.slice_ms,
-        }
-    }
-
-    /// A paced slice's local quota is in hand but not released yet: rejected (counted), retry
-    /// when the pace releases `n` more; a refill is asked for as usual when the stock is low.
-    #[cold]
-    #[allow(clippy::too_many_arguments)]
-    fn pace_limited(
-        &self,
-        slot: &Slot,
-        e: &QuotaEntry,
-        c: u32,
-        index: u64,
-        start_ms: i64,
-        n: u64,
-        wait_us: u64,
-    ) -> Step {
-        if (c as u64) < e.low_water.load(Ordering::Relaxed) {
-            self.want(slot, start_ms, n);
-        }
-        slot.count_at(index, start_ms, field::REJECTED, n);
-        Step::Decided(Decision::Limited {
-            retry_after: Duration::from_micros(wait_us),
-        })
-    }
-
-    fn local(&self, slot: &Slot, m: &FastMeta, n: u64, now_us: i64) -> Verdict {
-        let p = Params {
-            limit: slot.meta.local_limit.load(Ordering::Relaxed),
-            window_us: m.slice_ms * 1_000,
-            burst: slot.meta.burst.load(Ordering::Relaxed),
-        };
-        limiter::decide_shared(&self.shared.seg, slot, m.algorithm, &p, now_us, n)
     }
 
     fn fallback(&self, slot: &Slot, m: &FastMeta, index: u64, n: u64, now_us: i64) -> Decision {
-        let d = match m.on_failure {
-            OnFailure::Allow => Decision::FallbackAllowed,
-            OnFailure::Deny => {
-                let next = slot.ctl.next_probe_ms.load(Ordering::Relaxed) * 1_000;
-                Decision::FallbackDenied {
-                    retry_after: Duration::from_micros((next - now_us).max(1_000) as u64),
-                }
-            }
-            OnFailure::Local => match self.local(slot, m, n, now_us) {
-                Verdict::Admit => Decision::FallbackAllowed,
-                Verdict::Deny { retry_after_us } => Decision::FallbackDenied {
-                    retry_after: Duration::from_micros(retry_after_us),
-                },
-            },
-        };
-        self.count(slot, m, index, n, d.is_allowed());
-        d
-    }
-
-    fn count(&self, slot: &Slot, m: &FastMeta, index: u64, n: u64, admitted: bool) {
-        let f = if admitted {
-            field::ADMITTED
-        } else {
-            field::REJECTED
-        };
-        slot.count_at(index, (index * m.slice_ms) as i64, f, n);
+        fallback::fallback(&self.shared.seg, slot, m, index, n, now_us)
     }
 
     /// A cost no slice can hold: [`Decision::TooLarge`], counted nowhere, warned once.
@@ -865,13 +753,7 @@ impl Task {
     /// Asks the background thread for quota of the slice starting at `start_ms`.
     #[inline]
     fn want(&self, slot: &Slot, start_ms: i64, n: u64) {
-        let w = start_ms as u64 + 1;
-        if slot.ctl.want.load(Ordering::Relaxed) != w {
-            slot.ctl.want.store(w, Ordering::Relaxed);
-        }
-        if slot.ctl.max_n.load(Ordering::Relaxed) < n {
-            slot.ctl.max_n.fetch_max(n, Ordering::Relaxed);
-        }
+        pooled::want(slot, start_ms, n);
         self.poke();
     }
 
@@ -885,82 +767,12 @@ impl Task {
     }
 }
 
-/// What the pace says about spending `n` more of a paced slice's local stock now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Pace {
-    /// Released: spend `n`.
-    Go,
-    /// Not released yet: µs until it is. The stock is left as it is.
-    Wait(u64),
-}
-
-/// Paced slices: may this host spend `n` more now?
-///
-/// Permits of a paced slice are numbered in the order the pull script hands them out; permit
-/// `j` is released at `start + (j − burst) · slice / cap` (the script's curve,
-/// [`crate::protocol::scripts::PACE_LUA`], without its look-ahead). The host's stock of
-/// `count` is taken to be the top of everything granted so far (`pace_granted`, any host's
-/// grants and forfeits included, as Redis reported after this host's last pull), so the
-/// permits it has spent are numbered up to `spent = pace_granted − count`. With
-/// `paced = floor(cap · elapsed / slice)`:
-///
-/// ```text
-///   spent + n ≤ paced + burst ......... Go
-///   otherwise ......................... Wait until elapsed ≥ (spent + n − burst) · slice / cap
-/// ```
-///
-/// A request of any cost up to the slice's cap is admitted as soon as the pace has released
-/// it (item 1 of issue 23). Every permit has its own number, each host's stock holds numbers
-/// no host else holds (a grant is a range of the sequence; an older leftover numbered at the
-/// top is over-estimated, never under), and a permit is admitted at `t` only if its number is
-/// below `paced(t) + burst`: so **the whole task** never admits more than `paced(t) + burst`
-/// by any time `t`, whatever the hosts.
-///
-/// Stock numbered below the pace (a host that decided slower than the task's pace, or was
-/// paused) is kept and spent: its numbers are below the pace, so spending it at once stays
-/// within the bound above; what the pace released while *nobody* pulled is forfeited by the
-/// script. (Dropping such stock, as before, lost it for good: with several hosts the numbers
-/// interleave and the pace passes a slow host's whole stock at the task's rate — the soak's
-/// seed 1001: three hosts at 0.4 × the pace each admitted 56 % of the cap.)
-#[inline]
-fn pace_check(
-    slot: &Slot,
-    e: &QuotaEntry,
-    count: u32,
-    start_ms: i64,
-    slice_ms: u64,
-    n: u64,
-    now_us: i64,
-) -> Pace {
-    let cap = e.pace_cap.load(Ordering::Relaxed);
-    if cap == 0 {
-        // No cap known yet: nothing to pace against (Redis still does).
-        return Pace::Go;
-    }
-    let burst = slot.ctl.pace_burst.load(Ordering::Relaxed);
-    let count = count as u64;
-    let spent = e.pace_granted.load(Ordering::Relaxed).saturating_sub(count);
-    let len_us = (slice_ms.saturating_mul(1_000) as u128).max(1);
-    let elapsed_us = now_us.saturating_sub(start_ms.saturating_mul(1_000)).max(0) as u128;
-    let paced = (cap as u128 * elapsed_us / len_us).min(cap as u128) as u64;
-    // Stock numbered below the pace is never dropped: with several hosts the numbers
-    // interleave, and a host deciding slower than the task's pace would lose its stock to
-    // other hosts' grants (see the doc above).
-    let need = spent.saturating_add(n);
-    if need <= paced.saturating_add(burst) || need > cap {
-        // Released, or beyond the cap (the local quota and Redis decide that).
-        return Pace::Go;
-    }
-    let at_us = ((need - burst) as u128 * len_us).div_ceil(cap as u128);
-    Pace::Wait(at_us.saturating_sub(elapsed_us).clamp(1, u64::MAX as u128) as u64)
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
     use crate::config::ClockSource;
-    use crate::protocol::{Fallback, FallbackAlgorithm};
-    use crate::shm::ClaimOptions;
+    use crate::protocol::{Fallback, FallbackAlgorithm, OnFailure};
+    use crate::shm::{ClaimOptions, unpack_quota};
 
     #[test]
     fn the_builder_sets_every_field_and_build_checks_them() {

@@ -84,16 +84,6 @@ impl Shared {
     }
 }
 
-/// Whether a coarse reading `now_us` may decide in the slice `[start_us, start_us +
-/// slice_us)`: inside it and at least `guard_us` before its end. The coarse clock is never
-/// ahead of the precise one and lags it by less than the guard, so the precise clock names the
-/// same slice.
-#[inline]
-pub(crate) fn fast_in_slice(now_us: i64, start_us: i64, slice_us: u64, guard_us: i64) -> bool {
-    let end_us = start_us.wrapping_add(slice_us as i64);
-    now_us >= start_us && now_us < end_us.wrapping_sub(guard_us)
-}
-
 /// The fast path's guard in ticks of the coarse clock. The kernel advances the coarse clock in
 /// whole ticks, from the tick of the CPU that keeps time, so it lags by up to a tick plus the
 /// lateness of that tick (1.3–5.3 ms = 0.3–1.3 ticks measured on a loaded 2-vCPU VM at

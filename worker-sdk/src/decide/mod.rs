@@ -4,5 +4,8 @@
 //! property tests drive them directly and the benchmarks point at them. They must not import
 //! `ctx`, `plumbing`, `refill`, `background` or a front (`client`, `keyed`, `concurrency`).
 
+pub(crate) mod exact;
+pub(crate) mod fallback;
 pub(crate) mod keyed;
 pub(crate) mod permits;
+pub(crate) mod pooled;
