@@ -59,20 +59,20 @@ use std::time::{Duration, Instant};
 
 use crate::client::Task;
 use crate::ctx::{Event, Want};
+use crate::decide::fallback;
 pub use crate::decide::keyed::chunk;
-use crate::decide::keyed::{deposit, give_back, take_back};
+use crate::decide::keyed::{self, Direct, Entry, deposit, give_back, take_back};
 use crate::decision::{Decision, Refund};
 use crate::error::Error;
 pub use crate::keytable::{
     CHUNK_DIVISOR, DEFAULT_KEY_SLOTS, KeyEntry, KeyTable, MAX_KEY_SLOTS, TOP_KEYS, WAYS,
 };
 use crate::keytable::{Owner, owner, owner_of};
-use crate::plumbing::{Retry, call};
-use crate::protocol::scripts::{self, KeyPullReply, KeyPullRequest};
-use crate::protocol::{Mode, OnFailure};
-use crate::refill::keys::{labels_of, pull_failed, slot_meta_of};
+use crate::protocol::Mode;
+use crate::protocol::scripts::KeyPullReply;
+use crate::refill::keys::pull_failed;
 use crate::shm::{FastMeta, Slot, field, tag_of, unpack_quota};
-use crate::state::{Health, PullOutcome};
+use crate::state::Health;
 
 /// A handle to one key of a keyed task ([`Task::key`]). Cheap to create and clone.
 ///
@@ -524,54 +524,30 @@ impl Key {
         if now_ms - e.used_ms.load(Ordering::Relaxed) >= 50 {
             e.used_ms.store(now_ms, Ordering::Relaxed);
         }
-        let tag = tag_of(start_ms);
-        let q = &e.quota[(index & 1) as usize];
-        let mut w = q.load(Ordering::Acquire);
-        loop {
-            let (t, _, c) = unpack_quota(w);
-            if t != tag || w == 0 || (c as u64) < n {
-                break;
-            }
-            match q.compare_exchange_weak(w, w - n, Ordering::AcqRel, Ordering::Acquire) {
-                Ok(_) => {
-                    if e.ident.load(Ordering::Acquire) != id {
-                        // Reclaimed for another key meanwhile: give the permits back.
-                        give_back(q, tag, n);
-                        self.cached.0.store(0, Ordering::Relaxed);
-                        return self.decide(n, now_us);
-                    }
-                    e.adm.fetch_add(n, Ordering::Relaxed);
-                    let left = c as u64 - n;
-                    let last = e.grant.load(Ordering::Relaxed);
-                    if (last >> 32) as u32 == tag && left < (last & 0xFFFF_FFFF) / 2 {
-                        // Running low: the next chunk is on its way before it is needed.
-                        self.want_quiet(i, id, start_ms, n);
-                    }
-                    return KStep::Admitted {
-                        entry: i,
-                        ident: id,
-                        parity: (index & 1) as usize,
-                        tag,
-                    };
+        match keyed::decide(slot, e, id, &m, index, n, now_us) {
+            Entry::Admitted { low } => {
+                if low {
+                    // Running low: the next chunk is on its way before it is needed.
+                    self.want_quiet(i, id, start_ms, n);
                 }
-                Err(x) => w = x,
+                KStep::Admitted {
+                    entry: i,
+                    ident: id,
+                    parity: (index & 1) as usize,
+                    tag: tag_of(start_ms),
+                }
             }
-        }
-        if let Health::Failed { .. } = Health::decode(slot.ctl.state.load(Ordering::Acquire)) {
-            return KStep::Decided(self.fallback(slot, &m, Some(e), start_ms, n, now_us));
-        }
-        let (t, exhausted, _) = unpack_quota(w);
-        if (t == tag && exhausted && w != 0) || n > crate::shm::MAX_COUNT as u64 {
-            e.rej.fetch_add(n, Ordering::Relaxed);
-            let end_us = (start_ms + m.slice_ms as i64) * 1_000;
-            return KStep::Decided(Decision::Limited {
-                retry_after: Duration::from_micros((end_us - now_us).max(1) as u64),
-            });
-        }
-        KStep::Pending {
-            entry: i,
-            ident: id,
-            start_ms,
+            Entry::Reclaimed => {
+                self.cached.0.store(0, Ordering::Relaxed);
+                self.decide(n, now_us)
+            }
+            Entry::Failed => KStep::Decided(self.fallback(slot, &m, Some(e), start_ms, n, now_us)),
+            Entry::Limited { retry_after } => KStep::Decided(Decision::Limited { retry_after }),
+            Entry::Pending => KStep::Pending {
+                entry: i,
+                ident: id,
+                start_ms,
+            },
         }
     }
 
@@ -598,55 +574,7 @@ impl Key {
         n: u64,
         now_us: i64,
     ) -> Decision {
-        let end_us = (start_ms + m.slice_ms as i64) * 1_000;
-        let denied = |until_us: i64| Decision::FallbackDenied {
-            retry_after: Duration::from_micros((until_us - now_us).max(1_000) as u64),
-        };
-        let d = match m.on_failure {
-            OnFailure::Allow => Decision::FallbackAllowed,
-            OnFailure::Deny => denied(slot.ctl.next_probe_ms.load(Ordering::Relaxed) * 1_000),
-            OnFailure::Local => {
-                let limit = slot.meta.local_limit.load(Ordering::Relaxed);
-                match e {
-                    None => denied(end_us),
-                    Some(e) => {
-                        let tag = tag_of(start_ms) as u64;
-                        let mut w = e.local.load(Ordering::Acquire);
-                        loop {
-                            let used = if w >> 32 == tag { w & 0xFFFF_FFFF } else { 0 };
-                            if used + n > limit {
-                                break denied(end_us);
-                            }
-                            let next = (tag << 32) | (used + n).min(0xFFFF_FFFF);
-                            match e.local.compare_exchange_weak(
-                                w,
-                                next,
-                                Ordering::AcqRel,
-                                Ordering::Acquire,
-                            ) {
-                                Ok(_) => break Decision::FallbackAllowed,
-                                Err(x) => w = x,
-                            }
-                        }
-                    }
-                }
-            }
-        };
-        match e {
-            Some(e) => {
-                let c = if d.is_allowed() { &e.adm } else { &e.rej };
-                c.fetch_add(n, Ordering::Relaxed);
-            }
-            None => {
-                let f = if d.is_allowed() {
-                    field::ADMITTED
-                } else {
-                    field::REJECTED
-                };
-                slot.count(start_ms, m.slice_ms, f, n);
-            }
-        }
-        d
+        fallback::key(slot, m, e, start_ms, n, now_us)
     }
 
     /// Registers (or joins) a pull of entry `entry` for slice `start_ms`.
@@ -720,39 +648,14 @@ impl Key {
         start_ms: i64,
         n: u64,
     ) -> impl std::future::Future<Output = Option<KeyPullReply>> + Send + 'static {
-        let sh = self.task.shared.clone();
-        let task = self.task.inner.clone();
-        let key = self.key.clone();
-        async move {
-            let digest = crate::protocol::key_digest(&key);
-            let request_id = sh.request_id();
-            let version = slot_meta_of(&sh, &task)
-                .map(|(s, _)| s.meta.version.load(Ordering::Relaxed))
-                .unwrap_or(0);
-            let label = labels_of(&sh, &task.name, version).await.label(&key);
-            let req = KeyPullRequest {
-                task: &task.name,
-                key: &label,
-                digest: &digest,
-                start_ms,
-                slice_ms: m.slice_ms,
-                want: n,
-                host_id: &sh.cfg.host_id,
-                request_id: &request_id,
-                meta_version: version,
-                all_or_nothing: true,
-            };
-            let shr = &*sh;
-            match call(shr, Retry::Idempotent, |mut c| {
-                let req = req.clone();
-                async move { scripts::key_pull(&mut c, &shr.keys, &req).await }
-            })
-            .await
-            {
-                Ok(Ok(r)) => Some(r),
-                _ => None,
-            }
-        }
+        crate::refill::keys::direct(
+            self.task.shared.clone(),
+            self.task.inner.clone(),
+            self.key.clone(),
+            m,
+            start_ms,
+            n,
+        )
     }
 
     fn direct_decision(
@@ -766,47 +669,26 @@ impl Key {
             return self.task.try_acquire(n);
         };
         let now_us = self.task.now_us();
-        let end_us = (start_ms + m.slice_ms as i64) * 1_000;
-        let (f, d) = match reply {
-            Some(KeyPullReply::Granted { granted, .. }) if granted >= n => {
-                (field::ADMITTED, Decision::Allowed)
-            }
-            Some(KeyPullReply::Granted { .. }) | Some(KeyPullReply::OutsideWindow { .. }) => (
-                field::REJECTED,
-                Decision::Limited {
-                    retry_after: Duration::from_micros((end_us - now_us).max(1) as u64),
-                },
-            ),
-            Some(KeyPullReply::StaleMeta { .. }) => {
+        let d = match keyed::direct(reply, m, start_ms, n, now_us) {
+            Direct::Decided(d) => d,
+            Direct::StaleMeta => {
                 slot.meta.refreshed_ms.store(0, Ordering::Relaxed);
                 self.task.shared.wake.notify_one();
-                (
-                    field::REJECTED,
-                    Decision::Limited {
-                        retry_after: Duration::from_millis(1),
-                    },
-                )
+                Decision::Limited {
+                    retry_after: Duration::from_millis(1),
+                }
             }
-            Some(KeyPullReply::Missing { .. }) => {
-                // No task slice (the leader gone past the horizon, the task deleted): FAILED,
-                // as a PULL that finds none.
-                pull_failed(
-                    &self.task.shared,
-                    &self.task.inner,
-                    slot,
-                    PullOutcome::Missing,
-                );
+            Direct::Failed(outcome) => {
+                // No task slice (the leader gone past the horizon, the task deleted) or no
+                // answer: FAILED, as a PULL that finds none or fails.
+                pull_failed(&self.task.shared, &self.task.inner, slot, outcome);
                 return self.fallback(slot, m, None, start_ms, n, now_us);
             }
-            None => {
-                pull_failed(
-                    &self.task.shared,
-                    &self.task.inner,
-                    slot,
-                    PullOutcome::Error,
-                );
-                return self.fallback(slot, m, None, start_ms, n, now_us);
-            }
+        };
+        let f = if d.is_allowed() {
+            field::ADMITTED
+        } else {
+            field::REJECTED
         };
         slot.count(start_ms, m.slice_ms, f, n);
         d

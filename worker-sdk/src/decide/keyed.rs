@@ -3,6 +3,12 @@
 //! of the entry's cells and the time passed in.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use crate::decision::Decision;
+use crate::protocol::scripts::KeyPullReply;
+use crate::shm::{FastMeta, Slot};
+use crate::state::{Health, PullOutcome};
 
 use crate::keytable::{CHUNK_DIVISOR, KeyEntry};
 use crate::shm::{pack_quota, tag_of, unpack_quota};
@@ -94,4 +100,111 @@ pub fn chunk(last: u64, start_ms: i64, slice_ms: u64, cap: u64, need: u64) -> u6
         1
     };
     next.min(max).max(need)
+}
+
+/// What entry `e`'s local quota says about `n` permits of slice `index`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Entry {
+    /// Admitted (taken and counted). `low`: below half the last chunk (prefetch the next).
+    Admitted { low: bool },
+    /// The entry was reclaimed for another key between the lookup and the take: the permits
+    /// were given back; decide again on a fresh lookup.
+    Reclaimed,
+    /// Not enough in hand and the task is FAILED: the `on_failure` policy decides.
+    Failed,
+    /// The key's quota of the slice is exhausted (or `n` beyond what a word holds): rejected
+    /// (counted), retry after the slice's end.
+    Limited { retry_after: Duration },
+    /// Not enough in hand: a pull may bring it.
+    Pending,
+}
+
+/// Decides `n` permits of the slice with full index `index` (on the meta's grid) from the
+/// quota of key table entry `e`, whose identity word was `id` when looked up.
+#[inline]
+pub(crate) fn decide(
+    slot: &Slot,
+    e: &KeyEntry,
+    id: u64,
+    m: &FastMeta,
+    index: u64,
+    n: u64,
+    now_us: i64,
+) -> Entry {
+    let start_ms = (index * m.slice_ms) as i64;
+    let tag = tag_of(start_ms);
+    let q = &e.quota[(index & 1) as usize];
+    let mut w = q.load(Ordering::Acquire);
+    loop {
+        let (t, _, c) = unpack_quota(w);
+        if t != tag || w == 0 || (c as u64) < n {
+            break;
+        }
+        match q.compare_exchange_weak(w, w - n, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => {
+                if e.ident.load(Ordering::Acquire) != id {
+                    // Reclaimed for another key meanwhile: give the permits back.
+                    give_back(q, tag, n);
+                    return Entry::Reclaimed;
+                }
+                e.adm.fetch_add(n, Ordering::Relaxed);
+                let left = c as u64 - n;
+                let last = e.grant.load(Ordering::Relaxed);
+                return Entry::Admitted {
+                    low: (last >> 32) as u32 == tag && left < (last & 0xFFFF_FFFF) / 2,
+                };
+            }
+            Err(x) => w = x,
+        }
+    }
+    if let Health::Failed { .. } = Health::decode(slot.ctl.state.load(Ordering::Acquire)) {
+        return Entry::Failed;
+    }
+    let (t, exhausted, _) = unpack_quota(w);
+    if (t == tag && exhausted && w != 0) || n > crate::shm::MAX_COUNT as u64 {
+        e.rej.fetch_add(n, Ordering::Relaxed);
+        let end_us = (start_ms + m.slice_ms as i64) * 1_000;
+        return Entry::Limited {
+            retry_after: Duration::from_micros((end_us - now_us).max(1) as u64),
+        };
+    }
+    Entry::Pending
+}
+
+/// What a direct (all-or-nothing, uncached) key pull's answer means.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Direct {
+    /// The decision (the caller counts it in the task's slice).
+    Decided(Decision),
+    /// The host's meta is older than Redis's: refresh it, LIMITED for a moment.
+    StaleMeta,
+    /// No answer, or no task slice: the task is FAILED (this outcome), the `on_failure`
+    /// policy decides.
+    Failed(PullOutcome),
+}
+
+/// Maps a direct key pull's reply (`None`: failed or timed out) for `n` permits of the slice
+/// starting at `start_ms`, at `now_us`.
+#[inline]
+pub(crate) fn direct(
+    reply: Option<KeyPullReply>,
+    m: &FastMeta,
+    start_ms: i64,
+    n: u64,
+    now_us: i64,
+) -> Direct {
+    let end_us = (start_ms + m.slice_ms as i64) * 1_000;
+    match reply {
+        Some(KeyPullReply::Granted { granted, .. }) if granted >= n => {
+            Direct::Decided(Decision::Allowed)
+        }
+        Some(KeyPullReply::Granted { .. }) | Some(KeyPullReply::OutsideWindow { .. }) => {
+            Direct::Decided(Decision::Limited {
+                retry_after: Duration::from_micros((end_us - now_us).max(1) as u64),
+            })
+        }
+        Some(KeyPullReply::StaleMeta { .. }) => Direct::StaleMeta,
+        Some(KeyPullReply::Missing { .. }) => Direct::Failed(PullOutcome::Missing),
+        None => Direct::Failed(PullOutcome::Error),
+    }
 }

@@ -11,7 +11,7 @@ use crate::ctx::{Labels, Locked, Shared, TaskInner, Want};
 use crate::decide::keyed::{chunk, deposit};
 use crate::keytable::{KeyEntry, KeyTable, OWNED, TOP_KEYS, owner_alive};
 use crate::plumbing::{Retry, call};
-use crate::protocol::scripts::{self, KeyPullBatchReply};
+use crate::protocol::scripts::{self, KeyPullBatchReply, KeyPullReply, KeyPullRequest};
 use crate::shm::{FastMeta, LockAttempt, Slot, field, tag_of, unpack_quota};
 use crate::state::{Health, PullOutcome};
 
@@ -435,5 +435,45 @@ async fn report(sh: &Shared, table: &KeyTable) {
             async move { pipe.query_async::<()>(&mut c).await }
         })
         .await;
+    }
+}
+
+/// The Redis call of a key decision when the key table has no entry for the key: one
+/// all-or-nothing KPULL of exactly `n` (nothing cached), as a future the caller runs.
+pub(crate) async fn direct(
+    sh: Arc<Shared>,
+    task: Arc<TaskInner>,
+    key: Arc<str>,
+    m: FastMeta,
+    start_ms: i64,
+    n: u64,
+) -> Option<KeyPullReply> {
+    let digest = crate::protocol::key_digest(&key);
+    let request_id = sh.request_id();
+    let version = slot_meta_of(&sh, &task)
+        .map(|(s, _)| s.meta.version.load(Ordering::Relaxed))
+        .unwrap_or(0);
+    let label = labels_of(&sh, &task.name, version).await.label(&key);
+    let req = KeyPullRequest {
+        task: &task.name,
+        key: &label,
+        digest: &digest,
+        start_ms,
+        slice_ms: m.slice_ms,
+        want: n,
+        host_id: &sh.cfg.host_id,
+        request_id: &request_id,
+        meta_version: version,
+        all_or_nothing: true,
+    };
+    let shr = &*sh;
+    match call(shr, Retry::Idempotent, |mut c| {
+        let req = req.clone();
+        async move { scripts::key_pull(&mut c, &shr.keys, &req).await }
+    })
+    .await
+    {
+        Ok(Ok(r)) => Some(r),
+        _ => None,
     }
 }
