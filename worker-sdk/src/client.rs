@@ -26,7 +26,7 @@ use crate::health::{self, Outcome};
 use crate::protocol::conn::{CheckError, ConnOptions, Redis, RedisTarget};
 use crate::protocol::scripts::ExactReply;
 use crate::protocol::{Keys, Mode, TaskMeta, validate_task_name};
-use crate::shm::{FastMeta, Opened, Segment, Slot, field, tag_of, word_generation};
+use crate::shm::{FastMeta, Opened, Segment, Slot, field, parity, tag_of, word_generation};
 use crate::state::{Health, HostState, Machine, view};
 
 use crate::config::Config;
@@ -34,7 +34,7 @@ use crate::ctx::{Shared, TaskInner, Waiting, fast_guard_us};
 use crate::decide::exact::{self, Exact};
 use crate::decide::fallback;
 use crate::decide::pooled::{self, Pooled, fast_in_slice};
-use crate::decision::{Decision, PENDING_RETRY, Step};
+use crate::decision::{Decision, PENDING_RETRY, Refund, Step};
 use crate::error::Error;
 
 pub(crate) struct Guard {
@@ -763,6 +763,58 @@ impl Task {
             && !self.inner.poked.swap(true, Ordering::AcqRel)
         {
             self.shared.wake.notify_one();
+        }
+    }
+}
+
+/// What all-or-nothing decisions (`crate::multi`) and keys need of a task: a decision with
+/// how to give its permits back, and giving them back.
+impl Task {
+    /// `try_acquire_at` with how to give the permits back. Shadow mode applies as to every
+    /// final decision (a rejection of a shadowed task is admitted as `ShadowLimited` and
+    /// counted as a would-reject; before issue 23 this path enforced it and counted none).
+    pub(crate) fn try_refundable(&self, n: u64, now_us: i64) -> (Decision, Option<Refund>) {
+        let d = match self.decide(n, now_us) {
+            Step::Decided(d) => d,
+            Step::Pending { start_ms, slice_ms } => self.pending_rejected(start_ms, slice_ms, n),
+        };
+        let d = self.shadowed(n, now_us, d);
+        (d, self.refund_of(d, now_us))
+    }
+
+    /// Where an admission decided at `at_us` took its permits from, when it can be undone:
+    /// an `Allowed` of a pooled task came from the slice's local quota word.
+    pub(crate) fn refund_of(&self, d: Decision, at_us: i64) -> Option<Refund> {
+        if d != Decision::Allowed {
+            return None;
+        }
+        let (_, m) = self.slot_meta()?;
+        if m.mode != Mode::Pooled {
+            return None;
+        }
+        let r = self.inner.slot_ref();
+        let slice_us = (m.slice_ms * 1_000) as i64;
+        let start = at_us.div_euclid(slice_us) * m.slice_ms as i64;
+        Some(Refund::Task {
+            slot: r.index,
+            generation: r.generation,
+            parity: parity(start, m.slice_ms),
+            tag: tag_of(start),
+        })
+    }
+
+    /// Gives back what a [`Refund::Task`] says this task's decision took.
+    pub(crate) fn refund(&self, r: &Refund, n: u64) {
+        if let Refund::Task {
+            slot,
+            generation,
+            parity,
+            tag,
+        } = *r
+            && let Some(s) = self.shared.seg.slot(slot)
+            && s.generation() == generation
+        {
+            crate::decide::keyed::give_back(&s.quota[parity].word, tag, n);
         }
     }
 }

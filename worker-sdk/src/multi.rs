@@ -25,11 +25,8 @@
 //! under-used).
 
 use crate::client::Task;
-use crate::decision::Refund;
-use crate::decision::{Decision, Step};
+use crate::decision::{Decision, Refund};
 use crate::keyed::Key;
-use crate::protocol::Mode;
-use crate::shm::{parity, tag_of};
 
 /// One part of an all-or-nothing decision: a limit and the permits it is charged.
 #[derive(Debug, Clone, Copy)]
@@ -58,56 +55,6 @@ impl AllDecision {
     /// True when the work may proceed (every part admitted).
     pub fn is_allowed(&self) -> bool {
         self.refused.is_none() && self.decision.is_allowed()
-    }
-}
-
-impl Task {
-    /// `try_acquire_at` with how to give the permits back. Shadow mode applies as to every
-    /// final decision (a rejection of a shadowed task is admitted as `ShadowLimited` and
-    /// counted as a would-reject; before issue 23 this path enforced it and counted none).
-    pub(crate) fn try_refundable(&self, n: u64, now_us: i64) -> (Decision, Option<Refund>) {
-        let d = match self.decide(n, now_us) {
-            Step::Decided(d) => d,
-            Step::Pending { start_ms, slice_ms } => self.pending_rejected(start_ms, slice_ms, n),
-        };
-        let d = self.shadowed(n, now_us, d);
-        (d, self.refund_of(d, now_us))
-    }
-
-    /// Where an admission decided at `at_us` took its permits from, when it can be undone:
-    /// an `Allowed` of a pooled task came from the slice's local quota word.
-    pub(crate) fn refund_of(&self, d: Decision, at_us: i64) -> Option<Refund> {
-        if d != Decision::Allowed {
-            return None;
-        }
-        let (_, m) = self.slot_meta()?;
-        if m.mode != Mode::Pooled {
-            return None;
-        }
-        let r = self.inner.slot_ref();
-        let slice_us = (m.slice_ms * 1_000) as i64;
-        let start = at_us.div_euclid(slice_us) * m.slice_ms as i64;
-        Some(Refund::Task {
-            slot: r.index,
-            generation: r.generation,
-            parity: parity(start, m.slice_ms),
-            tag: tag_of(start),
-        })
-    }
-
-    /// Gives back what a [`Refund::Task`] says this task's decision took.
-    pub(crate) fn refund(&self, r: &Refund, n: u64) {
-        if let Refund::Task {
-            slot,
-            generation,
-            parity,
-            tag,
-        } = *r
-            && let Some(s) = self.shared.seg.slot(slot)
-            && s.generation() == generation
-        {
-            crate::decide::keyed::give_back(&s.quota[parity].word, tag, n);
-        }
     }
 }
 
