@@ -2,8 +2,9 @@
 """The worker SDK's import graph, by top-level module (a file under worker-sdk/src, or a folder
 counted as one), from its non-test code: every `crate::<module>` path and every `crate::<Name>`
 re-exported by lib.rs. Prints the modules in an order where each imports only modules printed
-before it, then the edges that break that order (imports that run back up) and every circle.
-Exits 1 when there is a circle.
+before it and every circle, then checks the layers of docs/architecture.md (LAYERS below): an
+import of a module of the same or a higher layer runs back up. Exits 1 on a circle, an import
+that runs back up, or a module no layer names.
 
     scripts/sdk-imports.py [--edges]
 """
@@ -13,6 +14,24 @@ import sys
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parent.parent / "worker-sdk" / "src"
+
+# The layers of docs/architecture.md ("The SDK's modules"), lowest first: a module imports
+# only modules of lower layers (never one of its own layer or above).
+LAYERS = [
+    ["clock"],
+    ["shm"],
+    ["state", "health", "pull", "limiter", "error", "keytable"],
+    ["config", "decision"],
+    ["ctx"],
+    ["decide"],
+    ["plumbing"],
+    ["refill"],
+    ["background"],
+    ["client"],
+    ["keyed", "concurrency"],
+    ["multi", "lock", "layer"],
+]
+LAYER = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 
 
 def module_of(path: Path) -> str:
@@ -119,23 +138,26 @@ def sccs(modules, edges):
 def main():
     modules, edges = graph()
     comps = sccs(modules, edges)
-    order = [m for c in comps for m in c]
-    pos = {m: i for i, m in enumerate(order)}
-    back = sorted((a, b) for (a, b) in edges if pos[b] > pos[a])
     circles = [c for c in comps if len(c) > 1]
     print("order (each imports only modules before it):")
     print("  " + " < ".join("{" + ", ".join(c) + "}" if len(c) > 1 else c[0] for c in comps))
+    unknown = [m for m in modules if m not in LAYER]
+    back = sorted(
+        (a, b) for (a, b) in edges if a in LAYER and b in LAYER and LAYER[b] >= LAYER[a]
+    )
     print(f"modules: {len(modules)}, imports: {len(edges)}, running back up: {len(back)}")
     for a, b in back:
         print(f"  back up: {a} -> {b}  ({', '.join(sorted(edges[(a, b)]))})")
+    for m in unknown:
+        print(f"  in no layer: {m} (add it to LAYERS and to docs/architecture.md)")
     if "--edges" in sys.argv:
-        for (a, b), where in sorted(edges.items()):
+        for (a, b) in sorted(edges):
             print(f"  {a} -> {b}")
-    if circles:
-        for c in circles:
-            print("circle: " + ", ".join(c))
+    for c in circles:
+        print("circle: " + ", ".join(c))
+    if circles or back or unknown:
         return 1
-    print("no circle")
+    print("no circle, nothing runs back up")
     return 0
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every check and test of Sluice against real servers:
 #   system packages (installed when missing, as root) → etcd + Redis on free loopback ports →
-#   cargo fmt --check → dashboard build → clippy -D warnings → the deployment kit's validators
+#   cargo fmt --check → the SDK's import layers (sdk-imports.py) → dashboard build → clippy -D warnings → the deployment kit's validators
 #   (check-deploy.sh) → the crates as published (check-crates.sh: rustdoc -D warnings, each
 #   feature alone, the MSRV build, cargo package) → build → cargo test (unit, doc,
 #   end-to-end) → schemathesis against a live manager and agent (scripts/check-openapi.sh) →
@@ -30,6 +30,9 @@ fi
 
 log "cargo fmt --check"
 cargo fmt --all --check
+
+log "the SDK's import layers (no circle, nothing runs back up)"
+python3 scripts/sdk-imports.py
 
 if [ -f dashboard/package.json ]; then
   log "building the dashboard"
