@@ -1,4 +1,5 @@
-//! The public API: [`Client`], [`Task`], [`Decision`].
+//! The public front of the rate-limit path: [`Client`] and [`Task`] (the answer,
+//! [`crate::Decision`], is in `decision`; the settings in `config`).
 //!
 //! ```text
 //!   business thread                         background thread (one per Client)
@@ -13,6 +14,11 @@
 //!
 //! The decision path never touches the network, never allocates, never blocks and never
 //! panics; everything that talks to Redis runs on the client's own thread and runtime.
+//!
+//! This module reads the clock, finds the task's slot, calls a decision core
+//! (`crate::decide`) and resolves its answer: waits for a refill, pokes the background
+//! thread, logs once. It holds no decision logic of its own, and reaches Redis only through
+//! `crate::plumbing` (exact calls) and the background thread it starts.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};

@@ -59,6 +59,13 @@
 //! `allow` everything, `deny` nothing. Permits handed out while FAILED stay counted in
 //! `in_use`; back in Redis, the host asks for at least what it has in use, and while Redis
 //! grants fewer, `in_use ≥ limit` and nothing new is handed out: no double grant.
+//!
+//! # Where the code is
+//!
+//! This module is the [`Permit`] front (`Task::permit` and friends: waiting, timeouts). The
+//! permit word, the holders and a leasing round's plan and answer are the pure core
+//! `crate::decide::permits` (re-exported here); the background thread's leasing round,
+//! give-back and host report are `crate::refill::permits`.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};

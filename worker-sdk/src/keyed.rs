@@ -52,6 +52,13 @@
 //! it is FAILED, each key is decided by the task's `on_failure` with `local_limit` per key per
 //! slice (a fixed window in the entry) for `local`, and the task's probe (a PULL) brings it
 //! back.
+//!
+//! # Where the code is
+//!
+//! This module is the [`Key`] front: finding the key's entry, resolving a decision core's
+//! answer (waiting for a pull, a direct call, the fallback). The entry's quota words are
+//! `crate::decide::keyed`, the table file `crate::keytable`, the pulls and key reports
+//! `crate::refill::keys`.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
