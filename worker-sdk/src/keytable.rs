@@ -453,3 +453,306 @@ pub(crate) fn owner_alive(seg: &crate::shm::Segment, e: &KeyEntry, id: u64) -> b
     let generation = ((id >> 32) & 0xFFFF) as u16;
     seg.slot(slot).is_some_and(|s| s.generation() == generation)
 }
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use std::path::Path;
+
+    pub(crate) fn table(entries: u32) -> (tempfile::TempDir, KeyTable, crate::shm::Segment) {
+        let d = tempfile::tempdir().unwrap();
+        let t = KeyTable::open(&d.path().join("t.keys"), entries).unwrap();
+        let (seg, _) = crate::shm::Segment::open(&d.path().join("seg"), 4).unwrap();
+        (d, t, seg)
+    }
+
+    #[test]
+    fn claims_lookups_and_reclaim_after_two_idle_slices() {
+        let (_d, t, seg) = table(8);
+        let r = seg
+            .claim(
+                "t",
+                crate::shm::ClaimOptions {
+                    now_ms: 0,
+                    lock_timeout_ms: 1_000,
+                    reclaim_idle_ms: 60_000,
+                },
+            )
+            .unwrap();
+        let own = owner(&seg, r.index, r.generation);
+        let mut ids = Vec::new();
+        for k in 0..WAYS {
+            let key = format!("key-{k}");
+            let h = t.hash(r.index, &key);
+            let (i, id) = t.claim(&seg, h, own, &key, 1_000, 1_000).unwrap();
+            assert_eq!(t.lookup(h, own), Some((i, id)));
+            assert_eq!(
+                t.entry(i).unwrap().key_string().as_deref(),
+                Some(key.as_str())
+            );
+            ids.push(id);
+        }
+        // One bucket of 8, all busy: the table is full for a ninth key …
+        let h9 = t.hash(r.index, "key-9");
+        assert_eq!(t.claim(&seg, h9, own, "key-9", 1_000, 1_500), None);
+        // … until one has been idle for two slices.
+        let (i, id) = t.claim(&seg, h9, own, "key-9", 1_000, 3_000).unwrap();
+        assert!(!ids.contains(&id), "a reclaimed entry gets a new identity");
+        assert_eq!(t.lookup(h9, own), Some((i, id)));
+        // Keys are told apart by task slot too.
+        assert_ne!(t.hash(0, "a"), t.hash(1, "a"));
+    }
+
+    #[test]
+    fn a_key_entry_belongs_to_the_segment_that_claimed_it() {
+        let d = tempfile::tempdir().unwrap();
+        let t = KeyTable::open(&d.path().join("seg.keys"), 8).unwrap();
+        let opts = crate::shm::ClaimOptions {
+            now_ms: 0,
+            lock_timeout_ms: 1_000,
+            reclaim_idle_ms: 60_000,
+        };
+        let (old, _) = crate::shm::Segment::open(&d.path().join("seg"), 4).unwrap();
+        let ra = old.claim("a", opts).unwrap();
+        // A process asking for more slots replaces the file; the old one stays mapped.
+        let (new, opened) = crate::shm::Segment::open(&d.path().join("seg"), 8).unwrap();
+        assert!(matches!(opened, crate::shm::Opened::Replaced(_)));
+        assert_ne!(old.id(), new.id());
+        assert!(old.id() != 0 && new.id() != 0);
+        let rb = new.claim("b", opts).unwrap();
+        assert_eq!((ra.index, ra.generation), (rb.index, rb.generation));
+        let (oa, ob) = (
+            owner(&old, ra.index, ra.generation),
+            owner(&new, rb.index, rb.generation),
+        );
+        let h = t.hash(ra.index, "k");
+        let (i, id) = t.claim(&old, h, oa, "k", 1_000, 1_000).unwrap();
+        assert_eq!(
+            t.lookup(h, ob),
+            None,
+            "the new segment's task b never finds a's entry"
+        );
+        // Nor reclaims it while it is in use (its slot cannot be read from the new segment).
+        let (j, _) = t.claim(&new, h, ob, "k", 1_000, 1_100).unwrap();
+        assert_ne!(i, j);
+        assert_eq!(t.lookup(h, oa), Some((i, id)));
+        assert_eq!(t.lookup(h, ob).map(|x| x.0), Some(j));
+    }
+
+    /// Child processes claiming entries of one bucket as fast as they can (every claim takes
+    /// an idle entry over, so each goes through the claiming window), SIGKILLed and
+    /// SIGSTOPped at random while the parent claims too. At the end every entry can be claimed
+    /// again (none is left "being claimed" by a dead process) and every published entry's
+    /// fields belong to its key.
+    mod crashes {
+        use std::process::{Child, Command};
+        use std::time::{Duration, Instant};
+
+        use super::*;
+
+        const ENV: &str = "SLUICE_KEYS_CHILD";
+
+        /// The child: claims until killed (does nothing unless started by the parent).
+        #[test]
+        fn child_claims() {
+            let Ok(spec) = std::env::var(ENV) else {
+                return;
+            };
+            let p: Vec<&str> = spec.split('|').collect();
+            let (seg, _) = crate::shm::Segment::open(p[0].as_ref(), 2).unwrap();
+            let t = KeyTable::open(p[1].as_ref(), 8).unwrap();
+            let (slot, generation): (usize, u16) = (p[2].parse().unwrap(), p[3].parse().unwrap());
+            let own = owner(&seg, slot, generation);
+            let mut now = 1_000_000i64;
+            let mut k = std::process::id() as u64;
+            loop {
+                now += 2_000;
+                k = k.wrapping_mul(6364136223846793005).wrapping_add(1);
+                let key = format!("key-{}", k % 64);
+                let h = t.hash(slot, &key);
+                if t.lookup(h, own).is_none() {
+                    let _ = t.claim(&seg, h, own, &key, 1, now);
+                }
+            }
+        }
+
+        fn spawn(seg: &Path, table: &Path, slot: usize, generation: u16) -> Child {
+            Command::new(std::env::current_exe().unwrap())
+                .args([
+                    "--exact",
+                    "keytable::tests::crashes::child_claims",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(
+                    ENV,
+                    format!("{}|{}|{slot}|{generation}", seg.display(), table.display()),
+                )
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::null())
+                .spawn()
+                .unwrap()
+        }
+
+        fn signal(c: &Child, sig: i32) {
+            // SAFETY: kill(2) on a child of ours that has not been reaped yet.
+            unsafe { libc::kill(c.id() as i32, sig) };
+        }
+
+        #[test]
+        fn claims_killed_at_any_instruction_leave_no_entry_stuck() {
+            let dir = tempfile::tempdir().unwrap();
+            let (sp, tp) = (dir.path().join("seg"), dir.path().join("seg.keys"));
+            let (seg, _) = crate::shm::Segment::open(&sp, 2).unwrap();
+            let t = KeyTable::open(&tp, 8).unwrap();
+            let r = seg
+                .claim(
+                    "t",
+                    crate::shm::ClaimOptions {
+                        now_ms: 0,
+                        lock_timeout_ms: 1_000,
+                        reclaim_idle_ms: 60_000,
+                    },
+                )
+                .unwrap();
+            let own = owner(&seg, r.index, r.generation);
+            let mut rng = crate::clock::host_us() as u64 | 1;
+            let mut next = move |m: u64| {
+                rng ^= rng << 13;
+                rng ^= rng >> 7;
+                rng ^= rng << 17;
+                rng % m
+            };
+            let mut children: Vec<(Child, bool)> = (0..4)
+                .map(|_| (spawn(&sp, &tp, r.index, r.generation), false))
+                .collect();
+            let (mut kills, mut claimed, mut tries) = (0u64, 0u64, 0u64);
+            let mut now = 1_000_000_000i64;
+            // 2.5 s, and on a loaded machine until 50 kills (at most 30 s).
+            let deadline = Instant::now() + Duration::from_millis(2_500);
+            let hard = Instant::now() + Duration::from_secs(30);
+            while (Instant::now() < deadline || kills < 50) && Instant::now() < hard {
+                std::thread::sleep(Duration::from_millis(2 + next(15)));
+                let v = next(children.len() as u64) as usize;
+                if next(3) == 0 {
+                    let stopped = children[v].1;
+                    let sig = if stopped {
+                        libc::SIGCONT
+                    } else {
+                        libc::SIGSTOP
+                    };
+                    signal(&children[v].0, sig);
+                    children[v].1 = !stopped;
+                } else {
+                    signal(&children[v].0, libc::SIGKILL);
+                    children[v].0.wait().unwrap();
+                    kills += 1;
+                    children[v] = (spawn(&sp, &tp, r.index, r.generation), false);
+                }
+                // The parent claims too, whoever is stopped or dead where: it never waits.
+                for _ in 0..20 {
+                    now += 2_000;
+                    let key = format!("parent-{}", next(64));
+                    let h = t.hash(r.index, &key);
+                    tries += 1;
+                    if t.lookup(h, own).is_some() || t.claim(&seg, h, own, &key, 1, now).is_some() {
+                        claimed += 1;
+                    }
+                }
+            }
+            for (c, _) in &mut children {
+                signal(c, libc::SIGKILL);
+                c.wait().unwrap();
+                kills += 1;
+            }
+            let busy = (0..8)
+                .filter(|i| t.entry(*i).unwrap().ident.load(Ordering::Acquire) & OWNED == 0)
+                .filter(|i| t.entry(*i).unwrap().ident.load(Ordering::Acquire) != 0)
+                .count();
+            eprintln!(
+                "{kills} kills; the parent found or claimed an entry {claimed} of {tries} times; \
+                 {busy} entries left being claimed by dead processes"
+            );
+            // Every published entry's fields are its key's.
+            for i in 0..8 {
+                let e = t.entry(i).unwrap();
+                let id = e.ident.load(Ordering::Acquire);
+                if id & OWNED != 0 {
+                    let key = e.key_string().expect("a published entry's key");
+                    let h = t.hash(r.index, &key);
+                    assert_eq!(
+                        (e.h0.load(Ordering::Relaxed), e.h1.load(Ordering::Relaxed)),
+                        h,
+                        "entry {i}: fields of another key"
+                    );
+                }
+            }
+            // Nothing is stuck: all 8 entries are claimed again by 8 fresh keys. Later than any
+            // child's clock: a child's test clock starts at 10^6 and moves 2 s per claim, so
+            // one that ran (or sat stopped, then ran) long enough passed the parent's, and its
+            // entries looked used in the parent's future — not idle, so "stuck" (a flake on a
+            // loaded machine, 2 of ~10 runs).
+            now = now.max(1 << 50);
+            let mut got = std::collections::BTreeSet::new();
+            for k in 0..200 {
+                let key = format!("after-{k}");
+                let h = t.hash(r.index, &key);
+                // At one time: an entry claimed here stays in use, the others are idle.
+                if let Some((i, _)) = t.claim(&seg, h, own, &key, 1, now) {
+                    got.insert(i);
+                }
+            }
+            assert_eq!(got.len(), 8, "entries stuck: only {got:?} could be claimed");
+            assert!(kills >= 50, "{kills} kills");
+        }
+    }
+
+    /// An entry left "being claimed" by a process of another segment (whose liveness cannot
+    /// be read from here) is taken over only once it has been unused for a minute; one of this
+    /// segment's live participants (this process) is never taken over.
+    #[test]
+    fn claims_marked_by_another_segment_or_a_live_claimer() {
+        let (_d, t, seg) = table(8);
+        let r = seg
+            .claim(
+                "t",
+                crate::shm::ClaimOptions {
+                    now_ms: 0,
+                    lock_timeout_ms: 1_000,
+                    reclaim_idle_ms: 60_000,
+                },
+            )
+            .unwrap();
+        let own = owner(&seg, r.index, r.generation);
+        let foreign = CLAIMING | (3 << 52) | (7 << 36) | ((seg.id() + 1) & SEG_FRAG);
+        let live = claiming(&seg);
+        for i in 0..8 {
+            let e = t.entry(i).unwrap();
+            e.used_ms.store(1_000_000, Ordering::Relaxed);
+            e.ident
+                .store(if i < 4 { foreign } else { live }, Ordering::Relaxed);
+        }
+        let h = t.hash(r.index, "k");
+        assert_eq!(t.claim(&seg, h, own, "k", 1_000, 1_000_000 + 59_000), None);
+        let (i, _) = t
+            .claim(&seg, h, own, "k", 1_000, 1_000_000 + FOREIGN_CLAIM_MS)
+            .expect("a foreign claim unused for a minute");
+        assert!(i < 4, "never a live claimer's entry");
+    }
+
+    #[test]
+    fn a_too_small_table_is_replaced_a_larger_one_kept() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("t.keys");
+        let a = KeyTable::open(&p, 64).unwrap();
+        assert_eq!(a.entries(), 64);
+        let b = KeyTable::open(&p, 16).unwrap();
+        assert_eq!(b.entries(), 64);
+        assert_eq!(b.secret, a.secret, "same file, same secret");
+        let c = KeyTable::open(&p, 128).unwrap();
+        assert_eq!(c.entries(), 128);
+        // Rounded up to whole buckets.
+        let e = KeyTable::open(&d.path().join("u.keys"), 10).unwrap();
+        assert_eq!(e.entries(), 16);
+    }
+}
