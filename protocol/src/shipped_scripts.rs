@@ -11,6 +11,9 @@
 //! ```text
 //! SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-protocol shipped_scripts
 //! ```
+//!
+//! (the manager's own scripts, `mirror_fence.lua` + `mirror_set.lua` / `mirror_del.lua`, live
+//! in the same folder and are checked by `cargo test -p sluice-manager mirror_scripts`).
 
 use std::path::{Path, PathBuf};
 
@@ -40,6 +43,9 @@ const SHIPPED: &[(&str, &str, &[&str])] = &[
     ("read_slices", READ_SLICES_LUA, &["read_slices"]),
     ("prune_hosts", PRUNE_HOSTS_LUA, &["prune_hosts"]),
 ];
+
+/// In the same folder, owned (and checked) by the manager crate.
+const MANAGER_OWNED: &[&str] = &["mirror_fence", "mirror_set", "mirror_del"];
 
 const REGENERATE: &str = "after a deliberate change of a script, regenerate SHA1SUMS with \
                           `SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-protocol \
@@ -100,6 +106,7 @@ fn shipped_scripts_folder_has_no_unknown_script() {
     let listed: Vec<String> = SHIPPED
         .iter()
         .flat_map(|(_, _, parts)| parts.iter().copied())
+        .chain(MANAGER_OWNED.iter().copied())
         .map(|n| format!("{n}.lua"))
         .collect();
     let Ok(entries) = std::fs::read_dir(dir()) else {
