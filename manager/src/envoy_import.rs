@@ -1310,8 +1310,9 @@ pub async fn list(client: &Client, keys: &Keys) -> Result<(Vec<(DomainDoc, i64)>
 // ---------------------------------------------------------------------------------------------
 // The leader's mirror into Redis `NS:envoy`.
 
-/// The fence preamble of the mirror scripts: the per-domain counterpart of the task fence
-/// (`sluice_protocol::scripts::FENCE_LUA`). KEYS[2] = the fence hash (`NS:envoy:fence{NS:envoy}`),
+/// The fence preamble of the mirror scripts (`protocol/scripts/mirror_fence.lua`; the Lua text
+/// of the mirror scripts lives there with the protocol's, see docs/protocol.md): the per-domain
+/// counterpart of the task fence (`sluice_protocol::scripts::FENCE_LUA`). KEYS[2] = the fence hash (`NS:envoy:fence{NS:envoy}`),
 /// field = domain, value = `"<epoch> <term> <fenced_ms>"`; ARGV[1] = domain, ARGV[2..4] = the
 /// writer's term, epoch, stale_after (ms).
 ///
@@ -1327,34 +1328,7 @@ pub async fn list(client: &Client, keys: &Keys) -> Result<(Vec<(DomainDoc, i64)>
 /// takeover, mine: this very term holds the fence, age of the stored fence in ms) and `claim()`.
 macro_rules! mirror_fence {
     () => {
-        r#"
-local domain = ARGV[1]
-local term = tonumber(ARGV[2])
-local epoch = ARGV[3]
-local stale = tonumber(ARGV[4])
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local function fence_of()
-  local f = redis.call('HGET', KEYS[2], domain)
-  if not f then return nil, true, false, 0 end
-  local e, t, at = string.match(f, '^(%S+) (%-?%d+) (%-?%d+)$')
-  if not e then return nil, true, false, 0 end
-  t = tonumber(t)
-  local age = now - tonumber(at)
-  if e ~= epoch then
-    if age < stale then return {4, t, age, e}, false, false, age end
-    return nil, false, false, age
-  end
-  if t > term then
-    if age < stale then return {0, t, age}, false, false, age end
-    return nil, false, false, age
-  end
-  return nil, true, t == term, age
-end
-local function claim()
-  redis.call('HSET', KEYS[2], domain, epoch .. ' ' .. term .. ' ' .. now)
-end
-"#
+        include_str!("../../protocol/scripts/mirror_fence.lua")
     };
 }
 
@@ -1366,22 +1340,7 @@ end
 /// version, value, revision read. Returns `{1}` written, `{2}` unchanged, or a refusal.
 const MIRROR_SET_LUA: &str = concat!(
     mirror_fence!(),
-    r#"
-local refused, comparable, mine, age = fence_of()
-if refused then return refused end
-local cur = redis.call('HGET', KEYS[1], domain)
-if cur then
-  local ok, doc = pcall(cjson.decode, cur)
-  local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
-  if comparable and v and v >= tonumber(ARGV[5]) and v <= tonumber(ARGV[7]) then
-    if not mine or age >= stale / 4 then claim() end
-    return {2}
-  end
-end
-redis.call('HSET', KEYS[1], domain, ARGV[6])
-claim()
-return {1}
-"#
+    include_str!("../../protocol/scripts/mirror_set.lua"),
 );
 
 /// Deletes a domain's field (and its fence), fenced ([`mirror_fence!`]), unless it was written
@@ -1390,23 +1349,7 @@ return {1}
 /// Returns `{1}` deleted, `{2}` nothing to delete, `{3}` newer, or a refusal.
 const MIRROR_DEL_LUA: &str = concat!(
     mirror_fence!(),
-    r#"
-local refused, comparable = fence_of()
-if refused then return refused end
-local cur = redis.call('HGET', KEYS[1], domain)
-if not cur then
-  redis.call('HDEL', KEYS[2], domain)
-  return {2}
-end
-if comparable then
-  local ok, doc = pcall(cjson.decode, cur)
-  local v = ok and type(doc) == 'table' and tonumber(doc.version) or nil
-  if v and v > tonumber(ARGV[5]) then return {3} end
-end
-redis.call('HDEL', KEYS[1], domain)
-redis.call('HDEL', KEYS[2], domain)
-return {1}
-"#
+    include_str!("../../protocol/scripts/mirror_del.lua"),
 );
 
 static MIRROR_SET: std::sync::LazyLock<Script> =
@@ -1594,28 +1537,33 @@ pub async fn mirror(
 mod tests {
     use super::*;
 
-    /// `docs/protocol/scripts/mirror_{set,del}.lua` are these scripts byte for byte (the SDK's
-    /// scripts are checked by `cargo test -p sluice-protocol shipped_scripts`); regenerate with
-    /// `SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-manager shipped_scripts`.
+    /// The mirror scripts are `protocol/scripts/mirror_fence.lua` followed by `mirror_set.lua` /
+    /// `mirror_del.lua` (as docs/protocol.md says), and keep their SHA-1s: a change to either
+    /// script must be deliberate (update the SHA-1 here with it).
     #[test]
-    fn shipped_scripts_match_their_constants() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/protocol/scripts");
-        let write = std::env::var_os("SLUICE_WRITE_SCRIPTS").is_some_and(|v| v == "1");
-        for (name, text) in [
-            ("mirror_set", MIRROR_SET_LUA),
-            ("mirror_del", MIRROR_DEL_LUA),
-        ] {
+    fn mirror_scripts_match_their_files() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../protocol/scripts");
+        let read = |name: &str| {
             let path = dir.join(format!("{name}.lua"));
-            if write {
-                std::fs::write(&path, text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-            }
-            let have = std::fs::read_to_string(&path).unwrap_or_default();
+            std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        };
+        for (name, text, sha1) in [
+            (
+                "mirror_set",
+                MIRROR_SET_LUA,
+                "8cee122d76ea07c646e21f84ff08fc12ee80473b",
+            ),
+            (
+                "mirror_del",
+                MIRROR_DEL_LUA,
+                "71bd4151d9392ab922aaee49b508227dcc9d5f44",
+            ),
+        ] {
             assert!(
-                have == text,
-                "{} differs from {name}'s constant: regenerate with `SLUICE_WRITE_SCRIPTS=1 \
-                 cargo test -p sluice-manager shipped_scripts` and commit it",
-                path.display()
+                read("mirror_fence") + &read(name) == text,
+                "{name}'s constant is not mirror_fence.lua followed by {name}.lua"
             );
+            assert_eq!(Script::new(text).get_hash(), sha1, "{name}'s SHA-1 changed");
         }
     }
 

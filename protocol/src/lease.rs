@@ -76,56 +76,7 @@ use super::Keys;
 ///   `holding` is what the host holds.
 ///
 /// `others` is the sum of the other hosts' unexpired holdings, `cap` the meta's threshold.
-pub const LEASE_LUA: &str = r#"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local m = redis.call('HMGET', KEYS[1], 'mode', 'threshold', 'lease_ms', 'version', 'retired')
-if m[1] ~= 'concurrency' or m[5] or not m[2] then
-  return {-1, 0, 0, 0, 0, 0, tonumber(t[1]), tonumber(t[2]), 0}
-end
-local cap = tonumber(m[2]) or 0
-local ttl = tonumber(m[3]) or 0
-if ttl <= 0 then ttl = 10000 end
-local version = tonumber(m[4]) or 0
-local host = ARGV[1]
-local want = math.max(0, tonumber(ARGV[2]) or 0)
-local seq = tonumber(ARGV[3]) or 0
-local all = redis.call('HGETALL', KEYS[2])
-local cur, cur_seq, others, unmet = 0, -1, 0, 0
-for i = 1, #all, 2 do
-  local p, e, s, u = string.match(all[i + 1], '^(%d+):(%d+):(%d+):?(%d*)$')
-  -- numbers are written with %d (tostring would print a µs seq as 1.79e+15)
-  p = tonumber(p); e = tonumber(e); s = tonumber(s)
-  if not p then
-    redis.call('HDEL', KEYS[2], all[i])
-  else
-    local live = e > now
-    if all[i] == host then
-      cur_seq = s
-      if live then cur = p end
-    elseif live then
-      others = others + p
-      unmet = unmet + (tonumber(u) or 0)
-    elseif e + 10 * ttl < now then
-      redis.call('HDEL', KEYS[2], all[i])
-    end
-  end
-end
-if seq < cur_seq then
-  return {-3, cur, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unmet}
-end
-local hold
-if want <= cur then
-  hold = want
-else
-  hold = math.max(cur, math.min(want, cap - others))
-end
-if hold < 0 then hold = 0 end
-redis.call('HSET', KEYS[2], host,
-  string.format('%d:%d:%d:%d', hold, now + ttl, seq, math.max(0, want - hold)))
-redis.call('PEXPIRE', KEYS[2], 10 * ttl + 1000)
-return {1, hold, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unmet}
-"#;
+pub const LEASE_LUA: &str = include_str!("../scripts/lease.lua");
 
 /// Takes lock `L` if it is free, drawing its fencing token in the same call.
 ///
@@ -147,53 +98,15 @@ return {1, hold, cap, others, ttl, version, tonumber(t[1]), tonumber(t[2]), unme
 /// the clock *while the counter survives* is harmless: `counter + 1` decides). Numbers stay
 /// below 2^53 (Lua numbers are doubles): a counter that is not a decimal integer below 2^53 is
 /// refused with an error and nothing is written.
-pub const LOCK_ACQUIRE_LUA: &str = r#"
-local h = redis.call('HMGET', KEYS[1], 'owner', 'token')
-if h[1] then
-  if h[1] == ARGV[1] then
-    redis.call('PEXPIRE', KEYS[1], ARGV[2])
-    return {1, tonumber(h[2]), tonumber(ARGV[2])}
-  end
-  return {0, tonumber(h[2]) or 0, redis.call('PTTL', KEYS[1])}
-end
-local raw = redis.call('GET', KEYS[2])
-local c = 0
-if raw then
-  c = string.match(raw, '^%d+$') and tonumber(raw)
-  if not c or c >= 9007199254740991 then
-    return redis.error_reply('lock token counter ' .. KEYS[2] .. ' is not an integer below 2^53')
-  end
-end
--- The floor: Redis TIME in µs. A counter Redis lost or restored older than the last token
--- cannot produce a token below one handed out before (see the Rust docs of this script).
-local t = redis.call('TIME')
-local tok = math.max(c + 1, tonumber(t[1]) * 1000000 + tonumber(t[2]))
-local s = string.format('%d', tok)
-redis.call('SET', KEYS[2], s)
-redis.call('HSET', KEYS[1], 'owner', ARGV[1], 'token', s)
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-return {1, tok, tonumber(ARGV[2])}
-"#;
+pub const LOCK_ACQUIRE_LUA: &str = include_str!("../scripts/lock_acquire.lua");
 
 /// Renews lock `L` for its holder: `KEYS[1]` `NS:{L}:lock`; `ARGV`: token, ttl (ms). Returns
 /// 1 when the token still holds the lock (its TTL is reset), else 0 (lost: expired, or taken).
-pub const LOCK_RENEW_LUA: &str = r#"
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return 1
-end
-return 0
-"#;
+pub const LOCK_RENEW_LUA: &str = include_str!("../scripts/lock_renew.lua");
 
 /// Releases lock `L` if `token` holds it: `KEYS[1]` `NS:{L}:lock`; `ARGV`: token. Returns 1
 /// when released, 0 when the token no longer held it (another holder's lock is never deleted).
-pub const LOCK_RELEASE_LUA: &str = r#"
-if redis.call('HGET', KEYS[1], 'token') == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  return 1
-end
-return 0
-"#;
+pub const LOCK_RELEASE_LUA: &str = include_str!("../scripts/lock_release.lua");
 
 static LEASE: LazyLock<Script> = LazyLock::new(|| Script::new(LEASE_LUA));
 static LOCK_ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(LOCK_ACQUIRE_LUA));

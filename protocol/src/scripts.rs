@@ -34,6 +34,15 @@
 //! leader wrote the task at all, and the next leadership's full first tick repairs it.
 //! A takeover is always a full write (meta and the whole window), and spec versions and
 //! deletion revisions of another epoch are never compared with the writer's.
+//!
+//! # Script files
+//!
+//! The Lua text lives once, in the crate's `scripts/` folder, and the constants are built from
+//! it with `include_str!`. A script without shared parts is one file (`kpull.lua`,
+//! `flush.lua`, …); a composed one is the concatenation of a shared fragment and its body:
+//! every leader script is [`FENCE_LUA`] (`fence.lua`) followed by its body (`roll.lua`, …), and
+//! [`PULL_LUA`] is [`PACE_LUA`] (`pace.lua`) followed by `pull.lua`. `scripts/SHA1SUMS` lists
+//! the SHA-1 of each script as sent (composed).
 
 use std::sync::LazyLock;
 
@@ -41,41 +50,7 @@ use redis::{RedisResult, Script, Value};
 
 use super::{Keys, TaskMeta};
 
-/// The fence preamble as a literal, so every leader script can be composed with `concat!`.
-macro_rules! fence_preamble {
-    () => {
-        r#"
-local term = tonumber(ARGV[1])
-local epoch = ARGV[2]
-local stale = tonumber(ARGV[3])
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
--- nil, comparable: the writer may write (comparable = same epoch and no takeover), or the
--- refusal {0, term, age} (a newer term of this epoch) / {4, term, age, epoch} (foreign).
-local function fence(meta)
-  local f = redis.call('HMGET', meta, 'term', 'epoch', 'fenced_ms')
-  local cur = tonumber(f[1])
-  if not cur then return nil, true end
-  local age = now - (tonumber(f[3]) or 0)
-  if f[2] and f[2] ~= epoch then
-    if age < stale then return {4, cur, age, f[2]}, false end
-    return nil, false
-  end
-  if cur > term then
-    if age < stale then return {0, cur, age}, false end
-    return nil, false
-  end
-  return nil, true
-end
-local function claim(meta)
-  redis.call('HSET', meta, 'term', term, 'epoch', epoch, 'fenced_ms', now)
-end
-"#
-    };
-}
-
-/// The pacing rule of paced slices, as a literal so every pull script can include it with
-/// `concat!` (the keyed pull script too).
+/// The pacing rule of paced slices (`scripts/pace.lua`), the first part of [`PULL_LUA`].
 ///
 /// Defines `paced_allowance(h, rem, cap, now, start, len)` → `avail, forfeit`: `h` holds the
 /// slice's `pace` and `burst` fields (as `HMGET` returns them). For an unpaced slice it returns
@@ -95,34 +70,13 @@ end
 /// grants) and by the grant. `ahead` lets a host hold a little stock, which it spends no
 /// faster than the pace (see `docs/sdk.md`), so its decisions do not wait for a pull at every
 /// permit.
-macro_rules! pace_snippet {
-    () => {
-        r#"
-local function paced_allowance(h, rem, cap, now, start, len)
-  if h[1] ~= '1' then return rem, 0 end
-  local burst = tonumber(h[2]) or 0
-  local function paced(t)
-    local r = math.floor(cap * (t - start) / len)
-    if r > cap then return cap end
-    if r < 0 then return 0 end
-    return r
-  end
-  local granted = cap - rem
-  local forfeit = math.max(0, math.min(rem, paced(now) - granted))
-  local released = math.min(cap, paced(now + math.min(math.floor(len / 40), 1000)) + burst)
-  return math.min(rem - forfeit, released - granted - forfeit), forfeit
-end
-"#
-    };
-}
+pub const PACE_LUA: &str = include_str!("../scripts/pace.lua");
 
-/// The pacing snippet shared by the scripts: `paced_allowance(h, rem, cap, now, start, len)`.
-pub const PACE_LUA: &str = pace_snippet!();
-
-/// The fence shared by every leader script (see the module docs). `ARGV[1..3]`: term, epoch
-/// (the etcd cluster id, a decimal string: it does not fit a Lua number), stale_after (ms).
-/// Defines `now` (Redis `TIME`, ms), `fence(meta)` and `claim(meta)`.
-pub const FENCE_LUA: &str = fence_preamble!();
+/// The fence shared by every leader script (`scripts/fence.lua`, the first part of each; see
+/// the module docs). `ARGV[1..3]`: term, epoch (the etcd cluster id, a decimal string: it does
+/// not fit a Lua number), stale_after (ms). Defines `now` (Redis `TIME`, ms), `fence(meta)` and
+/// `claim(meta)`.
+pub const FENCE_LUA: &str = include_str!("../scripts/fence.lua");
 
 /// Writes meta and slices of one task, fenced (see [`FENCE_LUA`]).
 ///
@@ -160,79 +114,8 @@ pub const FENCE_LUA: &str = fence_preamble!();
 /// expires before the requested expiry is extended (a longer `slice_ms` reuses keys of the old
 /// grid whose start coincides), never shortened.
 pub const ROLL_LUA: &str = concat!(
-    fence_preamble!(),
-    r#"
-local refused, comparable = fence(KEYS[1])
-if refused then return refused end
-local m = redis.call('HMGET', KEYS[1], 'term', 'rolled_to', 'retired', 'version', 'epoch')
-local full = ARGV[4] == '1'
-local version = tonumber(ARGV[7])
-local check = comparable and ARGV[8] ~= '1'
-if not full then
-  if (not m[1]) or m[3] or not comparable then return {2, 0} end
-  if tonumber(m[2] or '0') < tonumber(ARGV[5]) then return {2, 0} end
-elseif m[3] and check and tonumber(m[3]) >= version then
-  return {3, tonumber(m[3])}
-end
-if check and m[4] and tonumber(m[4]) > version then return {5, tonumber(m[4])} end
-local n = tonumber(ARGV[10])
-local i = 11
-if n > 0 then
-  -- Key overrides are replaced as a whole with the meta fields.
-  for _, f in ipairs(redis.call('HKEYS', KEYS[1])) do
-    if string.sub(f, 1, 3) == 'ko:' then redis.call('HDEL', KEYS[1], f) end
-  end
-  local kv = {}
-  for j = 0, 2 * n - 1 do kv[#kv + 1] = ARGV[i + j] end
-  redis.call('HSET', KEYS[1], unpack(kv))
-  i = i + 2 * n
-end
-if full then redis.call('HDEL', KEYS[1], 'retired') end
-local pm = redis.call('HMGET', KEYS[1], 'pacing', 'pace_burst', 'mode', 'slice_ms')
-local len = pm[4]
-local pace = '0'
-local burst = 0
-if pm[1] == 'smooth' and ((not pm[3]) or pm[3] == 'pooled') then
-  pace = '1'
-  burst = tonumber(pm[2]) or 0
-end
-local new_rolled = tonumber(ARGV[6])
-local advanced = full or new_rolled > tonumber(m[2] or '0')
-if advanced then redis.call('HSET', KEYS[1], 'rolled_to', new_rolled) end
-if advanced or ARGV[9] == '1' or tonumber(m[1]) ~= term or m[5] ~= epoch then claim(KEYS[1]) end
-local written = 0
-for k = 2, #KEYS do
-  local cap = tonumber(ARGV[i])
-  local exp = tonumber(ARGV[i + 1])
-  i = i + 2
-  local cur = redis.call('HMGET', KEYS[k], 'cap', 'pace', 'burst', 'len')
-  local old = cur[1]
-  if not old then
-    redis.call('HSET', KEYS[k], 'cap', cap, 'rem', cap, 'term', term)
-    if pace == '1' then redis.call('HSET', KEYS[k], 'pace', 1, 'burst', burst) end
-    if len then redis.call('HSET', KEYS[k], 'len', len) end
-    redis.call('PEXPIREAT', KEYS[k], exp)
-    written = written + 1
-  else
-    if pace == '1' and (cur[2] ~= '1' or tonumber(cur[3]) ~= burst) then
-      redis.call('HSET', KEYS[k], 'pace', 1, 'burst', burst)
-    elseif pace == '0' and cur[2] then
-      redis.call('HDEL', KEYS[k], 'pace', 'burst')
-    end
-    if len and cur[4] ~= len then redis.call('HSET', KEYS[k], 'len', len) end
-    if tonumber(old) ~= cap then
-      redis.call('HINCRBY', KEYS[k], 'rem', cap - tonumber(old))
-      redis.call('HSET', KEYS[k], 'cap', cap, 'term', term)
-      written = written + 1
-    end
-    local ttl = redis.call('PTTL', KEYS[k])
-    if ttl == -1 or (ttl >= 0 and now + ttl < exp) then
-      redis.call('PEXPIREAT', KEYS[k], exp)
-    end
-  end
-end
-return {1, written}
-"#
+    include_str!("../scripts/fence.lua"),
+    include_str!("../scripts/roll.lua"),
 );
 
 /// Marks a deleted task, fenced (see [`FENCE_LUA`]): the meta hash is replaced by a tombstone
@@ -247,19 +130,8 @@ return {1, written}
 /// `{4, term, age, epoch}`), or `{5, stored_version}`: the stored spec is newer than the
 /// deletion (the task was re-created since; same epoch only, skipped with `force = 1`).
 pub const RETIRE_LUA: &str = concat!(
-    fence_preamble!(),
-    r#"
-local refused, comparable = fence(KEYS[1])
-if refused then return refused end
-local v = tonumber(redis.call('HGET', KEYS[1], 'version'))
-if comparable and ARGV[6] ~= '1' and v and v > tonumber(ARGV[5]) then return {5, v} end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[1], 'retired', ARGV[5])
-claim(KEYS[1])
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-for k = 2, #KEYS do redis.call('DEL', KEYS[k]) end
-return {1, 0}
-"#
+    include_str!("../scripts/fence.lua"),
+    include_str!("../scripts/retire.lua"),
 );
 
 /// Pulls up to `ARGV[1]` permits from one slice; optionally adds counters to it.
@@ -286,44 +158,8 @@ return {1, 0}
 /// returns that grant again with `replayed = 1` and changes nothing. A host's pulls are
 /// exclusive (its pull lock), so the last one is the only one a retry can repeat.
 pub const PULL_LUA: &str = concat!(
-    pace_snippet!(),
-    r#"
-local t = redis.call('TIME')
-local pf = 'p:' .. ARGV[4]
-local h = redis.call('HMGET', KEYS[1], 'rem', 'cap', pf, 'pace', 'burst')
-if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
-local rem = tonumber(h[1])
-local cap = tonumber(h[2])
-if h[3] then
-  local id, g = string.match(h[3], '^(.*):(%-?%d+)$')
-  if id == ARGV[5] then return {tonumber(g), rem, cap, tonumber(t[1]), tonumber(t[2]), 1} end
-end
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local start = tonumber(ARGV[2])
-local len = tonumber(ARGV[3])
-local grace = math.min(math.floor(len / 4), 250)
-if now < start - len or now > start + len + grace then
-  return {-2, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
-end
-local want = tonumber(ARGV[1])
-local grant = 0
-local avail, forfeit = paced_allowance({h[4], h[5]}, rem, cap, now, start, len)
-if want > 0 and (avail > 0 or forfeit > 0) then
-  grant = math.max(0, math.min(want, avail))
-  rem = redis.call('HINCRBY', KEYS[1], 'rem', -(grant + forfeit))
-end
-redis.call('HSET', KEYS[1], pf, ARGV[5] .. ':' .. grant)
-if #ARGV >= 11 then
-  local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n', 'wrej'}
-  for j = 1, math.min(#ARGV - 5, 7) do
-    local a = ARGV[j + 5]
-    if string.match(a, '^-?%d+$') and tonumber(a) ~= 0 then
-      redis.call('HINCRBY', KEYS[1], f[j], a)
-    end
-  end
-end
-return {grant, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
-"#
+    include_str!("../scripts/pace.lua"),
+    include_str!("../scripts/pull.lua"),
 );
 
 /// Pulls permits for one or more **keys** of a keyed task in one call (one slice, one task:
@@ -359,71 +195,7 @@ return {grant, rem, cap, tonumber(t[1]), tonumber(t[2]), 0}
 /// `start + 2·len + 5 s`. Then, per key, `min(want, rem)` is granted (with all-or-nothing:
 /// `want` if `rem ≥ want`, else 0). **Idempotent by request id** per key: the grant is recorded
 /// as `p:<host> = <request id>:<granted>` and a retry is answered with it (`replayed = 1`).
-pub const KPULL_LUA: &str = r#"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local start = tonumber(ARGV[1])
-local len = tonumber(ARGV[2])
-local grace = math.min(math.floor(len / 4), 250)
-if now < start - len or now > start + len + grace then return {-2, tonumber(t[1]), tonumber(t[2]), 0} end
-local pf = 'p:' .. ARGV[3]
-local rid = ARGV[4]
-local n = #KEYS - 1
-local meta = ARGV[7]
-local h = {}
-local missing = false
-for i = 1, n do
-  h[i] = redis.call('HMGET', KEYS[i + 1], 'rem', 'cap', pf)
-  if not h[i][1] then missing = true end
-end
-local tcap, base
-if missing then
-  local m = redis.call('HMGET', meta, 'version', 'retired', 'keyed', 'threshold')
-  if (not m[1]) or m[2] or m[3] ~= '1' then return {-1, tonumber(t[1]), tonumber(t[2]), 0} end
-  if tonumber(ARGV[5]) < tonumber(m[1]) then return {-3, tonumber(t[1]), tonumber(t[2]), tonumber(m[1])} end
-  tcap = tonumber(redis.call('HGET', KEYS[1], 'cap'))
-  if not tcap then return {-1, tonumber(t[1]), tonumber(t[2]), 0} end
-  base = tonumber(m[4]) or 0
-end
-local out = {1, tonumber(t[1]), tonumber(t[2]), 0}
-for i = 1, n do
-  local want = tonumber(ARGV[5 + 3 * i])
-  local k = KEYS[i + 1]
-  local rem, cap
-  local done = false
-  if h[i][3] then
-    local id, g = string.match(h[i][3], '^(.*):(%-?%d+)$')
-    if id == rid then
-      out[#out + 1] = tonumber(g); out[#out + 1] = tonumber(h[i][1]) or 0
-      out[#out + 1] = tonumber(h[i][2]) or 0; out[#out + 1] = 1
-      done = true
-    end
-  end
-  if not done then
-    if not h[i][1] then
-      cap = tcap
-      local o = tonumber(redis.call('HGET', meta, 'ko:' .. ARGV[6 + 3 * i]))
-      if o then
-        if base > 0 then cap = math.floor(o * tcap / base) else cap = o end
-      end
-      rem = cap
-      redis.call('HSET', k, 'cap', cap, 'rem', cap, 'key', ARGV[7 + 3 * i])
-      redis.call('PEXPIREAT', k, start + 2 * len + 5000)
-    else
-      rem = tonumber(h[i][1])
-      cap = tonumber(h[i][2])
-    end
-    local grant = 0
-    if rem > 0 and want > 0 and (ARGV[6] ~= '1' or rem >= want) then
-      grant = math.min(want, rem)
-      rem = redis.call('HINCRBY', k, 'rem', -grant)
-    end
-    redis.call('HSET', k, pf, rid .. ':' .. grant)
-    out[#out + 1] = grant; out[#out + 1] = rem; out[#out + 1] = cap; out[#out + 1] = 0
-  end
-end
-return out
-"#;
+pub const KPULL_LUA: &str = include_str!("../scripts/kpull.lua");
 
 /// Adds counters to slices that still exist (a missing slice is skipped, never created).
 ///
@@ -448,66 +220,7 @@ return out
 /// they came as (a Lua number would be written back as `1e+17`, which HINCRBY refuses). (A
 /// script is not rolled back on error: before, the counters added ahead of a failing HINCRBY
 /// stayed, without the sequence number, so a resend added them twice.)
-pub const FLUSH_LUA: &str = r#"
-local f = {'adm', 'rej', 'ok', 'err', 'lat_sum_us', 'lat_n', 'wrej'}
-local ff = 'f:' .. ARGV[1]
-local seq = tonumber(ARGV[2])
-local per = 6
-if #KEYS > 0 and #ARGV - 2 == 7 * #KEYS then per = 7 end
-local lim = 9.2e18
-local sat = {[2] = true, [7] = true}
-for k = 1, #KEYS do
-  if redis.call('EXISTS', KEYS[k]) == 1 then
-    local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
-    if seq > last then
-      local cur = redis.call('HMGET', KEYS[k], unpack(f, 1, per))
-      for j = 1, per do
-        local a = ARGV[2 + (k - 1) * per + j]
-        if not (a == '0' or string.match(a, '^-?[1-9]%d*$')) or #a > 20 then
-          return redis.error_reply('ERR counter not an integer: ' .. f[j] .. ' ' .. a)
-        end
-        local d = tonumber(a)
-        if d > lim or d < -lim then
-          return redis.error_reply('ERR counter overflow: ' .. f[j] .. ' ' .. a)
-        end
-        if d ~= 0 then
-          local c = cur[j] or '0'
-          if not (c == '0' or string.match(c, '^-?[1-9]%d*$')) or #c > 20 then
-            return redis.error_reply('ERR counter not an integer: ' .. KEYS[k] .. ' ' .. f[j])
-          end
-          c = tonumber(c)
-          if (c + d > lim or c + d < -lim) and not (sat[j] and d > 0) then
-            return redis.error_reply('ERR counter overflow: ' .. KEYS[k] .. ' ' .. f[j])
-          end
-        end
-      end
-    end
-  end
-end
-local n = 0
-for k = 1, #KEYS do
-  if redis.call('EXISTS', KEYS[k]) == 1 then
-    local last = tonumber(redis.call('HGET', KEYS[k], ff) or '0') or 0
-    if seq > last then
-      for j = 1, per do
-        local a = ARGV[2 + (k - 1) * per + j]
-        local d = tonumber(a)
-        if d ~= 0 then
-          local c = sat[j] and d > 0 and tonumber(redis.call('HGET', KEYS[k], f[j]) or '0')
-          if c and c + d > lim then
-            if c < lim then redis.call('HSET', KEYS[k], f[j], '9200000000000000000') end
-          else
-            redis.call('HINCRBY', KEYS[k], f[j], a)
-          end
-        end
-      end
-      redis.call('HSET', KEYS[k], ff, ARGV[2])
-    end
-    n = n + 1
-  end
-end
-return n
-"#;
+pub const FLUSH_LUA: &str = include_str!("../scripts/flush.lua");
 
 /// Records a dynamic-limiting decision, fenced (see [`FENCE_LUA`]): the controller state and
 /// the adjustment log of a task can only be written by the current leader, and only while the
@@ -518,24 +231,8 @@ return n
 /// the state first), then state field/value pairs.
 /// Returns `{1, 0}`, a fence refusal, or `{2, 0}`: the task's meta is missing or retired.
 pub const ADJUST_LUA: &str = concat!(
-    fence_preamble!(),
-    r#"
-local refused = fence(KEYS[1])
-if refused then return refused end
-local m = redis.call('HMGET', KEYS[1], 'slice_ms', 'retired')
-if (not m[1]) or m[2] then return {2, 0} end
-if ARGV[6] == '1' then redis.call('DEL', KEYS[2]) end
-if #ARGV > 6 then
-  local kv = {}
-  for j = 7, #ARGV do kv[#kv + 1] = ARGV[j] end
-  redis.call('HSET', KEYS[2], unpack(kv))
-end
-if ARGV[5] ~= '' then
-  redis.call('LPUSH', KEYS[3], ARGV[5])
-  redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
-end
-return {1, 0}
-"#
+    include_str!("../scripts/fence.lua"),
+    include_str!("../scripts/adjust.lua"),
 );
 
 /// `exact_fixed`: takes exactly `n` permits from one slice, or none.
@@ -551,35 +248,7 @@ return {1, 0}
 /// "taken" again and changes nothing, even after the window closed. One field per admitted
 /// decision: the exact modes are for low rates. A refusal records nothing (a retry is decided
 /// afresh, and counted in `rej` again).
-pub const TAKE_LUA: &str = r#"
-local t = redis.call('TIME')
-local h = redis.call('HMGET', KEYS[1], 'rem', 'cap')
-if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
-local rem = tonumber(h[1])
-local rf = nil
-if ARGV[4] and ARGV[4] ~= '' then
-  rf = 'r:' .. ARGV[4]
-  if redis.call('HEXISTS', KEYS[1], rf) == 1 then
-    return {1, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
-  end
-end
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local start = tonumber(ARGV[2])
-local len = tonumber(ARGV[3])
-local grace = math.min(math.floor(len / 4), 250)
-if now < start - len or now > start + len + grace then
-  return {-2, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
-end
-local n = tonumber(ARGV[1])
-if rem >= n then
-  rem = redis.call('HINCRBY', KEYS[1], 'rem', -n)
-  redis.call('HINCRBY', KEYS[1], 'adm', n)
-  if rf then redis.call('HSET', KEYS[1], rf, n) end
-  return {1, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
-end
-redis.call('HINCRBY', KEYS[1], 'rej', n)
-return {0, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
-"#;
+pub const TAKE_LUA: &str = include_str!("../scripts/take.lua");
 
 /// `exact_sliding`: admits `n` when fewer than the current slice's `cap` minus `n` admissions
 /// lie in the window (one slice long) ending at Redis `TIME`, and the current slice still has
@@ -600,64 +269,11 @@ return {0, rem, tonumber(h[2]), tonumber(t[1]), tonumber(t[2]), 0}
 /// **Idempotent by request id**, as [`TAKE_LUA`]: an admission records `r:<request id> = n` in
 /// the slice hash; a call whose request id is recorded is answered "admitted" again and adds
 /// nothing to the log or the slice.
-pub const SLIDE_LUA: &str = r#"
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local h = redis.call('HMGET', KEYS[2], 'cap', 'rem')
-if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
-local cap = tonumber(h[1])
-local rem = tonumber(h[2]) or 0
-local n = tonumber(ARGV[1])
-local window = tonumber(ARGV[2]) * 1000
-local rf = nil
-if ARGV[5] and ARGV[5] ~= '' then
-  rf = 'r:' .. ARGV[5]
-  if redis.call('HEXISTS', KEYS[2], rf) == 1 then
-    local inside = redis.call('ZCOUNT', KEYS[1], '(' .. (now - window), '+inf')
-    return {1, math.min(cap - inside, rem), cap, tonumber(t[1]), tonumber(t[2]), 0}
-  end
-end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - window)
-local count = redis.call('ZCARD', KEYS[1])
-if count + n <= cap and rem >= n and n <= 1000 then
-  local seq = redis.call('INCR', KEYS[3])
-  for i = 1, n do redis.call('ZADD', KEYS[1], now, ARGV[3] .. ':' .. seq .. ':' .. i) end
-  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]) * 2)
-  redis.call('PEXPIRE', KEYS[3], tonumber(ARGV[2]) * 2)
-  rem = redis.call('HINCRBY', KEYS[2], 'rem', -n)
-  redis.call('HINCRBY', KEYS[2], 'adm', n)
-  if rf then redis.call('HSET', KEYS[2], rf, n) end
-  return {1, math.min(cap - count - n, rem), cap, tonumber(t[1]), tonumber(t[2]), 0}
-end
-redis.call('HINCRBY', KEYS[2], 'rej', n)
-local retry = 0
-if count + n > cap then
-  retry = window
-  local oldest = redis.call('ZRANGE', KEYS[1], 0, 0, 'WITHSCORES')
-  if oldest[2] then retry = tonumber(oldest[2]) + window - now end
-end
-if rem < n then
-  retry = math.max(retry, (tonumber(ARGV[4]) + tonumber(ARGV[2])) * 1000 - now)
-end
-return {0, math.min(cap - count, rem), cap, tonumber(t[1]), tonumber(t[2]), retry}
-"#;
+pub const SLIDE_LUA: &str = include_str!("../scripts/slide.lua");
 
 /// Reads `cap` and `rem` of several slices of one task in one call (the leader's clock-skew
 /// detector). `KEYS` slices. Returns `cap, rem` per key, `-1, 0` for a missing slice.
-pub const READ_SLICES_LUA: &str = r#"
-local out = {}
-for k = 1, #KEYS do
-  local h = redis.call('HMGET', KEYS[k], 'cap', 'rem')
-  if h[1] then
-    out[#out + 1] = tonumber(h[1])
-    out[#out + 1] = tonumber(h[2])
-  else
-    out[#out + 1] = -1
-    out[#out + 1] = 0
-  end
-end
-return out
-"#;
+pub const READ_SLICES_LUA: &str = include_str!("../scripts/read_slices.lua");
 
 static ROLL: LazyLock<Script> = LazyLock::new(|| Script::new(ROLL_LUA));
 static READ_SLICES: LazyLock<Script> = LazyLock::new(|| Script::new(READ_SLICES_LUA));
@@ -1579,24 +1195,8 @@ where
 /// first `n1` for ring 1, the rest for ring 2 (`SETRANGE`). Returns `{1, pairs written}`, a
 /// fence refusal, or `{2, 0}`: the task's meta is missing or retired.
 pub const RECORD_HISTORY_LUA: &str = concat!(
-    fence_preamble!(),
-    r#"
-local refused = fence(KEYS[1])
-if refused then return refused end
-local m = redis.call('HMGET', KEYS[1], 'slice_ms', 'retired')
-if (not m[1]) or m[2] then return {2, 0} end
-local n1 = tonumber(ARGV[6])
-local k = 0
-for i = 7, #ARGV - 1, 2 do
-  local key = KEYS[2]
-  if k >= n1 then key = KEYS[3] end
-  redis.call('SETRANGE', key, tonumber(ARGV[i]), ARGV[i + 1])
-  k = k + 1
-end
-redis.call('PEXPIRE', KEYS[2], ARGV[4])
-redis.call('PEXPIRE', KEYS[3], ARGV[5])
-return {1, k}
-"#
+    include_str!("../scripts/fence.lua"),
+    include_str!("../scripts/record_history.lua"),
 );
 
 /// Deletes the given entries of `NS:hosts` that are still stale when the script runs: not seen
@@ -1605,29 +1205,7 @@ return {1, k}
 /// rewrote since the caller read it survives.
 ///
 /// `KEYS[1]` `NS:hosts`. `ARGV`: retention (ms), then host ids. Returns how many were deleted.
-pub const PRUNE_HOSTS_LUA: &str = r#"
-local clock = redis.call('TIME')
-local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
-local keep = tonumber(ARGV[1])
-local n = 0
-for i = 2, #ARGV do
-  local v = redis.call('HGET', KEYS[1], ARGV[i])
-  if v then
-    local ok, r = pcall(cjson.decode, v)
-    local seen = nil
-    if ok and type(r) == 'table' and type(r.seen_ms) == 'number' then
-      local off = 0
-      if type(r.offset_ms) == 'number' then off = r.offset_ms end
-      seen = r.seen_ms - off
-    end
-    if (not seen) or now - seen > keep then
-      redis.call('HDEL', KEYS[1], ARGV[i])
-      n = n + 1
-    end
-  end
-end
-return n
-"#;
+pub const PRUNE_HOSTS_LUA: &str = include_str!("../scripts/prune_hosts.lua");
 
 static RECORD_HISTORY: LazyLock<Script> = LazyLock::new(|| Script::new(RECORD_HISTORY_LUA));
 static PRUNE_HOSTS: LazyLock<Script> = LazyLock::new(|| Script::new(PRUNE_HOSTS_LUA));

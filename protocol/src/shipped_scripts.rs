@@ -1,16 +1,19 @@
-//! The script texts shipped as files for implementers in other languages.
+//! The script files for implementers in other languages, and their SHA-1s.
 //!
-//! `docs/protocol/scripts/<name>.lua` holds, byte for byte, the text of each script constant
-//! the SDK and the manager send (so `SCRIPT LOAD` of a file gives the same SHA-1 as the Rust
-//! SDK's `EVALSHA`), and `docs/protocol/scripts/SHA1SUMS` their SHA-1s (`sha1sum -c` format).
-//! These tests fail when a file differs from its constant; regenerate the files with
+//! `protocol/scripts/` holds the only copy of the Lua text: each script constant is built from
+//! its files with `include_str!` (see the module docs of `scripts`), a whole script from one file, a
+//! composed one from a shared fragment and its body. These tests pin what other languages rely
+//! on: which files a script is the concatenation of (as `docs/protocol.md` states it), and
+//! `protocol/scripts/SHA1SUMS`, the SHA-1 of each script as sent (so `SCRIPT LOAD` of the
+//! composed text gives the SHA-1 of the Rust SDK's `EVALSHA`; `sha1sum -c` format). A change to
+//! a script changes its SHA-1; rewrite SHA1SUMS with
 //!
 //! ```text
 //! SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-protocol shipped_scripts
 //! ```
 //!
-//! (the manager's own two scripts, `mirror_set.lua` and `mirror_del.lua`, are checked and
-//! rewritten the same way by `cargo test -p sluice-manager shipped_scripts`).
+//! (the manager's own scripts, `mirror_fence.lua` + `mirror_set.lua` / `mirror_del.lua`, live
+//! in the same folder and are checked by `cargo test -p sluice-manager mirror_scripts`).
 
 use std::path::{Path, PathBuf};
 
@@ -18,33 +21,38 @@ use super::*;
 use crate::lease::{LEASE_LUA, LOCK_ACQUIRE_LUA, LOCK_RELEASE_LUA, LOCK_RENEW_LUA};
 
 /// Every script the SDK sends (workers) or the manager sends through this crate (leader), by
-/// the file name it is shipped under.
-const SHIPPED: &[(&str, &str)] = &[
-    ("pull", PULL_LUA),
-    ("kpull", KPULL_LUA),
-    ("flush", FLUSH_LUA),
-    ("take", TAKE_LUA),
-    ("slide", SLIDE_LUA),
-    ("lease", LEASE_LUA),
-    ("lock_acquire", LOCK_ACQUIRE_LUA),
-    ("lock_renew", LOCK_RENEW_LUA),
-    ("lock_release", LOCK_RELEASE_LUA),
-    ("roll", ROLL_LUA),
-    ("retire", RETIRE_LUA),
-    ("adjust", ADJUST_LUA),
-    ("record_history", RECORD_HISTORY_LUA),
-    ("read_slices", READ_SLICES_LUA),
-    ("prune_hosts", PRUNE_HOSTS_LUA),
+/// the name SHA1SUMS lists it under, with the files (without `.lua`) it is the concatenation of.
+const SHIPPED: &[(&str, &str, &[&str])] = &[
+    ("pull", PULL_LUA, &["pace", "pull"]),
+    ("kpull", KPULL_LUA, &["kpull"]),
+    ("flush", FLUSH_LUA, &["flush"]),
+    ("take", TAKE_LUA, &["take"]),
+    ("slide", SLIDE_LUA, &["slide"]),
+    ("lease", LEASE_LUA, &["lease"]),
+    ("lock_acquire", LOCK_ACQUIRE_LUA, &["lock_acquire"]),
+    ("lock_renew", LOCK_RENEW_LUA, &["lock_renew"]),
+    ("lock_release", LOCK_RELEASE_LUA, &["lock_release"]),
+    ("roll", ROLL_LUA, &["fence", "roll"]),
+    ("retire", RETIRE_LUA, &["fence", "retire"]),
+    ("adjust", ADJUST_LUA, &["fence", "adjust"]),
+    (
+        "record_history",
+        RECORD_HISTORY_LUA,
+        &["fence", "record_history"],
+    ),
+    ("read_slices", READ_SLICES_LUA, &["read_slices"]),
+    ("prune_hosts", PRUNE_HOSTS_LUA, &["prune_hosts"]),
 ];
 
-/// Shipped in the same folder, owned (and checked) by the manager crate.
-const MANAGER_OWNED: &[&str] = &["mirror_set", "mirror_del"];
+/// In the same folder, owned (and checked) by the manager crate.
+const MANAGER_OWNED: &[&str] = &["mirror_fence", "mirror_set", "mirror_del"];
 
-const REGENERATE: &str = "regenerate with `SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-protocol \
-                          shipped_scripts` and commit the files";
+const REGENERATE: &str = "after a deliberate change of a script, regenerate SHA1SUMS with \
+                          `SLUICE_WRITE_SCRIPTS=1 cargo test -p sluice-protocol \
+                          shipped_scripts` and commit it";
 
 fn dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/protocol/scripts")
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts")
 }
 
 fn writing() -> bool {
@@ -54,46 +62,55 @@ fn writing() -> bool {
 fn sha1sums() -> String {
     SHIPPED
         .iter()
-        .map(|(name, text)| format!("{}  {name}.lua\n", Script::new(text).get_hash()))
+        .map(|(name, text, _)| format!("{}  {name}.lua\n", Script::new(text).get_hash()))
         .collect()
-}
-
-fn check(path: &Path, want: &str, stale: &mut Vec<String>) {
-    if writing() {
-        std::fs::create_dir_all(path.parent().expect("a folder")).expect("create the folder");
-        std::fs::write(path, want).unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
-    }
-    match std::fs::read_to_string(path) {
-        Ok(have) if have == want => {}
-        Ok(_) => stale.push(format!("{} differs from its constant", path.display())),
-        Err(e) => stale.push(format!("{}: {e}", path.display())),
-    }
 }
 
 #[test]
 fn shipped_scripts_match_their_constants() {
     let dir = dir();
     let mut stale = Vec::new();
-    for (name, text) in SHIPPED {
-        check(&dir.join(format!("{name}.lua")), text, &mut stale);
+    for (name, text, parts) in SHIPPED {
+        let mut have = String::new();
+        for part in *parts {
+            let path = dir.join(format!("{part}.lua"));
+            match std::fs::read_to_string(&path) {
+                Ok(t) => have.push_str(&t),
+                Err(e) => stale.push(format!("{}: {e}", path.display())),
+            }
+        }
+        if have != *text {
+            stale.push(format!(
+                "{name}'s constant is not the concatenation of {parts:?}"
+            ));
+        }
     }
-    check(&dir.join("SHA1SUMS"), &sha1sums(), &mut stale);
-    assert!(stale.is_empty(), "{}; {REGENERATE}", stale.join("; "));
+    let path = dir.join("SHA1SUMS");
+    if writing() {
+        std::fs::write(&path, sha1sums())
+            .unwrap_or_else(|e| panic!("writing {}: {e}", path.display()));
+    }
+    match std::fs::read_to_string(&path) {
+        Ok(have) if have == sha1sums() => {}
+        Ok(_) => stale.push(format!(
+            "{} differs from the SHA-1s of the constants; {REGENERATE}",
+            path.display()
+        )),
+        Err(e) => stale.push(format!("{}: {e}; {REGENERATE}", path.display())),
+    }
+    assert!(stale.is_empty(), "{}", stale.join("; "));
 }
 
 #[test]
 fn shipped_scripts_folder_has_no_unknown_script() {
     let listed: Vec<String> = SHIPPED
         .iter()
-        .map(|(n, _)| *n)
+        .flat_map(|(_, _, parts)| parts.iter().copied())
         .chain(MANAGER_OWNED.iter().copied())
         .map(|n| format!("{n}.lua"))
         .collect();
-    if writing() {
-        std::fs::create_dir_all(dir()).expect("create the folder");
-    }
     let Ok(entries) = std::fs::read_dir(dir()) else {
-        panic!("{} is missing; {REGENERATE}", dir().display());
+        panic!("{} is missing", dir().display());
     };
     for e in entries {
         let name = e.expect("a folder entry").file_name();
@@ -101,8 +118,8 @@ fn shipped_scripts_folder_has_no_unknown_script() {
         if name.ends_with(".lua") {
             assert!(
                 listed.iter().any(|l| *l == name),
-                "docs/protocol/scripts/{name} is no script constant any more: delete it, or \
-                 list its constant in protocol/src/shipped_scripts.rs"
+                "protocol/scripts/{name} is part of no script constant: delete it, or list it \
+                 in protocol/src/shipped_scripts.rs"
             );
         }
     }
@@ -110,7 +127,7 @@ fn shipped_scripts_folder_has_no_unknown_script() {
 
 #[test]
 fn shipped_scripts_names_are_unique() {
-    let mut names: Vec<&str> = SHIPPED.iter().map(|(n, _)| *n).collect();
+    let mut names: Vec<&str> = SHIPPED.iter().map(|(n, _, _)| *n).collect();
     names.sort_unstable();
     names.dedup();
     assert_eq!(names.len(), SHIPPED.len());
