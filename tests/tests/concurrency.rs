@@ -825,17 +825,11 @@ async fn a_holder_paused_past_its_ttl_loses_the_lock_and_its_late_write_is_refus
         .expect("the lock of a paused holder expires");
     let took = paused.elapsed();
     assert!(g.token() > ta, "{} vs {ta}", g.token());
-    // B writes with its token, through the same fenced write as A.
+    // B writes with its token, through the same fenced write as A (the holder example's).
     let mut c = redis_conn(&shared_redis());
-    let (ok, _): (i64, i64) = redis::Script::new(
-        r#"
-local seen = tonumber(redis.call('HGET', KEYS[1], 'token') or '0')
-local tok = tonumber(ARGV[1])
-if tok < seen then return {0, seen} end
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'value', ARGV[2])
-return {1, tok}
-"#,
-    )
+    let (ok, _): (i64, i64) = redis::Script::new(include_str!(
+        "../../worker-sdk/examples/fenced_write.lua"
+    ))
     .key(&resource)
     .arg(g.token())
     .arg("from-b")

@@ -63,13 +63,7 @@ enum What {
 }
 
 /// The resource's side of fencing: apply a write only with a token ≥ the highest seen.
-const FENCED_WRITE: &str = r#"
-local seen = tonumber(redis.call('HGET', KEYS[1], 'token') or '0')
-local tok = tonumber(ARGV[1])
-if tok < seen then return {0, seen} end
-redis.call('HSET', KEYS[1], 'token', ARGV[1], 'value', ARGV[2])
-return {1, tok}
-"#;
+const FENCED_WRITE: &str = include_str!("fenced_write.lua");
 
 fn say(line: &str) {
     let mut out = std::io::stdout();
