@@ -279,8 +279,9 @@ fn token(
 }
 
 /// A TOML error as `line L, column C: what`, never quoting the file: the line at fault may
-/// hold the token or a Redis URL with its password. serde's "invalid type/value" messages name
-/// the value found (`integer \`12345\``): that value is left out too.
+/// hold the token or a Redis URL with its password (toml's `Display` shows the line). serde's
+/// "invalid type/value/length" messages name the value found (`integer \`12345\``, `string
+/// "…"`): that value is left out too. Key names (`unknown field \`nmespace\``) are kept.
 fn toml_error(text: &str, e: &toml::de::Error) -> String {
     let at = e.span().map(|sp| {
         let start = sp.start.min(text.len());
@@ -290,16 +291,19 @@ fn toml_error(text: &str, e: &toml::de::Error) -> String {
         format!("line {line}, column {col}: ")
     });
     let mut msg = e.message().trim().to_string();
-    if msg.starts_with("invalid") {
-        let mut out = String::new();
-        for (i, part) in msg.split('`').enumerate() {
-            out.push_str(if i % 2 == 1 {
-                "(value not shown)"
-            } else {
-                part
-            });
-        }
-        msg = out;
+    if msg.starts_with("invalid ")
+        && let Some(colon) = msg.find(": ")
+    {
+        let end = msg.rfind(", expected").unwrap_or(msg.len()).max(colon + 2);
+        // What kind of value it was (`integer`, `string`, `sequence`): the words before it.
+        let found = &msg[colon + 2..end];
+        let kind = found[..found.find(['`', '"', '\'']).unwrap_or(found.len())].trim();
+        msg = format!(
+            "{}: {kind}{}(value not shown){}",
+            &msg[..colon],
+            if kind.is_empty() { "" } else { " " },
+            &msg[end..]
+        );
     }
     format!("{}{}", at.unwrap_or_default(), msg.replace('\n', "; "))
 }
@@ -769,6 +773,9 @@ mod tests {
             "redis = redis://u:s3cretpw@h:6379\n",
             "api_token = [\"s3cret-in-a-list\"]\n",
             "api_token = 5339\n",
+            // A string where a bool or a number belongs: the value is not shown either.
+            "log_json = \"s3cret-for-a-bool\"\n",
+            "max_batch = \"s3cret-for-a-count\"\n",
         ] {
             std::fs::write(&f, text).unwrap();
             let e = cfg(&["--config", f.to_str().unwrap()]).unwrap_err();
