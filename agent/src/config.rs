@@ -8,8 +8,16 @@ use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
-use sluice_protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
+use sluice_protocol::conn::RedisSecurity;
+use sluice_protocol::flags::{self, RedisArgs, duration, err, pick, token};
 use sluice_protocol::validate_namespace;
+
+pub use sluice_protocol::flags::{ConfigError, Token};
+
+sluice_protocol::flags::redis_env!(
+    /// The environment variables of the agent's Redis flags (`SLUICE_AGENT_REDIS`, …).
+    pub AgentEnv = "SLUICE_AGENT_"
+);
 
 /// Command-line flags (every one also `SLUICE_AGENT_<FLAG>` in the environment).
 #[derive(Debug, Default, Parser)]
@@ -23,27 +31,10 @@ pub struct Cli {
     /// TOML file with any of the settings below (keys as the flags, with `_` for `-`).
     #[arg(long, env = "SLUICE_AGENT_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Redis URL, or a comma-separated list of Redis Cluster nodes [default: redis://127.0.0.1:6379]
-    #[arg(long, env = "SLUICE_AGENT_REDIS")]
-    pub redis: Option<String>,
-    /// CA bundle (PEM) trusted for rediss:// besides the platform's and SSL_CERT_FILE
-    #[arg(long, env = "SLUICE_AGENT_REDIS_CA")]
-    pub redis_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for mutual TLS to Redis (with --redis-key)
-    #[arg(long, env = "SLUICE_AGENT_REDIS_CERT")]
-    pub redis_cert: Option<PathBuf>,
-    /// Private key (PEM) of --redis-cert
-    #[arg(long, env = "SLUICE_AGENT_REDIS_KEY")]
-    pub redis_key: Option<PathBuf>,
-    /// Skip verifying Redis's TLS certificate (tests only; logged as a warning)
-    #[arg(long, env = "SLUICE_AGENT_REDIS_INSECURE", num_args = 0..=1, default_missing_value = "true")]
-    pub redis_insecure: Option<bool>,
-    /// Redis ACL user (default: the URL's user name)
-    #[arg(long, env = "SLUICE_AGENT_REDIS_USER")]
-    pub redis_user: Option<String>,
-    /// File holding the Redis password (default: the URL's password)
-    #[arg(long, env = "SLUICE_AGENT_REDIS_PASSWORD_FILE")]
-    pub redis_password_file: Option<PathBuf>,
+    /// `--redis`, `--redis-ca`, `--redis-cert`, `--redis-key`, `--redis-insecure`,
+    /// `--redis-user`, `--redis-password-file` (`SLUICE_AGENT_REDIS…`).
+    #[command(flatten)]
+    pub redis_flags: RedisArgs<AgentEnv>,
     /// Namespace of every Redis key [default: sluice]
     #[arg(long, env = "SLUICE_AGENT_NAMESPACE")]
     pub namespace: Option<String>,
@@ -163,23 +154,6 @@ struct FileConfig {
     rlqs_max_buckets: Option<u32>,
 }
 
-/// A configuration error, naming the flag.
-#[derive(Debug, thiserror::Error)]
-#[error("--{flag}: {message}")]
-pub struct ConfigError {
-    /// The flag (without dashes).
-    pub flag: &'static str,
-    /// What is wrong.
-    pub message: String,
-}
-
-fn err(flag: &'static str, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        flag,
-        message: message.into(),
-    }
-}
-
 /// The validated configuration of one agent.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -235,94 +209,12 @@ pub struct Config {
     pub rlqs_max_buckets: u32,
 }
 
-/// A secret (the API token): its `Debug` never shows it, and it is compared in constant time.
-#[derive(Clone)]
-pub struct Token(String);
-
-impl Token {
-    /// A token (tests, embedding).
-    pub fn new(s: impl Into<String>) -> Self {
-        Self(s.into())
-    }
-
-    /// Is `given` this token? Constant time in the token's content.
-    pub fn matches(&self, given: &str) -> bool {
-        let (a, b) = (self.0.as_bytes(), given.as_bytes());
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-    }
-}
-
-impl std::fmt::Debug for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("***")
-    }
-}
-
-/// A token given inline (`--x`) or in a file (`--x-file`), not both; never empty (as the
-/// manager's `--api-token` / `--api-token-file`).
-fn token(
-    (flag, inline): (&'static str, Option<String>),
-    (file_flag, path): (&'static str, Option<PathBuf>),
-) -> Result<Option<Token>, ConfigError> {
-    match (inline, path) {
-        (Some(_), Some(_)) => Err(err(
-            flag,
-            format!("give --{flag} or --{file_flag}, not both"),
-        )),
-        (Some(t), None) if t.trim().is_empty() => Err(err(flag, "must not be empty when set")),
-        (Some(t), None) => Ok(Some(Token(t))),
-        (None, Some(p)) => sluice_protocol::tls::read_secret_file(&p)
-            .map(|t| Some(Token(t)))
-            .map_err(|e| err(file_flag, e)),
-        (None, None) => Ok(None),
-    }
-}
-
-/// A TOML error as `line L, column C: what`, never quoting the file: the line at fault may
-/// hold the token or a Redis URL with its password (toml's `Display` shows the line). serde's
-/// "invalid type/value/length" messages name the value found (`integer \`12345\``, `string
-/// "…"`): that value is left out too. Key names (`unknown field \`nmespace\``) are kept.
-fn toml_error(text: &str, e: &toml::de::Error) -> String {
-    let at = e.span().map(|sp| {
-        let start = sp.start.min(text.len());
-        let before = &text[..start];
-        let line = before.matches('\n').count() + 1;
-        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-        format!("line {line}, column {col}: ")
-    });
-    let mut msg = e.message().trim().to_string();
-    if msg.starts_with("invalid ")
-        && let Some(colon) = msg.find(": ")
-    {
-        let end = msg.rfind(", expected").unwrap_or(msg.len()).max(colon + 2);
-        // What kind of value it was (`integer`, `string`, `sequence`): the words before it.
-        let found = &msg[colon + 2..end];
-        let kind = found[..found.find(['`', '"', '\'']).unwrap_or(found.len())].trim();
-        msg = format!(
-            "{}: {kind}{}(value not shown){}",
-            &msg[..colon],
-            if kind.is_empty() { "" } else { " " },
-            &msg[end..]
-        );
-    }
-    format!("{}{}", at.unwrap_or_default(), msg.replace('\n', "; "))
-}
-
 /// A count flag within `min ..= max`.
 fn count(flag: &'static str, v: u32, min: u32, max: u32) -> Result<u32, ConfigError> {
     if v < min || v > max {
         return Err(err(flag, format!("{v} is outside {min} ..= {max}")));
     }
     Ok(v)
-}
-
-fn duration(flag: &'static str, raw: &str) -> Result<Duration, ConfigError> {
-    humantime::parse_duration(raw.trim()).map_err(|e| {
-        err(
-            flag,
-            format!("{raw:?} is not a duration like 3s or 500ms ({e})"),
-        )
-    })
 }
 
 fn bounded(
@@ -358,50 +250,16 @@ fn address(flag: &'static str, raw: &str) -> Result<SocketAddr, ConfigError> {
 impl Config {
     /// Builds the configuration from parsed flags (and the file they name).
     pub fn from_cli(cli: Cli) -> Result<Self, ConfigError> {
-        let file = match &cli.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
-                toml::from_str::<FileConfig>(&text).map_err(|e| {
-                    err(
-                        "config",
-                        format!("{}: {}", path.display(), toml_error(&text, &e)),
-                    )
-                })?
-            }
-            None => FileConfig::default(),
-        };
-        macro_rules! pick {
-            ($f:ident, $default:expr) => {
-                cli.$f
-                    .clone()
-                    .or(file.$f.clone())
-                    .unwrap_or_else(|| $default.into())
-            };
-        }
+        let file: FileConfig = flags::read_file(cli.config.as_deref())?;
+        let link = cli.redis_flags.link(&flags::redis_keys!(file))?;
+        let (redis, redis_security) = (link.url, link.security);
 
-        let redis: String = pick!(redis, "redis://127.0.0.1:6379");
-        let target = RedisTarget::parse(&redis).map_err(|e| err("redis", e))?;
-        let redis_security = RedisSecurity {
-            ca_file: cli.redis_ca.clone().or(file.redis_ca.clone()),
-            cert_file: cli.redis_cert.clone().or(file.redis_cert.clone()),
-            key_file: cli.redis_key.clone().or(file.redis_key.clone()),
-            insecure: cli.redis_insecure.or(file.redis_insecure).unwrap_or(false),
-            user: cli.redis_user.clone().or(file.redis_user.clone()),
-            password: None,
-            password_file: cli
-                .redis_password_file
-                .clone()
-                .or(file.redis_password_file.clone()),
-        };
-        // Reads every file now: a bad path or a conflict is an error naming its flag.
-        Redis::with_security(target, ConnOptions::default(), &redis_security)
-            .map_err(|e| err(e.flag(), e.message))?;
-
-        let namespace: String = pick!(namespace, sluice_protocol::DEFAULT_NAMESPACE);
+        let namespace: String = pick!(cli, file, namespace, sluice_protocol::DEFAULT_NAMESPACE);
         validate_namespace(&namespace).map_err(|e| err("namespace", e.to_string()))?;
 
         let host_id: String = pick!(
+            cli,
+            file,
             host_id,
             gethostname::gethostname().to_string_lossy().into_owned()
         );
@@ -416,7 +274,7 @@ impl Config {
                 format!("{host_id:?}: 1-128 characters of A-Z a-z 0-9 _ . - :"),
             ));
         }
-        let segment_dir: PathBuf = pick!(segment_dir, PathBuf::from("/dev/shm"));
+        let segment_dir: PathBuf = pick!(cli, file, segment_dir, PathBuf::from("/dev/shm"));
         let max_tasks = cli
             .max_tasks
             .or(file.max_tasks)
@@ -437,8 +295,14 @@ impl Config {
                 format!("{key_slots} is outside 1 ..= {}", sluice::MAX_KEY_SLOTS),
             ));
         }
-        let grpc_listen = address("grpc-listen", &pick!(grpc_listen, "127.0.0.1:8081"))?;
-        let http_listen = address("http-listen", &pick!(http_listen, "127.0.0.1:8082"))?;
+        let grpc_listen = address(
+            "grpc-listen",
+            &pick!(cli, file, grpc_listen, "127.0.0.1:8081"),
+        )?;
+        let http_listen = address(
+            "http-listen",
+            &pick!(cli, file, http_listen, "127.0.0.1:8082"),
+        )?;
         if grpc_listen == http_listen {
             return Err(err(
                 "http-listen",
@@ -447,26 +311,26 @@ impl Config {
         }
         let acquire_timeout = bounded(
             "acquire-timeout",
-            &pick!(acquire_timeout, "1s"),
+            &pick!(cli, file, acquire_timeout, "1s"),
             Duration::from_millis(1),
             Duration::from_secs(60),
         )?;
         let routes_refresh = bounded(
             "routes-refresh",
-            &pick!(routes_refresh, "1s"),
+            &pick!(cli, file, routes_refresh, "1s"),
             Duration::from_millis(50),
             Duration::from_secs(300),
         )?;
         // Envoy counts whole seconds of a TTL: under 1 s it would expire at once.
         let rlqs_assignment_ttl = bounded(
             "rlqs-assignment-ttl",
-            &pick!(rlqs_assignment_ttl, "10s"),
+            &pick!(cli, file, rlqs_assignment_ttl, "10s"),
             Duration::from_secs(1),
             Duration::from_secs(86_400),
         )?;
         let rlqs_abandon_after = bounded(
             "rlqs-abandon-after",
-            &pick!(rlqs_abandon_after, "60s"),
+            &pick!(cli, file, rlqs_abandon_after, "60s"),
             Duration::from_millis(100),
             Duration::from_secs(86_400),
         )?;
@@ -514,7 +378,7 @@ impl Config {
         )?;
         let request_timeout = bounded(
             "request-timeout",
-            &pick!(request_timeout, "2s"),
+            &pick!(cli, file, request_timeout, "2s"),
             Duration::from_millis(1),
             Duration::from_secs(600),
         )?;
