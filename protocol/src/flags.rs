@@ -47,25 +47,28 @@ pub fn err(flag: &'static str, message: impl Into<String>) -> ConfigError {
 }
 
 /// One setting of a binary's flags `$cli` and its config file `$file` (structs with a field
-/// `$field` each, an `Option`): the flag (or its environment variable), else the file's key,
-/// else `$default` (converted with `Into`). The precedence of every setting of both binaries.
+/// `$field` each, an `Option`): the flag (or its environment variable), else the file's key;
+/// with a `$default` (converted with `Into`), that when neither is set. The precedence of
+/// every setting of both binaries: flag > environment > file > default.
 ///
 /// ```
 /// # use sluice_protocol::flags::pick;
-/// struct Flags { namespace: Option<String> }
-/// struct File { namespace: Option<String> }
-/// let (cli, file) = (Flags { namespace: None }, File { namespace: Some("shop".into()) });
+/// struct Flags { namespace: Option<String>, max_batch: Option<u32> }
+/// struct File { namespace: Option<String>, max_batch: Option<u32> }
+/// let cli = Flags { namespace: None, max_batch: Some(7) };
+/// let file = File { namespace: Some("shop".into()), max_batch: Some(9) };
 /// let namespace: String = pick!(cli, file, namespace, "sluice");
 /// assert_eq!(namespace, "shop");
+/// assert_eq!(pick!(cli, file, max_batch), Some(7));
 /// ```
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __flags_pick {
+    ($cli:expr, $file:expr, $field:ident) => {
+        $cli.$field.clone().or($file.$field.clone())
+    };
     ($cli:expr, $file:expr, $field:ident, $default:expr) => {
-        $cli.$field
-            .clone()
-            .or($file.$field.clone())
-            .unwrap_or_else(|| $default.into())
+        $crate::flags::pick!($cli, $file, $field).unwrap_or_else(|| $default.into())
     };
 }
 #[doc(inline)]
@@ -263,7 +266,7 @@ pub struct RedisArgs<E: RedisEnv> {
 /// The config file's keys of the Redis flags (`redis`, `redis_ca`, … as the flags, with `_`
 /// for `-`): what [`RedisArgs::link`] falls back to. [`redis_keys!`] takes them from a file
 /// struct.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RedisKeys {
     /// `redis`.
     pub redis: Option<String>,
@@ -303,8 +306,8 @@ macro_rules! __flags_redis_keys {
 #[doc(inline)]
 pub use crate::__flags_redis_keys as redis_keys;
 
-/// A checked Redis link: what [`RedisArgs::link`] gives.
-#[derive(Debug, Clone)]
+/// A checked Redis link: what [`RedisArgs::link`] gives. `Debug` shows no password.
+#[derive(Clone)]
 pub struct RedisLink {
     /// `--redis` as given (URL or Cluster node list; may hold a password: never log it, log
     /// `target`).
@@ -313,6 +316,15 @@ pub struct RedisLink {
     pub target: RedisTarget,
     /// TLS and ACL settings (files checked).
     pub security: RedisSecurity,
+}
+
+impl fmt::Debug for RedisLink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisLink")
+            .field("target", &self.target)
+            .field("security", &self.security)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<E: RedisEnv> RedisArgs<E> {
@@ -324,16 +336,13 @@ impl<E: RedisEnv> RedisArgs<E> {
         let url: String = pick!(self, file, redis, DEFAULT_REDIS);
         let target = RedisTarget::parse(&url).map_err(|e| err("redis", e))?;
         let security = RedisSecurity {
-            ca_file: self.redis_ca.clone().or(file.redis_ca.clone()),
-            cert_file: self.redis_cert.clone().or(file.redis_cert.clone()),
-            key_file: self.redis_key.clone().or(file.redis_key.clone()),
-            insecure: self.redis_insecure.or(file.redis_insecure).unwrap_or(false),
-            user: self.redis_user.clone().or(file.redis_user.clone()),
+            ca_file: pick!(self, file, redis_ca),
+            cert_file: pick!(self, file, redis_cert),
+            key_file: pick!(self, file, redis_key),
+            insecure: pick!(self, file, redis_insecure, false),
+            user: pick!(self, file, redis_user),
             password: None,
-            password_file: self
-                .redis_password_file
-                .clone()
-                .or(file.redis_password_file.clone()),
+            password_file: pick!(self, file, redis_password_file),
         };
         Redis::with_security(target.clone(), ConnOptions::default(), &security)
             .map_err(|e| err(e.flag(), e.message))?;
@@ -355,36 +364,29 @@ mod tests {
 
     #[derive(Debug, Parser)]
     struct Cli {
-        #[arg(long)]
-        config: Option<PathBuf>,
         #[command(flatten)]
         redis: RedisArgs<TestEnv>,
         #[arg(long)]
         namespace: Option<String>,
     }
 
+    /// A config file with a key of the Redis flags and two of its own.
     #[derive(Debug, Default, Deserialize)]
     #[serde(deny_unknown_fields)]
     struct File {
-        redis: Option<String>,
-        redis_ca: Option<PathBuf>,
-        redis_cert: Option<PathBuf>,
-        redis_key: Option<PathBuf>,
         redis_insecure: Option<bool>,
-        redis_user: Option<String>,
-        redis_password_file: Option<PathBuf>,
         namespace: Option<String>,
         log_json: Option<bool>,
     }
 
-    fn dir(name: &str) -> PathBuf {
+    fn parse(args: &[&str]) -> Cli {
+        Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied())).unwrap()
+    }
+
+    fn scratch(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("sluice-flags-{name}-{}", std::process::id()));
         std::fs::create_dir_all(&d).unwrap();
         d
-    }
-
-    fn parse(args: &[&str]) -> Cli {
-        Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied())).unwrap()
     }
 
     #[test]
@@ -392,135 +394,121 @@ mod tests {
         assert_eq!(TestEnv::REDIS, "SLUICE_FLAGS_TEST_REDIS");
         assert_eq!(TestEnv::REDIS_INSECURE, "SLUICE_FLAGS_TEST_REDIS_INSECURE");
         let cmd = <Cli as clap::CommandFactory>::command();
-        let envs: Vec<_> = cmd
+        let envs: Vec<(String, String)> = cmd
             .get_arguments()
-            .filter_map(|a| Some((a.get_id().to_string(), a.get_env()?.to_owned())))
+            .filter_map(|a| {
+                let env = a.get_env()?.to_str()?.to_owned();
+                Some((a.get_long()?.to_owned(), env))
+            })
             .collect();
-        assert!(
-            envs.contains(&(
-                "redis_password_file".into(),
-                "SLUICE_FLAGS_TEST_REDIS_PASSWORD_FILE".into()
-            )),
-            "{envs:?}"
-        );
         assert_eq!(envs.len(), 7, "{envs:?}");
+        for (long, env) in &envs {
+            assert_eq!(
+                env,
+                &format!(
+                    "SLUICE_FLAGS_TEST_{}",
+                    long.to_uppercase().replace('-', "_")
+                )
+            );
+        }
     }
 
+    /// flag > file > default, for the URL and each of the six others.
     #[test]
     fn flags_win_over_the_file_and_the_default_comes_last() {
-        let cli = parse(&["--redis", "redis://flag:1"]);
-        let file = File {
+        let keys = RedisKeys {
             redis: Some("redis://file:1".into()),
-            ..File::default()
+            redis_ca: Some("ca.pem".into()),
+            redis_cert: Some("cert.pem".into()),
+            redis_key: Some("key.pem".into()),
+            redis_insecure: Some(true),
+            redis_user: Some("u".into()),
+            redis_password_file: Some("pw".into()),
         };
-        assert_eq!(
-            cli.redis.link(&redis_keys!(file)).unwrap().url,
-            "redis://flag:1"
-        );
+        assert_eq!(redis_keys!(keys), keys, "each key to its own field");
         let cli = parse(&[]);
-        let link = cli.redis.link(&redis_keys!(file)).unwrap();
+        assert_eq!(
+            cli.redis.link(&RedisKeys::default()).unwrap().url,
+            DEFAULT_REDIS
+        );
+        let file = RedisKeys {
+            redis: Some("redis://file:1".into()),
+            ..RedisKeys::default()
+        };
+        let link = cli.redis.link(&file).unwrap();
         assert_eq!(link.url, "redis://file:1");
         assert!(matches!(link.target, RedisTarget::Single(_)));
-        let link = cli.redis.link(&RedisKeys::default()).unwrap();
-        assert_eq!(link.url, DEFAULT_REDIS);
         assert_eq!(link.security, RedisSecurity::default());
+        let cli = parse(&["--redis", "redis://flag:1", "--namespace", "flag"]);
+        assert_eq!(cli.redis.link(&file).unwrap().url, "redis://flag:1");
         let file = File {
             namespace: Some("fromfile".into()),
             ..File::default()
         };
+        assert_eq!(pick!(cli, file, namespace), Some("flag".into()));
+        let cli = parse(&[]);
         let ns: String = pick!(cli, file, namespace, "sluice");
         assert_eq!(ns, "fromfile");
-        let cli = parse(&["--namespace", "flag"]);
-        let ns: String = pick!(cli, file, namespace, "sluice");
-        assert_eq!(ns, "flag");
+        let (flags, file) = (&cli.redis, &RedisKeys::default());
+        assert!(!pick!(flags, file, redis_insecure, false));
     }
 
-    // rediss:// needs the feature `tls`.
-    #[cfg(feature = "tls")]
+    /// Link errors name the flag (the file's keys too: the same names), never a password.
+    #[cfg(feature = "tls")] // rediss:// needs it
     #[test]
-    fn redis_errors_name_the_flag_and_never_the_secret() {
-        let d = dir("redis");
-        let pw = d.join("pw");
-        std::fs::write(&pw, "s3cret-pw\n").unwrap();
-        let pw = pw.to_str().unwrap();
-        let cli = parse(&[
-            "--redis",
-            "rediss://x:1",
-            "--redis-user",
-            "u",
-            "--redis-password-file",
-            pw,
-            "--redis-insecure",
-        ]);
-        let link = cli.redis.link(&RedisKeys::default()).unwrap();
+    fn link_errors_name_the_flag() {
+        let link = parse(&["--redis", "rediss://u:hunter2@x:1", "--redis-insecure"])
+            .redis
+            .link(&RedisKeys::default())
+            .unwrap();
         assert!(link.security.insecure);
-        assert_eq!(link.security.user.as_deref(), Some("u"));
-        assert!(!format!("{link:?}").contains("s3cret"));
+        assert!(!format!("{link:?}").contains("hunter2"), "{link:?}");
+        let nowhere = "/nonexistent/sluice-flags";
         for (args, flag) in [
             (&["--redis", "http://x"][..], "redis"),
+            (&["--redis", "redis://u:hunter2@"][..], "redis"),
             (
                 &["--redis", "redis://x:1", "--redis-insecure"][..],
                 "redis-insecure",
             ),
             (
-                &["--redis", "redis://x:1", "--redis-ca", "/nonexistent"][..],
+                &["--redis", "rediss://x:1", "--redis-ca", nowhere][..],
                 "redis-ca",
-            ),
-            (
-                &["--redis", "rediss://x:1", "--redis-cert", pw][..],
-                "redis-key",
-            ),
-            (
-                &["--redis", "rediss://x:1", "--redis-key", pw][..],
-                "redis-cert",
             ),
             (
                 &["--redis", "rediss://x:1", "--redis-user", "u"][..],
                 "redis-user",
             ),
             (
-                &[
-                    "--redis",
-                    "rediss://u:hunter2@x:1",
-                    "--redis-password-file",
-                    pw,
-                ][..],
+                &["--redis", "rediss://x:1", "--redis-password-file", nowhere][..],
                 "redis-password-file",
             ),
         ] {
             let e = parse(args).redis.link(&RedisKeys::default()).unwrap_err();
             assert_eq!(e.flag, flag, "{args:?}: {e}");
             assert!(e.to_string().starts_with(&format!("--{flag}: ")), "{e}");
-            let shown = e.to_string();
-            assert!(
-                !shown.contains("s3cret") && !shown.contains("hunter2"),
-                "{shown}"
-            );
+            assert!(!e.to_string().contains("hunter2"), "{e}");
         }
-        // The file's keys are checked the same way, under the flag's name.
-        let file = File {
+        let file = RedisKeys {
             redis: Some("redis://x:1".into()),
-            redis_ca: Some("/nonexistent".into()),
-            ..File::default()
+            redis_ca: Some(nowhere.into()),
+            ..RedisKeys::default()
         };
-        let e = parse(&[]).redis.link(&redis_keys!(file)).unwrap_err();
+        let e = parse(&[]).redis.link(&file).unwrap_err();
         assert_eq!(e.flag, "redis-ca", "{e}");
-        std::fs::remove_dir_all(&d).unwrap();
     }
 
     #[test]
     fn the_file_is_read_and_its_errors_never_quote_it() {
-        let d = dir("file");
+        let d = scratch("file");
         let f = d.join("c.toml");
         assert!(read_file::<File>(None).unwrap().namespace.is_none());
         std::fs::write(&f, "namespace = \"n\"\nredis_insecure = true\n").unwrap();
         let file: File = read_file(Some(&f)).unwrap();
         assert_eq!(file.namespace.as_deref(), Some("n"));
-        assert_eq!(file.log_json, None);
-        assert_eq!(redis_keys!(file).redis_insecure, Some(true));
+        assert_eq!((file.redis_insecure, file.log_json), (Some(true), None));
         for (text, what) in [
             ("namespace = s3cret-unquoted\n", "line 1"),
-            ("redis = redis://u:s3cretpw@h:6379\n", "line 1"),
             (
                 "namespace = [\"s3cret-in-a-list\"]\n",
                 "sequence (value not shown)",
@@ -566,7 +554,7 @@ mod tests {
             "{e}"
         );
 
-        let d = dir("token");
+        let d = scratch("token");
         let f = d.join("t");
         std::fs::write(&f, "t0k3n-s3cret\n").unwrap();
         let t = token(("api-token", None), ("api-token-file", Some(f.clone())))
