@@ -275,20 +275,14 @@ impl Config {
             ));
         }
         let segment_dir: PathBuf = pick!(cli, file, segment_dir, PathBuf::from("/dev/shm"));
-        let max_tasks = cli
-            .max_tasks
-            .or(file.max_tasks)
-            .unwrap_or(sluice::DEFAULT_MAX_TASKS);
+        let max_tasks = pick!(cli, file, max_tasks).unwrap_or(sluice::DEFAULT_MAX_TASKS);
         if max_tasks == 0 || max_tasks > sluice::MAX_TASKS {
             return Err(err(
                 "max-tasks",
                 format!("{max_tasks} is outside 1 ..= {}", sluice::MAX_TASKS),
             ));
         }
-        let key_slots = cli
-            .key_slots
-            .or(file.key_slots)
-            .unwrap_or(sluice::DEFAULT_KEY_SLOTS);
+        let key_slots = pick!(cli, file, key_slots).unwrap_or(sluice::DEFAULT_KEY_SLOTS);
         if key_slots == 0 || key_slots > sluice::MAX_KEY_SLOTS {
             return Err(err(
                 "key-slots",
@@ -335,19 +329,10 @@ impl Config {
             Duration::from_secs(86_400),
         )?;
         let api_token = token(
-            (
-                "api-token",
-                cli.api_token.clone().or(file.api_token.clone()),
-            ),
-            (
-                "api-token-file",
-                cli.api_token_file.clone().or(file.api_token_file.clone()),
-            ),
+            ("api-token", pick!(cli, file, api_token)),
+            ("api-token-file", pick!(cli, file, api_token_file)),
         )?;
-        let insecure_listen = cli
-            .insecure_listen
-            .or(file.insecure_listen)
-            .unwrap_or(false);
+        let insecure_listen = pick!(cli, file, insecure_listen).unwrap_or(false);
         // Anyone who reaches a decision listener can spend any task's quota: beyond loopback
         // only with a token, or when told so.
         if api_token.is_none() && !insecure_listen {
@@ -364,15 +349,13 @@ impl Config {
                 }
             }
         }
-        let max_agent_tasks = match cli.max_agent_tasks.or(file.max_agent_tasks) {
+        let max_agent_tasks = match pick!(cli, file, max_agent_tasks) {
             Some(n) => count("max-agent-tasks", n, 1, max_tasks)?,
             None => (max_tasks / 2).max(1),
         };
         let max_concurrent_requests = count(
             "max-concurrent-requests",
-            cli.max_concurrent_requests
-                .or(file.max_concurrent_requests)
-                .unwrap_or(1_024),
+            pick!(cli, file, max_concurrent_requests).unwrap_or(1_024),
             1,
             1_000_000,
         )?;
@@ -395,39 +378,31 @@ impl Config {
         }
         let max_batch = count(
             "max-batch",
-            cli.max_batch.or(file.max_batch).unwrap_or(1_000),
+            pick!(cli, file, max_batch).unwrap_or(1_000),
             1,
             100_000,
         )?;
         let max_request_bytes = count(
             "max-request-bytes",
-            cli.max_request_bytes
-                .or(file.max_request_bytes)
-                .unwrap_or(1 << 20),
+            pick!(cli, file, max_request_bytes).unwrap_or(1 << 20),
             1 << 10,
             64 << 20,
         )?;
         let rlqs_max_streams = count(
             "rlqs-max-streams",
-            cli.rlqs_max_streams
-                .or(file.rlqs_max_streams)
-                .unwrap_or(256),
+            pick!(cli, file, rlqs_max_streams).unwrap_or(256),
             1,
             100_000,
         )?;
         let rlqs_max_buckets = count(
             "rlqs-max-buckets",
-            cli.rlqs_max_buckets
-                .or(file.rlqs_max_buckets)
-                .unwrap_or(50_000),
+            pick!(cli, file, rlqs_max_buckets).unwrap_or(50_000),
             1,
             10_000_000,
         )?;
         let rlqs_max_buckets_per_stream = count(
             "rlqs-max-buckets-per-stream",
-            cli.rlqs_max_buckets_per_stream
-                .or(file.rlqs_max_buckets_per_stream)
-                .unwrap_or(10_000.min(rlqs_max_buckets)),
+            pick!(cli, file, rlqs_max_buckets_per_stream).unwrap_or(10_000.min(rlqs_max_buckets)),
             1,
             rlqs_max_buckets,
         )?;
@@ -441,15 +416,12 @@ impl Config {
             key_slots,
             grpc_listen,
             http_listen,
-            response_headers: cli
-                .response_headers
-                .or(file.response_headers)
-                .unwrap_or(false),
+            response_headers: pick!(cli, file, response_headers).unwrap_or(false),
             acquire_timeout,
             routes_refresh,
             rlqs_assignment_ttl,
             rlqs_abandon_after,
-            log_json: cli.log_json.or(file.log_json).unwrap_or(false),
+            log_json: pick!(cli, file, log_json).unwrap_or(false),
             api_token,
             insecure_listen,
             max_agent_tasks,

@@ -243,12 +243,9 @@ pub struct ListenerTls {
     pub key: PathBuf,
 }
 
-fn pick_path(
-    cli: &Option<PathBuf>,
-    file: &Option<PathBuf>,
-    flag: &'static str,
-) -> Result<Option<PathBuf>, ConfigError> {
-    match cli.clone().or(file.clone()) {
+/// A path setting (flag or file, [`pick!`]) that must not be empty when set.
+fn non_empty(path: Option<PathBuf>, flag: &'static str) -> Result<Option<PathBuf>, ConfigError> {
+    match path {
         Some(p) if p.as_os_str().is_empty() => Err(err(flag, "must not be empty when set")),
         other => Ok(other),
     }
@@ -276,9 +273,9 @@ fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdL
         ));
     }
     let tls = https != 0;
-    let ca = pick_path(&cli.etcd_ca, &file.etcd_ca, "etcd-ca")?;
-    let cert = pick_path(&cli.etcd_cert, &file.etcd_cert, "etcd-cert")?;
-    let key = pick_path(&cli.etcd_key, &file.etcd_key, "etcd-key")?;
+    let ca = non_empty(pick!(cli, file, etcd_ca), "etcd-ca")?;
+    let cert = non_empty(pick!(cli, file, etcd_cert), "etcd-cert")?;
+    let key = non_empty(pick!(cli, file, etcd_key), "etcd-key")?;
     if !tls {
         for (flag, set) in [
             ("etcd-ca", ca.is_some()),
@@ -306,12 +303,8 @@ fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdL
         (Some(_), None) => return Err(err("etcd-key", "--etcd-cert needs --etcd-key")),
         (None, Some(_)) => return Err(err("etcd-cert", "--etcd-key needs --etcd-cert")),
     };
-    let user = cli.etcd_user.clone().or(file.etcd_user.clone());
-    let password_file = pick_path(
-        &cli.etcd_password_file,
-        &file.etcd_password_file,
-        "etcd-password-file",
-    )?;
+    let user = pick!(cli, file, etcd_user);
+    let password_file = non_empty(pick!(cli, file, etcd_password_file), "etcd-password-file")?;
     let password_env = std::env::var("SLUICE_ETCD_PASSWORD")
         .ok()
         .filter(|v| !v.is_empty());
@@ -358,8 +351,8 @@ fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdL
 }
 
 fn listener_tls(cli: &Cli, file: &FileConfig) -> Result<Option<ListenerTls>, ConfigError> {
-    let cert = pick_path(&cli.tls_cert, &file.tls_cert, "tls-cert")?;
-    let key = pick_path(&cli.tls_key, &file.tls_key, "tls-key")?;
+    let cert = non_empty(pick!(cli, file, tls_cert), "tls-cert")?;
+    let key = non_empty(pick!(cli, file, tls_key), "tls-key")?;
     match (cert, key) {
         (None, None) => Ok(None),
         (Some(_), None) => Err(err("tls-key", "--tls-cert needs --tls-key")),
@@ -432,14 +425,10 @@ impl Config {
         let namespace: String = pick!(cli, file, namespace, sluice_protocol::DEFAULT_NAMESPACE);
         validate_namespace(&namespace).map_err(|e| err("namespace", e.to_string()))?;
 
-        let node_id: String = cli
-            .node_id
-            .clone()
-            .or(file.node_id.clone())
-            .unwrap_or_else(|| {
-                let host = gethostname::gethostname().to_string_lossy().into_owned();
-                format!("{host}:{}", listen.port())
-            });
+        let node_id: String = pick!(cli, file, node_id).unwrap_or_else(|| {
+            let host = gethostname::gethostname().to_string_lossy().into_owned();
+            format!("{host}:{}", listen.port())
+        });
         if node_id.is_empty()
             || node_id.len() > 128
             || node_id
@@ -500,31 +489,14 @@ impl Config {
             ));
         }
         let api_token = token(
-            (
-                "api-token",
-                cli.api_token.clone().or(file.api_token.clone()),
-            ),
-            (
-                "api-token-file",
-                cli.api_token_file.clone().or(file.api_token_file.clone()),
-            ),
+            ("api-token", pick!(cli, file, api_token)),
+            ("api-token-file", pick!(cli, file, api_token_file)),
         )?;
         let api_read_token = token(
-            (
-                "api-read-token",
-                cli.api_read_token.clone().or(file.api_read_token.clone()),
-            ),
-            (
-                "api-read-token-file",
-                cli.api_read_token_file
-                    .clone()
-                    .or(file.api_read_token_file.clone()),
-            ),
+            ("api-read-token", pick!(cli, file, api_read_token)),
+            ("api-read-token-file", pick!(cli, file, api_read_token_file)),
         )?;
-        let insecure_listen = cli
-            .insecure_listen
-            .or(file.insecure_listen)
-            .unwrap_or(false);
+        let insecure_listen = pick!(cli, file, insecure_listen).unwrap_or(false);
         // Without a token anyone who reaches the listener changes every task and setting:
         // beyond loopback only with a token, or when told so.
         if api_token.is_none() && !insecure_listen && !listen.ip().is_loopback() {
@@ -551,15 +523,12 @@ impl Config {
                 Some(_) => {}
             }
         }
-        let webhook_allow_private = cli
-            .webhook_allow_private
-            .or(file.webhook_allow_private)
-            .unwrap_or(false);
-        let webhook_ca = cli.webhook_ca.clone().or(file.webhook_ca.clone());
+        let webhook_allow_private = pick!(cli, file, webhook_allow_private).unwrap_or(false);
+        let webhook_ca = pick!(cli, file, webhook_ca);
         if let Some(ca) = &webhook_ca {
             sluice_protocol::tls::load_certs(ca).map_err(|e| err("webhook-ca", e))?;
         }
-        let log_json = cli.log_json.or(file.log_json).unwrap_or(false);
+        let log_json = pick!(cli, file, log_json).unwrap_or(false);
 
         Ok(Self {
             etcd,
