@@ -8,8 +8,16 @@ use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
-use sluice_protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
+use sluice_protocol::conn::RedisSecurity;
+use sluice_protocol::flags::{self, RedisArgs, duration, err, pick, token};
 use sluice_protocol::validate_namespace;
+
+pub use sluice_protocol::flags::{ConfigError, Token};
+
+sluice_protocol::flags::redis_env!(
+    /// The environment variables of the agent's Redis flags (`SLUICE_AGENT_REDIS`, …).
+    pub AgentEnv = "SLUICE_AGENT_"
+);
 
 /// Command-line flags (every one also `SLUICE_AGENT_<FLAG>` in the environment).
 #[derive(Debug, Default, Parser)]
@@ -23,27 +31,10 @@ pub struct Cli {
     /// TOML file with any of the settings below (keys as the flags, with `_` for `-`).
     #[arg(long, env = "SLUICE_AGENT_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Redis URL, or a comma-separated list of Redis Cluster nodes [default: redis://127.0.0.1:6379]
-    #[arg(long, env = "SLUICE_AGENT_REDIS")]
-    pub redis: Option<String>,
-    /// CA bundle (PEM) trusted for rediss:// besides the platform's and SSL_CERT_FILE
-    #[arg(long, env = "SLUICE_AGENT_REDIS_CA")]
-    pub redis_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for mutual TLS to Redis (with --redis-key)
-    #[arg(long, env = "SLUICE_AGENT_REDIS_CERT")]
-    pub redis_cert: Option<PathBuf>,
-    /// Private key (PEM) of --redis-cert
-    #[arg(long, env = "SLUICE_AGENT_REDIS_KEY")]
-    pub redis_key: Option<PathBuf>,
-    /// Skip verifying Redis's TLS certificate (tests only; logged as a warning)
-    #[arg(long, env = "SLUICE_AGENT_REDIS_INSECURE", num_args = 0..=1, default_missing_value = "true")]
-    pub redis_insecure: Option<bool>,
-    /// Redis ACL user (default: the URL's user name)
-    #[arg(long, env = "SLUICE_AGENT_REDIS_USER")]
-    pub redis_user: Option<String>,
-    /// File holding the Redis password (default: the URL's password)
-    #[arg(long, env = "SLUICE_AGENT_REDIS_PASSWORD_FILE")]
-    pub redis_password_file: Option<PathBuf>,
+    /// `--redis`, `--redis-ca`, `--redis-cert`, `--redis-key`, `--redis-insecure`,
+    /// `--redis-user`, `--redis-password-file` (`SLUICE_AGENT_REDIS…`).
+    #[command(flatten)]
+    pub redis_flags: RedisArgs<AgentEnv>,
     /// Namespace of every Redis key [default: sluice]
     #[arg(long, env = "SLUICE_AGENT_NAMESPACE")]
     pub namespace: Option<String>,
@@ -163,23 +154,6 @@ struct FileConfig {
     rlqs_max_buckets: Option<u32>,
 }
 
-/// A configuration error, naming the flag.
-#[derive(Debug, thiserror::Error)]
-#[error("--{flag}: {message}")]
-pub struct ConfigError {
-    /// The flag (without dashes).
-    pub flag: &'static str,
-    /// What is wrong.
-    pub message: String,
-}
-
-fn err(flag: &'static str, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        flag,
-        message: message.into(),
-    }
-}
-
 /// The validated configuration of one agent.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -235,90 +209,12 @@ pub struct Config {
     pub rlqs_max_buckets: u32,
 }
 
-/// A secret (the API token): its `Debug` never shows it, and it is compared in constant time.
-#[derive(Clone)]
-pub struct Token(String);
-
-impl Token {
-    /// A token (tests, embedding).
-    pub fn new(s: impl Into<String>) -> Self {
-        Self(s.into())
-    }
-
-    /// Is `given` this token? Constant time in the token's content.
-    pub fn matches(&self, given: &str) -> bool {
-        let (a, b) = (self.0.as_bytes(), given.as_bytes());
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-    }
-}
-
-impl std::fmt::Debug for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("***")
-    }
-}
-
-/// A token given inline (`--x`) or in a file (`--x-file`), not both; never empty (as the
-/// manager's `--api-token` / `--api-token-file`).
-fn token(
-    (flag, inline): (&'static str, Option<String>),
-    (file_flag, path): (&'static str, Option<PathBuf>),
-) -> Result<Option<Token>, ConfigError> {
-    match (inline, path) {
-        (Some(_), Some(_)) => Err(err(
-            flag,
-            format!("give --{flag} or --{file_flag}, not both"),
-        )),
-        (Some(t), None) if t.trim().is_empty() => Err(err(flag, "must not be empty when set")),
-        (Some(t), None) => Ok(Some(Token(t))),
-        (None, Some(p)) => sluice_protocol::tls::read_secret_file(&p)
-            .map(|t| Some(Token(t)))
-            .map_err(|e| err(file_flag, e)),
-        (None, None) => Ok(None),
-    }
-}
-
-/// A TOML error as `line L, column C: what`, never quoting the file: the line at fault may
-/// hold the token or a Redis URL with its password. serde's "invalid type/value" messages name
-/// the value found (`integer \`12345\``): that value is left out too.
-fn toml_error(text: &str, e: &toml::de::Error) -> String {
-    let at = e.span().map(|sp| {
-        let start = sp.start.min(text.len());
-        let before = &text[..start];
-        let line = before.matches('\n').count() + 1;
-        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-        format!("line {line}, column {col}: ")
-    });
-    let mut msg = e.message().trim().to_string();
-    if msg.starts_with("invalid") {
-        let mut out = String::new();
-        for (i, part) in msg.split('`').enumerate() {
-            out.push_str(if i % 2 == 1 {
-                "(value not shown)"
-            } else {
-                part
-            });
-        }
-        msg = out;
-    }
-    format!("{}{}", at.unwrap_or_default(), msg.replace('\n', "; "))
-}
-
 /// A count flag within `min ..= max`.
 fn count(flag: &'static str, v: u32, min: u32, max: u32) -> Result<u32, ConfigError> {
     if v < min || v > max {
         return Err(err(flag, format!("{v} is outside {min} ..= {max}")));
     }
     Ok(v)
-}
-
-fn duration(flag: &'static str, raw: &str) -> Result<Duration, ConfigError> {
-    humantime::parse_duration(raw.trim()).map_err(|e| {
-        err(
-            flag,
-            format!("{raw:?} is not a duration like 3s or 500ms ({e})"),
-        )
-    })
 }
 
 fn bounded(
@@ -354,50 +250,16 @@ fn address(flag: &'static str, raw: &str) -> Result<SocketAddr, ConfigError> {
 impl Config {
     /// Builds the configuration from parsed flags (and the file they name).
     pub fn from_cli(cli: Cli) -> Result<Self, ConfigError> {
-        let file = match &cli.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
-                toml::from_str::<FileConfig>(&text).map_err(|e| {
-                    err(
-                        "config",
-                        format!("{}: {}", path.display(), toml_error(&text, &e)),
-                    )
-                })?
-            }
-            None => FileConfig::default(),
-        };
-        macro_rules! pick {
-            ($f:ident, $default:expr) => {
-                cli.$f
-                    .clone()
-                    .or(file.$f.clone())
-                    .unwrap_or_else(|| $default.into())
-            };
-        }
+        let file: FileConfig = flags::read_file(cli.config.as_deref())?;
+        let link = cli.redis_flags.link(&flags::redis_keys!(file))?;
+        let (redis, redis_security) = (link.url, link.security);
 
-        let redis: String = pick!(redis, "redis://127.0.0.1:6379");
-        let target = RedisTarget::parse(&redis).map_err(|e| err("redis", e))?;
-        let redis_security = RedisSecurity {
-            ca_file: cli.redis_ca.clone().or(file.redis_ca.clone()),
-            cert_file: cli.redis_cert.clone().or(file.redis_cert.clone()),
-            key_file: cli.redis_key.clone().or(file.redis_key.clone()),
-            insecure: cli.redis_insecure.or(file.redis_insecure).unwrap_or(false),
-            user: cli.redis_user.clone().or(file.redis_user.clone()),
-            password: None,
-            password_file: cli
-                .redis_password_file
-                .clone()
-                .or(file.redis_password_file.clone()),
-        };
-        // Reads every file now: a bad path or a conflict is an error naming its flag.
-        Redis::with_security(target, ConnOptions::default(), &redis_security)
-            .map_err(|e| err(e.flag(), e.message))?;
-
-        let namespace: String = pick!(namespace, sluice_protocol::DEFAULT_NAMESPACE);
+        let namespace: String = pick!(cli, file, namespace, sluice_protocol::DEFAULT_NAMESPACE);
         validate_namespace(&namespace).map_err(|e| err("namespace", e.to_string()))?;
 
         let host_id: String = pick!(
+            cli,
+            file,
             host_id,
             gethostname::gethostname().to_string_lossy().into_owned()
         );
@@ -412,29 +274,29 @@ impl Config {
                 format!("{host_id:?}: 1-128 characters of A-Z a-z 0-9 _ . - :"),
             ));
         }
-        let segment_dir: PathBuf = pick!(segment_dir, PathBuf::from("/dev/shm"));
-        let max_tasks = cli
-            .max_tasks
-            .or(file.max_tasks)
-            .unwrap_or(sluice::DEFAULT_MAX_TASKS);
+        let segment_dir: PathBuf = pick!(cli, file, segment_dir, PathBuf::from("/dev/shm"));
+        let max_tasks = pick!(cli, file, max_tasks).unwrap_or(sluice::DEFAULT_MAX_TASKS);
         if max_tasks == 0 || max_tasks > sluice::MAX_TASKS {
             return Err(err(
                 "max-tasks",
                 format!("{max_tasks} is outside 1 ..= {}", sluice::MAX_TASKS),
             ));
         }
-        let key_slots = cli
-            .key_slots
-            .or(file.key_slots)
-            .unwrap_or(sluice::DEFAULT_KEY_SLOTS);
+        let key_slots = pick!(cli, file, key_slots).unwrap_or(sluice::DEFAULT_KEY_SLOTS);
         if key_slots == 0 || key_slots > sluice::MAX_KEY_SLOTS {
             return Err(err(
                 "key-slots",
                 format!("{key_slots} is outside 1 ..= {}", sluice::MAX_KEY_SLOTS),
             ));
         }
-        let grpc_listen = address("grpc-listen", &pick!(grpc_listen, "127.0.0.1:8081"))?;
-        let http_listen = address("http-listen", &pick!(http_listen, "127.0.0.1:8082"))?;
+        let grpc_listen = address(
+            "grpc-listen",
+            &pick!(cli, file, grpc_listen, "127.0.0.1:8081"),
+        )?;
+        let http_listen = address(
+            "http-listen",
+            &pick!(cli, file, http_listen, "127.0.0.1:8082"),
+        )?;
         if grpc_listen == http_listen {
             return Err(err(
                 "http-listen",
@@ -443,43 +305,34 @@ impl Config {
         }
         let acquire_timeout = bounded(
             "acquire-timeout",
-            &pick!(acquire_timeout, "1s"),
+            &pick!(cli, file, acquire_timeout, "1s"),
             Duration::from_millis(1),
             Duration::from_secs(60),
         )?;
         let routes_refresh = bounded(
             "routes-refresh",
-            &pick!(routes_refresh, "1s"),
+            &pick!(cli, file, routes_refresh, "1s"),
             Duration::from_millis(50),
             Duration::from_secs(300),
         )?;
         // Envoy counts whole seconds of a TTL: under 1 s it would expire at once.
         let rlqs_assignment_ttl = bounded(
             "rlqs-assignment-ttl",
-            &pick!(rlqs_assignment_ttl, "10s"),
+            &pick!(cli, file, rlqs_assignment_ttl, "10s"),
             Duration::from_secs(1),
             Duration::from_secs(86_400),
         )?;
         let rlqs_abandon_after = bounded(
             "rlqs-abandon-after",
-            &pick!(rlqs_abandon_after, "60s"),
+            &pick!(cli, file, rlqs_abandon_after, "60s"),
             Duration::from_millis(100),
             Duration::from_secs(86_400),
         )?;
         let api_token = token(
-            (
-                "api-token",
-                cli.api_token.clone().or(file.api_token.clone()),
-            ),
-            (
-                "api-token-file",
-                cli.api_token_file.clone().or(file.api_token_file.clone()),
-            ),
+            ("api-token", pick!(cli, file, api_token)),
+            ("api-token-file", pick!(cli, file, api_token_file)),
         )?;
-        let insecure_listen = cli
-            .insecure_listen
-            .or(file.insecure_listen)
-            .unwrap_or(false);
+        let insecure_listen = pick!(cli, file, insecure_listen).unwrap_or(false);
         // Anyone who reaches a decision listener can spend any task's quota: beyond loopback
         // only with a token, or when told so.
         if api_token.is_none() && !insecure_listen {
@@ -496,21 +349,19 @@ impl Config {
                 }
             }
         }
-        let max_agent_tasks = match cli.max_agent_tasks.or(file.max_agent_tasks) {
+        let max_agent_tasks = match pick!(cli, file, max_agent_tasks) {
             Some(n) => count("max-agent-tasks", n, 1, max_tasks)?,
             None => (max_tasks / 2).max(1),
         };
         let max_concurrent_requests = count(
             "max-concurrent-requests",
-            cli.max_concurrent_requests
-                .or(file.max_concurrent_requests)
-                .unwrap_or(1_024),
+            pick!(cli, file, max_concurrent_requests).unwrap_or(1_024),
             1,
             1_000_000,
         )?;
         let request_timeout = bounded(
             "request-timeout",
-            &pick!(request_timeout, "2s"),
+            &pick!(cli, file, request_timeout, "2s"),
             Duration::from_millis(1),
             Duration::from_secs(600),
         )?;
@@ -527,39 +378,31 @@ impl Config {
         }
         let max_batch = count(
             "max-batch",
-            cli.max_batch.or(file.max_batch).unwrap_or(1_000),
+            pick!(cli, file, max_batch).unwrap_or(1_000),
             1,
             100_000,
         )?;
         let max_request_bytes = count(
             "max-request-bytes",
-            cli.max_request_bytes
-                .or(file.max_request_bytes)
-                .unwrap_or(1 << 20),
+            pick!(cli, file, max_request_bytes).unwrap_or(1 << 20),
             1 << 10,
             64 << 20,
         )?;
         let rlqs_max_streams = count(
             "rlqs-max-streams",
-            cli.rlqs_max_streams
-                .or(file.rlqs_max_streams)
-                .unwrap_or(256),
+            pick!(cli, file, rlqs_max_streams).unwrap_or(256),
             1,
             100_000,
         )?;
         let rlqs_max_buckets = count(
             "rlqs-max-buckets",
-            cli.rlqs_max_buckets
-                .or(file.rlqs_max_buckets)
-                .unwrap_or(50_000),
+            pick!(cli, file, rlqs_max_buckets).unwrap_or(50_000),
             1,
             10_000_000,
         )?;
         let rlqs_max_buckets_per_stream = count(
             "rlqs-max-buckets-per-stream",
-            cli.rlqs_max_buckets_per_stream
-                .or(file.rlqs_max_buckets_per_stream)
-                .unwrap_or(10_000.min(rlqs_max_buckets)),
+            pick!(cli, file, rlqs_max_buckets_per_stream).unwrap_or(10_000.min(rlqs_max_buckets)),
             1,
             rlqs_max_buckets,
         )?;
@@ -573,15 +416,12 @@ impl Config {
             key_slots,
             grpc_listen,
             http_listen,
-            response_headers: cli
-                .response_headers
-                .or(file.response_headers)
-                .unwrap_or(false),
+            response_headers: pick!(cli, file, response_headers).unwrap_or(false),
             acquire_timeout,
             routes_refresh,
             rlqs_assignment_ttl,
             rlqs_abandon_after,
-            log_json: cli.log_json.or(file.log_json).unwrap_or(false),
+            log_json: pick!(cli, file, log_json).unwrap_or(false),
             api_token,
             insecure_listen,
             max_agent_tasks,
@@ -769,6 +609,9 @@ mod tests {
             "redis = redis://u:s3cretpw@h:6379\n",
             "api_token = [\"s3cret-in-a-list\"]\n",
             "api_token = 5339\n",
+            // A string where a bool or a number belongs: the value is not shown either.
+            "log_json = \"s3cret-for-a-bool\"\n",
+            "max_batch = \"s3cret-for-a-count\"\n",
         ] {
             std::fs::write(&f, text).unwrap();
             let e = cfg(&["--config", f.to_str().unwrap()]).unwrap_err();

@@ -13,8 +13,16 @@ use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
-use sluice_protocol::conn::{ConnOptions, Redis, RedisSecurity, RedisTarget};
+use sluice_protocol::conn::{RedisSecurity, RedisTarget};
+use sluice_protocol::flags::{self, RedisArgs, duration, err, pick, token};
 use sluice_protocol::validate_namespace;
+
+pub use sluice_protocol::flags::{ConfigError, Token};
+
+sluice_protocol::flags::redis_env!(
+    /// The environment variables of the manager's Redis flags (`SLUICE_REDIS`, …).
+    pub ManagerEnv = "SLUICE_"
+);
 
 /// Command-line flags (every one also `SLUICE_<FLAG>` in the environment).
 #[derive(Debug, Default, Parser)]
@@ -31,28 +39,10 @@ pub struct Cli {
     /// etcd endpoints, comma-separated [default: http://127.0.0.1:2379]
     #[arg(long, env = "SLUICE_ETCD")]
     pub etcd: Option<String>,
-    /// Redis URL, or a comma-separated list of Redis Cluster nodes [default: redis://127.0.0.1:6379]
-    #[arg(long, env = "SLUICE_REDIS")]
-    pub redis: Option<String>,
-    // ── Redis TLS and ACL (branch tls-redis) ──
-    /// CA bundle (PEM) trusted for rediss:// besides the platform's and SSL_CERT_FILE
-    #[arg(long, env = "SLUICE_REDIS_CA")]
-    pub redis_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for mutual TLS to Redis (with --redis-key)
-    #[arg(long, env = "SLUICE_REDIS_CERT")]
-    pub redis_cert: Option<PathBuf>,
-    /// Private key (PEM) of --redis-cert
-    #[arg(long, env = "SLUICE_REDIS_KEY")]
-    pub redis_key: Option<PathBuf>,
-    /// Skip verifying Redis's TLS certificate (tests only; logged as a warning)
-    #[arg(long, env = "SLUICE_REDIS_INSECURE", num_args = 0..=1, default_missing_value = "true")]
-    pub redis_insecure: Option<bool>,
-    /// Redis ACL user (default: the URL's user name)
-    #[arg(long, env = "SLUICE_REDIS_USER")]
-    pub redis_user: Option<String>,
-    /// File holding the Redis password (default: the URL's password)
-    #[arg(long, env = "SLUICE_REDIS_PASSWORD_FILE")]
-    pub redis_password_file: Option<PathBuf>,
+    /// `--redis`, `--redis-ca`, `--redis-cert`, `--redis-key`, `--redis-insecure`,
+    /// `--redis-user`, `--redis-password-file` (`SLUICE_REDIS…`): the Redis link, its TLS and ACL.
+    #[command(flatten)]
+    pub redis_flags: RedisArgs<ManagerEnv>,
     /// HTTP listen address for the API, dashboard and metrics [default: 127.0.0.1:8080]
     #[arg(long, env = "SLUICE_LISTEN")]
     pub listen: Option<String>,
@@ -180,23 +170,6 @@ struct FileConfig {
     tls_key: Option<PathBuf>,
 }
 
-/// A configuration error, naming the flag.
-#[derive(Debug, thiserror::Error)]
-#[error("--{flag}: {message}")]
-pub struct ConfigError {
-    /// The flag (without dashes).
-    pub flag: &'static str,
-    /// What is wrong.
-    pub message: String,
-}
-
-fn err(flag: &'static str, message: impl Into<String>) -> ConfigError {
-    ConfigError {
-        flag,
-        message: message.into(),
-    }
-}
-
 /// The validated configuration of one replica.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -270,12 +243,9 @@ pub struct ListenerTls {
     pub key: PathBuf,
 }
 
-fn pick_path(
-    cli: &Option<PathBuf>,
-    file: &Option<PathBuf>,
-    flag: &'static str,
-) -> Result<Option<PathBuf>, ConfigError> {
-    match cli.clone().or(file.clone()) {
+/// A path setting (flag or file, [`pick!`]) that must not be empty when set.
+fn non_empty(path: Option<PathBuf>, flag: &'static str) -> Result<Option<PathBuf>, ConfigError> {
+    match path {
         Some(p) if p.as_os_str().is_empty() => Err(err(flag, "must not be empty when set")),
         other => Ok(other),
     }
@@ -303,9 +273,9 @@ fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdL
         ));
     }
     let tls = https != 0;
-    let ca = pick_path(&cli.etcd_ca, &file.etcd_ca, "etcd-ca")?;
-    let cert = pick_path(&cli.etcd_cert, &file.etcd_cert, "etcd-cert")?;
-    let key = pick_path(&cli.etcd_key, &file.etcd_key, "etcd-key")?;
+    let ca = non_empty(pick!(cli, file, etcd_ca), "etcd-ca")?;
+    let cert = non_empty(pick!(cli, file, etcd_cert), "etcd-cert")?;
+    let key = non_empty(pick!(cli, file, etcd_key), "etcd-key")?;
     if !tls {
         for (flag, set) in [
             ("etcd-ca", ca.is_some()),
@@ -333,12 +303,8 @@ fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdL
         (Some(_), None) => return Err(err("etcd-key", "--etcd-cert needs --etcd-key")),
         (None, Some(_)) => return Err(err("etcd-cert", "--etcd-key needs --etcd-cert")),
     };
-    let user = cli.etcd_user.clone().or(file.etcd_user.clone());
-    let password_file = pick_path(
-        &cli.etcd_password_file,
-        &file.etcd_password_file,
-        "etcd-password-file",
-    )?;
+    let user = pick!(cli, file, etcd_user);
+    let password_file = non_empty(pick!(cli, file, etcd_password_file), "etcd-password-file")?;
     let password_env = std::env::var("SLUICE_ETCD_PASSWORD")
         .ok()
         .filter(|v| !v.is_empty());
@@ -385,8 +351,8 @@ fn etcd_link(cli: &Cli, file: &FileConfig, endpoints: &[String]) -> Result<EtcdL
 }
 
 fn listener_tls(cli: &Cli, file: &FileConfig) -> Result<Option<ListenerTls>, ConfigError> {
-    let cert = pick_path(&cli.tls_cert, &file.tls_cert, "tls-cert")?;
-    let key = pick_path(&cli.tls_key, &file.tls_key, "tls-key")?;
+    let cert = non_empty(pick!(cli, file, tls_cert), "tls-cert")?;
+    let key = non_empty(pick!(cli, file, tls_key), "tls-key")?;
     match (cert, key) {
         (None, None) => Ok(None),
         (Some(_), None) => Err(err("tls-key", "--tls-cert needs --tls-key")),
@@ -427,71 +393,12 @@ impl ListenerTls {
     }
 }
 
-/// A TOML error as `line L, column C: what`, never quoting the file: the line at fault may
-/// hold the token or a Redis URL with its password (toml's `Display` shows the line). serde's
-/// "invalid type/value/length" messages name the value found (`integer \`12345\``, `string
-/// "…"`): that value is left out too. Key names (`unknown field \`nmespace\``) are kept.
-fn toml_error(text: &str, e: &toml::de::Error) -> String {
-    let at = e.span().map(|sp| {
-        let start = sp.start.min(text.len());
-        let before = &text[..start];
-        let line = before.matches('\n').count() + 1;
-        let col = before.len() - before.rfind('\n').map_or(0, |i| i + 1) + 1;
-        format!("line {line}, column {col}: ")
-    });
-    let mut msg = e.message().trim().to_string();
-    if msg.starts_with("invalid ")
-        && let Some(colon) = msg.find(": ")
-    {
-        let end = msg.rfind(", expected").unwrap_or(msg.len()).max(colon + 2);
-        // What kind of value it was (`integer`, `string`, `sequence`): the words before it.
-        let found = &msg[colon + 2..end];
-        let kind = found[..found.find(['`', '"', '\'']).unwrap_or(found.len())].trim();
-        msg = format!(
-            "{}: {kind}{}(value not shown){}",
-            &msg[..colon],
-            if kind.is_empty() { "" } else { " " },
-            &msg[end..]
-        );
-    }
-    format!("{}{}", at.unwrap_or_default(), msg.replace('\n', "; "))
-}
-
-fn duration(flag: &'static str, raw: &str) -> Result<Duration, ConfigError> {
-    humantime::parse_duration(raw.trim()).map_err(|e| {
-        err(
-            flag,
-            format!("{raw:?} is not a duration like 3s or 500ms ({e})"),
-        )
-    })
-}
-
 impl Config {
     /// Builds the configuration from parsed flags (and the file they name).
     pub fn from_cli(cli: Cli) -> Result<Self, ConfigError> {
-        let file = match &cli.config {
-            Some(path) => {
-                let text = std::fs::read_to_string(path)
-                    .map_err(|e| err("config", format!("cannot read {}: {e}", path.display())))?;
-                toml::from_str::<FileConfig>(&text).map_err(|e| {
-                    err(
-                        "config",
-                        format!("{}: {}", path.display(), toml_error(&text, &e)),
-                    )
-                })?
-            }
-            None => FileConfig::default(),
-        };
-        macro_rules! pick {
-            ($f:ident, $default:expr) => {
-                cli.$f
-                    .clone()
-                    .or(file.$f.clone())
-                    .unwrap_or_else(|| $default.into())
-            };
-        }
+        let file: FileConfig = flags::read_file(cli.config.as_deref())?;
 
-        let etcd_raw: String = pick!(etcd, "http://127.0.0.1:2379");
+        let etcd_raw: String = pick!(cli, file, etcd, "http://127.0.0.1:2379");
         let etcd: Vec<String> = etcd_raw
             .split(',')
             .map(str::trim)
@@ -504,25 +411,10 @@ impl Config {
         let etcd_link = etcd_link(&cli, &file, &etcd)?;
         let tls = listener_tls(&cli, &file)?;
 
-        let redis_raw: String = pick!(redis, "redis://127.0.0.1:6379");
-        let redis = RedisTarget::parse(&redis_raw).map_err(|e| err("redis", e))?;
-        let redis_security = RedisSecurity {
-            ca_file: cli.redis_ca.clone().or(file.redis_ca.clone()),
-            cert_file: cli.redis_cert.clone().or(file.redis_cert.clone()),
-            key_file: cli.redis_key.clone().or(file.redis_key.clone()),
-            insecure: cli.redis_insecure.or(file.redis_insecure).unwrap_or(false),
-            user: cli.redis_user.clone().or(file.redis_user.clone()),
-            password: None,
-            password_file: cli
-                .redis_password_file
-                .clone()
-                .or(file.redis_password_file.clone()),
-        };
-        // Reads every file now: a bad path or a conflict is an error naming its flag.
-        Redis::with_security(redis.clone(), ConnOptions::default(), &redis_security)
-            .map_err(|e| err(e.flag(), e.message))?;
+        let link = cli.redis_flags.link(&flags::redis_keys!(file))?;
+        let (redis, redis_security) = (link.target, link.security);
 
-        let listen_raw: String = pick!(listen, "127.0.0.1:8080");
+        let listen_raw: String = pick!(cli, file, listen, "127.0.0.1:8080");
         let listen: SocketAddr = listen_raw.parse().map_err(|e| {
             err(
                 "listen",
@@ -530,17 +422,13 @@ impl Config {
             )
         })?;
 
-        let namespace: String = pick!(namespace, sluice_protocol::DEFAULT_NAMESPACE);
+        let namespace: String = pick!(cli, file, namespace, sluice_protocol::DEFAULT_NAMESPACE);
         validate_namespace(&namespace).map_err(|e| err("namespace", e.to_string()))?;
 
-        let node_id: String = cli
-            .node_id
-            .clone()
-            .or(file.node_id.clone())
-            .unwrap_or_else(|| {
-                let host = gethostname::gethostname().to_string_lossy().into_owned();
-                format!("{host}:{}", listen.port())
-            });
+        let node_id: String = pick!(cli, file, node_id).unwrap_or_else(|| {
+            let host = gethostname::gethostname().to_string_lossy().into_owned();
+            format!("{host}:{}", listen.port())
+        });
         if node_id.is_empty()
             || node_id.len() > 128
             || node_id
@@ -552,9 +440,9 @@ impl Config {
                 format!("{node_id:?}: 1-128 characters, no '/' or whitespace"),
             ));
         }
-        let advertise: String = pick!(advertise, listen.to_string());
+        let advertise: String = pick!(cli, file, advertise, listen.to_string());
 
-        let lease_ttl = duration("lease-ttl", &pick!(lease_ttl, "3s"))?;
+        let lease_ttl = duration("lease-ttl", &pick!(cli, file, lease_ttl, "3s"))?;
         if lease_ttl.subsec_nanos() != 0 || lease_ttl < Duration::from_secs(1) {
             return Err(err(
                 "lease-ttl",
@@ -567,26 +455,29 @@ impl Config {
         if lease_ttl > Duration::from_secs(300) {
             return Err(err("lease-ttl", "at most 300s"));
         }
-        let tick = duration("tick", &pick!(tick, "500ms"))?;
+        let tick = duration("tick", &pick!(cli, file, tick, "500ms"))?;
         if !(Duration::from_millis(50)..=Duration::from_secs(10)).contains(&tick) {
             return Err(err("tick", "must be between 50ms and 10s"));
         }
-        let control_period = duration("control-period", &pick!(control_period, "5s"))?;
+        let control_period = duration("control-period", &pick!(cli, file, control_period, "5s"))?;
         if !(Duration::from_secs(1)..=Duration::from_secs(3600)).contains(&control_period) {
             return Err(err("control-period", "must be between 1s and 1h"));
         }
-        let horizon = duration("horizon", &pick!(horizon, "60s"))?;
+        let horizon = duration("horizon", &pick!(cli, file, horizon, "60s"))?;
         if horizon < tick * 2 || horizon > Duration::from_secs(7 * 86_400) {
             return Err(err(
                 "horizon",
                 "must be at least two ticks and at most 7 days",
             ));
         }
-        let retention = duration("retention", &pick!(retention, "60s"))?;
+        let retention = duration("retention", &pick!(cli, file, retention, "60s"))?;
         if retention < Duration::from_secs(1) || retention > Duration::from_secs(7 * 86_400) {
             return Err(err("retention", "must be between 1s and 7 days"));
         }
-        let fence_stale_after = duration("fence-stale-after", &pick!(fence_stale_after, "10s"))?;
+        let fence_stale_after = duration(
+            "fence-stale-after",
+            &pick!(cli, file, fence_stale_after, "10s"),
+        )?;
         let min_stale = tick * 2 + lease_ttl;
         if fence_stale_after < min_stale || fence_stale_after > Duration::from_secs(3600) {
             return Err(err(
@@ -598,31 +489,14 @@ impl Config {
             ));
         }
         let api_token = token(
-            (
-                "api-token",
-                cli.api_token.clone().or(file.api_token.clone()),
-            ),
-            (
-                "api-token-file",
-                cli.api_token_file.clone().or(file.api_token_file.clone()),
-            ),
+            ("api-token", pick!(cli, file, api_token)),
+            ("api-token-file", pick!(cli, file, api_token_file)),
         )?;
         let api_read_token = token(
-            (
-                "api-read-token",
-                cli.api_read_token.clone().or(file.api_read_token.clone()),
-            ),
-            (
-                "api-read-token-file",
-                cli.api_read_token_file
-                    .clone()
-                    .or(file.api_read_token_file.clone()),
-            ),
+            ("api-read-token", pick!(cli, file, api_read_token)),
+            ("api-read-token-file", pick!(cli, file, api_read_token_file)),
         )?;
-        let insecure_listen = cli
-            .insecure_listen
-            .or(file.insecure_listen)
-            .unwrap_or(false);
+        let insecure_listen = pick!(cli, file, insecure_listen).unwrap_or(false);
         // Without a token anyone who reaches the listener changes every task and setting:
         // beyond loopback only with a token, or when told so.
         if api_token.is_none() && !insecure_listen && !listen.ip().is_loopback() {
@@ -649,15 +523,12 @@ impl Config {
                 Some(_) => {}
             }
         }
-        let webhook_allow_private = cli
-            .webhook_allow_private
-            .or(file.webhook_allow_private)
-            .unwrap_or(false);
-        let webhook_ca = cli.webhook_ca.clone().or(file.webhook_ca.clone());
+        let webhook_allow_private = pick!(cli, file, webhook_allow_private).unwrap_or(false);
+        let webhook_ca = pick!(cli, file, webhook_ca);
         if let Some(ca) = &webhook_ca {
             sluice_protocol::tls::load_certs(ca).map_err(|e| err("webhook-ca", e))?;
         }
-        let log_json = cli.log_json.or(file.log_json).unwrap_or(false);
+        let log_json = pick!(cli, file, log_json).unwrap_or(false);
 
         Ok(Self {
             etcd,
@@ -682,54 +553,6 @@ impl Config {
             etcd_link,
             tls,
         })
-    }
-}
-
-/// A secret (API token, password): compared in constant time, never printed (`Debug` shows
-/// `***`).
-#[derive(Clone, PartialEq, Eq)]
-pub struct Token(String);
-
-impl Token {
-    /// A token (tests, embedding).
-    pub fn new(s: impl Into<String>) -> Self {
-        Self(s.into())
-    }
-
-    /// Is `given` this token? Constant time in the token's content.
-    pub fn matches(&self, given: &str) -> bool {
-        let (a, b) = (self.0.as_bytes(), given.as_bytes());
-        a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-    }
-
-    /// The token itself.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl std::fmt::Debug for Token {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("***")
-    }
-}
-
-/// A token given inline (`--x`) or in a file (`--x-file`), not both; never empty.
-fn token(
-    (flag, inline): (&'static str, Option<String>),
-    (file_flag, path): (&'static str, Option<PathBuf>),
-) -> Result<Option<Token>, ConfigError> {
-    match (inline, path) {
-        (Some(_), Some(_)) => Err(err(
-            flag,
-            format!("give --{flag} or --{file_flag}, not both"),
-        )),
-        (Some(t), None) if t.trim().is_empty() => Err(err(flag, "must not be empty when set")),
-        (Some(t), None) => Ok(Some(Token(t))),
-        (None, Some(p)) => sluice_protocol::tls::read_secret_file(&p)
-            .map(|t| Some(Token(t)))
-            .map_err(|e| err(file_flag, e)),
-        (None, None) => Ok(None),
     }
 }
 

@@ -34,6 +34,8 @@
 
 pub mod conn;
 pub mod envoy;
+#[cfg(feature = "flags")]
+pub mod flags;
 pub mod lease;
 pub mod scripts;
 pub mod tls;
