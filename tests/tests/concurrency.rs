@@ -827,14 +827,13 @@ async fn a_holder_paused_past_its_ttl_loses_the_lock_and_its_late_write_is_refus
     assert!(g.token() > ta, "{} vs {ta}", g.token());
     // B writes with its token, through the same fenced write as A (the holder example's).
     let mut c = redis_conn(&shared_redis());
-    let (ok, _): (i64, i64) = redis::Script::new(include_str!(
-        "../../worker-sdk/examples/fenced_write.lua"
-    ))
-    .key(&resource)
-    .arg(g.token())
-    .arg("from-b")
-    .invoke(&mut c)
-    .unwrap();
+    let (ok, _): (i64, i64) =
+        redis::Script::new(include_str!("../../worker-sdk/examples/fenced_write.lua"))
+            .key(&resource)
+            .arg(g.token())
+            .arg("from-b")
+            .invoke(&mut c)
+            .unwrap();
     assert_eq!(ok, 1);
     // A wakes up and writes late, as if it still held the lock: refused by the resource.
     signal(a.pid(), libc::SIGCONT);
