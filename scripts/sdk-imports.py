@@ -7,6 +7,7 @@ import of a module of the same or a higher layer runs back up. Exits 1 on a circ
 that runs back up, or a module no layer names.
 
     scripts/sdk-imports.py [--edges]
+    scripts/sdk-imports.py --self-test   # plants upward imports in a copy; each must be caught
 """
 
 import re
@@ -22,8 +23,7 @@ LAYERS = [
     ["shm"],
     ["state", "health", "pull", "limiter", "error", "keytable"],
     ["config", "decision"],
-    ["ctx"],
-    ["decide"],
+    ["ctx", "decide"],
     ["plumbing"],
     ["refill"],
     ["background"],
@@ -39,9 +39,58 @@ def module_of(path: Path) -> str:
     return rel.parts[0].removesuffix(".rs")
 
 
+def strip_literals(text: str) -> str:
+    """The text with comments removed and string and char literals emptied (newlines kept),
+    so braces and paths inside them are not read as code."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        nxt = text[i + 1] if i + 1 < n else ""
+        if c == "/" and nxt == "/":
+            while i < n and text[i] != "\n":
+                i += 1
+        elif c == "/" and nxt == "*":
+            depth, i = 1, i + 2
+            while i < n and depth:
+                if text.startswith("/*", i):
+                    depth, i = depth + 1, i + 2
+                elif text.startswith("*/", i):
+                    depth, i = depth - 1, i + 2
+                else:
+                    out.append("\n" if text[i] == "\n" else "")
+                    i += 1
+        elif c in "rb" and (i == 0 or not (text[i - 1].isalnum() or text[i - 1] == "_")) and (
+            m := re.match(r'b?r(#*)"', text[i:])
+        ):
+            end = text.find('"' + m.group(1), i + m.end())
+            end = n if end < 0 else end + 1 + len(m.group(1))
+            out.append('""' + "\n" * text.count("\n", i, end))
+            i = end
+        elif c == '"':
+            i += 1
+            while i < n and text[i] != '"':
+                if text[i] == "\n":
+                    out.append("\n")
+                i += 2 if text[i] == "\\" else 1
+            out.append('""')
+            i += 1
+        elif c == "'" and nxt == "\\":
+            end = text.find("'", i + 2)
+            out.append("' '")
+            i = n if end < 0 else end + 1
+        elif c == "'" and i + 2 < n and text[i + 2] == "'":
+            out.append("' '")
+            i += 3
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
 def code_lines(text: str):
-    """Non-test, non-comment lines (a `#[cfg(test)]` or `#[cfg(doc)]` item is skipped)."""
-    lines = text.split("\n")
+    """Non-test lines of code (a `#[cfg(test)]` or `#[cfg(doc)]` item is skipped), with
+    comments and literals removed."""
+    lines = strip_literals(text).split("\n")
     skip_next_item = False
     depth_skip = None
     depth = 0
@@ -56,6 +105,8 @@ def code_lines(text: str):
             skip_next_item = True
             continue
         if skip_next_item:
+            if s.startswith("#[") or not s:
+                continue
             skip_next_item = False
             if s.endswith(";"):
                 continue
@@ -64,10 +115,15 @@ def code_lines(text: str):
             if depth <= depth_skip:
                 depth_skip = None
             continue
-        if s.startswith("//"):
-            continue
         depth += line.count("{") - line.count("}")
         yield line
+
+
+def module_path(path: Path) -> list:
+    """The module path of a file: `decide/pooled.rs` -> [decide, pooled]."""
+    parts = list(path.relative_to(SRC).parts)
+    last = parts.pop()
+    return parts if last == "mod.rs" else parts + [last.removesuffix(".rs")]
 
 
 def root_names(modules):
@@ -91,6 +147,10 @@ def graph():
     for p in files:
         a = module_of(p)
         code = "\n".join(code_lines(p.read_text()))
+        # `super::` as far as the crate root is `crate::` (`super::super::x` in
+        # `decide/pooled.rs`, `super::x` in a top-level file).
+        depth = len(module_path(p))
+        code = re.sub(r"\b(?:super::){%d,}" % depth, "crate::", code)
         # `use crate::{a::X, b::{Y, Z}, Name}` groups: expand the first level.
         targets = set(re.findall(r"crate::(\w+)", code))
         for group in re.findall(r"crate::\{([^;]*)\}", code):
@@ -135,16 +195,73 @@ def sccs(modules, edges):
     return out  # reverse topological: a component's imports come before it
 
 
-def main():
+def check() -> tuple:
+    """(circles, imports that run back up, modules in no layer) of the tree at SRC."""
     modules, edges = graph()
     comps = sccs(modules, edges)
     circles = [c for c in comps if len(c) > 1]
-    print("order (each imports only modules before it):")
-    print("  " + " < ".join("{" + ", ".join(c) + "}" if len(c) > 1 else c[0] for c in comps))
-    unknown = [m for m in modules if m not in LAYER]
     back = sorted(
         (a, b) for (a, b) in edges if a in LAYER and b in LAYER and LAYER[b] >= LAYER[a]
     )
+    unknown = [m for m in modules if m not in LAYER]
+    return circles, back, unknown
+
+
+def self_test() -> int:
+    """Copies the SDK's sources, plants one upward import at a time in each way the reader
+    must see through, and checks that each is caught (and that the clean copy passes)."""
+    import shutil
+    import tempfile
+
+    global SRC
+    real = SRC
+    plants = {
+        "a crate:: path": ("decide/pooled.rs", "use crate::client::Task as _T;\n"),
+        "a group": ("decide/pooled.rs", "use crate::{clock, client::Task as _T};\n"),
+        "super::super": (
+            "decide/pooled.rs",
+            "fn _x(_: &super::super::client::Task) {}\n",
+        ),
+        "super:: in a top-level file": ("plumbing.rs", "use super::client::Task as _T;\n"),
+        "code after a test item holding a brace in a char": (
+            "decide/pooled.rs",
+            "#[cfg(test)]\nfn _b() -> char {\n    '{'\n}\nuse crate::client::Task as _T;\n",
+        ),
+        "code after a test item holding braces in a string": (
+            "decide/pooled.rs",
+            '#[cfg(test)]\nfn _s() -> &\'static str {\n    "{{"\n}\nuse crate::client::Task as _T;\n',
+        ),
+        "a core importing ctx": ("decide/pooled.rs", "use crate::ctx::Shared as _S;\n"),
+        "a new module in no layer": ("newmod.rs", "use crate::clock as _c;\n"),
+    }
+    failed = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (file, code) in [("clean copy", (None, None))] + list(plants.items()):
+            dst = Path(tmp) / "src"
+            if dst.exists():
+                shutil.rmtree(dst)
+            shutil.copytree(real, dst)
+            if file:
+                with open(dst / file, "a") as f:
+                    f.write("\n" + code)
+            SRC = dst
+            circles, back, unknown = check()
+            caught = bool(circles or back or unknown)
+            ok = caught == (file is not None)
+            failed += not ok
+            print(f"  {'ok' if ok else 'FAILED'}: {name}: {'caught' if caught else 'passes'}")
+    SRC = real
+    return 1 if failed else 0
+
+
+def main():
+    if "--self-test" in sys.argv:
+        return self_test()
+    modules, edges = graph()
+    comps = sccs(modules, edges)
+    circles, back, unknown = check()
+    print("order (each imports only modules before it):")
+    print("  " + " < ".join("{" + ", ".join(c) + "}" if len(c) > 1 else c[0] for c in comps))
     print(f"modules: {len(modules)}, imports: {len(edges)}, running back up: {len(back)}")
     for a, b in back:
         print(f"  back up: {a} -> {b}  ({', '.join(sorted(edges[(a, b)]))})")

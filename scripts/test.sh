@@ -32,6 +32,7 @@ log "cargo fmt --check"
 cargo fmt --all --check
 
 log "the SDK's import layers (no circle, nothing runs back up)"
+python3 scripts/sdk-imports.py --self-test
 python3 scripts/sdk-imports.py
 
 if [ -f dashboard/package.json ]; then

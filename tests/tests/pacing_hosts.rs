@@ -7,7 +7,7 @@
 //! host (the control, printed) does use ≥ 90 % of every slice.
 //!
 //! Failed before the fix: each host numbers its local stock as the top of everything the task
-//! granted (`pace_check` in worker-sdk/src/client.rs), so the pace moves through every host's
+//! granted (`pace_check`, then in worker-sdk/src/client.rs, now decide/pooled.rs), so the pace moves through every host's
 //! stock at the whole task's rate, and a host that decided slower than the task's pace dropped
 //! the difference as "stale stock" — quota nobody else could use any more (it was granted in
 //! Redis). Stock below the pace is now kept and spent.

@@ -198,7 +198,7 @@ pub(crate) type FlushBatch = (u64, Vec<(i64, SliceCounters)>);
 pub(crate) struct KeyState {
     pub(crate) table: OnceLock<Result<KeyTable, String>>,
     pub(crate) wants: Mutex<HashMap<usize, Want>>,
-    /// Wakes the [`pump`].
+    /// Wakes the key pump (`crate::refill::keys::pump`).
     pub(crate) wake: tokio::sync::Notify,
     /// How each keyed task's keys are labelled, by task name: the labels, the meta version
     /// they were read at and when.

@@ -1,7 +1,8 @@
 //! The host's key table (keyed tasks): a second shared file next to the host segment,
 //! `<segment>.keys`, of entries grouped in buckets; each entry holds a key's identity, its two
 //! quota words, counters and pull lock. Opening, checking and replacing the file, and claiming
-//! and reclaiming entries; the decisions on an entry are `crate::keyed`'s (see its module docs).
+//! and reclaiming entries; the decisions on an entry are `crate::decide::keyed`'s, the `Key`
+//! front is `crate::keyed` (whose module docs describe the table).
 
 use std::fs::{File, OpenOptions};
 use std::hash::Hasher;

@@ -1,6 +1,7 @@
-//! Keyed tasks, the pure core: the quota words of a key table entry: depositing a grant,
-//! giving permits back and taking them back, and the size of a key's next pull. Functions
-//! of the entry's cells and the time passed in.
+//! Keyed tasks, the pure core: a decision on a key table entry's quota word ([`decide`]),
+//! what a direct (uncached) key pull's answer means ([`direct`]), depositing a grant, giving
+//! permits back and taking them back, and the size of a key's next pull. Functions of the
+//! entry's cells, the meta and the time passed in.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
