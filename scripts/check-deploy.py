@@ -83,12 +83,26 @@ def exported_metrics() -> set[str]:
     return names
 
 
+# What `redis_env!` appends to a binary's prefix (protocol/src/flags.rs).
+REDIS_ENV_SUFFIXES = re.findall(
+    r'concat!\(\$prefix, "([A-Z_]+)"\)', (ROOT / "protocol/src/flags.rs").read_text()
+)
+if len(REDIS_ENV_SUFFIXES) != 7:
+    raise SystemExit("protocol/src/flags.rs: the redis_env! names moved: update check-deploy.py")
+
+
 def env_names() -> dict[str, set[str]]:
     """SLUICE_* names each binary reads, by binary (manager, agent)."""
     out = {}
     for binary in ("manager", "agent"):
         src = (ROOT / binary / "src/config.rs").read_text()
         out[binary] = set(re.findall(r'env = "(SLUICE_[A-Z0-9_]+)"', src))
+        # The Redis flags are sluice_protocol::flags::RedisArgs, named from a prefix by
+        # `redis_env!(… = "SLUICE_…")` in the binary's config.rs.
+        for prefix in re.findall(
+            r'redis_env!\((?:\s*(?://[^\n]*|#\[[^\]]*\]))*\s*(?:pub\s+)?\w+\s*=\s*"(SLUICE_[A-Z_]*)"', src
+        ):
+            out[binary].update(prefix + suffix for suffix in REDIS_ENV_SUFFIXES)
         if len(out[binary]) < 5:
             raise SystemExit(f"{binary}/src/config.rs: no env names found: update check-deploy.py")
     # Read from the environment by the manager without a flag (docs/operations.md).

@@ -1310,7 +1310,7 @@ pub async fn list(client: &Client, keys: &Keys) -> Result<(Vec<(DomainDoc, i64)>
 // ---------------------------------------------------------------------------------------------
 // The leader's mirror into Redis `NS:envoy`.
 
-/// The fence preamble of the mirror scripts (`protocol/scripts/mirror_fence.lua`; the Lua text
+/// The fence preamble of the mirror scripts (`protocol/scripts/parts/mirror_fence.lua`; the Lua text
 /// of the mirror scripts lives there with the protocol's, see docs/protocol.md): the per-domain
 /// counterpart of the task fence (`sluice_protocol::scripts::FENCE_LUA`). KEYS[2] = the fence hash (`NS:envoy:fence{NS:envoy}`),
 /// field = domain, value = `"<epoch> <term> <fenced_ms>"`; ARGV[1] = domain, ARGV[2..4] = the
@@ -1328,7 +1328,7 @@ pub async fn list(client: &Client, keys: &Keys) -> Result<(Vec<(DomainDoc, i64)>
 /// takeover, mine: this very term holds the fence, age of the stored fence in ms) and `claim()`.
 macro_rules! mirror_fence {
     () => {
-        include_str!("../../protocol/scripts/mirror_fence.lua")
+        include_str!("../../protocol/scripts/parts/mirror_fence.lua")
     };
 }
 
@@ -1340,7 +1340,7 @@ macro_rules! mirror_fence {
 /// version, value, revision read. Returns `{1}` written, `{2}` unchanged, or a refusal.
 const MIRROR_SET_LUA: &str = concat!(
     mirror_fence!(),
-    include_str!("../../protocol/scripts/mirror_set.lua"),
+    include_str!("../../protocol/scripts/parts/mirror_set.lua"),
 );
 
 /// Deletes a domain's field (and its fence), fenced ([`mirror_fence!`]), unless it was written
@@ -1349,7 +1349,7 @@ const MIRROR_SET_LUA: &str = concat!(
 /// Returns `{1}` deleted, `{2}` nothing to delete, `{3}` newer, or a refusal.
 const MIRROR_DEL_LUA: &str = concat!(
     mirror_fence!(),
-    include_str!("../../protocol/scripts/mirror_del.lua"),
+    include_str!("../../protocol/scripts/parts/mirror_del.lua"),
 );
 
 static MIRROR_SET: std::sync::LazyLock<Script> =
@@ -1537,12 +1537,13 @@ pub async fn mirror(
 mod tests {
     use super::*;
 
-    /// The mirror scripts are `protocol/scripts/mirror_fence.lua` followed by `mirror_set.lua` /
-    /// `mirror_del.lua` (as docs/protocol.md says), and keep their SHA-1s: a change to either
+    /// The mirror scripts are `protocol/scripts/parts/mirror_fence.lua` followed by
+    /// `parts/mirror_set.lua` / `parts/mirror_del.lua` (as docs/protocol.md says), and keep their SHA-1s: a change to either
     /// script must be deliberate (update the SHA-1 here with it).
     #[test]
     fn mirror_scripts_match_their_files() {
-        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../protocol/scripts");
+        let dir =
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../protocol/scripts/parts");
         let read = |name: &str| {
             let path = dir.join(format!("{name}.lua"));
             std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))

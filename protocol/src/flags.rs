@@ -236,7 +236,8 @@ pub use crate::__flags_redis_env as redis_env;
 
 /// The Redis connection flags, each also the environment variable `E` names. Flatten them into
 /// a binary's parser (`#[command(flatten)]`) and build the link with [`RedisArgs::link`].
-#[derive(Debug, Default, clap::Args)]
+/// `Debug` shows the URL without its password.
+#[derive(Default, clap::Args)]
 pub struct RedisArgs<E: RedisEnv> {
     /// Redis URL, or a comma-separated list of Redis Cluster nodes [default: redis://127.0.0.1:6379]
     #[arg(long, env = E::REDIS)]
@@ -265,8 +266,8 @@ pub struct RedisArgs<E: RedisEnv> {
 
 /// The config file's keys of the Redis flags (`redis`, `redis_ca`, … as the flags, with `_`
 /// for `-`): what [`RedisArgs::link`] falls back to. [`redis_keys!`] takes them from a file
-/// struct.
-#[derive(Debug, Default, Clone, PartialEq, Eq)]
+/// struct. `Debug` shows the URL without its password.
+#[derive(Default, Clone, PartialEq, Eq)]
 pub struct RedisKeys {
     /// `redis`.
     pub redis: Option<String>,
@@ -316,6 +317,42 @@ pub struct RedisLink {
     pub target: RedisTarget,
     /// TLS and ACL settings (files checked).
     pub security: RedisSecurity,
+}
+
+impl RedisKeys {
+    /// `Debug` of these settings under `name`, the URL's password left out.
+    fn fmt_as(&self, name: &str, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct(name)
+            .field("redis", &self.redis.as_deref().map(crate::conn::redact_url))
+            .field("redis_ca", &self.redis_ca)
+            .field("redis_cert", &self.redis_cert)
+            .field("redis_key", &self.redis_key)
+            .field("redis_insecure", &self.redis_insecure)
+            .field("redis_user", &self.redis_user)
+            .field("redis_password_file", &self.redis_password_file)
+            .finish()
+    }
+}
+
+impl fmt::Debug for RedisKeys {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.fmt_as("RedisKeys", f)
+    }
+}
+
+impl<E: RedisEnv> fmt::Debug for RedisArgs<E> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        RedisKeys {
+            redis: self.redis.clone(),
+            redis_ca: self.redis_ca.clone(),
+            redis_cert: self.redis_cert.clone(),
+            redis_key: self.redis_key.clone(),
+            redis_insecure: self.redis_insecure,
+            redis_user: self.redis_user.clone(),
+            redis_password_file: self.redis_password_file.clone(),
+        }
+        .fmt_as("RedisArgs", f)
+    }
 }
 
 impl fmt::Debug for RedisLink {
@@ -451,6 +488,27 @@ mod tests {
         assert_eq!(ns, "fromfile");
         let (flags, file) = (&cli.redis, &RedisKeys::default());
         assert!(!pick!(flags, file, redis_insecure, false));
+    }
+
+    /// The flags' and the file keys' `Debug` (a binary's parsed `Cli` may be logged) never
+    /// show the URL's password (review of issue 24: they derived `Debug`).
+    #[test]
+    fn debug_never_shows_the_password() {
+        let args = parse(&["--redis", "redis://u:hunter2@x:1"]).redis;
+        let shown = format!("{args:?}");
+        assert!(
+            !shown.contains("hunter2") && shown.contains("x:1"),
+            "{shown}"
+        );
+        let keys = RedisKeys {
+            redis: Some("redis://:hunter2@y:2".into()),
+            ..RedisKeys::default()
+        };
+        let shown = format!("{keys:?}");
+        assert!(
+            !shown.contains("hunter2") && shown.contains("y:2"),
+            "{shown}"
+        );
     }
 
     /// Link errors name the flag (the file's keys too: the same names), never a password.

@@ -50,7 +50,7 @@ use redis::{RedisResult, Script, Value};
 
 use super::{Keys, TaskMeta};
 
-/// The pacing rule of paced slices (`scripts/pace.lua`), the first part of [`PULL_LUA`].
+/// The pacing rule of paced slices (`scripts/parts/pace.lua`), the first part of [`PULL_LUA`].
 ///
 /// Defines `paced_allowance(h, rem, cap, now, start, len)` → `avail, forfeit`: `h` holds the
 /// slice's `pace` and `burst` fields (as `HMGET` returns them). For an unpaced slice it returns
@@ -70,13 +70,13 @@ use super::{Keys, TaskMeta};
 /// grants) and by the grant. `ahead` lets a host hold a little stock, which it spends no
 /// faster than the pace (see `docs/sdk.md`), so its decisions do not wait for a pull at every
 /// permit.
-pub const PACE_LUA: &str = include_str!("../scripts/pace.lua");
+pub const PACE_LUA: &str = include_str!("../scripts/parts/pace.lua");
 
-/// The fence shared by every leader script (`scripts/fence.lua`, the first part of each; see
+/// The fence shared by every leader script (`scripts/parts/fence.lua`, the first part of each; see
 /// the module docs). `ARGV[1..3]`: term, epoch (the etcd cluster id, a decimal string: it does
 /// not fit a Lua number), stale_after (ms). Defines `now` (Redis `TIME`, ms), `fence(meta)` and
 /// `claim(meta)`.
-pub const FENCE_LUA: &str = include_str!("../scripts/fence.lua");
+pub const FENCE_LUA: &str = include_str!("../scripts/parts/fence.lua");
 
 /// Writes meta and slices of one task, fenced (see [`FENCE_LUA`]).
 ///
@@ -114,8 +114,8 @@ pub const FENCE_LUA: &str = include_str!("../scripts/fence.lua");
 /// expires before the requested expiry is extended (a longer `slice_ms` reuses keys of the old
 /// grid whose start coincides), never shortened.
 pub const ROLL_LUA: &str = concat!(
-    include_str!("../scripts/fence.lua"),
-    include_str!("../scripts/roll.lua"),
+    include_str!("../scripts/parts/fence.lua"),
+    include_str!("../scripts/parts/roll.lua"),
 );
 
 /// Marks a deleted task, fenced (see [`FENCE_LUA`]): the meta hash is replaced by a tombstone
@@ -130,8 +130,8 @@ pub const ROLL_LUA: &str = concat!(
 /// `{4, term, age, epoch}`), or `{5, stored_version}`: the stored spec is newer than the
 /// deletion (the task was re-created since; same epoch only, skipped with `force = 1`).
 pub const RETIRE_LUA: &str = concat!(
-    include_str!("../scripts/fence.lua"),
-    include_str!("../scripts/retire.lua"),
+    include_str!("../scripts/parts/fence.lua"),
+    include_str!("../scripts/parts/retire.lua"),
 );
 
 /// Pulls up to `ARGV[1]` permits from one slice; optionally adds counters to it.
@@ -158,8 +158,8 @@ pub const RETIRE_LUA: &str = concat!(
 /// returns that grant again with `replayed = 1` and changes nothing. A host's pulls are
 /// exclusive (its pull lock), so the last one is the only one a retry can repeat.
 pub const PULL_LUA: &str = concat!(
-    include_str!("../scripts/pace.lua"),
-    include_str!("../scripts/pull.lua"),
+    include_str!("../scripts/parts/pace.lua"),
+    include_str!("../scripts/parts/pull.lua"),
 );
 
 /// Pulls permits for one or more **keys** of a keyed task in one call (one slice, one task:
@@ -231,8 +231,8 @@ pub const FLUSH_LUA: &str = include_str!("../scripts/flush.lua");
 /// the state first), then state field/value pairs.
 /// Returns `{1, 0}`, a fence refusal, or `{2, 0}`: the task's meta is missing or retired.
 pub const ADJUST_LUA: &str = concat!(
-    include_str!("../scripts/fence.lua"),
-    include_str!("../scripts/adjust.lua"),
+    include_str!("../scripts/parts/fence.lua"),
+    include_str!("../scripts/parts/adjust.lua"),
 );
 
 /// `exact_fixed`: takes exactly `n` permits from one slice, or none.
@@ -1195,8 +1195,8 @@ where
 /// first `n1` for ring 1, the rest for ring 2 (`SETRANGE`). Returns `{1, pairs written}`, a
 /// fence refusal, or `{2, 0}`: the task's meta is missing or retired.
 pub const RECORD_HISTORY_LUA: &str = concat!(
-    include_str!("../scripts/fence.lua"),
-    include_str!("../scripts/record_history.lua"),
+    include_str!("../scripts/parts/fence.lua"),
+    include_str!("../scripts/parts/record_history.lua"),
 );
 
 /// Deletes the given entries of `NS:hosts` that are still stale when the script runs: not seen

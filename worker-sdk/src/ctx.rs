@@ -88,10 +88,10 @@ impl Shared {
 /// whole ticks, from the tick of the CPU that keeps time, so it lags by up to a tick plus the
 /// lateness of that tick (1.3–5.3 ms = 0.3–1.3 ticks measured on a loaded 2-vCPU VM at
 /// `HZ=250`); three ticks leave more than a tick of margin.
-pub(crate) const FAST_GUARD_TICKS: i64 = 3;
+const FAST_GUARD_TICKS: i64 = 3;
 
 /// Largest coarse-clock tick the fast path accepts (µs); a coarser clock turns it off.
-pub(crate) const MAX_COARSE_TICK_US: i64 = 10_000;
+const MAX_COARSE_TICK_US: i64 = 10_000;
 
 /// The fast path's guard for this kernel: [`FAST_GUARD_TICKS`] ticks of the coarse clock (0 =
 /// off).
@@ -112,7 +112,7 @@ pub(crate) fn fast_guard_us(enabled: bool) -> i64 {
 pub(crate) struct TaskInner {
     pub(crate) name: String,
     /// The slot: `index:32 | generation:16`, re-resolved when the slot was reclaimed.
-    pub(crate) slot_ref: AtomicU64,
+    slot_ref: AtomicU64,
     /// Full index of the slice the last decision fell in (saves a division per decision).
     pub(crate) index_cache: AtomicU64,
     pub(crate) poked: AtomicBool,

@@ -23,28 +23,28 @@ pub const CHUNK_DIVISOR: u64 = 16;
 /// Keys whose busiest are reported per task and host per report.
 pub const TOP_KEYS: usize = 10;
 
-pub(crate) const MAGIC: u64 = u64::from_le_bytes(*b"SLUKEYS\x01");
+const MAGIC: u64 = u64::from_le_bytes(*b"SLUKEYS\x01");
 /// 2: entries carry the id of the segment that claimed them ([`KeyEntry::segment`]); the
 /// report clock moved to the segment header.
-pub(crate) const VERSION: u64 = 2;
+const VERSION: u64 = 2;
 pub(crate) const OWNED: u64 = 1 << 63;
 /// An identity word being claimed: `0:1 | 1:1 | participant:10 | participant generation:16 |
 /// segment id:36` (the claimer, see [`claiming`]).
-pub(crate) const CLAIMING: u64 = 1 << 62;
-pub(crate) const SEG_FRAG: u64 = (1 << 36) - 1;
+const CLAIMING: u64 = 1 << 62;
+const SEG_FRAG: u64 = (1 << 36) - 1;
 /// A claim by a process of another segment (whose liveness cannot be read here) is taken to be
 /// abandoned when the entry's `used_ms` is this old.
-pub(crate) const FOREIGN_CLAIM_MS: i64 = 60_000;
+const FOREIGN_CLAIM_MS: i64 = 60_000;
 
 #[repr(C, align(64))]
-pub(crate) struct TableHeader {
-    pub(crate) magic: AtomicU64,
-    pub(crate) version: AtomicU64,
+struct TableHeader {
+    magic: AtomicU64,
+    version: AtomicU64,
     pub(crate) entries: AtomicU64,
-    pub(crate) entry_size: AtomicU64,
-    pub(crate) checksum: AtomicU64,
-    pub(crate) secret0: AtomicU64,
-    pub(crate) secret1: AtomicU64,
+    entry_size: AtomicU64,
+    checksum: AtomicU64,
+    secret0: AtomicU64,
+    secret1: AtomicU64,
 }
 
 /// One key's entry in the table.
@@ -54,12 +54,12 @@ pub struct KeyEntry {
     /// 0 = free, `CLAIMING | claimer` = being claimed, else `1:1 | slot:15 | slot
     /// generation:16 | entry    /// generation:32`.
     pub(crate) ident: AtomicU64,
-    pub(crate) h0: AtomicU64,
-    pub(crate) h1: AtomicU64,
+    h0: AtomicU64,
+    h1: AtomicU64,
     /// Last decision (host Unix ms).
     pub(crate) used_ms: AtomicI64,
     /// Reclaimable after this long idle (two slices, ms).
-    pub(crate) idle_ms: AtomicU64,
+    idle_ms: AtomicU64,
     /// [`crate::shm::ShmLock`] word: one pull per key per host.
     pub(crate) pull_lock: AtomicU64,
     /// `tag:32 | size:32`: the last pull's size and the slice it was for.
@@ -74,18 +74,18 @@ pub struct KeyEntry {
     pub(crate) adm: AtomicU64,
     /// Permits rejected since the last report.
     pub(crate) rej: AtomicU64,
-    pub(crate) key_len: AtomicU64,
+    key_len: AtomicU64,
     /// The id of the segment whose processes claimed the entry ([`crate::shm::Header::segment_id`]):
     /// the table outlives a replaced segment, whose slots have the same indexes and
     /// generations as the new one's.
     pub(crate) segment: AtomicU64,
     /// Claims of the entry so far: each draws its identity's entry generation from it.
-    pub(crate) claims: AtomicU64,
-    pub(crate) key: [AtomicU64; 32],
+    claims: AtomicU64,
+    key: [AtomicU64; 32],
 }
 
-pub(crate) const ENTRY_SIZE: usize = std::mem::size_of::<KeyEntry>();
-pub(crate) const HEADER_SIZE: usize = 128;
+const ENTRY_SIZE: usize = std::mem::size_of::<KeyEntry>();
+const HEADER_SIZE: usize = 128;
 const _: () = assert!(ENTRY_SIZE == 384);
 const _: () = assert!(std::mem::size_of::<TableHeader>() <= HEADER_SIZE);
 
@@ -106,9 +106,9 @@ impl KeyEntry {
 
 /// The host's key table (a shared file next to the segment).
 pub struct KeyTable {
-    pub(crate) map: MmapMut,
+    map: MmapMut,
     pub(crate) entries: usize,
-    pub(crate) secret: (u64, u64),
+    secret: (u64, u64),
     pub(crate) path: PathBuf,
 }
 
@@ -125,7 +125,7 @@ impl std::fmt::Debug for KeyTable {
     }
 }
 
-pub(crate) fn checksum(entries: u64) -> u64 {
+fn checksum(entries: u64) -> u64 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for w in [MAGIC, VERSION, entries, ENTRY_SIZE as u64] {
         for b in w.to_le_bytes() {
@@ -171,7 +171,7 @@ impl KeyTable {
         Self::map(path).map_err(std::io::Error::other)
     }
 
-    pub(crate) fn map(path: &Path) -> Result<Self, String> {
+    fn map(path: &Path) -> Result<Self, String> {
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -209,7 +209,7 @@ impl KeyTable {
         })
     }
 
-    pub(crate) fn create(path: &Path, entries: u32) -> std::io::Result<()> {
+    fn create(path: &Path, entries: u32) -> std::io::Result<()> {
         let tmp = crate::shm::sibling(
             path,
             &format!(
@@ -280,7 +280,7 @@ impl KeyTable {
         (h.h1, h.h2 | 1)
     }
 
-    pub(crate) fn bucket(&self, h: (u64, u64)) -> usize {
+    fn bucket(&self, h: (u64, u64)) -> usize {
         (h.0 as usize % (self.entries / WAYS)) * WAYS
     }
 
@@ -398,7 +398,7 @@ impl KeyTable {
 }
 
 /// The identity word of an entry this process is claiming (see [`CLAIMING`]).
-pub(crate) fn claiming(seg: &crate::shm::Segment) -> u64 {
+fn claiming(seg: &crate::shm::Segment) -> u64 {
     let me = seg.me();
     CLAIMING
         | ((me.participant as u64 & 0x3FF) << 52)
@@ -412,7 +412,7 @@ pub(crate) fn claiming(seg: &crate::shm::Segment) -> u64 {
 /// here — the entry has not been used for [`FOREIGN_CLAIM_MS`]. A claim takes microseconds;
 /// one abandoned by a crash at any instruction is taken over by the next claim of its
 /// bucket, and until then the bucket has one way fewer.
-pub(crate) fn abandoned(seg: &crate::shm::Segment, e: &KeyEntry, id: u64, now_ms: i64) -> bool {
+fn abandoned(seg: &crate::shm::Segment, e: &KeyEntry, id: u64, now_ms: i64) -> bool {
     if id & SEG_FRAG == seg.id() & SEG_FRAG {
         !seg.alive(crate::shm::Holder {
             participant: ((id >> 52) & 0x3FF) as u16,
