@@ -118,7 +118,7 @@ fn shipped_scripts_folder_has_no_unknown_script() {
             let name = format!("{prefix}{}", name.to_string_lossy());
             if name.ends_with(".lua") {
                 assert!(
-                    listed.iter().any(|l| *l == name),
+                    listed.contains(&name),
                     "protocol/scripts/{name} is part of no script constant: delete it, or list \
                      it in protocol/src/shipped_scripts.rs"
                 );
