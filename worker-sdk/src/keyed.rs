@@ -78,7 +78,7 @@ use crate::keytable::{Owner, owner, owner_of};
 use crate::protocol::Mode;
 use crate::protocol::scripts::KeyPullReply;
 use crate::refill::keys::pull_failed;
-use crate::shm::{FastMeta, Slot, field, tag_of, unpack_quota};
+use crate::shm::{FastMeta, Slot, field, tag_of};
 use crate::state::Health;
 
 /// A handle to one key of a keyed task ([`Task::key`]). Cheap to create and clone.
@@ -193,7 +193,7 @@ impl Key {
         let e = table.entry(i)?;
         let start = now_us.div_euclid(m.slice_ms as i64 * 1_000) * m.slice_ms as i64;
         let w = e.quota[crate::shm::parity(start, m.slice_ms)].load(Ordering::Acquire);
-        let (t, _, c) = unpack_quota(w);
+        let (t, _, c) = crate::shm::unpack_quota(w);
         let held = if w != 0 && t == tag_of(start) {
             c as u64
         } else {
@@ -706,7 +706,7 @@ impl Key {
 mod tests {
     use super::*;
     use crate::keytable::tests::table;
-    use crate::shm::pack_quota;
+    use crate::shm::{pack_quota, unpack_quota};
 
     #[test]
     fn chunks_grow_from_one_by_doubling_up_to_a_sixteenth() {
