@@ -78,7 +78,7 @@ use crate::keytable::{Owner, owner, owner_of};
 use crate::protocol::Mode;
 use crate::protocol::scripts::KeyPullReply;
 use crate::refill::keys::pull_failed;
-use crate::shm::{FastMeta, Slot, field, tag_of};
+use crate::shm::{FastMeta, field, tag_of};
 use crate::state::Health;
 
 /// A handle to one key of a keyed task ([`Task::key`]). Cheap to create and clone.
@@ -521,7 +521,7 @@ impl Key {
         let own = owner(&self.task.shared.seg, r.index, r.generation);
         let Some((i, id)) = self.entry(table, own, m.slice_ms, now_ms) else {
             if let Health::Failed { .. } = Health::decode(slot.ctl.state.load(Ordering::Acquire)) {
-                return KStep::Decided(self.fallback(slot, &m, None, start_ms, n, now_us));
+                return KStep::Decided(fallback::key(slot, &m, None, start_ms, n, now_us));
             }
             return KStep::Direct { m, start_ms };
         };
@@ -548,7 +548,7 @@ impl Key {
                 self.cached.0.store(0, Ordering::Relaxed);
                 self.decide(n, now_us)
             }
-            Entry::Failed => KStep::Decided(self.fallback(slot, &m, Some(e), start_ms, n, now_us)),
+            Entry::Failed => KStep::Decided(fallback::key(slot, &m, Some(e), start_ms, n, now_us)),
             Entry::Limited { retry_after } => KStep::Decided(Decision::Limited { retry_after }),
             Entry::Pending => KStep::Pending {
                 entry: i,
@@ -569,19 +569,6 @@ impl Key {
         if let Some(e) = self.table().and_then(|t| t.entry(entry)) {
             e.rej.fetch_add(n, Ordering::Relaxed);
         }
-    }
-
-    /// FAILED: the task's `on_failure`, `local` with `local_limit` per key per slice.
-    fn fallback(
-        &self,
-        slot: &Slot,
-        m: &FastMeta,
-        e: Option<&KeyEntry>,
-        start_ms: i64,
-        n: u64,
-        now_us: i64,
-    ) -> Decision {
-        fallback::key(slot, m, e, start_ms, n, now_us)
     }
 
     /// Registers (or joins) a pull of entry `entry` for slice `start_ms`.
@@ -689,7 +676,7 @@ impl Key {
                 // No task slice (the leader gone past the horizon, the task deleted) or no
                 // answer: FAILED, as a PULL that finds none or fails.
                 pull_failed(&self.task.shared, &self.task.inner, slot, outcome);
-                return self.fallback(slot, m, None, start_ms, n, now_us);
+                return fallback::key(slot, m, None, start_ms, n, now_us);
             }
         };
         let f = if d.is_allowed() {
