@@ -134,6 +134,23 @@ async fn a_cost_above_max_count_is_over_limit_and_counting_goes_on() {
     let a = Agent::start(&redis, &ns, "h1", &[]).await;
     let c = client(&a).await;
     let d = || vec![("sluice_task", "big")];
+    // The agent opens a task once it finds its meta in Redis; until then it answers the task
+    // as unknown (OK, no limit). Seen once under a full test run's load (the first request
+    // answered OK with no `current_limit`): wait, with a deadline, until a check-only request
+    // (`hits_addend: 0`, counted nowhere) shows the task's limit.
+    wait_until(
+        "the agent to know task big",
+        Duration::from_secs(10),
+        Duration::from_millis(100),
+        || {
+            let c = c.clone();
+            async move {
+                let r = ok(&c, request("d", vec![with_hits(&d(), 0)])).await;
+                r.statuses[0].current_limit.is_some().then_some(())
+            }
+        },
+    )
+    .await;
     let max = sluice_protocol::MAX_COUNT;
     for hits in [1u64 << 63, u64::MAX, max + 1] {
         let r = ok(&c, request("d", vec![with_hits(&d(), hits)])).await;
