@@ -4,6 +4,7 @@
 //! ```text
 //! peer_redis --algo fixed-window|sliding-log --redis URL --key K --limit L --window-ms W
 //!            --duration-ms D --start-at-ms T [--rate R] [--bucket-ms B] [--proc I]
+//!            [--keys N] [--key-report R]
 //! ```
 //!
 //! * `fixed-window`: the article's INCR limiter, the design of envoyproxy/ratelimit: the key is
@@ -27,6 +28,20 @@
 //! just before the call to the answer); `buckets` maps the start (Unix ms, multiple of B) of
 //! the bucket in which an answer ARRIVED to `[ok, over_limit]`. SIGTERM/SIGINT stop the loop
 //! early; the JSON is still printed. Bad flags: exit 2 naming the flag.
+//!
+//! # Many keys (issue 26)
+//!
+//! `--keys N` (default 0: the one key `K`, as above) spreads the decisions uniformly at random
+//! over the N keys `K:k0 … K:k{N-1}`, each its own limiter of L per W ms (for `fixed-window` the
+//! Redis key of key i is `K:ki:<now_ms / W>`): per-tenant limits the way envoyproxy/ratelimit
+//! keeps them, one script call per decision whatever the key. The choice is a SplitMix64 stream
+//! seeded from the clock, the pid and `--proc`, so processes do not repeat each other.
+//! `--key-report R` (default 0; at most N and 1,000,000) adds one field to the JSON line,
+//! the counts of keys k0 … k{R-1} by the aligned window (`floor(now_ms / W) · W`, on the
+//! client's clock, read just before the call: for `fixed-window` exactly the window the script
+//! charged) they were decided in:
+//! `"keys": {"k<i>": {"<window_start_ms>": [ok, over_limit]}}` (a key or window with no
+//! answer is absent; errors are not counted there). Every other field is unchanged.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -66,7 +81,18 @@ struct Args {
     bucket_ms: i64,
     #[arg(long, default_value_t = 0)]
     proc: u32,
+    /// Spread the decisions over this many keys `K:k<i>` (0 = the key `K` alone).
+    #[arg(long, default_value_t = 0)]
+    keys: u64,
+    /// Report per-window counts of the keys k0 … k{R-1} (`"keys"` in the JSON line).
+    #[arg(long, default_value_t = 0)]
+    key_report: u64,
 }
+
+/// At most this many keys (`--keys`).
+const MAX_KEYS: u64 = 10_000_000;
+/// At most this many reported keys (`--key-report`): their counts stay in memory.
+const MAX_KEY_REPORT: u64 = 1_000_000;
 
 /// The article's INCR limiter (`KEYS[1]` = window key; ARGV: limit, expiry seconds).
 const FIXED_WINDOW: &str = r#"
@@ -121,8 +147,15 @@ struct Limiter {
 }
 
 impl Limiter {
-    fn decide(&mut self, con: &mut redis::Connection, key: &str) -> redis::RedisResult<bool> {
+    /// One decision on `key`: whether it was admitted, and the start (Unix ms) of the aligned
+    /// window of W ms the decision's clock fell in (for `fixed-window`, the window charged).
+    fn decide(
+        &mut self,
+        con: &mut redis::Connection,
+        key: &str,
+    ) -> redis::RedisResult<(bool, i64)> {
         let now = unix_ms();
+        let window_start = now - now.rem_euclid(self.window_ms as i64);
         let r: i64 = match self.algo {
             Algo::FixedWindow => {
                 let window = now.div_euclid(self.window_ms as i64);
@@ -145,7 +178,25 @@ impl Limiter {
                     .invoke(con)?
             }
         };
-        Ok(r == 1)
+        Ok((r == 1, window_start))
+    }
+}
+
+/// SplitMix64: the key choice of `--keys` (uniform, cheap, no dependency).
+struct SplitMix(u64);
+
+impl SplitMix {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (`n` ≥ 1; multiply-shift, bias below 2⁻⁴⁰ for n ≤ 10⁷).
+    fn below(&mut self, n: u64) -> u64 {
+        ((u128::from(self.next()) * u128::from(n)) >> 64) as u64
     }
 }
 
@@ -189,6 +240,15 @@ fn main() {
     if args.bucket_ms <= 0 {
         usage("--bucket-ms must be at least 1");
     }
+    if args.keys > MAX_KEYS {
+        usage(&format!("--keys must be at most {MAX_KEYS}"));
+    }
+    if args.key_report > args.keys.min(MAX_KEY_REPORT) {
+        usage(&format!(
+            "--key-report must be at most --keys ({}) and {MAX_KEY_REPORT}",
+            args.keys
+        ));
+    }
     // SAFETY: the handler only stores to an atomic (async-signal-safe).
     unsafe {
         libc::signal(libc::SIGTERM, on_signal as *const () as libc::sighandler_t);
@@ -230,6 +290,14 @@ fn main() {
     let mut first_error: Option<String> = None;
     let mut hist: BTreeMap<u32, u64> = BTreeMap::new();
     let mut buckets: BTreeMap<i64, [u64; 2]> = BTreeMap::new();
+    // `--key-report`: (key index, window start) → [ok, over_limit].
+    let mut key_counts: BTreeMap<(u64, i64), [u64; 2]> = BTreeMap::new();
+    let mut rng = SplitMix(
+        (unix_ms() as u64)
+            ^ (u64::from(std::process::id()) << 32)
+            ^ u64::from(args.proc).wrapping_mul(0xA24B_AED4_963E_E407),
+    );
+    let mut key_buf = String::new();
     let mut i: u64 = 0;
     // Bounded by the duration (and the stop flag).
     while !STOP.load(Ordering::Relaxed) {
@@ -248,20 +316,35 @@ fn main() {
             }
         }
         i += 1;
+        let k = (args.keys > 0).then(|| rng.below(args.keys));
+        let key = match k {
+            Some(k) => {
+                use std::fmt::Write as _;
+                key_buf.clear();
+                let _ = write!(key_buf, "{}:k{k}", args.key);
+                key_buf.as_str()
+            }
+            None => args.key.as_str(),
+        };
         let t0 = Instant::now();
-        let r = lim.decide(&mut con, &args.key);
+        let r = lim.decide(&mut con, key);
         let ns = t0.elapsed().as_nanos() as u64;
         *hist.entry(hist_index(ns)).or_insert(0) += 1;
         let ms = unix_ms();
         let b = buckets
             .entry(ms - ms.rem_euclid(args.bucket_ms))
             .or_insert([0, 0]);
+        if let (Ok((admitted, window)), Some(k)) = (&r, k)
+            && k < args.key_report
+        {
+            key_counts.entry((k, *window)).or_insert([0, 0])[usize::from(!admitted)] += 1;
+        }
         match r {
-            Ok(true) => {
+            Ok((true, _)) => {
                 ok += 1;
                 b[0] += 1;
             }
-            Ok(false) => {
+            Ok((false, _)) => {
                 over += 1;
                 b[1] += 1;
             }
@@ -273,7 +356,7 @@ fn main() {
     }
     let secs = started.elapsed().as_secs_f64().max(1e-9);
     let decisions = ok + over + errors;
-    let out = serde_json::json!({
+    let mut out = serde_json::json!({
         "peer": match args.algo {
             Algo::FixedWindow => "redis-fixed-window-lua",
             Algo::SlidingLog => "redis-sliding-log-zset",
@@ -293,5 +376,14 @@ fn main() {
         "bucket_ms": args.bucket_ms,
         "buckets": buckets.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<_, _>>(),
     });
+    if args.key_report > 0 {
+        let mut keys: BTreeMap<String, BTreeMap<String, [u64; 2]>> = BTreeMap::new();
+        for ((k, w), v) in &key_counts {
+            keys.entry(format!("k{k}"))
+                .or_default()
+                .insert(w.to_string(), *v);
+        }
+        out["keys"] = serde_json::json!(keys);
+    }
     println!("{out}");
 }
