@@ -6,16 +6,34 @@
 #   seed article's limiters (tests/src/bin/peer_redis.rs) —, rate-limiter-flexible (npm,
 #   RateLimiterRedis) and limits (PyPI, moving window).
 #
-#   scripts/bench.sh           full: 10 s per run, the anchors' workload, scale curves
-#                              (tasks, hosts, keys), criterion; release builds; regenerates
-#                              the generated part of docs/benchmarks.md and docs/img/bench-*.svg
-#   scripts/bench.sh --quick   smoke test (≤ 3 min once built; run by scripts/test.sh): 3 s per
-#                              run, the binaries test.sh built (debug unless
-#                              SLUICE_BENCH_PROFILE=release), report rendered to target/bench/
-#                              only — it checks the output parses, never the speed.
+# Sections (scripts/bench/run.py): peers (the side by side above), anchors (several hosts,
+# shifting demand), keys (issue 26's grid: per-key limits against the per-request fixed window
+# of peer_redis on the same keys — keys 1 … 1,000,000 × demand 0.1/1/3× the limit × 1/2 hosts
+# × 1 s/60 s slices), scale (curves: hosts, keys, tasks), criterion.
+#
+#   scripts/bench.sh           full: every section; 10 s per run (keys grid: 5 s per run,
+#                              ~25 min for its 60 points × 2 designs); release builds;
+#                              regenerates the generated parts of docs/benchmarks.md and
+#                              docs/img/bench-*.svg
+#   scripts/bench.sh --quick   smoke test (≤ 3 min once built; run by scripts/test.sh): peers
+#                              at 3 s per run and a corner of the keys grid (100 and 10,000
+#                              keys, demand 1×, 1 host, 1 s slices, 2 s per run), the binaries
+#                              test.sh built (debug unless SLUICE_BENCH_PROFILE=release), report
+#                              rendered to target/bench/ only — it checks the output parses,
+#                              never the speed.
+#   SLUICE_BENCH_SECTIONS=keys scripts/bench.sh
+#                              the keys grid alone (full, release): regenerates its section of
+#                              docs/benchmarks.md and docs/img/bench-keys-*.svg, nothing else.
 # Environment: SLUICE_BENCH_SECONDS (per run), SLUICE_BENCH_LIMIT (default 2000 per second),
 # SLUICE_BENCH_PEERS (comma list to run a subset), SLUICE_BENCH_PROFILE (debug|release),
-# SLUICE_BENCH_SKIP_CRITERION=1 (full mode without the criterion benchmarks).
+# SLUICE_BENCH_SKIP_CRITERION=1 (full mode without the criterion benchmarks),
+# SLUICE_BENCH_SECTIONS (comma list of the sections above; default all in full mode, peers,keys
+# in quick mode), SLUICE_BENCH_KEYS_RATE (keys grid: decisions/s per host, default 5000),
+# SLUICE_BENCH_KEYS_SECONDS (keys grid: per run; default 5, quick 2), SLUICE_BENCH_KEYS_WORKERS
+# (keys grid: Sluice decision loops per process, default 16), SLUICE_BENCH_KEYS_REPORTED (keys
+# grid: keys whose counts per slice are reported and judged, default 1000),
+# SLUICE_BENCH_KEY_SLOTS_CAP (the SDK's MAX_KEY_SLOTS; default read from
+# worker-sdk/src/keytable.rs).
 # Output: target/bench/result-<unix>.json (+ latest.json). Everything started here is stopped
 # by PID on exit.
 set -euo pipefail
@@ -40,11 +58,14 @@ case "${1:-}" in
 esac
 if [ "$MODE" = quick ]; then
   SECS=${SLUICE_BENCH_SECONDS:-3}
+  KEYS_SECS=${SLUICE_BENCH_KEYS_SECONDS:-2}
   PROFILE=${SLUICE_BENCH_PROFILE:-debug}
 else
   SECS=${SLUICE_BENCH_SECONDS:-10}
+  KEYS_SECS=${SLUICE_BENCH_KEYS_SECONDS:-5}
   PROFILE=${SLUICE_BENCH_PROFILE:-release}
 fi
+SECTIONS=${SLUICE_BENCH_SECTIONS:-}
 LIMIT=${SLUICE_BENCH_LIMIT:-2000}
 case "$PROFILE" in
   debug) BIN="${CARGO_TARGET_DIR:-target}/debug"; CARGO_PROFILE=() ;;
@@ -102,10 +123,15 @@ python3 scripts/bench/run.py --mode "$MODE" --profile "$PROFILE" --command "$CMD
   --node-peer "node scripts/bench/peers/node/peer.js" \
   --py-peer "scripts/bench/peers/python/.venv/bin/python scripts/bench/peers/python/peer.py" \
   --limit "$LIMIT" --hosts 2 --procs 2 --seconds "$SECS" --peers "${SLUICE_BENCH_PEERS:-}" \
+  --sections "$SECTIONS" --keys-rate "${SLUICE_BENCH_KEYS_RATE:-5000}" \
+  --keys-seconds "$KEYS_SECS" --keys-workers "${SLUICE_BENCH_KEYS_WORKERS:-16}" \
+  --keys-reported "${SLUICE_BENCH_KEYS_REPORTED:-1000}" --key-slots-cap "${SLUICE_BENCH_KEY_SLOTS_CAP:-0}" \
   --out "$OUT" --tmp "$dir" "${AGENTS[@]}"
 
+# The docs take a full release run of every section, or of the keys grid alone (report.py then
+# replaces its section only); anything else is rendered to target/bench/.
 if [ "$MODE" = full ] && [ "$PROFILE" = release ] && [ -z "${SLUICE_BENCH_PEERS:-}" ] &&
-  [ -z "${SLUICE_BENCH_SKIP_CRITERION:-}" ]; then
+  { { [ -z "$SECTIONS" ] && [ -z "${SLUICE_BENCH_SKIP_CRITERION:-}" ]; } || [ "$SECTIONS" = keys ]; }; then
   python3 scripts/bench/report.py "$OUT" --doc docs/benchmarks.md --svg-dir docs/img
   log "docs/benchmarks.md and docs/img/bench-*.svg regenerated from $OUT"
 else

@@ -4,11 +4,17 @@
   report.py RESULT.json --doc docs/benchmarks.md --svg-dir docs/img [--check]
 
 The markdown replaces what lies between the markers `<!-- bench:peers:begin -->` and
-`<!-- bench:peers:end -->` in --doc (the rest of the file is kept); a --doc without the
-markers is refused (an empty or missing one gets the section alone). The SVGs (bench-throughput.svg, bench-p99.svg,
-bench-accuracy.svg, and in full mode bench-scale-*.svg) are drawn here from the JSON, with
-nothing but the standard library. --check: fail (exit 1, naming what) unless every limiter ran
-at both demands with decisions, latencies and at least one full window.
+`<!-- bench:peers:end -->` (the side-by-side run: `cases`, and in full mode the anchors, scale
+curves and criterion) and between `<!-- bench:keys:begin -->` and `<!-- bench:keys:end -->`
+(the keys grid of issue 26: `keys`) in --doc, each only when the JSON has its section (a run
+of the keys grid alone leaves the side-by-side section as it was); the rest of the file is
+kept. A --doc without a section's markers is refused (an empty or missing one gets the
+sections alone). The SVGs (bench-throughput.svg, bench-p99.svg, bench-accuracy.svg, in full
+mode bench-scale-*.svg, and with the keys grid bench-keys-*.svg) are drawn here from the JSON,
+with nothing but the standard library. --check: fail (exit 1, naming what) unless every
+section the run lists (`sections`) is there: every limiter at both demands with decisions,
+latencies and at least one full window; every point of the keys grid with both designs,
+decisions, latencies, no errors and its accuracy.
 """
 
 import argparse
@@ -19,6 +25,8 @@ import os
 import sys
 
 BEGIN, END = "<!-- bench:peers:begin -->", "<!-- bench:peers:end -->"
+KBEGIN, KEND = "<!-- bench:keys:begin -->", "<!-- bench:keys:end -->"
+KDESIGNS = (("sluice", "Sluice"), ("per_request", "per-request"))
 PEERS = [
     ("sluice-sdk-pooled", "Sluice in-process, pooled (SDK)"),
     ("sluice-sdk-keyed", "Sluice in-process, keyed (SDK, one key)"),
@@ -180,7 +188,7 @@ def line_chart(title, xs_label, series, ylabel, width=560, logx=True, logy=False
 # ---------------------------------------------------------------- markdown
 
 def case(r, peer, demand):
-    return next((c for c in r["cases"] if c["peer"] == peer and c["demand"] == demand), None)
+    return next((c for c in r.get("cases", []) if c["peer"] == peer and c["demand"] == demand), None)
 
 
 def goals(r):
@@ -358,8 +366,200 @@ def render(r, svg_rel):
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- the keys grid (issue 26)
+
+def ratio(s, p):
+    """Sluice ÷ per-request (≤ 1: never worse; ≤ 0.1: 10× better); None when unknown."""
+    if s is None or p is None:
+        return None
+    if p == 0:
+        return 0.0 if s == 0 else math.inf
+    return s / p
+
+
+def rfmt(x):
+    if x is None:
+        return "–"
+    if x == math.inf:
+        return "∞"
+    return f"{x:.3f}" if x < 0.1 else f"{x:.2f}"
+
+
+def key_goals(pt):
+    """(never worse, ≥ 10× better or None where a key sees < 10 decisions per slice per host)."""
+    s, p = pt["sluice"], pt["per_request"]
+    rs = [ratio(s["redis_commands_per_decision"], p["redis_commands_per_decision"]),
+          ratio(s["redis_cpu_us_per_decision"], p["redis_cpu_us_per_decision"]),
+          ratio(s["p50_us"], p["p50_us"]), ratio(s["p99_us"], p["p99_us"])]
+    never_worse = all(x is not None and x <= 1 for x in rs)
+    if pt["decisions_per_key_slice_host"] < 10:
+        return never_worse, None
+    return never_worse, rs[0] is not None and rs[0] <= 0.1 and rs[2] is not None and rs[2] <= 0.1
+
+
+def demands(pt):
+    """The nominal demands a point stands for (several where L = 1 made them one workload)."""
+    return ", ".join(f"{d:g}×" for d in pt.get("demands", [pt["demand"]]))
+
+
+def frac(x):
+    return "n/a" if x is None else f"{x:.3f}"
+
+
+def tick(x):
+    return "–" if x is None else ("✓" if x else "✗")
+
+
+def key_series(k, slice_s, field, design, demand=1, hosts=1):
+    pts = [pt for pt in k["points"] if pt["slice_s"] == slice_s and pt["hosts"] == hosts
+           and demand in pt.get("demands", [pt["demand"]])]
+    return [(pt["keys"], pt[design][field]) for pt in sorted(pts, key=lambda x: x["keys"])]
+
+
+def keys_svgs(k):
+    """Redis commands per decision, p50 and p99 against keys: one line per design and slice
+    length; demand 1× the limit, one host (2 processes)."""
+    slices = sorted({pt["slice_s"] for pt in k["points"]})
+
+    def chart(title, field, ylabel):
+        return line_chart(f"{title} (demand 1×, 1 host)", "keys",
+                          [(f"{label}, {sl} s slices", key_series(k, sl, field, d))
+                           for sl in slices for d, label in KDESIGNS], ylabel, logy=True)
+    return {"bench-keys-commands.svg": chart("Redis commands per decision",
+                                             "redis_commands_per_decision", "commands / decision"),
+            "bench-keys-p50.svg": chart("Decision p50", "p50_us", "µs"),
+            "bench-keys-p99.svg": chart("Decision p99", "p99_us", "µs")}
+
+
+def render_keys(r, svg_rel, svgs):
+    k = r["keys"]
+    m = r["machine"]
+    pts = k["points"]
+    g = k["grid"]
+    lines = [KBEGIN, "",
+             "<!-- Generated by scripts/bench/report.py from the JSON of one run of "
+             "scripts/bench.sh: edit the script, not this section. -->", "",
+             f"One run of `{r['command']}` on {r['date'][:10]} ({r['mode']} mode, {r['profile']} build; "
+             f"the grid took {k['elapsed_s']:.0f} s): keys {' · '.join(f'{x:,}' for x in g['keys'])} × demand "
+             f"{' · '.join(f'{x:g}×' for x in g['demand'])} × hosts {' · '.join(map(str, g['hosts']))} "
+             f"({k['procs_per_host']} processes each) × slices {' · '.join(f'{x} s' for x in g['slice_s'])}; "
+             f"{k['rate_per_host']:,.0f} decisions/s per host (paced), {k['seconds_per_run']:g} s per run, "
+             f"Sluice with {k['workers_per_proc']} decision loops per process, key table cap "
+             f"{k['key_slots_cap']:,} entries. Machine: {m['cpu']}, {m['cores']} cores; {m['redis']}. "
+             f"Idle background subtracted from the per-request counts: {k['idle_redis_commands_per_s']:.1f} "
+             "commands/s.", "",
+             "Ratios are Sluice ÷ per-request (≤ 1: Sluice no worse; ≤ 0.1: 10× better). *never worse*: "
+             "commands, Redis CPU, p50 and p99 per decision all ≤ the per-request design's. *10×*: commands "
+             "and p50 both ≤ 1/10, judged only where a key sees ≥ 10 decisions per slice per host (– elsewhere). "
+             "† L clamped to 1: the demand reached is the *actual* column, not the nominal one (nominal demands "
+             "that came out as the same workload were run once, one row). ‡ more keys "
+             "than key table entries (keys beyond the table are decided by direct calls).", "",
+             "| keys | demand (actual) | hosts | slice | L | dec/key/slice/host | decisions/s S · P | "
+             "Redis cmds/dec S · P (ratio) | Redis CPU µs/dec S · P | p50 µs S · P (ratio) | "
+             "p99 µs S · P (ratio) | SDK calls/dec | never worse | 10× |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    nw = ten = ten_n = 0
+    for pt in pts:
+        s, p = pt["sluice"], pt["per_request"]
+        ok_nw, ok_ten = key_goals(pt)
+        nw += ok_nw
+        if ok_ten is not None:
+            ten_n += 1
+            ten += ok_ten
+        mark = ("†" if pt["clamped"] else "") + ("‡" if pt["keys_exceed_table"] else "")
+        lines.append(
+            f"| {pt['keys']:,}{mark} | {demands(pt)} ({pt['actual_demand']:g}×) | {pt['hosts']} | "
+            f"{pt['slice_s']} s | {pt['limit']:,} | {sig(pt['decisions_per_key_slice_host'])} | "
+            f"{sig(s['decisions_per_s'])} · {sig(p['decisions_per_s'])} | "
+            f"{s['redis_commands_per_decision']:.4f} · {p['redis_commands_per_decision']:.4f} "
+            f"({rfmt(ratio(s['redis_commands_per_decision'], p['redis_commands_per_decision']))}) | "
+            f"{sig(s['redis_cpu_us_per_decision'])} · {sig(p['redis_cpu_us_per_decision'])} | "
+            f"{sig(s['p50_us'])} · {sig(p['p50_us'])} ({rfmt(ratio(s['p50_us'], p['p50_us']))}) | "
+            f"{sig(s['p99_us'])} · {sig(p['p99_us'])} ({rfmt(ratio(s['p99_us'], p['p99_us']))}) | "
+            f"{s['sdk_redis_calls_per_decision']:.4f} | {tick(ok_nw)} | {tick(ok_ten)} |")
+    lines += ["", f"Never worse at {nw} of {len(pts)} points; 10× better at {ten} of the {ten_n} points "
+              "where a key sees ≥ 10 decisions per slice per host.", ""]
+    lines += ["Accuracy per reported key (the first "
+              f"{k['reported_keys']:,} keys, or all when fewer) and slice, summed over every process of every "
+              "host: *over* counts key-slices that admitted more than L (every slice, the run's partial ones "
+              "included; must be 0 for Sluice), with the permits above L; *utilisation* is admitted ÷ L over the "
+              "key-slices fully inside the run whose demand reached L (median, min, share ≥ 95 %, and how many "
+              "key-slices; n/a where no slice is full: 60 s slices in a short run); *served* is admitted ÷ "
+              "min(demand, L) over every full key-slice (1 = what an exact limiter admits, demand below L "
+              "included); *admitted* is the share of all decisions admitted. *Redis memory* is the peak "
+              "`used_memory` during the run (sampled every 0.5 s) minus the value before, ÷ the keys that had at "
+              "least one decision (expected, K·(1 − e^(−decisions/K))). *Manager* is its CPU over the run, % of "
+              "one core.", "",
+              "| keys | demand | hosts | slice | L | over S · P (permits) | utilisation S: median / min / ≥ 95 % (n) | "
+              "utilisation P: median / min (n) | served S · P | admitted S · P | Redis memory B/active key S · P | "
+              "active keys | manager CPU |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def util(a, full=True):
+        if a["util_median"] is None:
+            return "n/a"
+        share = f" / {a['util_ge_95'] * 100:.0f} %" if full else ""
+        return f"{a['util_median']:.3f} / {a['util_min']:.3f}{share} ({a['util_key_slices']:,})"
+
+    for pt in pts:
+        s, p = pt["sluice"], pt["per_request"]
+        sa, pa = s["accuracy"], p["accuracy"]
+        mark = ("†" if pt["clamped"] else "") + ("‡" if pt["keys_exceed_table"] else "")
+        lines.append(
+            f"| {pt['keys']:,}{mark} | {demands(pt)} | {pt['hosts']} | {pt['slice_s']} s | {pt['limit']:,} | "
+            f"{sa['over_slices']} ({sa['over_permits']:,}) · {pa['over_slices']} ({pa['over_permits']:,}) | "
+            f"{util(sa)} | {util(pa, False)} | {frac(sa.get('served'))} · {frac(pa.get('served'))} | "
+            f"{s['admitted_fraction'] * 100:.1f} % · {p['admitted_fraction'] * 100:.1f} % | "
+            f"{sig(s['redis_memory_per_active_key_bytes'])} · {sig(p['redis_memory_per_active_key_bytes'])} | "
+            f"{s['active_keys']:,} | {s['manager_cpu_percent']:.1f} % |")
+    over = sum(pt["sluice"]["accuracy"]["over_slices"] for pt in pts)
+    lines += ["", f"Sluice over-admitted {over} key-slice(s) in this run"
+              f"{' (the goal is 0)' if over else ''}.", ""]
+    shown = [f"![{name[:-4]}]({svg_rel}/{name})" for name in
+             ("bench-keys-commands.svg", "bench-keys-p50.svg", "bench-keys-p99.svg") if svgs.get(name)]
+    lines += [" ".join(shown), ""]
+    lines += ["The plots: demand 1× the limit, one host (2 processes), a line per design and slice "
+              "length; x = keys (log), y log (a value of 0 is not drawn). "
+              "Reproduce the grid alone: `SLUICE_BENCH_SECTIONS=keys scripts/bench.sh` (release, "
+              "regenerates this section only); the raw numbers are under `keys` in "
+              "`target/bench/latest.json`.", "", KEND]
+    return "\n".join(lines)
+
+
+def check_keys(r):
+    k = r.get("keys")
+    if not k:
+        return ["keys: missing"]
+    if not k.get("points"):
+        return ["keys: no point"]
+    problems = []
+    for pt in k["points"]:
+        name = f"keys {pt['keys']}/{pt['demand']}×/{pt['hosts']}h/{pt['slice_s']}s"
+        for d, _ in KDESIGNS:
+            c = pt.get(d)
+            if not c:
+                problems.append(f"{name}: {d} missing")
+                continue
+            if c["decisions"] <= 0:
+                problems.append(f"{name}: {d}: no decisions")
+            if c["p50_us"] is None or c["p99_us"] is None:
+                problems.append(f"{name}: {d}: no latency")
+            if c["errors"]:
+                problems.append(f"{name}: {d}: {c['errors']} errors")
+            if "over_slices" not in c.get("accuracy", {}):
+                problems.append(f"{name}: {d}: no accuracy")
+        if pt.get("sluice") and pt["sluice"].get("sdk_redis_calls") is None:
+            problems.append(f"{name}: sluice: no SDK redis_calls")
+    return problems
+
+
 def check(r):
     problems = []
+    sections = r.get("sections", ["peers"])
+    if "keys" in sections:
+        problems += check_keys(r)
+    if "peers" not in sections:
+        return problems
     for p, _ in PEERS:
         for d in ("over", "steady"):
             c = case(r, p, d)
@@ -395,19 +595,21 @@ def main():
     os.makedirs(a.svg_dir, exist_ok=True)
     label = dict(PEERS)
     kind = lambda p: "sluice" if p.startswith("sluice") else "peer"  # noqa: E731
-    over = [c for p, _ in PEERS for c in r["cases"] if c["peer"] == p and c["demand"] == "over"]
-    svgs = {
-        "bench-throughput.svg": bar_chart("Decisions per second (demand above the limit, log scale)",
-                                          [(label[c["peer"]].replace("`", ""), c["decisions_per_s"], kind(c["peer"])) for c in over],
-                                          "/s"),
-        "bench-p99.svg": bar_chart("p99 decision latency (demand above the limit, log scale)",
-                                   [(label[c["peer"]].replace("`", ""), c["p99_us"], kind(c["peer"])) for c in over],
-                                   "µs"),
-        "bench-accuracy.svg": range_chart("Admitted ÷ limit per 1 s window (min, median, max; demand above)",
-                                          [(label[c["peer"]].replace("`", ""), c["accuracy"].get("min"),
-                                            c["accuracy"].get("median"), c["accuracy"].get("max"), kind(c["peer"]))
-                                           for c in over if c["accuracy"].get("windows")]),
-    }
+    svgs, keys_svgs_ = {}, {}
+    if r.get("cases"):
+        over = [c for p, _ in PEERS for c in r["cases"] if c["peer"] == p and c["demand"] == "over"]
+        svgs = {
+            "bench-throughput.svg": bar_chart("Decisions per second (demand above the limit, log scale)",
+                                              [(label[c["peer"]].replace("`", ""), c["decisions_per_s"], kind(c["peer"])) for c in over],
+                                              "/s"),
+            "bench-p99.svg": bar_chart("p99 decision latency (demand above the limit, log scale)",
+                                       [(label[c["peer"]].replace("`", ""), c["p99_us"], kind(c["peer"])) for c in over],
+                                       "µs"),
+            "bench-accuracy.svg": range_chart("Admitted ÷ limit per 1 s window (min, median, max; demand above)",
+                                              [(label[c["peer"]].replace("`", ""), c["accuracy"].get("min"),
+                                                c["accuracy"].get("median"), c["accuracy"].get("max"), kind(c["peer"]))
+                                               for c in over if c["accuracy"].get("windows")]),
+        }
     sc = r.get("scale")
     if sc:
         svgs["bench-scale-hosts.svg"] = line_chart(
@@ -419,24 +621,40 @@ def main():
         svgs["bench-scale-tasks.svg"] = line_chart(
             "Cost as tasks grow (idle, rolled)", "tasks",
             [("Redis cmds/s", [(x["tasks"], x["redis_cmds_per_s"]) for x in sc["tasks"]])], "Redis commands/s", logy=True)
-    for name, svg in svgs.items():
+    if r.get("keys"):
+        keys_svgs_ = keys_svgs(r["keys"])
+    for name, svg in {**svgs, **keys_svgs_}.items():
         if svg:
             with open(os.path.join(a.svg_dir, name), "w") as f:
                 f.write(svg + "\n")
     rel = os.path.relpath(a.svg_dir, os.path.dirname(os.path.abspath(a.doc)) or ".")
-    section = render(r, rel)
+    sections = []
+    if r.get("cases"):
+        sections.append((BEGIN, END, render(r, rel)))
+    if r.get("keys"):
+        sections.append((KBEGIN, KEND, render_keys(r, rel, keys_svgs_)))
     text = ""
     if os.path.exists(a.doc):
         with open(a.doc) as f:
             text = f.read()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + section + tail
-    elif text.strip():
-        sys.exit(f"report: {a.doc} has no {BEGIN} … {END} markers; add them where the section goes")
-    else:
-        text = section + "\n"
+    # A doc made of generated sections alone (target/bench/report.md) is made again whole.
+    rest = text
+    for begin, end in ((BEGIN, END), (KBEGIN, KEND)):
+        if begin in rest and end in rest:
+            head, tail = rest.split(begin, 1)
+            rest = head + tail.split(end, 1)[1]
+    fresh = not rest.strip()
+    if fresh:
+        text = ""
+    for begin, end, section in sections:
+        if begin in text and end in text:
+            head, rest = text.split(begin, 1)
+            tail = rest.split(end, 1)[1]
+            text = head + section + tail
+        elif fresh:
+            text += section + "\n\n"
+        else:
+            sys.exit(f"report: {a.doc} has no {begin} … {end} markers; add them where the section goes")
     with open(a.doc + ".tmp", "w") as f:
         f.write(text)
     os.replace(a.doc + ".tmp", a.doc)

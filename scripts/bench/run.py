@@ -20,11 +20,19 @@ Redis (/proc times), and the manager's CPU (a fixed cost per task, not per decis
 most admitted in any 1 s span (100 ms steps).
 
 Full mode adds scale curves (tasks, hosts, keys) and the anchors' workload (several hosts,
-shifting demand), and runs the criterion decision-path benchmarks. Writes ONE JSON file.
+shifting demand), and runs the criterion decision-path benchmarks.
+
+The keys grid (issue 26; `keys`, quick mode runs a corner of it): per-key limits, Sluice keyed
+(loadgen --keys) against the per-request fixed window on the same keys (peer_redis --keys), at
+every point of keys × per-key demand × hosts × slice length, with the same total rate per host,
+process count, limit and Redis; key_points() says how a point's limit is derived, key_run()
+what is measured, key_accuracy() how a key's slices are judged. --sections picks what runs
+(default: everything in full mode, peers and keys in quick mode). Writes ONE JSON file.
 """
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -39,6 +47,9 @@ import urllib.request
 TICK = os.sysconf("SC_CLK_TCK")
 BUCKET_MS = 100
 WINDOW_MS = 1000
+
+
+SECTIONS = ("peers", "anchors", "keys", "scale", "criterion")
 
 
 def log(msg):
@@ -80,6 +91,16 @@ class Redis:
 
     def cpu(self):
         return proc_cpu(self.pid)
+
+    def used_memory(self):
+        return int(re.search(r"used_memory:(\d+)", self.cli("INFO", "memory")).group(1))
+
+    def unlink_matching(self, pattern):
+        """Removes every key matching a glob pattern (SCAN, then UNLINK in batches)."""
+        keys = subprocess.run(["redis-cli", "-p", self.port, "--scan", "--pattern", pattern],
+                              capture_output=True, text=True, check=True, timeout=300).stdout.split()
+        for i in range(0, len(keys), 1000):
+            self.cli("UNLINK", *keys[i:i + 1000])
 
 
 def hist_merge(into, h):
@@ -181,6 +202,11 @@ class Bench:
                                      headers={"content-type": "application/json"})
         with urllib.request.urlopen(req, timeout=30) as r:
             assert r.status in (200, 201), r.status
+
+    def delete_task(self, name):
+        req = urllib.request.Request(f"{self.base}/api/v1/tasks/{name}", method="DELETE")
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status in (200, 204), r.status
 
     def task_ready(self, name):
         try:
@@ -469,7 +495,7 @@ def scale_curves(b):
         out["tasks"].append({
             "tasks": n, "redis_cmds_per_s": round((b.redis.commands() - c0) / el, 1),
             "manager_cpu_per_s": round((proc_cpu(a.manager_pid) - m0) / el, 4),
-            "redis_used_memory_mib": round(int(re.search(r"used_memory:(\d+)", b.redis.cli("INFO", "memory")).group(1)) / 2**20, 1),
+            "redis_used_memory_mib": round(b.redis.used_memory() / 2**20, 1),
         })
         log(f"  {out['tasks'][-1]}")
     log(f"scale curves took {time.time() - t_start:.0f} s")
@@ -529,6 +555,247 @@ def anchors(b):
     }
 
 
+# ---------------------------------------------------------------- the keys grid (issue 26)
+
+# Per-key limits side by side with the per-request fixed window (envoyproxy/ratelimit's design,
+# peer_redis --algo fixed-window --keys K), on the grid of issue 26.
+KEYS_GRID = {"full": {"keys": (1, 100, 10_000, 100_000, 1_000_000), "demand": (0.1, 1, 3),
+                      "hosts": (1, 2), "slice_s": (1, 60)},
+             "quick": {"keys": (100, 10_000), "demand": (1,), "hosts": (1,), "slice_s": (1,)}}
+KEYS_PROCS = 2           # processes per host (one loadgen --procs 2; 2 peer processes)
+KEYS_LEAD_MS = 1500      # processes start this long before the common start
+
+
+def key_slots_cap(a):
+    """The SDK's largest key table (`MAX_KEY_SLOTS`): --key-slots-cap, else read from the
+    source the binaries were built from (the constant may change), else 262,144."""
+    if a.key_slots_cap:
+        return a.key_slots_cap
+    try:
+        with open(os.path.join(os.path.dirname(__file__), "../../worker-sdk/src/keytable.rs")) as f:
+            m = re.search(r"pub const MAX_KEY_SLOTS: u32 = ([\d_]+);", f.read())
+        if m:
+            return int(m.group(1).replace("_", ""))
+    except OSError:
+        pass
+    return 262_144
+
+
+def key_points(grid, rate):
+    """The grid's points. Per host the decisions come at a fixed total `rate`/s, uniformly over
+    the keys, so a key's demand per slice is rate·hosts·slice/keys; its limit L per slice is
+    chosen to make that the nominal multiple of L. L ≥ 1: where the nominal demand would need
+    L < 1, L = 1 and the demand actually reached is recorded (`clamped`). Nominal demands that
+    come out as the same workload (same keys, hosts, slice and L: only where L is clamped) are
+    one point, run once (`demands` lists them)."""
+    out, seen = [], {}
+    for slice_s in grid["slice_s"]:
+        for hosts in grid["hosts"]:
+            for keys in grid["keys"]:
+                for demand in grid["demand"]:
+                    per_key = rate * hosts * slice_s / keys
+                    raw = per_key / demand
+                    limit = max(1, round(raw))
+                    same = seen.get((keys, hosts, slice_s, limit))
+                    if same:
+                        same["demands"].append(demand)
+                        continue
+                    pt = {
+                        "keys": keys, "demand": demand, "demands": [demand], "hosts": hosts,
+                        "slice_s": slice_s, "limit": limit,
+                        "actual_demand": round(per_key / limit, 4), "clamped": raw < 1,
+                        "decisions_per_key_slice_host": round(rate * slice_s / keys, 4),
+                    }
+                    seen[(keys, hosts, slice_s, limit)] = pt
+                    out.append(pt)
+    return out
+
+
+def key_accuracy(reports, limit, slice_ms):
+    """Per reported key and slice, summed over every process of every host: slices that
+    admitted more than the limit (all slices, partial ones included), and the utilisation
+    admitted ÷ limit of the FULL slices (inside every report's run) where the key's demand
+    reached its limit. Keys are `k<i>` (peer_redis) or `key-<i>` (loadgen): merged by i."""
+    per = {}
+    first_full, last_end = None, None
+    for r in reports:
+        starts = [int(s) for s in r["buckets"]]
+        if starts:
+            lo, hi = min(starts) + slice_ms, max(starts)
+            first_full = lo if first_full is None else max(first_full, lo)
+            last_end = hi if last_end is None else min(last_end, hi)
+        for k, slices in r.get("keys", {}).items():
+            i = int(re.sub(r"^(key-|k)", "", k))
+            for s, (ok, over) in slices.items():
+                e = per.setdefault((i, int(s)), [0, 0])
+                e[0] += ok
+                e[1] += over
+    over = [(k, v[0]) for k, v in per.items() if v[0] > limit]
+    full = [v for (_, s), v in per.items()
+            if first_full is not None and s >= first_full and s + slice_ms <= last_end]
+    util = sorted(v[0] / limit for v in full if v[0] + v[1] >= limit)
+    # Every full key-slice, demand below L included: admitted ÷ what an exact limiter admits.
+    servable = sum(min(v[0] + v[1], limit) for v in full)
+    return {
+        "key_slices": len(per), "decisions": sum(v[0] + v[1] for v in per.values()),
+        "over_slices": len(over), "over_permits": sum(n - limit for _, n in over),
+        "served": round(sum(v[0] for v in full) / servable, 4) if servable else None,
+        "full_slices": 0 if first_full is None else max(0, (last_end - first_full) // slice_ms),
+        "util_key_slices": len(util),
+        "util_min": round(util[0], 4) if util else None,
+        "util_median": round(statistics.median(util), 4) if util else None,
+        "util_mean": round(statistics.mean(util), 4) if util else None,
+        "util_ge_95": round(sum(1 for u in util if u >= 0.95) / len(util), 4) if util else None,
+    }
+
+
+def keys_grid(b):
+    a = b.a
+    grid = KEYS_GRID[a.mode]
+    rate, secs, workers = a.keys_rate, a.keys_seconds, a.keys_workers
+    cap = key_slots_cap(a)
+    points = key_points(grid, rate)
+    out = {"rate_per_host": rate, "seconds_per_run": secs, "procs_per_host": KEYS_PROCS,
+           "workers_per_proc": workers, "key_slots_cap": cap, "reported_keys": a.keys_reported,
+           "grid": {k: list(v) for k, v in grid.items()}, "points": []}
+    # The background now (the runs before left tasks behind), to take off the peer's counts.
+    c0, w0 = b.redis.commands(), time.time()
+    time.sleep(2)
+    idle = (b.redis.commands() - c0) / (time.time() - w0)
+    out["idle_redis_commands_per_s"] = round(idle, 1)
+    t_start = time.time()
+    for n, pt in enumerate(points):
+        done = time.time() - t_start
+        eta = f", ~{done / n * (len(points) - n):.0f} s left" if n else ""
+        log(f"keys {n + 1}/{len(points)}: {pt['keys']:,} keys × {pt['demand']}× demand, "
+            f"{pt['hosts']} host(s), {pt['slice_s']} s slices: L = {pt['limit']:,}"
+            f"{' (clamped: demand ' + str(pt['actual_demand']) + '×)' if pt['clamped'] else ''}"
+            f" ({done:.0f} s elapsed{eta})")
+        slots = min(cap, max(1024, 1 << (2 * pt["keys"] - 1).bit_length()))
+        pt.update({"key_slots": slots, "keys_exceed_table": pt["keys"] > slots})
+        task = f"kg{b.run_id}-{n}"
+        # The point's own keyed task, ready before either run (its first fill is in neither).
+        b.put_task(task, {"threshold": pt["limit"], "slice_ms": pt["slice_s"] * 1000,
+                          "keyed": True, "on_failure": "local"})
+        b.wait_tasks([task])
+        prefix = f"kgpr{b.run_id}-{n}"
+        pt["per_request"] = key_run(b, pt, "per-request", prefix, slots, workers, secs, idle)
+        b.redis.unlink_matching(prefix + ":*")
+        pt["sluice"] = key_run(b, pt, "sluice", task, slots, workers, secs, idle)
+        b.delete_task(task)
+        b.redis.unlink_matching(f"{a.namespace}:{{{task}}}:k:*")
+        out["points"].append(pt)
+    out["elapsed_s"] = round(time.time() - t_start, 1)
+    log(f"keys grid: {len(points)} points in {out['elapsed_s']:.0f} s")
+    return out
+
+
+def key_run(b, pt, design, name, slots, workers, secs, idle):
+    """One design at one point: its processes, started together, measured as run_case does."""
+    a = b.a
+    dur = int(secs * 1000)
+    slice_ms = pt["slice_s"] * 1000
+    t0 = now_ms() + KEYS_LEAD_MS
+    per_proc = a.keys_rate / KEYS_PROCS
+    report = min(pt["keys"], a.keys_reported)
+    ps, hosts = [], []
+    for h in range(pt["hosts"]):
+        if design == "sluice":
+            host = f"{name}-h{h}"
+            hosts.append(host)
+            cmd = [a.loadgen, "--redis", a.redis, "--namespace", a.namespace, "--task", name,
+                   "--host-id", host, "--procs", str(KEYS_PROCS), "--duration-ms", str(dur),
+                   "--rate", str(per_proc), "--bucket-ms", str(slice_ms), "--start-at-ms", str(t0),
+                   "--keys", str(pt["keys"]), "--key-slots", str(slots),
+                   "--workers", str(workers), "--key-report", str(report)]
+            ps.append((host, cmd, parse_loadgen))
+        else:
+            for i in range(KEYS_PROCS):
+                proc = h * KEYS_PROCS + i
+                cmd = [a.peer_redis, "--algo", "fixed-window", "--redis", a.redis, "--key", name,
+                       "--limit", str(pt["limit"]), "--window-ms", str(slice_ms),
+                       "--duration-ms", str(dur), "--start-at-ms", str(t0),
+                       "--rate", str(per_proc), "--bucket-ms", str(slice_ms),
+                       "--proc", str(proc), "--keys", str(pt["keys"]),
+                       "--key-report", str(report)]
+                ps.append((f"{name}-p{proc}", cmd, parse_peer))
+    mem0 = b.redis.used_memory()
+    peak = [mem0]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.wait(0.5):
+            try:
+                peak[0] = max(peak[0], b.redis.used_memory())
+            except Exception:
+                pass
+
+    c0, r0, m0, w0 = b.redis.commands(), b.redis.cpu(), proc_cpu(a.manager_pid), time.time()
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    running = []
+    for tag, cmd, parse in ps:
+        err = open(os.path.join(b.tmp, f"keys-{tag}.log"), "w")
+        running.append((tag, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err), parse))
+    reports, raw = [], []
+    deadline = time.time() + KEYS_LEAD_MS / 1000 + secs + 300
+    try:
+        for tag, p, parse in running:
+            o, _ = wait_rusage(p, deadline)
+            if p.returncode != 0:
+                sys.exit(f"bench: keys {design} {tag} exited {p.returncode}; see {b.tmp}")
+            j = json.loads(o.strip().splitlines()[-1])
+            raw.append(j)
+            reports.append(parse(j))
+    finally:
+        stop.set()
+        sampler.join(5)
+        for host in hosts:
+            b.remove_segments(host)
+    elapsed = time.time() - w0
+    cmds = b.redis.commands() - c0
+    rcpu, mcpu = b.redis.cpu() - r0, proc_cpu(a.manager_pid) - m0
+    mem1 = b.redis.used_memory()
+    peak[0] = max(peak[0], mem1)
+    if design != "sluice":
+        cmds = max(0, cmds - round(idle * elapsed))
+    decisions = sum(r["decisions"] for r in reports)
+    hist = {}
+    for r in reports:
+        hist_merge(hist, r.get("lat_hist", {}))
+    seconds = statistics.median([r["seconds"] for r in reports])
+    # Keys that had at least one decision (expected; uniform choice): each holds Redis state.
+    active = pt["keys"] * (1 - math.exp(-decisions / pt["keys"]))
+    res = {
+        "decisions": decisions, "ok": sum(r["ok"] for r in reports),
+        "over_limit": sum(r["over_limit"] for r in reports),
+        "errors": sum(r.get("errors", 0) for r in reports),
+        "decisions_per_s": round(decisions / max(seconds, 1e-9), 1),
+        "admitted_fraction": round(sum(r["ok"] for r in reports) / max(decisions, 1), 4),
+        "p50_us": hist_pct_us(hist, 0.50), "p99_us": hist_pct_us(hist, 0.99),
+        "redis_commands": cmds,
+        "redis_commands_per_decision": round(cmds / max(decisions, 1), 5),
+        "redis_cpu_us_per_decision": round(rcpu * 1e6 / max(decisions, 1), 3),
+        "sdk_redis_calls": sum(r.get("redis_calls", 0) for r in reports) if design == "sluice" else None,
+        "manager_cpu_percent": round(100 * mcpu / max(elapsed, 1e-9), 2),
+        "redis_memory_delta_bytes": mem1 - mem0,
+        "redis_memory_peak_delta_bytes": peak[0] - mem0,
+        "active_keys": round(active),
+        "redis_memory_per_active_key_bytes": round((peak[0] - mem0) / max(active, 1), 1),
+        "accuracy": key_accuracy(raw, pt["limit"], slice_ms),
+        # Every key, per slice, summed over the processes: [admitted, rejected].
+        "slices": {s: [sum(r["buckets"].get(s, (0, 0))[i] for r in reports) for i in (0, 1)]
+                   for s in sorted({s for r in reports for s in r["buckets"]})},
+    }
+    if res["sdk_redis_calls"] is not None:
+        res["sdk_redis_calls_per_decision"] = round(res["sdk_redis_calls"] / max(decisions, 1), 5)
+    acc = res["accuracy"]
+    log(f"  {design:11} {res['decisions_per_s']:>9,.0f}/s p50 {res['p50_us']} µs p99 "
+        f"{res['p99_us']} µs cmds/dec {res['redis_commands_per_decision']} over {acc['over_slices']}"
+        f" util {acc['util_median']}")
+    return res
+
+
 def criterion(b):
     log("criterion: cargo bench -p sluice-sdk --bench decide (release)")
     p = subprocess.run(["cargo", "bench", "-q", "-p", "sluice", "--bench", "decide", "--",
@@ -584,25 +851,48 @@ def main():
     ap.add_argument("--seconds", type=float, required=True)
     ap.add_argument("--agent", action="append", default=[], help="pid,grpc url,http url,host")
     ap.add_argument("--peers", default="")
+    ap.add_argument("--sections", default="",
+                    help="comma list of " + ", ".join(SECTIONS) + " (default: all in full mode, "
+                    "peers and keys in quick mode)")
+    ap.add_argument("--keys-rate", type=float, default=5000.0,
+                    help="keys grid: decisions per second per host (paced)")
+    ap.add_argument("--keys-seconds", type=float, default=5.0, help="keys grid: seconds per run")
+    ap.add_argument("--keys-workers", type=int, default=16,
+                    help="keys grid: loadgen --workers (concurrent decision loops per process)")
+    ap.add_argument("--keys-reported", type=int, default=1000,
+                    help="keys grid: keys 0 … N-1 have their counts per slice reported (accuracy)")
+    ap.add_argument("--key-slots-cap", type=int, default=0,
+                    help="keys grid: the SDK's MAX_KEY_SLOTS (0: read from worker-sdk/src/keytable.rs)")
     a = ap.parse_args()
+    sections = [x for x in a.sections.split(",") if x] or (
+        list(SECTIONS) if a.mode == "full" else ["peers", "keys"])
+    unknown = [x for x in sections if x not in SECTIONS]
+    if unknown:
+        ap.error(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
+    if a.mode == "full" and os.environ.get("SLUICE_BENCH_SKIP_CRITERION") and "criterion" in sections:
+        sections.remove("criterion")
+    if not (a.keys_rate > 0 and a.keys_seconds > 0 and a.keys_workers > 0 and a.keys_reported > 0):
+        ap.error("--keys-rate, --keys-seconds, --keys-workers and --keys-reported must be positive")
     b = Bench(a)
     started = time.time()
     result = {
         "format": 1, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "mode": a.mode, "profile": a.profile, "command": a.command, "machine": machine(),
+        "sections": sections,
         "limit_per_s": a.limit, "window_ms": WINDOW_MS, "bucket_ms": BUCKET_MS,
         "hosts": a.hosts, "processes_per_host": a.procs, "seconds_per_run": a.seconds,
     }
-    b.put_task("benchpooled", {"threshold": a.limit, "slice_ms": 1000, "on_failure": "local"})
-    b.put_task("benchkeyed", {"threshold": a.limit, "slice_ms": 1000, "keyed": True,
-                              "on_failure": "local"})
-    b.wait_tasks(["benchpooled", "benchkeyed"])
+    if "peers" in sections:
+        b.put_task("benchpooled", {"threshold": a.limit, "slice_ms": 1000, "on_failure": "local"})
+        b.put_task("benchkeyed", {"threshold": a.limit, "slice_ms": 1000, "keyed": True,
+                                  "on_failure": "local"})
+        b.wait_tasks(["benchpooled", "benchkeyed"])
     # The background of Sluice's own processes on Redis, to take off the peers' counts.
     c0, w0 = b.redis.commands(), time.time()
     time.sleep(2)
     b.idle_cmds_per_s = (b.redis.commands() - c0) / (time.time() - w0)
     result["idle_redis_commands_per_s"] = round(b.idle_cmds_per_s, 1)
-    log(f"idle background: {b.idle_cmds_per_s:.1f} Redis commands/s")
+    log(f"idle background: {b.idle_cmds_per_s:.1f} Redis commands/s; sections: {', '.join(sections)}")
     peers = [("sluice-sdk-pooled", "benchpooled"), ("sluice-sdk-keyed", "benchkeyed"),
              ("sluice-agent-grpc", "benchpooled"), ("sluice-agent-http", "benchpooled"),
              ("redis-fixed-window-lua", None), ("redis-sliding-log-zset", None),
@@ -612,15 +902,20 @@ def main():
         peers = [p for p in peers if p[0] in keep]
     cases = []
     try:
-        for peer, task in peers:
-            for demand in ("over", "steady"):
-                cases.append(b.run_case(peer, demand, task))
-        result["cases"] = cases
-        if a.mode == "full":
+        if "peers" in sections:
+            for peer, task in peers:
+                for demand in ("over", "steady"):
+                    cases.append(b.run_case(peer, demand, task))
+            result["cases"] = cases
+        if "anchors" in sections:
             result["anchors"] = anchors(b)
+        # The keys grid before the scale curves: those leave 10,000 tasks for the leader to roll.
+        if "keys" in sections:
+            result["keys"] = keys_grid(b)
+        if "scale" in sections:
             result["scale"] = scale_curves(b)
-            if not os.environ.get("SLUICE_BENCH_SKIP_CRITERION"):
-                result["criterion"] = criterion(b)
+        if "criterion" in sections:
+            result["criterion"] = criterion(b)
     finally:
         for h in b._cleanup_hosts:
             b.remove_segments(h)
