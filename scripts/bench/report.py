@@ -402,6 +402,15 @@ def demands(pt):
     return ", ".join(f"{d:g}×" for d in pt.get("demands", [pt["demand"]]))
 
 
+def provenance(m):
+    src = m.get("source") or {}
+    if not src.get("commit"):
+        return ""
+    dirty = src.get("uncommitted") or []
+    extra = f" with {len(dirty)} file(s) changed but not committed" if dirty else ""
+    return f"Built from commit `{src['commit']}`{extra}. "
+
+
 def frac(x):
     return "n/a" if x is None else f"{x:.3f}"
 
@@ -446,6 +455,7 @@ def render_keys(r, svg_rel, svgs):
              f"{k['rate_per_host']:,.0f} decisions/s per host (paced), {k['seconds_per_run']:g} s per run, "
              f"Sluice with {k['workers_per_proc']} decision loops per process, key table cap "
              f"{k['key_slots_cap']:,} entries. Machine: {m['cpu']}, {m['cores']} cores; {m['redis']}. "
+             f"{provenance(m)}"
              f"Idle background subtracted from the per-request counts: {k['idle_redis_commands_per_s']:.1f} "
              "commands/s.", "",
              "Ratios are Sluice ÷ per-request (≤ 1: Sluice no worse; ≤ 0.1: 10× better). *never worse*: "

@@ -838,7 +838,21 @@ def machine():
         "redis": cmd("redis-server", "--version"), "node": cmd("node", "--version"),
         "python": platform.python_version(), "rustc": cmd("rustc", "--version"),
         "load_before": os.getloadavg(),
+        "source": source(),
     }
+
+
+def source():
+    """The commit the binaries were built from, and the files then changed but not committed
+    (a run on a working tree says so)."""
+    def git(*c):
+        try:
+            return subprocess.run(["git", *c], capture_output=True, text=True, timeout=10,
+                                  cwd=os.path.dirname(os.path.abspath(__file__))).stdout
+        except Exception:
+            return ""
+    return {"commit": git("rev-parse", "--short=12", "HEAD").strip() or None,
+            "uncommitted": [ln[3:] for ln in git("status", "--porcelain", "--untracked-files=no").splitlines()]}
 
 
 def main():
