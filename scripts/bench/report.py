@@ -487,8 +487,10 @@ def render_keys(r, svg_rel, svgs):
             f"{sig(s['p50_us'])} · {sig(p['p50_us'])} ({rfmt(ratio(s['p50_us'], p['p50_us']))}) | "
             f"{sig(s['p99_us'])} · {sig(p['p99_us'])} ({rfmt(ratio(s['p99_us'], p['p99_us']))}) | "
             f"{s['sdk_redis_calls_per_decision']:.4f} | {tick(ok_nw)} | {tick(ok_ten)} |")
+    loads = [pt["load_1m"] for pt in pts if pt.get("load_1m") is not None]
+    load = f" Load average (1 min) as the points started: {min(loads):.2f}–{max(loads):.2f}." if loads else ""
     lines += ["", f"Never worse at {nw} of {len(pts)} points; 10× better at {ten} of the {ten_n} points "
-              "where a key sees ≥ 10 decisions per slice per host.", ""]
+              f"where a key sees ≥ 10 decisions per slice per host.{load}", ""]
     lines += ["Accuracy per reported key (the first "
               f"{k['reported_keys']:,} keys, or all when fewer) and slice, summed over every process of every "
               "host: *over* counts key-slices that admitted more than L (every slice, the run's partial ones "

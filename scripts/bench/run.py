@@ -672,7 +672,9 @@ def keys_grid(b):
             f"{' (clamped: demand ' + str(pt['actual_demand']) + '×)' if pt['clamped'] else ''}"
             f" ({done:.0f} s elapsed{eta})")
         slots = min(cap, max(1024, 1 << (2 * pt["keys"] - 1).bit_length()))
-        pt.update({"key_slots": slots, "keys_exceed_table": pt["keys"] > slots})
+        # The machine's load as the point starts (anything else running skews a 2-core box).
+        pt.update({"key_slots": slots, "keys_exceed_table": pt["keys"] > slots,
+                   "load_1m": round(os.getloadavg()[0], 2)})
         task = f"kg{b.run_id}-{n}"
         # The point's own keyed task, ready before either run (its first fill is in neither).
         b.put_task(task, {"threshold": pt["limit"], "slice_ms": pt["slice_s"] * 1000,
