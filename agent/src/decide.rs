@@ -129,8 +129,10 @@ struct Cache {
     closed: VecDeque<Instant>,
     /// Never-verified names are refused without a lookup until then.
     backoff_until: Option<Instant>,
-    /// Slots being claimed now (counted against the share).
-    opening: usize,
+    /// Names whose slot is being claimed now, with how many requests are claiming it (each
+    /// name counts once against the share: concurrent first requests of one task claim the
+    /// same slot).
+    opening: HashMap<String, usize>,
 }
 
 impl Cache {
@@ -159,15 +161,36 @@ impl Cache {
         {
             self.closed.pop_front();
         }
-        self.open.len() + self.closed.len() + self.opening
+        self.open.len() + self.closed.len() + self.opening.len()
+    }
+
+    /// One request starts claiming `name`'s slot.
+    fn start_opening(&mut self, name: &str) {
+        *self.opening.entry(name.to_string()).or_insert(0) += 1;
+    }
+
+    /// One request is done claiming `name`'s slot; true when it was the last.
+    fn end_opening(&mut self, name: &str) -> bool {
+        match self.opening.get_mut(name) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                false
+            }
+            Some(_) => {
+                self.opening.remove(name);
+                true
+            }
+            None => false,
+        }
     }
 }
 
-/// A slot being claimed (`Cache::opening`). If the request is dropped while the claim runs,
-/// the reservation is given back and counted as a closed handle: the claim may still have
-/// taken a slot, idle from then on.
+/// A slot being claimed (`Cache::opening`). If the last request claiming it is dropped while
+/// the claim runs (and the task was not opened by another), the reservation is given back and
+/// counted as a closed handle: the claim may still have taken a slot, idle from then on.
 struct Opening<'a> {
     decider: &'a Decider,
+    name: &'a str,
     done: bool,
 }
 
@@ -175,8 +198,9 @@ impl Drop for Opening<'_> {
     fn drop(&mut self) {
         if !self.done {
             let mut c = self.decider.lock();
-            c.opening -= 1;
-            c.closed.push_back(Instant::now());
+            if c.end_opening(self.name) && !c.open.contains_key(self.name) {
+                c.closed.push_back(Instant::now());
+            }
         }
     }
 }
@@ -373,7 +397,7 @@ impl Decider {
                     }
                     self.metrics.open_tasks(c.open.len());
                 }
-                if c.share_used(now) >= self.max_tasks {
+                if !c.opening.contains_key(name) && c.share_used(now) >= self.max_tasks {
                     drop(c);
                     self.metrics.refusal("slots_full");
                     return Err(DecideError::Sdk(format!(
@@ -385,8 +409,8 @@ impl Decider {
                         SLOT_RELEASE.as_secs()
                     )));
                 }
-                // Reserved while the slot is claimed, without the lock held.
-                c.opening += 1;
+                // Reserved while the slot is claimed, without the lock held (once per name).
+                c.start_opening(name);
                 None
             }
         };
@@ -397,13 +421,14 @@ impl Decider {
                 // the async workers, and without the cache's lock held.
                 let mut reserved = Opening {
                     decider: self,
+                    name,
                     done: false,
                 };
                 let client = self.client.clone();
                 let owned = name.to_string();
                 let claimed = tokio::task::spawn_blocking(move || client.task(&owned)).await;
                 let mut c = self.lock();
-                c.opening -= 1;
+                c.end_opening(name);
                 reserved.done = true;
                 let t = match claimed {
                     Ok(Ok(t)) => t,
@@ -657,4 +682,30 @@ pub fn until_slice_end(task: &Task) -> Option<Duration> {
     let slice_us = m.slice_ms.max(1) as i64 * 1_000;
     let end = (now_us.div_euclid(slice_us) + 1) * slice_us;
     Some(Duration::from_micros((end - now_us).max(0) as u64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Review of issue 26's first run: 100 concurrent first requests of one task each reserved
+    /// a slot of the agent's share and most were refused ("holds its share of the host
+    /// segment's task slots") although the task takes one slot. A name counts once.
+    #[test]
+    fn concurrent_openers_of_one_task_reserve_one_slot() {
+        let mut c = Cache::default();
+        let now = Instant::now();
+        for _ in 0..100 {
+            c.start_opening("open");
+        }
+        assert_eq!(c.share_used(now), 1);
+        c.start_opening("other");
+        assert_eq!(c.share_used(now), 2);
+        for i in 0..99 {
+            assert!(!c.end_opening("open"), "#{i} was not the last");
+        }
+        assert!(c.end_opening("open"));
+        assert!(!c.end_opening("open"), "already done");
+        assert_eq!(c.share_used(now), 1);
+    }
 }
