@@ -122,18 +122,26 @@ async fn slice_rem(
         return Err(());
     }
     let keys = Keys::new(&s.cfg.namespace).map_err(|_| ())?;
-    let hash = match key {
-        Some(k) => keys.key_slice(task.name(), &sluice_protocol::key_digest(k.key()), start_ms),
-        None => keys.slice(task.name(), start_ms),
+    let (hash, field) = match key {
+        Some(k) => (
+            keys.key_slices(task.name(), start_ms),
+            sluice_protocol::key_field(&sluice_protocol::key_digest(k.key())),
+        ),
+        None => (
+            keys.slice(task.name(), start_ms),
+            sluice_protocol::slice_field::REM.to_string(),
+        ),
     };
     let q = async {
         let mut c = s.decider.redis().conn().await.ok()?;
-        redis::cmd("HGET")
+        let v = redis::cmd("HGET")
             .arg(&hash)
-            .arg(sluice_protocol::slice_field::REM)
-            .query_async::<Option<i64>>(&mut c)
+            .arg(&field)
+            .query_async::<Option<String>>(&mut c)
             .await
-            .ok()
+            .ok()?;
+        // A key's field is `<rem>` or `<rem>:<cap>`; one that does not parse counts as absent.
+        Some(v.and_then(|v| sluice_protocol::parse_key_quota(&v).map(|(rem, _)| rem)))
     };
     match tokio::time::timeout(timeout, q).await {
         Ok(Some(v)) => Ok(v),

@@ -584,26 +584,29 @@ impl Harvester {
         self.state.retain(|name, _| snap.tasks.contains_key(name));
         let conn = self.redis.conn().await.map_err(redis_err("connect"))?;
         let now = unix_ms();
-        let jobs: Vec<(String, u64, Option<TaskHarvest>)> = snap
+        let jobs: Vec<(String, u64, bool, Option<TaskHarvest>)> = snap
             .tasks
             .values()
             .map(|e| {
                 (
                     e.name.clone(),
                     e.spec.slice_ms,
+                    e.spec.keyed,
                     self.state.get(&e.name).cloned(),
                 )
             })
             .collect();
         let (keys, retention, settle) = (&self.keys, self.retention, self.settle);
         let results: Vec<(String, Result<Harvested>)> = futures::stream::iter(jobs)
-            .map(|(name, slice_ms, st)| {
+            .map(|(name, slice_ms, keyed, st)| {
                 let mut c = conn.clone();
                 async move {
-                    let r = harvest_task(
-                        &mut c, keys, ctx, &name, slice_ms, st, now, retention, settle,
-                    )
-                    .await;
+                    let task = TaskRef {
+                        name: &name,
+                        slice_ms,
+                        keyed,
+                    };
+                    let r = harvest_task(&mut c, keys, ctx, task, st, now, retention, settle).await;
                     (name, r)
                 }
             })
@@ -638,19 +641,34 @@ impl Harvester {
 /// A task's new harvest state, slices read, records written and would-rejects harvested.
 type Harvested = (TaskHarvest, u64, u64, u64);
 
-/// Harvests one task: returns its new state, slices read and records written.
+/// The task a harvest works on.
+#[derive(Clone, Copy)]
+struct TaskRef<'a> {
+    name: &'a str,
+    slice_ms: u64,
+    keyed: bool,
+}
+
+/// Harvests one task: returns its new state, slices read and records written. For a keyed
+/// task it also `UNLINK`s the key quota hashes of the slices it harvests (`NS:{T}:k:<start>`,
+/// which KPULL no longer writes once the slice's window is over): freed off Redis's main
+/// thread, where a hash of many keys would stall it while it expires.
 #[allow(clippy::too_many_arguments)]
 async fn harvest_task(
     conn: &mut RedisConn,
     keys: &Keys,
     ctx: &LeaderContext,
-    task: &str,
-    slice_ms: u64,
+    task: TaskRef<'_>,
     state: Option<TaskHarvest>,
     now: i64,
     retention: Duration,
     settle: Duration,
 ) -> Result<Harvested> {
+    let TaskRef {
+        name: task,
+        slice_ms,
+        keyed,
+    } = task;
     let mut st = match state {
         Some(s) => s,
         None => {
@@ -685,6 +703,25 @@ async fn harvest_task(
         MAX_SLICES_PER_TICK + 1,
     )
     .await?;
+    if keyed {
+        let starts: Vec<String> = slice::starts(st.done_to, until, slice_ms)
+            .filter(|s| *s >= st.done_to)
+            .take(MAX_SLICES_PER_TICK.max(0) as usize + 1)
+            .map(|s| keys.key_slices(task, s))
+            .collect();
+        if !starts.is_empty() {
+            // Best effort (an ended slice's hash also expires by itself) and harmless from a
+            // deposed leader: KPULL refuses a slice whose window is over.
+            let r: Result<i64> = bounded(
+                "unlink key quotas",
+                redis::cmd("UNLINK").arg(&starts).query_async(conn),
+            )
+            .await;
+            if let Err(e) = r {
+                debug!(task, %e, "key quota hashes not unlinked");
+            }
+        }
+    }
     // Only buckets that saw traffic are written: an idle task costs no history at all (a ring
     // is a Redis string, allocated up to the highest slot ever written).
     let seconds: Vec<Record> = aggregate(&samples, SECONDS)

@@ -57,7 +57,12 @@ use serde::{Deserialize, Serialize};
 ///   Also under 3, without a bump (before the first release, see docs/deploy.md): fencing
 ///   tokens floored at Redis `TIME` ([`lease::LOCK_ACQUIRE_LUA`]). Additive: the older script
 ///   `INCR`s the same counter, so tokens of both stay strictly increasing together.
-pub const PROTOCOL_VERSION: u32 = 3;
+/// * 4: a keyed task's key quotas are one hash per task and slice (`NS:{T}:k:<start>`, a field
+///   per key; [`Keys::key_slices`]) instead of a hash per key and slice, and KPULL's arguments
+///   changed ([`scripts::KPULL_LUA`]); the meta gained `ko_n`. **Not additive for workers of
+///   keyed tasks**: v3 and v4 workers count a key's quota in different places (a key may admit
+///   its limit once per version while both run); other tasks are unaffected.
+pub const PROTOCOL_VERSION: u32 = 4;
 
 /// The default namespace.
 pub const DEFAULT_NAMESPACE: &str = "sluice";
@@ -92,12 +97,29 @@ pub const MAX_KEY_OVERRIDES: usize = 1_000;
 /// assert_eq!(sluice_protocol::key_digest("abc"), "ba7816bf8f01cfea414140de5dae2223");
 /// ```
 pub fn key_digest(key: &str) -> String {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
     let d = ring::digest::digest(&ring::digest::SHA256, key.as_bytes());
     let mut out = String::with_capacity(32);
     for b in &d.as_ref()[..16] {
-        out.push_str(&format!("{b:02x}"));
+        out.push(HEX[(b >> 4) as usize] as char);
+        out.push(HEX[(b & 15) as usize] as char);
     }
     out
+}
+
+/// The field of a key in its task's key quota hash ([`Keys::key_slices`]): `k:<digest>`.
+pub fn key_field(digest: &str) -> String {
+    format!("k:{digest}")
+}
+
+/// What a key's field in the key quota hash ([`Keys::key_slices`]) holds: `(remaining, cap)`,
+/// the cap only when it differs from the hash's `cap` (an override): `<rem>` or `<rem>:<cap>`.
+/// `None` for anything else.
+pub fn parse_key_quota(v: &str) -> Option<(i64, Option<u64>)> {
+    match v.split_once(':') {
+        Some((r, c)) => Some((r.parse().ok()?, Some(c.parse().ok()?))),
+        None => Some((v.parse().ok()?, None)),
+    }
 }
 
 /// The per-namespace secret of key labels (etcd `/NS/key_secret`, 32 random bytes as 64
@@ -271,10 +293,11 @@ impl Keys {
         format!("{}:{{{task}}}:s:{start_ms}", self.ns)
     }
 
-    /// `NS:{T}:k:<digest>:<start_ms>`: the slice hash of one key of a keyed task (`digest` from
-    /// [`key_digest`]); created by the first pull that needs it (KPULL), never by the leader.
-    pub fn key_slice(&self, task: &str, digest: &str, start_ms: i64) -> String {
-        format!("{}:{{{task}}}:k:{digest}:{start_ms}", self.ns)
+    /// `NS:{T}:k:<start_ms>`: the key quotas of a keyed task in the slice starting at
+    /// `start_ms`, one hash for all its keys (field [`key_field`] per key); created by the
+    /// slice's first key pull (KPULL), never by the leader.
+    pub fn key_slices(&self, task: &str, start_ms: i64) -> String {
+        format!("{}:{{{task}}}:k:{start_ms}", self.ns)
     }
 
     /// `NS:{T}:top:<minute_start_ms>`: sorted set of a keyed task's keys by permits admitted in
@@ -650,6 +673,10 @@ pub mod meta_field {
     pub const KEYED: &str = "keyed";
     /// Prefix of key overrides: `ko:<digest>` = the key's threshold (keyed tasks).
     pub const KEY_OVERRIDE_PREFIX: &str = "ko:";
+    /// How many `ko:` fields the meta has (written with them; absent = not known, as from a
+    /// manager older than the field): KPULL reads the meta for a key new in a slice only when
+    /// it is not `0`.
+    pub const KEY_OVERRIDES: &str = "ko_n";
     /// Keyed tasks: `1` when the spec says `"clear_keys": true` (keys stored and shown in
     /// clear); absent or `0`: keys are stored as [`crate::key_label`]s.
     pub const CLEAR_KEYS: &str = "clear_keys";
@@ -745,6 +772,7 @@ impl TaskMeta {
             (VERSION, self.version.to_string()),
             (LEASE_MS, self.lease_ms.to_string()),
             (KEYED, u8::from(self.keyed).to_string()),
+            (KEY_OVERRIDES, self.key_overrides.len().to_string()),
             (SHADOW, if self.shadow { "1" } else { "0" }.to_string()),
             (PACING, self.pacing.as_str().to_string()),
             (PACE_BURST, self.pace_burst.to_string()),
@@ -895,6 +923,23 @@ pub struct PermitReport {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn key_quota_fields_parse_or_are_refused() {
+        assert_eq!(parse_key_quota("17"), Some((17, None)));
+        assert_eq!(parse_key_quota("-3"), Some((-3, None)));
+        assert_eq!(parse_key_quota("5:100"), Some((5, Some(100))));
+        for bad in ["", "x", "5:", ":5", "5:-1", "5:1:2", "1.5"] {
+            assert_eq!(parse_key_quota(bad), None, "{bad:?}");
+        }
+        assert_eq!(key_field("ab"), "k:ab");
+        assert_eq!(
+            Keys::new("ns").unwrap().key_slices("t", 1_000),
+            "ns:{t}:k:1000"
+        );
+        // The digest is unchanged by the allocation-free hex (SHA-256("abc")).
+        assert_eq!(key_digest("abc"), "ba7816bf8f01cfea414140de5dae2223");
+    }
 
     #[test]
     fn names() {

@@ -163,15 +163,18 @@ pub const PULL_LUA: &str = concat!(
 );
 
 /// Pulls permits for one or more **keys** of a keyed task in one call (one slice, one task:
-/// one hash tag), creating a key's slice hash from the task's state when it does not exist yet
-/// (the leader never pre-rolls keys).
+/// one hash tag). Every key's quota of the slice is a field of one hash per task and slice,
+/// `NS:{T}:k:<start>` ([`crate::Keys::key_slices`]), which the slice's first key pull creates
+/// from the task's state (the leader never pre-rolls keys): a call costs `TIME`, one `HMGET`
+/// and at most one `HSET` however many keys it carries (plus, when it creates the hash or a key
+/// of a task with overrides is new in the slice, one `HMGET` of the meta; the hash's creation
+/// also reads the task slice's `cap` and sets the expiry).
 ///
-/// `KEYS[1]` the task's slice `s:<start>` (rolled by the leader: its `cap` is the per-key
-/// threshold of that slice, schedules and dynamic limiting included), `KEYS[2..]` the keys'
-/// slices `k:<digest>:<start>`. `ARGV`: slice start (Unix ms), slice length (ms), host id,
+/// `KEYS[1]` the key quota hash `k:<start>`, `KEYS[2]` the task's slice `s:<start>` (rolled by
+/// the leader: its `cap` is the per-key threshold of that slice, schedules and dynamic
+/// limiting included; only read). `ARGV`: slice start (Unix ms), slice length (ms), host id,
 /// request id, the caller's meta version, all-or-nothing (0/1), the name of the task's meta
-/// hash `NS:{T}:meta`, then per key: want, digest, the key itself (stored as the slice's `key`
-/// field).
+/// hash `NS:{T}:meta`, then per key: want, digest (at most 1,000 keys: more is an error).
 ///
 /// The meta hash is only read, and is named in `ARGV`, not declared in `KEYS`: Redis's ACLs
 /// treat every key an `EVALSHA` declares as written, and workers may only read meta (the
@@ -183,18 +186,25 @@ pub const PULL_LUA: &str = concat!(
 ///
 /// * status `1`: the per-key fields are valid;
 /// * `-2`: Redis time is outside the slice's window (as [`PULL_LUA`]); nothing done;
-/// * `-1`: a key slice had to be created but cannot be: the meta is missing, retired or not
-///   keyed (`keyed` ≠ `1`), or the task slice does not exist; nothing done;
-/// * `-3`: a key slice had to be created and the caller's meta version is older than the stored
-///   one (`stored_version`): a host that has not seen a spec change never creates a slice from
-///   it; nothing done.
+/// * `-1`: the key quota hash or a key had to be made but cannot be: the meta is missing,
+///   retired or not keyed (`keyed` ≠ `1`), or the task slice does not exist; nothing done;
+/// * `-3`: the caller's meta version is older than the stored one (`stored_version`) where it
+///   matters: the hash or a key with possible overrides had to be made (a host that has not
+///   seen a spec change never makes a key's quota from it), or the hash was made for another
+///   slice length by a spec the caller has not moved past; nothing done.
 ///
-/// A new key slice gets `cap` = the task slice's `cap`, or for an override `ko:<digest> = o`
-/// `floor(o · cap / threshold)` (overrides follow schedules and dynamic limiting in
-/// proportion; `o` itself when the threshold is 0), `rem = cap`, `key`, and expires at
-/// `start + 2·len + 5 s`. Then, per key, `min(want, rem)` is granted (with all-or-nothing:
-/// `want` if `rem ≥ want`, else 0). **Idempotent by request id** per key: the grant is recorded
-/// as `p:<host> = <request id>:<granted>` and a retry is answered with it (`replayed = 1`).
+/// The hash's creation records the slice's `cap`, the meta's `threshold` (`base`) and
+/// `version` (`v`), whether the task has overrides (`ko`: `0` when the meta's `ko_n` is `0`),
+/// and `len`, and sets its expiry to `start + 2·len + 5 s`. A key new in the slice gets
+/// `cap`, or for an override `ko:<digest> = o` `floor(o · cap / base)` (`o` itself when `base`
+/// is 0): overrides follow schedules and dynamic limiting in proportion, and a spec change
+/// reaches every key from the next slice. The field holds `<rem>`, or `<rem>:<cap>` for a key
+/// whose cap is not the hash's. Then, per key, `min(want, rem)` is granted (with
+/// all-or-nothing: `want` if `rem ≥ want`, else 0). **Idempotent by request id per host**: a
+/// call that grants anything records `q:<host> = <request id>|<its per-key answers>`, and a
+/// resend with the same request id (while no later call of the host granted) is answered with
+/// it (`replayed = 1`); an older resend runs again, and what it takes is stranded, never
+/// admitted twice.
 pub const KPULL_LUA: &str = include_str!("../scripts/kpull.lua");
 
 /// Adds counters to slices that still exist (a missing slice is skipped, never created).
@@ -708,9 +718,7 @@ where
 /// One key of a [`KeyPullBatch`].
 #[derive(Debug, Clone, Copy)]
 pub struct KeyWant<'a> {
-    /// The key.
-    pub key: &'a str,
-    /// Its digest ([`super::key_digest`]).
+    /// The key's digest ([`super::key_digest`]).
     pub digest: &'a str,
     /// Permits asked for.
     pub want: u64,
@@ -790,10 +798,8 @@ where
     C: redis::aio::ConnectionLike,
 {
     let mut inv = KPULL.prepare_invoke();
-    inv.key(keys.slice(req.task, req.start_ms));
-    for k in req.keys {
-        inv.key(keys.key_slice(req.task, k.digest, req.start_ms));
-    }
+    inv.key(keys.key_slices(req.task, req.start_ms))
+        .key(keys.slice(req.task, req.start_ms));
     inv.arg(req.start_ms)
         .arg(req.slice_ms)
         .arg(req.host_id)
@@ -802,7 +808,7 @@ where
         .arg(u8::from(req.all_or_nothing))
         .arg(keys.meta(req.task));
     for k in req.keys {
-        inv.arg(k.want).arg(k.digest).arg(k.key);
+        inv.arg(k.want).arg(k.digest);
     }
     let v: Vec<i64> = redis::from_redis_value(inv.invoke_async(conn).await?)?;
     let int = |i: usize| v.get(i).copied().unwrap_or(0);
@@ -843,9 +849,7 @@ where
 pub struct KeyPullRequest<'a> {
     /// The task.
     pub task: &'a str,
-    /// The key.
-    pub key: &'a str,
-    /// Its digest ([`super::key_digest`]).
+    /// The key's digest ([`super::key_digest`]).
     pub digest: &'a str,
     /// Slice start (Unix ms).
     pub start_ms: i64,
@@ -908,7 +912,6 @@ where
     C: redis::aio::ConnectionLike,
 {
     let one = [KeyWant {
-        key: req.key,
         digest: req.digest,
         want: req.want,
     }];

@@ -161,35 +161,37 @@ async fn keyed_limits_hold_per_key_across_two_hosts() {
         "key-1's override of 100 unused: {k1:?}"
     );
 
-    // The key slices in Redis carry the caps (50, and 100 for the override).
+    // The key quota hashes in Redis carry the caps (50, and 100 for the override), and no
+    // key in clear (issue 23 item 2: keys are fields named by their digest).
     let mut conn = redis_conn(&redis);
-    let prefix = format!(
-        "{ns}:{{tenants}}:k:{}:",
-        sluice_protocol::key_digest("key-1")
-    );
     let found: Vec<String> = redis::cmd("KEYS")
-        .arg(format!("{prefix}*"))
+        .arg(format!("{ns}:{{tenants}}:k:*"))
         .query(&mut conn)
         .unwrap();
-    assert!(!found.is_empty(), "no key slice of key-1");
-    let cap: u64 = redis::cmd("HGET")
-        .arg(&found[0])
-        .arg("cap")
-        .query(&mut conn)
-        .unwrap();
-    assert_eq!(cap, 100);
-    let name: String = redis::cmd("HGET")
-        .arg(&found[0])
-        .arg("key")
-        .query(&mut conn)
-        .unwrap();
-    // Stored as its label (issue 23 item 2: `#` + 32 hex digits, HMAC under the namespace's
-    // secret), never the key itself.
+    assert!(!found.is_empty(), "no key quota hash");
+    let field = sluice_protocol::key_field(&sluice_protocol::key_digest("key-1"));
+    let mut caps = Vec::new();
+    for h in &found {
+        let all: Vec<(String, String)> = redis::cmd("HGETALL").arg(h).query(&mut conn).unwrap();
+        for (f, v) in &all {
+            assert!(
+                !f.contains("key-") && !v.contains("key-"),
+                "a key in clear in {h}: {f} = {v}"
+            );
+            if *f == field {
+                caps.push(sluice_protocol::parse_key_quota(v));
+            }
+        }
+        let cap: u64 = redis::cmd("HGET")
+            .arg(h)
+            .arg("cap")
+            .query(&mut conn)
+            .unwrap();
+        assert_eq!(cap, 50, "{h}");
+    }
     assert!(
-        name.len() == 33
-            && name.starts_with('#')
-            && name[1..].bytes().all(|b| b.is_ascii_hexdigit()),
-        "key slice's key field: {name:?}"
+        !caps.is_empty() && caps.iter().all(|c| matches!(c, Some((_, Some(100))))),
+        "key-1's field in the key quota hashes: {caps:?}"
     );
 }
 
@@ -373,13 +375,12 @@ async fn key_slices_come_from_the_current_meta_only() {
     let start = sluice_protocol::slice::start(now_ms() + 600, 1_000);
     let pull = |key: &'static str, version: i64, want: u64, id: &'static str| {
         let digest = sluice_protocol::key_digest(key);
-        (digest, key, version, want, id)
+        (digest, version, want, id)
     };
     // An older meta version: refused, nothing created.
-    let (d, key, v, want, id) = pull("a", version - 1, 5, "r1");
+    let (d, v, want, id) = pull("a", version - 1, 5, "r1");
     let req = KeyPullRequest {
         task: "p",
-        key,
         digest: &d,
         start_ms: start,
         slice_ms: 1_000,
@@ -395,11 +396,11 @@ async fn key_slices_come_from_the_current_meta_only() {
         "{r:?}"
     );
     let exists: bool = redis::cmd("EXISTS")
-        .arg(keys.key_slice("p", &d, start))
+        .arg(keys.key_slices("p", start))
         .query_async(&mut c)
         .await
         .unwrap();
-    assert!(!exists, "a stale pull created a key slice");
+    assert!(!exists, "a stale pull created the key quota hash");
     // The current version: created with the task slice's cap, the grant taken from it.
     let req = KeyPullRequest {
         meta_version: version,
@@ -452,7 +453,7 @@ async fn key_slices_come_from_the_current_meta_only() {
         "{r:?}"
     );
     // An override follows the threshold in proportion: a schedule doubling the threshold
-    // doubles the override's cap too (400 → 800).
+    // doubles the override's cap too (400 → 800), from the next slice on.
     let (status, body) = m
         .put(
             "/api/v1/tasks/p",
@@ -473,7 +474,9 @@ async fn key_slices_come_from_the_current_meta_only() {
                 .arg("cap")
                 .query(&mut sync)
                 .unwrap();
-            async move { (cap == Some(80)).then_some(later) }
+            // A slice whose key quotas are not made yet: a spec change reaches keys from the
+            // next slice (the slice `start` was made under the old cap).
+            async move { (cap == Some(80) && later > start).then_some(later) }
         },
     )
     .await;
@@ -484,7 +487,6 @@ async fn key_slices_come_from_the_current_meta_only() {
         .unwrap();
     let dv = sluice_protocol::key_digest("vip");
     let req = KeyPullRequest {
-        key: "vip",
         digest: &dv,
         start_ms: later,
         want: 1,
@@ -944,5 +946,66 @@ async fn keyed_tasks_survive_being_switched_edited_and_recreated() {
         admitted(&key, 10, 2_000_000).await,
         7,
         "the re-created task's limit"
+    );
+}
+
+/// Issue 26: a keyed task's key quotas of a slice are ONE hash (`NS:{T}:k:<start>`), which
+/// the leader `UNLINK`s when it harvests the slice (off Redis's main thread: the expiry of a
+/// hash of a million keys would stall Redis for hundreds of ms), well before its own expiry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_leader_unlinks_a_slices_key_quotas_when_it_harvests_it() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("keyunlink");
+    let mut opts = ManagerOpts::new(&etcd, &redis, &ns, "m1");
+    // settle = retention / 4 = 2 s.
+    opts.extra = vec!["--retention".into(), "8s".into()];
+    let m = Manager::start(opts).await;
+    keyed_task(&m, "u", r#"{"threshold":10,"slice_ms":5000,"keyed":true}"#).await;
+    let host = format!("{ns}-h");
+    let _guard = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let client = sluice::Client::new(sdk_config(&redis, &ns, &host)).unwrap();
+    let task = client.task("u").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
+    let mut conn = redis_conn(&redis);
+    let key = task.key("tenant-1").unwrap();
+    let (d, at_us) = key.acquire_stamped(1).await;
+    assert!(d.is_allowed(), "{d:?}");
+    let start = sluice_protocol::slice::start(at_us.div_euclid(1_000), 5_000);
+    let hash = keys.key_slices("u", start);
+    let expires_at: i64 = redis::cmd("PEXPIRETIME")
+        .arg(&hash)
+        .query(&mut conn)
+        .unwrap();
+    assert_eq!(expires_at, start + 2 * 5_000 + 5_000, "the hash's expiry");
+    let field = sluice_protocol::key_field(&sluice_protocol::key_digest("tenant-1"));
+    let v: Option<String> = redis::cmd("HGET")
+        .arg(&hash)
+        .arg(&field)
+        .query(&mut conn)
+        .unwrap();
+    // 10 less the first pull (1) and maybe a prefetch; the cap is the hash's (no override).
+    assert!(
+        matches!(
+            v.as_deref().and_then(sluice_protocol::parse_key_quota),
+            Some((0..=9, None))
+        ),
+        "the key's field: {v:?}"
+    );
+    // Harvested `settle` (2 s) after the slice's end; it would expire 10 s after its end.
+    let gone_at = wait_until(
+        "the key quota hash unlinked",
+        Duration::from_secs(20),
+        Duration::from_millis(100),
+        || {
+            let exists: bool = redis::cmd("EXISTS").arg(&hash).query(&mut conn).unwrap();
+            async move { (!exists).then(now_ms) }
+        },
+    )
+    .await;
+    assert!(
+        gone_at < expires_at - 3_000,
+        "gone at {gone_at}, only {} ms before its expiry at {expires_at}: not unlinked",
+        expires_at - gone_at
     );
 }

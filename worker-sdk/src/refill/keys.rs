@@ -232,7 +232,6 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
             return;
         }
     };
-    let labels = labels_of(sh, &task.name, slot.meta.version.load(Ordering::Relaxed)).await;
     // Another process of the host may have refilled an entry meanwhile.
     let mut todo = Vec::with_capacity(items.len());
     for (i, w, token) in items {
@@ -246,8 +245,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
                     w.n,
                 );
                 let digest = crate::protocol::key_digest(&w.key);
-                let label = labels.label(&w.key);
-                todo.push((i, w, token, want, digest, label));
+                todo.push((i, w, token, want, digest));
             }
             _ => unlock(i, token),
         }
@@ -257,8 +255,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
     }
     let wants: Vec<scripts::KeyWant<'_>> = todo
         .iter()
-        .map(|(_, _, _, want, digest, label)| scripts::KeyWant {
-            key: label,
+        .map(|(_, _, _, want, digest)| scripts::KeyWant {
             digest,
             want: *want,
         })
@@ -453,10 +450,8 @@ pub(crate) async fn direct(
     let version = slot_meta_of(&sh, &task)
         .map(|(s, _)| s.meta.version.load(Ordering::Relaxed))
         .unwrap_or(0);
-    let label = labels_of(&sh, &task.name, version).await.label(&key);
     let req = KeyPullRequest {
         task: &task.name,
-        key: &label,
         digest: &digest,
         start_ms,
         slice_ms: m.slice_ms,
