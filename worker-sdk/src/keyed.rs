@@ -531,7 +531,7 @@ impl Key {
         if now_ms - e.used_ms.load(Ordering::Relaxed) >= 50 {
             e.used_ms.store(now_ms, Ordering::Relaxed);
         }
-        match keyed::decide(slot, e, id, &m, index, n, now_us) {
+        match keyed::decide(slot, table, i, e, id, &m, index, n, now_us) {
             Entry::Admitted { low } => {
                 if low {
                     // Running low: the next chunk is on its way before it is needed.
@@ -566,8 +566,11 @@ impl Key {
     }
 
     fn count_rejected(&self, entry: usize, n: u64) {
-        if let Some(e) = self.table().and_then(|t| t.entry(entry)) {
+        if let Some(t) = self.table()
+            && let Some(e) = t.entry(entry)
+        {
             e.rej.fetch_add(n, Ordering::Relaxed);
+            t.touch(entry);
         }
     }
 

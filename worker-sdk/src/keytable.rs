@@ -14,8 +14,9 @@ use memmap2::MmapMut;
 
 /// Key table entries unless configured otherwise (6 MiB).
 pub const DEFAULT_KEY_SLOTS: u32 = 16_384;
-/// Most key table entries (96 MiB).
-pub const MAX_KEY_SLOTS: u32 = 262_144;
+/// Most key table entries (1.5 GiB of shared memory at 384 bytes an entry; a host that needs
+/// 1,000,000 active keys asks for about 1,500,000 so that its buckets of [`WAYS`] rarely fill).
+pub const MAX_KEY_SLOTS: u32 = 4_194_304;
 /// Entries per bucket.
 pub const WAYS: usize = 8;
 /// A key's pull is at most `cap / CHUNK_DIVISOR` (and at least what the decision needs).
@@ -25,8 +26,9 @@ pub const TOP_KEYS: usize = 10;
 
 const MAGIC: u64 = u64::from_le_bytes(*b"SLUKEYS\x01");
 /// 2: entries carry the id of the segment that claimed them ([`KeyEntry::segment`]); the
-/// report clock moved to the segment header.
-const VERSION: u64 = 2;
+/// report clock moved to the segment header. 3: a bitmap of touched buckets between the
+/// header and the entries (the key report reads only the buckets decided in since the last).
+const VERSION: u64 = 3;
 pub(crate) const OWNED: u64 = 1 << 63;
 /// An identity word being claimed: `0:1 | 1:1 | participant:10 | participant generation:16 |
 /// segment id:36` (the claimer, see [`claiming`]).
@@ -139,7 +141,14 @@ fn checksum(entries: u64) -> u64 {
 impl KeyTable {
     /// Size in bytes of a table of `entries` entries.
     pub fn size(entries: u32) -> u64 {
-        (HEADER_SIZE + ENTRY_SIZE * entries as usize) as u64
+        (Self::entries_at(entries as usize) + ENTRY_SIZE * entries as usize) as u64
+    }
+
+    /// Where the entries start: after the header and the touched-bucket bitmap (one bit per
+    /// bucket, in whole 64-byte lines so the entries stay 64-byte aligned).
+    fn entries_at(entries: usize) -> usize {
+        let words = (entries / WAYS).div_ceil(64);
+        HEADER_SIZE + (words * 8).div_ceil(64) * 64
     }
 
     /// Opens (creating or replacing when incompatible or smaller) the key table at `path` with
@@ -191,6 +200,7 @@ impl KeyTable {
             || h.entry_size.load(Ordering::Acquire) != ENTRY_SIZE as u64
             || h.checksum.load(Ordering::Acquire) != checksum(entries)
             || entries == 0
+            || entries > MAX_KEY_SLOTS as u64
             || !(entries as usize).is_multiple_of(WAYS)
             || len < Self::size(entries as u32)
         {
@@ -268,7 +278,62 @@ impl KeyTable {
         }
         // SAFETY: in bounds (size checked on open), 64-byte aligned (header and entries are
         // multiples of 64), atomics only.
-        Some(unsafe { &*(self.map.as_ptr().add(HEADER_SIZE + i * ENTRY_SIZE) as *const KeyEntry) })
+        Some(unsafe {
+            &*(self
+                .map
+                .as_ptr()
+                .add(Self::entries_at(self.entries) + i * ENTRY_SIZE)
+                as *const KeyEntry)
+        })
+    }
+
+    /// Word `w` of the touched-bucket bitmap.
+    #[inline]
+    fn touched_word(&self, w: usize) -> Option<&AtomicU64> {
+        if w >= (self.entries / WAYS).div_ceil(64) {
+            return None;
+        }
+        // SAFETY: in bounds (the bitmap lies between the header and the entries, sized on
+        // open), 8-byte aligned, atomics only.
+        Some(unsafe { &*(self.map.as_ptr().add(HEADER_SIZE + w * 8) as *const AtomicU64) })
+    }
+
+    /// Marks entry `i`'s bucket as decided in since the last key report (after its counters
+    /// moved: the report clears the mark before it reads them). One load when already marked.
+    #[inline]
+    pub(crate) fn touch(&self, i: usize) {
+        let b = i / WAYS;
+        if i >= self.entries {
+            return;
+        }
+        if let Some(w) = self.touched_word(b / 64) {
+            let bit = 1u64 << (b % 64);
+            if w.load(Ordering::Relaxed) & bit == 0 {
+                w.fetch_or(bit, Ordering::AcqRel);
+            }
+        }
+    }
+
+    /// The buckets marked since the last call (marks cleared), as first-entry indexes, in
+    /// order: the key report's work list.
+    pub(crate) fn take_touched(&self) -> Vec<usize> {
+        let mut out = Vec::new();
+        let words = (self.entries / WAYS).div_ceil(64);
+        for wi in 0..words {
+            let Some(w) = self.touched_word(wi) else {
+                break;
+            };
+            if w.load(Ordering::Relaxed) == 0 {
+                continue;
+            }
+            let mut bits = w.swap(0, Ordering::AcqRel);
+            while bits != 0 {
+                let b = wi * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                out.push(b * WAYS);
+            }
+        }
+        out
     }
 
     /// The identity hash of `key` of the task in slot `slot`.
@@ -465,6 +530,32 @@ pub(crate) mod tests {
         let t = KeyTable::open(&d.path().join("t.keys"), entries).unwrap();
         let (seg, _) = crate::shm::Segment::open(&d.path().join("seg"), 4).unwrap();
         (d, t, seg)
+    }
+
+    /// Issue 26: the key report reads only the buckets decided in since the last one (a
+    /// table of millions of entries is not scanned every second); marks are per bucket,
+    /// cleared by the reader, and entries stay 64-byte aligned after the bitmap.
+    #[test]
+    fn touched_buckets_are_listed_once_then_cleared() {
+        let (_d, t, _seg) = table(8 * 200);
+        assert!(t.take_touched().is_empty());
+        for i in [0, 7, 8, 64 * 8 + 3, 199 * 8 + 7] {
+            t.touch(i);
+        }
+        t.touch(7);
+        assert_eq!(t.take_touched(), vec![0, 8, 64 * 8, 199 * 8]);
+        assert!(t.take_touched().is_empty(), "cleared by the reader");
+        t.touch(200 * 8);
+        assert!(t.take_touched().is_empty(), "out of range: ignored");
+        for i in 0..t.entries() {
+            let e = t.entry(i).unwrap() as *const KeyEntry as usize;
+            assert_eq!(e % 64, 0, "entry {i} misaligned");
+        }
+        assert_eq!(
+            KeyTable::size(1_600),
+            (HEADER_SIZE + 64 + 1_600 * ENTRY_SIZE) as u64,
+            "200 buckets: one 64-byte line of bitmap"
+        );
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::protocol::scripts::KeyPullReply;
 use crate::shm::{FastMeta, Slot};
 use crate::state::{Health, PullOutcome};
 
-use crate::keytable::{CHUNK_DIVISOR, KeyEntry};
+use crate::keytable::{CHUNK_DIVISOR, KeyEntry, KeyTable};
 use crate::shm::{pack_quota, tag_of, unpack_quota};
 
 /// Adds `n` permits back to a quota word that still holds the slice `tag` (a word that moved
@@ -121,10 +121,14 @@ pub(crate) enum Entry {
 }
 
 /// Decides `n` permits of the slice with full index `index` (on the meta's grid) from the
-/// quota of key table entry `e`, whose identity word was `id` when looked up.
+/// quota of entry `i` of `table` (`e`), whose identity word was `id` when looked up. What it
+/// counts marks the entry's bucket for the key report.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn decide(
     slot: &Slot,
+    table: &KeyTable,
+    i: usize,
     e: &KeyEntry,
     id: u64,
     m: &FastMeta,
@@ -149,6 +153,7 @@ pub(crate) fn decide(
                     return Entry::Reclaimed;
                 }
                 e.adm.fetch_add(n, Ordering::Relaxed);
+                table.touch(i);
                 let left = c as u64 - n;
                 let last = e.grant.load(Ordering::Relaxed);
                 return Entry::Admitted {
@@ -164,6 +169,7 @@ pub(crate) fn decide(
     let (t, exhausted, _) = unpack_quota(w);
     if (t == tag && exhausted && w != 0) || n > crate::shm::MAX_COUNT as u64 {
         e.rej.fetch_add(n, Ordering::Relaxed);
+        table.touch(i);
         let end_us = (start_ms + m.slice_ms as i64) * 1_000;
         return Entry::Limited {
             retry_after: Duration::from_micros((end_us - now_us).max(1) as u64),

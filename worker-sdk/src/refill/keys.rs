@@ -272,13 +272,22 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
         keys: &wants,
     };
     let before = crate::clock::host_us();
+    // How long the batch's oldest want waited for this call (tracing only).
+    let queued_us = if tracing::enabled!(tracing::Level::TRACE) {
+        todo.iter()
+            .map(|t| t.1.since.elapsed().as_micros() as u64)
+            .max()
+            .unwrap_or(0)
+    } else {
+        0
+    };
     let res = call(sh, Retry::Idempotent, |mut c| {
         let req = req.clone();
         async move { scripts::key_pull_batch(&mut c, &sh.keys, &req).await }
     })
     .await;
     let after = crate::clock::host_us();
-    tracing::trace!(task = %task.name, keys = todo.len(), rtt_us = after - before, "key pull");
+    tracing::trace!(task = %task.name, keys = todo.len(), rtt_us = after - before, queued_us, "key pull");
     let failed = match res {
         Err(_) => Some(PullOutcome::Timeout),
         Ok(Err(err)) => {
@@ -372,16 +381,26 @@ async fn report(sh: &Shared, table: &KeyTable) {
     type PerTask = (u64, u64, Vec<(String, u64, u64)>);
     let mut per: HashMap<usize, PerTask> = HashMap::new();
     let seg_id = sh.seg.id();
-    for i in 0..table.entries {
+    // Only the buckets decided in since the last report (the table may hold millions of
+    // entries): their marks are cleared before their counters are read (a decision counts,
+    // then marks), so nothing counted is missed, at worst reported a second later.
+    for i in table
+        .take_touched()
+        .into_iter()
+        .flat_map(|b| b..b + crate::keytable::WAYS)
+    {
         let Some(e) = table.entry(i) else { break };
         let id = e.ident.load(Ordering::Acquire);
-        if id == 0
-            || id & OWNED == 0
-            || e.segment.load(Ordering::Acquire) != seg_id
-            || !owner_alive(&sh.seg, e, id)
-        {
-            // Free, being claimed, another segment's (its processes report it), or of a task
-            // slot that was reclaimed since (its counts belong to no task here).
+        if id != 0 && id & OWNED != 0 && e.segment.load(Ordering::Acquire) != seg_id {
+            // Another segment's (its processes report it): keep the mark for them.
+            if e.adm.load(Ordering::Relaxed) != 0 || e.rej.load(Ordering::Relaxed) != 0 {
+                table.touch(i);
+            }
+            continue;
+        }
+        if id == 0 || id & OWNED == 0 || !owner_alive(&sh.seg, e, id) {
+            // Free, being claimed, or of a task slot that was reclaimed since (its counts
+            // belong to no task here).
             continue;
         }
         let a = e.adm.swap(0, Ordering::AcqRel);
