@@ -12,7 +12,7 @@
 # × 1 s/60 s slices), scale (curves: hosts, keys, tasks), criterion.
 #
 #   scripts/bench.sh           full: every section; 10 s per run (keys grid: 5 s per run,
-#                              ~25 min for its 60 points × 2 designs); release builds;
+#                              ~11 min for its 48 runs × 2 designs); release builds;
 #                              regenerates the generated parts of docs/benchmarks.md and
 #                              docs/img/bench-*.svg
 #   scripts/bench.sh --quick   smoke test (≤ 3 min once built; run by scripts/test.sh): peers

@@ -360,7 +360,7 @@ def render(r, svg_rel):
                 per = f"{sig(v['time_ns'])} ns"
             lines.append(f"| `{k}` | {sig(v.get('time_ns'))} ns | {thr} | {per} |")
         lines.append("")
-    lines += ["Reproduce: `scripts/bench.sh` (full, ~15 min, regenerates this section and the plots) or "
+    lines += ["Reproduce: `scripts/bench.sh` (full, ~30 min with the keys grid, regenerates this section and the plots) or "
               "`scripts/bench.sh --quick` (smoke test); the raw numbers are in `target/bench/latest.json`.",
               "", END]
     return "\n".join(lines)
@@ -409,6 +409,13 @@ def provenance(m):
     dirty = src.get("uncommitted") or []
     extra = f" with {len(dirty)} file(s) changed but not committed" if dirty else ""
     return f"Built from commit `{src['commit']}`{extra}. "
+
+
+def in_run(pt, k):
+    """A slice longer than the run: the decisions per key and host the run saw of it."""
+    if pt["slice_s"] <= k["seconds_per_run"]:
+        return ""
+    return f" ({sig(k['rate_per_host'] * k['seconds_per_run'] / pt['keys'])} in run)"
 
 
 def frac(x):
@@ -460,7 +467,9 @@ def render_keys(r, svg_rel, svgs):
              "commands/s.", "",
              "Ratios are Sluice ÷ per-request (≤ 1: Sluice no worse; ≤ 0.1: 10× better). *never worse*: "
              "commands, Redis CPU, p50 and p99 per decision all ≤ the per-request design's. *10×*: commands "
-             "and p50 both ≤ 1/10, judged only where a key sees ≥ 10 decisions per slice per host (– elsewhere). "
+             "and p50 both ≤ 1/10, judged only where a key sees ≥ 10 decisions per slice per host (– elsewhere; "
+             "for a slice longer than the run, the brackets say how many of them the run saw: the slice's "
+             "start only). "
              "† L clamped to 1: the demand reached is the *actual* column, not the nominal one (nominal demands "
              "that came out as the same workload were run once, one row). ‡ more keys "
              "than key table entries (keys beyond the table are decided by direct calls).", "",
@@ -479,7 +488,7 @@ def render_keys(r, svg_rel, svgs):
         mark = ("†" if pt["clamped"] else "") + ("‡" if pt["keys_exceed_table"] else "")
         lines.append(
             f"| {pt['keys']:,}{mark} | {demands(pt)} ({pt['actual_demand']:g}×) | {pt['hosts']} | "
-            f"{pt['slice_s']} s | {pt['limit']:,} | {sig(pt['decisions_per_key_slice_host'])} | "
+            f"{pt['slice_s']} s | {pt['limit']:,} | {sig(pt['decisions_per_key_slice_host'])}{in_run(pt, k)} | "
             f"{sig(s['decisions_per_s'])} · {sig(p['decisions_per_s'])} | "
             f"{s['redis_commands_per_decision']:.4f} · {p['redis_commands_per_decision']:.4f} "
             f"({rfmt(ratio(s['redis_commands_per_decision'], p['redis_commands_per_decision']))}) | "

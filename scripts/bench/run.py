@@ -586,8 +586,8 @@ def key_points(grid, rate):
     the keys, so a key's demand per slice is rate·hosts·slice/keys; its limit L per slice is
     chosen to make that the nominal multiple of L. L ≥ 1: where the nominal demand would need
     L < 1, L = 1 and the demand actually reached is recorded (`clamped`). Nominal demands that
-    come out as the same workload (same keys, hosts, slice and L: only where L is clamped) are
-    one point, run once (`demands` lists them)."""
+    come out as the same workload (same keys, hosts, slice and L: only where L is clamped for
+    one of them) are one point, run once (`demands` lists them; `clamped` if any was)."""
     out, seen = [], {}
     for slice_s in grid["slice_s"]:
         for hosts in grid["hosts"]:
@@ -599,6 +599,7 @@ def key_points(grid, rate):
                     same = seen.get((keys, hosts, slice_s, limit))
                     if same:
                         same["demands"].append(demand)
+                        same["clamped"] = same["clamped"] or raw < 1
                         continue
                     pt = {
                         "keys": keys, "demand": demand, "demands": [demand], "hosts": hosts,
