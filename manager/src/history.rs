@@ -582,8 +582,18 @@ impl Harvester {
     /// One pass over every task: read settled slices, write their records.
     pub async fn tick(&mut self, ctx: &LeaderContext, snap: &TaskSnapshot) -> Result<HarvestStats> {
         self.state.retain(|name, _| snap.tasks.contains_key(name));
-        let conn = self.redis.conn().await.map_err(redis_err("connect"))?;
+        let mut conn = self.redis.conn().await.map_err(redis_err("connect"))?;
         let now = unix_ms();
+        // Key quota hashes are unlinked only once KPULL refuses their slice by REDIS time
+        // (its window ends at most 250 ms after the slice): a manager clock ahead of Redis's
+        // must not free a slice KPULL still serves (it would make it anew, full).
+        let unlink_before = bounded(
+            "read time",
+            redis::cmd("TIME").query_async::<(i64, i64)>(&mut conn),
+        )
+        .await
+        .ok()
+        .map(|(s, us)| (s * 1_000 + us / 1_000).min(now) - UNLINK_MARGIN_MS);
         let jobs: Vec<(String, u64, bool, Option<TaskHarvest>)> = snap
             .tasks
             .values()
@@ -604,7 +614,7 @@ impl Harvester {
                     let task = TaskRef {
                         name: &name,
                         slice_ms,
-                        keyed,
+                        unlink_before: if keyed { unlink_before } else { None },
                     };
                     let r = harvest_task(&mut c, keys, ctx, task, st, now, retention, settle).await;
                     (name, r)
@@ -646,8 +656,15 @@ type Harvested = (TaskHarvest, u64, u64, u64);
 struct TaskRef<'a> {
     name: &'a str,
     slice_ms: u64,
-    keyed: bool,
+    /// A keyed task: the key quota hashes of slices that ended before this (Unix ms, the
+    /// earlier of the manager's and Redis's clocks, less [`UNLINK_MARGIN_MS`] and KPULL's
+    /// grace) are unlinked. `None`: not keyed, or Redis's time unknown this tick.
+    unlink_before: Option<i64>,
 }
+
+/// Margin (ms) between the end of KPULL's window (a slice's end + at most 250 ms, Redis time)
+/// and the leader's `UNLINK` of the slice's key quota hash.
+const UNLINK_MARGIN_MS: i64 = 1_000;
 
 /// Harvests one task: returns its new state, slices read and records written. For a keyed
 /// task it also `UNLINK`s the key quota hashes of the slices it harvests (`NS:{T}:k:<start>`,
@@ -667,7 +684,7 @@ async fn harvest_task(
     let TaskRef {
         name: task,
         slice_ms,
-        keyed,
+        unlink_before,
     } = task;
     let mut st = match state {
         Some(s) => s,
@@ -703,9 +720,11 @@ async fn harvest_task(
         MAX_SLICES_PER_TICK + 1,
     )
     .await?;
-    if keyed {
+    if let Some(before) = unlink_before {
+        // A slice skipped here (clocks apart) is not retried: its hash expires by itself.
+        let grace = (slice_ms as i64 / 4).min(250);
         let starts: Vec<String> = slice::starts(st.done_to, until, slice_ms)
-            .filter(|s| *s >= st.done_to)
+            .filter(|s| *s >= st.done_to && s + slice_ms as i64 + grace <= before)
             .take(MAX_SLICES_PER_TICK.max(0) as usize + 1)
             .map(|s| keys.key_slices(task, s))
             .collect();
@@ -718,7 +737,22 @@ async fn harvest_task(
             )
             .await;
             if let Err(e) = r {
-                debug!(task, %e, "key quota hashes not unlinked");
+                // At most once a minute (a missing `+unlink` in the manager's ACL would fail
+                // every tick): the hashes still expire by themselves, on Redis's main thread.
+                static LAST: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+                let at = LAST.load(std::sync::atomic::Ordering::Relaxed);
+                if now - at >= 60_000
+                    && LAST
+                        .compare_exchange(
+                            at,
+                            now,
+                            std::sync::atomic::Ordering::Relaxed,
+                            std::sync::atomic::Ordering::Relaxed,
+                        )
+                        .is_ok()
+                {
+                    warn!(task, %e, "key quota hashes of ended slices not unlinked; they expire by themselves");
+                }
             }
         }
     }

@@ -88,8 +88,9 @@ pub const MAX_COUNT: u64 = 1_000_000_000_000;
 pub const MAX_KEY_OVERRIDES: usize = 1_000;
 
 /// The digest that names a key of a keyed task in Redis: the first 16 bytes of the SHA-256 of
-/// the key's UTF-8 bytes, as 32 lowercase hex digits. Key slices are
-/// `NS:{T}:k:<digest>:<start_ms>` and overrides are the meta fields `ko:<digest>`.
+/// the key's UTF-8 bytes, as 32 lowercase hex digits. A key's quota of a slice is the field
+/// `k:<digest>` of the hash `NS:{T}:k:<start_ms>` ([`Keys::key_slices`]) and overrides are the
+/// meta fields `ko:<digest>`.
 ///
 /// ```
 /// assert_eq!(sluice_protocol::key_digest("").len(), 32);
@@ -164,7 +165,7 @@ impl KeySecret {
 }
 
 /// How a key of a keyed task is stored where people can read it (the top-key sets
-/// `NS:{T}:top:*` the API and dashboard show, and the `key` field of its key slices): `#`
+/// `NS:{T}:top:*` the API and dashboard show): `#`
 /// followed by 32 lowercase hex digits, the first 16 bytes of HMAC-SHA-256 of the key under
 /// the namespace's [`KeySecret`] — or, without a secret (a meta written by managers that have
 /// none), of SHA-256 ([`key_digest`]). A task whose spec says `"clear_keys": true` stores keys

@@ -788,6 +788,21 @@ pub enum KeyPullBatchReply {
     },
 }
 
+/// How many resend records (`q:<host>:<r>`) a host keeps in a key quota hash.
+pub const KEY_PULL_RECORDS: u64 = 64;
+
+/// KPULL's third argument: which of the host's [`KEY_PULL_RECORDS`] resend records a call
+/// uses, `<host>:<r>` with `r` = FNV-1a (64-bit) of the request id, modulo 64 — the same for a
+/// resend, spread over the records for a host's concurrent pulls.
+pub fn key_pull_record(host_id: &str, request_id: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in request_id.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{host_id}:{}", h % KEY_PULL_RECORDS)
+}
+
 /// Runs [`KPULL_LUA`] for the keys of `req`.
 pub async fn key_pull_batch<C>(
     conn: &mut C,
@@ -802,7 +817,7 @@ where
         .key(keys.slice(req.task, req.start_ms));
     inv.arg(req.start_ms)
         .arg(req.slice_ms)
-        .arg(req.host_id)
+        .arg(key_pull_record(req.host_id, req.request_id))
         .arg(req.request_id)
         .arg(req.meta_version)
         .arg(u8::from(req.all_or_nothing))
@@ -815,7 +830,13 @@ where
     let redis_time_us = int(1) * 1_000_000 + int(2);
     Ok(match int(0) {
         1 => {
-            let grants: Vec<KeyGrant> = v[4.min(v.len())..]
+            if v.len() < 4 || !(v.len() - 4).is_multiple_of(4) {
+                return Err(redis::RedisError::from((
+                    redis::ErrorKind::UnexpectedReturnType,
+                    "KPULL answered a malformed list of grants",
+                )));
+            }
+            let grants: Vec<KeyGrant> = v[4..]
                 .chunks_exact(4)
                 .map(|c| KeyGrant {
                     granted: c[0].max(0) as u64,

@@ -1003,6 +1003,13 @@ async fn the_leader_unlinks_a_slices_key_quotas_when_it_harvests_it() {
         },
     )
     .await;
+    // Never while KPULL still serves the slice (its window ends 250 ms after the slice, by
+    // Redis's clock; the leader keeps a second more).
+    assert!(
+        gone_at >= start + 5_000 + 1_250,
+        "unlinked at {gone_at}, before the slice's window closed ({})",
+        start + 5_000 + 250
+    );
     assert!(
         gone_at < expires_at - 3_000,
         "gone at {gone_at}, only {} ms before its expiry at {expires_at}: not unlinked",

@@ -5,7 +5,7 @@
 //!   401 without one or with a wrong one.
 //! * After keyed traffic on keys `sk_live_…`, no such string is anywhere in Redis (key names,
 //!   hash fields and values, sorted-set members, strings, lists) nor in any API answer: the
-//!   top-key sets and key slices hold keyed digests (`#` + 32 hex digits, HMAC-SHA-256 under
+//!   top-key sets hold keyed digests (`#` + 32 hex digits, HMAC-SHA-256 under
 //!   the namespace's secret in etcd), which the API shows as they are; the secret itself is in
 //!   no API answer.
 //! * A task with `"clear_keys": true` shows its keys in clear.

@@ -868,7 +868,7 @@ pub(crate) mod tests {
         );
         assert_eq!(
             err(b().key_slots(1 << 30)),
-            "Config::key_slots: 1073741824 is outside 1 ..= 262144"
+            "Config::key_slots: 1073741824 is outside 1 ..= 4194304"
         );
         assert_eq!(
             err(b().flush_interval(Duration::ZERO)),

@@ -102,7 +102,7 @@ pub struct Config {
     pub fast_clock: bool,
     /// Entries of the host's key table for keyed tasks (default
     /// [`crate::keyed::DEFAULT_KEY_SLOTS`] = 16,384, 6 MiB; at most
-    /// [`crate::keyed::MAX_KEY_SLOTS`] = 262,144). Like the segment, a table with fewer entries
+    /// [`crate::keyed::MAX_KEY_SLOTS`] = 4,194,304, 1.5 GiB). Like the segment, a table with fewer entries
     /// is replaced by a larger one.
     pub key_slots: u32,
     /// What to answer for a task whose meta is not known yet (never read by any process of

@@ -198,12 +198,15 @@ fn low(e: &KeyEntry, w: &Want) -> bool {
     held < w.n || ((last >> 32) as u32 == tag && held < (last & 0xFFFF_FFFF) / 2)
 }
 
-/// The task's slot and meta, when the slot is still the task's.
-pub(crate) fn slot_meta_of<'a>(sh: &'a Shared, t: &TaskInner) -> Option<(&'a Slot, FastMeta)> {
+/// The task's slot and meta, when the slot is still the task's, with the meta version the
+/// fast word is at least as new as: the version is read first ([`Slot::store_meta`] writes it
+/// last), so a KPULL never pairs a spec version with an older slice length.
+fn slot_meta_version<'a>(sh: &'a Shared, t: &TaskInner) -> Option<(&'a Slot, FastMeta, i64)> {
     let r = t.slot_ref();
     let slot = sh.seg.slot(r.index)?;
+    let version = slot.meta.version.load(Ordering::Acquire);
     let m = FastMeta::decode(slot.meta.fast.load(Ordering::Acquire))?;
-    (m.generation == r.generation).then_some((slot, m))
+    (m.generation == r.generation).then_some((slot, m, version))
 }
 
 /// One KPULL for wants of one task and slice (each holds its entry's pull lock, released here;
@@ -221,10 +224,10 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
         return;
     };
     let (start_ms, task) = (first.start_ms, first.task.clone());
-    let meta = slot_meta_of(sh, &task).filter(|(_, m)| m.keyed);
+    let meta = slot_meta_version(sh, &task).filter(|(_, m, _)| m.keyed);
     let over = |m: &FastMeta| start_ms + m.slice_ms as i64 <= sh.now_us() / 1_000;
-    let (slot, m) = match meta {
-        Some((slot, m)) if !over(&m) => (slot, m),
+    let (slot, m, version) = match meta {
+        Some((slot, m, version)) if !over(&m) => (slot, m, version),
         _ => {
             for (i, _, token) in items {
                 unlock(i, token);
@@ -267,7 +270,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
         slice_ms: m.slice_ms,
         host_id: &sh.cfg.host_id,
         request_id: &request_id,
-        meta_version: slot.meta.version.load(Ordering::Relaxed),
+        meta_version: version,
         all_or_nothing: false,
         keys: &wants,
     };
@@ -466,9 +469,11 @@ pub(crate) async fn direct(
 ) -> Option<KeyPullReply> {
     let digest = crate::protocol::key_digest(&key);
     let request_id = sh.request_id();
-    let version = slot_meta_of(&sh, &task)
-        .map(|(s, _)| s.meta.version.load(Ordering::Relaxed))
-        .unwrap_or(0);
+    // The version of the meta `m` was decided under, or 0 (never newer: a newer version with
+    // `m`'s older slice length could make a key quota hash of the wrong length).
+    let version = slot_meta_version(&sh, &task)
+        .filter(|(_, now, _)| *now == m)
+        .map_or(0, |(_, _, v)| v);
     let req = KeyPullRequest {
         task: &task.name,
         digest: &digest,

@@ -79,8 +79,11 @@ impl Slot {
     }
 
     /// Stores `meta` as the last known meta of the slot's task of generation `generation`: the
-    /// slow fields first, then the fast word by compare-and-swap. Writes nothing (and returns
-    /// false) when the slot has been reclaimed since (its generation changed).
+    /// slow fields first, then the fast word by compare-and-swap, then the version. Writes
+    /// nothing (and returns false) when the slot has been reclaimed since (its generation
+    /// changed). A reader that loads the version before the fast word never pairs a version
+    /// with an older fast word (KPULL makes key quotas only from a caller whose slice length
+    /// is the version's).
     pub fn store_meta(&self, meta: &TaskMeta, generation: u16) -> bool {
         if self.generation() != generation {
             return false;
@@ -90,7 +93,6 @@ impl Slot {
         m.pull.store(meta.pull, Ordering::Relaxed);
         m.local_limit.store(meta.local_limit, Ordering::Relaxed);
         m.burst.store(meta.fallback.burst, Ordering::Relaxed);
-        m.version.store(meta.version, Ordering::Relaxed);
         self.ctl
             .pace_burst
             .store(meta.pace_burst, Ordering::Relaxed);
@@ -117,7 +119,10 @@ impl Slot {
                 .fast
                 .compare_exchange_weak(cur, next, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => return true,
+                Ok(_) => {
+                    m.version.store(meta.version, Ordering::Release);
+                    return true;
+                }
                 Err(x) => cur = x,
             }
         }
