@@ -104,6 +104,25 @@ impl std::fmt::Debug for Key {
     }
 }
 
+/// Whether a key decided now in the slice starting at `start_ms` should have its next slice's
+/// first chunk pulled ahead: the slice is in its last eighth (at least 5 ms left, so the pull
+/// can arrive in time), the key was pulled for this slice (it is hot here), and nothing is
+/// held for the next slice yet. What a prefetch strands if the key goes cold is one chunk.
+#[inline]
+fn next_slice_due(e: &KeyEntry, m: &FastMeta, start_ms: i64, now_us: i64) -> bool {
+    let end_us = (start_ms + m.slice_ms as i64) * 1_000;
+    let left = end_us - now_us;
+    if left > (m.slice_ms as i64 * 1_000) / 8 || left < 5_000 {
+        return false;
+    }
+    if (e.grant.load(Ordering::Relaxed) >> 32) as u32 != tag_of(start_ms) {
+        return false;
+    }
+    let next = start_ms + m.slice_ms as i64;
+    let w = e.quota[crate::shm::parity(next, m.slice_ms)].load(Ordering::Acquire);
+    w == 0 || crate::shm::unpack_quota(w).0 != tag_of(next)
+}
+
 /// What a waiting call does next ([`Key::wait_step`]).
 enum Next {
     /// Decided (when, and how to give the permits back).
@@ -536,6 +555,10 @@ impl Key {
                 if low {
                     // Running low: the next chunk is on its way before it is needed.
                     self.want_quiet(i, id, start_ms, n);
+                } else if next_slice_due(e, &m, start_ms, now_us) {
+                    // A key pulled in this slice, in its last eighth: its first decision of
+                    // the next slice should not wait for Redis (issue 26).
+                    self.want_quiet(i, id, start_ms + m.slice_ms as i64, 1);
                 }
                 KStep::Admitted {
                     entry: i,
@@ -785,6 +808,36 @@ mod tests {
         e.ident.store(other, Ordering::Release);
         key.refund(&r, 1);
         assert_eq!(held(), 9, "the other key gained this key's refund");
+    }
+
+    /// Issue 26: a key pulled in this slice asks for its next slice's first chunk in the last
+    /// eighth of the slice (not earlier, not with less than 5 ms left, not twice).
+    #[test]
+    fn the_next_slice_is_prefetched_only_late_for_a_hot_key() {
+        let (_d, t, _seg) = table(8);
+        let e = t.entry(0).unwrap();
+        let m = FastMeta {
+            slice_ms: 1_000,
+            mode: Mode::Pooled,
+            on_failure: crate::protocol::OnFailure::Local,
+            algorithm: crate::protocol::FallbackAlgorithm::TokenBucket,
+            generation: 1,
+            keyed: true,
+            shadow: false,
+            paced: false,
+        };
+        let start = 10_000i64;
+        let at = |ms: i64| (start + ms) * 1_000;
+        // Not pulled in this slice: cold, no prefetch.
+        assert!(!next_slice_due(e, &m, start, at(950)));
+        e.grant
+            .store(((tag_of(start) as u64) << 32) | 3, Ordering::Relaxed);
+        assert!(!next_slice_due(e, &m, start, at(800)), "too early");
+        assert!(next_slice_due(e, &m, start, at(900)));
+        assert!(!next_slice_due(e, &m, start, at(996)), "too late to arrive");
+        // Once the next slice's chunk is held: no more.
+        assert!(deposit(e, start + 1_000, 1_000, 2, false, at(900)));
+        assert!(!next_slice_due(e, &m, start, at(900)));
     }
 
     /// Review of issue 23 (F7): a give-back undone after a reclaim takes what is left of the
