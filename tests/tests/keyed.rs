@@ -291,7 +291,21 @@ async fn skewed_keys_are_decided_from_shared_memory_with_few_redis_calls() {
         calls as f64 / admitted.max(1) as f64,
         reports[0]["key_latency_us"]
     );
-    assert_eq!(rejected, 0, "nothing reaches its limit at this rate");
+    // Rejections here would be a key limited below its limit: say which kind (a fallback
+    // after a timed-out pull shows as fallback_admitted and a FAILED task; a pending pull at
+    // the acquire deadline as cold latency near 1 s).
+    assert_eq!(
+        rejected,
+        0,
+        "nothing reaches its limit at this rate; fallback_admitted {}, key latency {}, \
+         buckets with rejections {:?}",
+        reports[0]["fallback_admitted"],
+        reports[0]["key_latency_us"],
+        reports[0]["buckets"].as_object().map(|b| b
+            .iter()
+            .filter(|(_, v)| v[1].as_u64().unwrap_or(0) > 0)
+            .collect::<Vec<_>>())
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
