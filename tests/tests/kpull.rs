@@ -78,10 +78,26 @@ impl Fixture {
             .iter()
             .map(|(k, _)| sluice_protocol::key_digest(k))
             .collect();
+        let wants: Vec<u64> = wants.iter().map(|(_, w)| *w).collect();
+        self.batch(&digests, &wants, rid, version, slice_ms, aon)
+            .await
+            .unwrap()
+    }
+
+    /// One KPULL of keys by digest, as sent (an error is Redis's answer).
+    async fn batch(
+        &mut self,
+        digests: &[String],
+        wants: &[u64],
+        rid: &str,
+        version: i64,
+        slice_ms: u64,
+        aon: bool,
+    ) -> redis::RedisResult<KeyPullBatchReply> {
         let ks: Vec<KeyWant<'_>> = digests
             .iter()
             .zip(wants)
-            .map(|(d, (_, w))| KeyWant {
+            .map(|(d, w)| KeyWant {
                 digest: d,
                 want: *w,
             })
@@ -96,9 +112,7 @@ impl Fixture {
             all_or_nothing: aon,
             keys: &ks,
         };
-        key_pull_batch(&mut self.conn, &self.keys, &req)
-            .await
-            .unwrap()
+        key_pull_batch(&mut self.conn, &self.keys, &req).await
     }
 
     async fn pull(&mut self, wants: &[(&str, u64)], rid: &str) -> Vec<KeyGrant> {
@@ -275,32 +289,21 @@ async fn kpull_edges_found_by_review() {
     assert_eq!(g[0].granted, 0, "an unparsable field granted {g:?}");
     // Too many keys: an error, nothing done; 1,000 are fine.
     let many: Vec<String> = (0..1_001).map(|i| format!("m{i}")).collect();
-    let w: Vec<(&str, u64)> = many.iter().map(|k| (k.as_str(), 1)).collect();
-    let digests: Vec<String> = w
+    let digests: Vec<String> = many
         .iter()
-        .map(|(k, _)| sluice_protocol::key_digest(k))
+        .map(|k| sluice_protocol::key_digest(k))
         .collect();
-    let ks: Vec<KeyWant<'_>> = digests
-        .iter()
-        .map(|d| KeyWant { digest: d, want: 1 })
-        .collect();
-    let req = KeyPullBatch {
-        task: "t",
-        start_ms: f.start,
-        slice_ms: SLICE,
-        host_id: "h",
-        request_id: "r5",
-        meta_version: 5,
-        all_or_nothing: false,
-        keys: &ks,
-    };
-    assert!(key_pull_batch(&mut f.conn, &f.keys, &req).await.is_err());
-    let req = KeyPullBatch {
-        keys: &ks[..1_000],
-        request_id: "r6",
-        ..req
-    };
-    match key_pull_batch(&mut f.conn, &f.keys, &req).await.unwrap() {
+    let ones = vec![1u64; digests.len()];
+    assert!(
+        f.batch(&digests, &ones, "r5", 5, SLICE, false)
+            .await
+            .is_err()
+    );
+    match f
+        .batch(&digests[..1_000], &ones[..1_000], "r6", 5, SLICE, false)
+        .await
+        .unwrap()
+    {
         KeyPullBatchReply::Granted { grants, .. } => {
             assert_eq!(grants.len(), 1_000);
             assert!(grants.iter().all(|g| g.granted == 1));
