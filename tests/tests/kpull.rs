@@ -136,6 +136,15 @@ impl Fixture {
     }
 }
 
+/// What the model grants a key with `left` of its cap for `want` (all or nothing: `want` or 0).
+fn model_grant(left: u64, want: u64, aon: bool) -> u64 {
+    match aon {
+        true if left >= want => want,
+        true => 0,
+        false => want.min(left),
+    }
+}
+
 /// The reference model: per key, what is left of its cap; a call grants `min(want, left)` (all
 /// or nothing: `want` or 0) in order, the same key twice in one call seeing what the first
 /// left; a resend of a call answers exactly what the call answered, taking nothing.
@@ -188,11 +197,7 @@ async fn kpull_grants_what_the_model_allows_never_more() {
                 // what is left (stranded, never spent twice).
                 for ((k, want), g) in wants.iter().zip(&r) {
                     let l = left.entry(k.clone()).or_insert(cap);
-                    let expect = if aon {
-                        if *l >= *want { *want } else { 0 }
-                    } else {
-                        (*want).min(*l)
-                    };
+                    let expect = model_grant(*l, *want, aon);
                     assert_eq!(g.granted, expect, "seed {seed} call {call} (resend) {k}");
                     *l -= g.granted;
                 }
@@ -213,11 +218,7 @@ async fn kpull_grants_what_the_model_allows_never_more() {
         assert_eq!(r.len(), n);
         for ((k, want), g) in wants.iter().zip(&r) {
             let l = left.entry(k.clone()).or_insert(cap);
-            let expect = if aon {
-                if *l >= *want { *want } else { 0 }
-            } else {
-                (*want).min(*l)
-            };
+            let expect = model_grant(*l, *want, aon);
             assert!(!g.replayed, "seed {seed} call {call}: a new call replayed");
             assert_eq!(
                 g.granted, expect,
