@@ -50,11 +50,12 @@ if fresh or (#missing > 0 and ko ~= '0') then
   local mf = {'version', 'retired', 'keyed', 'threshold', 'ko_n', 'proto', 'slice_ms'}
   for j, i in ipairs(missing) do mf[7 + j] = 'ko:' .. ARGV[7 + 2 * i] end
   local m = redis.call('HMGET', ARGV[7], unpack(mf))
-  if (not m[1]) or m[2] or m[3] ~= '1' then return {-1, ts, tus, 0} end
-  if ver < tonumber(m[1]) then return {-3, ts, tus, tonumber(m[1])} end
+  local mv = tonumber(m[1])
+  if (not mv) or m[2] or m[3] ~= '1' then return {-1, ts, tus, 0} end
+  if ver < mv then return {-3, ts, tus, mv} end
   if fresh then
     -- Made from a caller whose slice length is the spec's, never from a stale one.
-    if tonumber(m[7]) ~= len then return {-3, ts, tus, tonumber(m[1])} end
+    if tonumber(m[7]) ~= len then return {-3, ts, tus, mv} end
     cap = tonumber(redis.call('HGET', KEYS[2], 'cap'))
     if not cap then return {-1, ts, tus, 0} end
     base = tonumber(m[4]) or 0

@@ -381,6 +381,16 @@ async fn kpull_makes_quotas_only_from_the_current_spec() {
     f.start += SLICE as i64;
     let r = f.pull_with(&[("a", 1)], "r6", 6, SLICE, false).await;
     assert!(matches!(r, KeyPullBatchReply::Missing { .. }), "{r:?}");
+    // Once the slice is rolled, a meta whose version does not parse still makes nothing (−1,
+    // never a Lua error); a good one does.
+    let next = f.keys.slice("t", f.start);
+    f.hset(&next, "cap", "10");
+    f.hset(&meta, "version", "x");
+    let r = f.pull_with(&[("a", 1)], "r7", 6, SLICE, false).await;
+    assert!(matches!(r, KeyPullBatchReply::Missing { .. }), "{r:?}");
+    f.hset(&meta, "version", "6");
+    let r = f.pull_with(&[("a", 1)], "r8", 6, SLICE, false).await;
+    assert!(matches!(r, KeyPullBatchReply::Granted { .. }), "{r:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
