@@ -722,9 +722,8 @@ async fn harvest_task(
     .await?;
     if let Some(before) = unlink_before {
         // A slice skipped here (clocks apart) is not retried: its hash expires by itself.
-        let grace = (slice_ms as i64 / 4).min(250);
         let starts: Vec<String> = slice::starts(st.done_to, until, slice_ms)
-            .filter(|s| *s >= st.done_to && s + slice_ms as i64 + grace <= before)
+            .filter(|s| *s >= st.done_to && slice::window_end(*s, slice_ms) <= before)
             .take(MAX_SLICES_PER_TICK.max(0) as usize + 1)
             .map(|s| keys.key_slices(task, s))
             .collect();

@@ -470,6 +470,19 @@ pub mod slice {
         start_ms + slice_ms as i64
     }
 
+    /// The last Redis time (Unix ms) at which PULL, TAKE and KPULL still serve the slice
+    /// starting at `start_ms`: its end plus a grace of `min(slice_ms / 4, 250)` ms (the scripts'
+    /// window check; after it they answer −2).
+    ///
+    /// ```
+    /// use sluice_protocol::slice::window_end;
+    /// assert_eq!(window_end(10_000, 1_000), 11_250);
+    /// assert_eq!(window_end(10_000, 200), 10_250);
+    /// ```
+    pub fn window_end(start_ms: i64, slice_ms: u64) -> i64 {
+        end(start_ms, slice_ms) + (slice_ms as i64 / 4).min(250)
+    }
+
     /// Starts of every slice that begins before `until_ms`, from the slice containing `from_ms`.
     ///
     /// ```
