@@ -561,17 +561,25 @@ def check_keys(r):
             if not c:
                 problems.append(f"{name}: {d} missing")
                 continue
-            if c["decisions"] <= 0:
-                problems.append(f"{name}: {d}: no decisions")
-            if c["p50_us"] is None or c["p99_us"] is None:
-                problems.append(f"{name}: {d}: no latency")
-            if c["errors"]:
-                problems.append(f"{name}: {d}: {c['errors']} errors")
+            problems += run_problems(f"{name}: {d}", c)
             if "over_slices" not in c.get("accuracy", {}):
                 problems.append(f"{name}: {d}: no accuracy")
         if pt.get("sluice") and pt["sluice"].get("sdk_redis_calls") is None:
             problems.append(f"{name}: sluice: no SDK redis_calls")
     return problems
+
+
+def run_problems(label, c):
+    """What every measured run must have: decisions, both latency percentiles, no errors."""
+    out = []
+    if c["decisions"] <= 0:
+        out.append(f"{label}: no decisions")
+    if c["p50_us"] is None or c["p99_us"] is None:
+        out.append(f"{label}: no latency")
+    if c["errors"]:
+        first = f" ({c['first_error']})" if c.get("first_error") else ""
+        out.append(f"{label}: {c['errors']} errors{first}")
+    return out
 
 
 def check(r):
@@ -587,14 +595,9 @@ def check(r):
             if not c:
                 problems.append(f"{p}/{d}: missing")
                 continue
-            if c["decisions"] <= 0:
-                problems.append(f"{p}/{d}: no decisions")
-            if c["p50_us"] is None or c["p99_us"] is None:
-                problems.append(f"{p}/{d}: no latency")
+            problems += run_problems(f"{p}/{d}", c)
             if not c["accuracy"].get("windows"):
                 problems.append(f"{p}/{d}: no full window")
-            if c["errors"]:
-                problems.append(f"{p}/{d}: {c['errors']} errors ({c['first_error']})")
             if c["ok"] <= 0:
                 problems.append(f"{p}/{d}: nothing admitted")
     return problems
