@@ -688,6 +688,29 @@ impl Redis {
         *self.conn.lock().await = None;
     }
 
+    /// A new connection of its own whose I/O runs on the calling task's Tokio runtime (its
+    /// driver is spawned there), for a caller that wants its answer without a hop through
+    /// another thread; `None` for a cluster (its routing is the shared connection's). The
+    /// runtime must have IO and time enabled. Nothing reconnects it: drop it on an error.
+    pub async fn connect_here(&self) -> RedisResult<Option<redis::aio::MultiplexedConnection>> {
+        let RedisTarget::Single(url) = &self.target else {
+            return Ok(None);
+        };
+        let o = self.options;
+        let cfg = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(o.connect_timeout))
+            .set_response_timeout(Some(o.response_timeout));
+        let client = self.link.client(url)?;
+        let connect = client.get_multiplexed_async_connection_with_config(&cfg);
+        match tokio::time::timeout(o.connect_timeout * 3, connect).await {
+            Ok(r) => r.map(Some),
+            Err(_) => Err(RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("connecting to Redis at {} timed out", self.target),
+            ))),
+        }
+    }
+
     async fn connect(&self) -> RedisResult<RedisConn> {
         let o = self.options;
         let connect = async {

@@ -1030,3 +1030,56 @@ async fn the_leader_unlinks_a_slices_key_quotas_when_it_harvests_it() {
         expires_at - gone_at
     );
 }
+
+/// Issue 26, caller pulls (`Config::caller_pulls`): an `acquire` dropped while its pull is in
+/// flight from the caller's task (Redis paused, so the KPULL waits) leaves no key pull lock
+/// behind: the next `acquire` of the key is admitted at once, not after the lock timeout
+/// (3 s, longer than the 1 s acquire timeout).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancelled_acquire_leaves_no_key_lock_behind() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("keycancel");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    keyed_task(
+        &m,
+        "k",
+        r#"{"threshold":1000,"slice_ms":5000,"keyed":true}"#,
+    )
+    .await;
+    let host = format!("{ns}-h");
+    let _guard = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let mut cfg = sdk_config(&redis, &ns, &host);
+    cfg.caller_pulls = true;
+    let client = sluice::Client::new(cfg).unwrap();
+    let task = client.task("k").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    // The caller's connection is made (and the script loaded) by a first decision.
+    assert!(task.key("warm").unwrap().acquire(1).await.is_allowed());
+    let mut admin = redis::Client::open(redis.as_str())
+        .unwrap()
+        .get_connection()
+        .unwrap();
+    for round in 0..3 {
+        let key = task.key(&format!("x{round}")).unwrap();
+        let _: () = redis::cmd("CLIENT")
+            .arg("PAUSE")
+            .arg(400)
+            .arg("WRITE")
+            .query(&mut admin)
+            .unwrap();
+        let cancelled = tokio::time::timeout(Duration::from_millis(60), key.acquire(1)).await;
+        assert!(
+            cancelled.is_err(),
+            "round {round}: decided while Redis was paused"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let t0 = std::time::Instant::now();
+        let d = key.acquire(1).await;
+        assert_eq!(
+            d,
+            sluice::Decision::Allowed,
+            "round {round}: after {:?}",
+            t0.elapsed()
+        );
+    }
+}

@@ -159,20 +159,23 @@ fn check(case: usize, seen: &[Seen]) -> (u64, u64) {
 async fn run_case(redis: &str, ns: &str, case: usize, steps: &[Step]) -> (u64, u64) {
     let host = format!("{ns}-h{case}");
     let _guard = SegmentGuard(vec![(ns.to_string(), host.clone())]);
-    let client = || {
+    // Clients 0 and 2 send their `acquire` pulls from the caller's task, client 1 through the
+    // background thread (`Config::caller_pulls`): both paths against the same model.
+    let client = |i: usize| {
         let mut cfg = sdk_config(redis, ns, &host);
         cfg.key_slots = 8;
+        cfg.caller_pulls = i != 1;
         let c = sluice::Client::new(cfg).unwrap();
         let t = c.task("km").unwrap();
         assert!(t.wait_ready(Duration::from_secs(10)));
         (c, t)
     };
-    let mut clients: Vec<(sluice::Client, sluice::Task)> = (0..CLIENTS).map(|_| client()).collect();
+    let mut clients: Vec<(sluice::Client, sluice::Task)> = (0..CLIENTS).map(client).collect();
     let slice = |us: i64| us.div_euclid(SLICE_MS * 1_000);
     let mut seen = Vec::with_capacity(steps.len());
     for s in steps {
         if let Call::Restart = s.call {
-            clients[s.client] = client();
+            clients[s.client] = client(s.client);
             continue;
         }
         let t = &clients[s.client].1;

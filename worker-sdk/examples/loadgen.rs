@@ -134,6 +134,7 @@
 //! time of calls that had to wait for Redis (`cold`) and of those that did not (`hot`).
 //!
 //! Other extra flags (not part of the pinned interface): `--key-slots N` (key table entries),
+//! `--caller-pulls true` (keyed pulls from the decision loops' runtime, `Config::caller_pulls`),
 //! `--probe-interval-ms`,
 //! `--pull-timeout-ms`, `--clock host|redis`, and the Redis TLS / ACL flags of the manager:
 //! `--redis-ca`, `--redis-cert`, `--redis-key`, `--redis-insecure`, `--redis-user`,
@@ -238,6 +239,10 @@ struct Args {
     /// Keyed tasks: entries of the host's key table (extra; SDK default when absent).
     #[arg(long)]
     key_slots: Option<u32>,
+    /// Keyed tasks: `Key::acquire` pulls from the decision loop's own runtime (extra;
+    /// `Config::caller_pulls`, off by default as in the SDK).
+    #[arg(long, default_value_t = false, action = clap::ArgAction::Set)]
+    caller_pulls: bool,
     /// Time every N-th decision into `lat_hist` (extra; 0 = none; keyed tasks time every one).
     #[arg(long, default_value_t = 0)]
     latency_every: u64,
@@ -1039,6 +1044,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     if let Some(n) = args.key_slots {
         cfg.key_slots = n;
     }
+    cfg.caller_pulls = args.caller_pulls;
     cfg.clock = match args.clock.as_str() {
         "redis" => ClockSource::Redis,
         _ => ClockSource::Host,
@@ -1698,9 +1704,14 @@ fn keyed_child(args: &Args, task: &Task, progress: &mut Progress) -> Result<Repo
                 };
                 let mut seen: u64 = 0;
                 // Bounded in time and count (and by the stop flag).
+                // Loop w's decisions are due a w/W-th of its period later than loop 0's, so the
+                // loops together offer evenly spaced decisions, as the per-request peer does (at
+                // the timer's 1 ms grain), not all W at once.
+                let phase = w as f64 / workers as f64;
                 while done < max && started.elapsed() < duration && !signals::stop_requested() {
                     if per_loop_rate > 0.0 {
-                        let due = (started.elapsed().as_secs_f64() * per_loop_rate) as u64 + 1;
+                        let at = started.elapsed().as_secs_f64() * per_loop_rate - phase;
+                        let due = if at < 0.0 { 0 } else { at as u64 + 1 };
                         if due <= done {
                             tokio::time::sleep(Duration::from_millis(1)).await;
                             continue;

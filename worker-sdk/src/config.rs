@@ -108,6 +108,18 @@ pub struct Config {
     /// What to answer for a task whose meta is not known yet (never read by any process of
     /// this host): `true` (default) admits ([`Decision::FallbackAllowed`]), `false` rejects.
     pub allow_unknown: bool,
+    /// A keyed decision of [`crate::Key::acquire`] that needs Redis sends its pull itself,
+    /// from the caller's task over a connection of the caller's runtime (one per thread that
+    /// decides, made on first use), instead of through the background thread (default
+    /// `false`: opt in): a cold key then waits one round trip woken on the caller's thread, not
+    /// the background thread first (docs/sdk.md, "Keyed limits"). Turn it on only where every
+    /// runtime that calls `acquire` has IO and time enabled and is driven (`#[tokio::main]`,
+    /// `#[tokio::test]`, `Builder::enable_all`): Tokio panics on a socket or timer in a runtime
+    /// built without them, and a runtime entered but not driven would never answer. Each
+    /// deciding thread opens a Redis connection of its own (at most 64 per client). Only a
+    /// single Redis (not a cluster) is pulled from the caller; callers outside Tokio and
+    /// [`crate::Key::acquire_blocking`] use the background thread.
+    pub caller_pulls: bool,
 }
 
 impl Config {
@@ -133,6 +145,7 @@ impl Config {
             fast_clock: true,
             key_slots: crate::keytable::DEFAULT_KEY_SLOTS,
             allow_unknown: true,
+            caller_pulls: false,
         }
     }
 
@@ -262,6 +275,8 @@ impl ConfigBuilder {
         key_slots: u32,
         /// [`Config::allow_unknown`].
         allow_unknown: bool,
+        /// [`Config::caller_pulls`].
+        caller_pulls: bool,
     }
 
     /// The checked [`Config`] ([`Config::validate`]).

@@ -203,6 +203,10 @@ pub(crate) struct KeyState {
     /// How each keyed task's keys are labelled, by task name: the labels, the meta version
     /// they were read at and when.
     pub(crate) labels: Mutex<HashMap<String, (Labels, i64, Instant)>>,
+    /// Connections of callers' runtimes this client has open (`crate::refill::caller`).
+    pub(crate) caller_conns: Arc<std::sync::atomic::AtomicUsize>,
+    /// Set once the target turned out not to allow caller connections (a cluster).
+    pub(crate) caller_off: AtomicBool,
 }
 
 /// How a keyed task's keys are written where people read them: the `key` field of its key

@@ -136,6 +136,13 @@ enum Next {
     Direct { m: FastMeta, start_ms: i64, at: i64 },
     /// Wait for this want's pull, then step again.
     Wait(Arc<Event>),
+    /// Pull entry `entry` (identity `ident`) for the slice at `start_ms` from the caller's
+    /// task ([`crate::Config::caller_pulls`]), then step again.
+    Here {
+        entry: usize,
+        ident: u64,
+        start_ms: i64,
+    },
 }
 
 /// Where a key's decision stands.
@@ -323,9 +330,24 @@ impl Key {
     /// [`Key::acquire_stamped`], with how to give the permits back.
     pub(crate) async fn acquire_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
         let deadline = crate::clock::deadline_after(self.task.shared.cfg.acquire_timeout);
+        let mut here = self.task.shared.cfg.caller_pulls;
+        // Pulls from the caller per call: a key pulled for and still pending (an entry
+        // reclaimed meanwhile, a new slice) tries again, at most 3 times, then the pump paces it.
+        let mut tries = 0;
         loop {
-            match self.wait_step(n, deadline) {
+            match self.wait_step(n, deadline, here) {
                 Next::Done(d, at, r) => return (d, at, r),
+                Next::Here {
+                    entry,
+                    ident,
+                    start_ms,
+                } => {
+                    tries += 1;
+                    if tries >= 4 || !self.pull_here(entry, ident, start_ms, n, deadline).await {
+                        // Through the background thread from now on (this call).
+                        here = false;
+                    }
+                }
                 Next::Task => {
                     // Stamped where the task charged it: a refund goes to that slice.
                     let (d, at) = self.task.acquire_stamped(n).await;
@@ -361,8 +383,9 @@ impl Key {
     pub(crate) fn acquire_blocking_refundable(&self, n: u64) -> (Decision, i64, Option<Refund>) {
         let deadline = crate::clock::deadline_after(self.task.shared.cfg.acquire_timeout);
         loop {
-            match self.wait_step(n, deadline) {
+            match self.wait_step(n, deadline, false) {
                 Next::Done(d, at, r) => return (d, at, r),
+                Next::Here { .. } => unreachable!("no caller pull without a runtime"),
                 Next::Task => {
                     let (d, at) = self.task.acquire_blocking_stamped(n);
                     return (d, at, self.task.refund_of(d, at));
@@ -389,7 +412,10 @@ impl Key {
     /// make a Redis call differs): decide; a pull still pending registers the wait, or at the
     /// deadline is a rejection. A pull that failed (or found no task slice) made the task
     /// FAILED: the next step decides by `on_failure`.
-    fn wait_step(&self, n: u64, deadline: Instant) -> Next {
+    ///
+    /// With `here`, a pending pull is the caller's to make ([`Next::Here`]; it joins another
+    /// pull of the entry in flight, [`Key::pull_here`]).
+    fn wait_step(&self, n: u64, deadline: Instant, here: bool) -> Next {
         let now_us = self.task.now_us();
         match self.decide(n, now_us) {
             KStep::Decided(d) => Next::Done(self.task.shadowed(n, now_us, d), now_us, None),
@@ -423,6 +449,13 @@ impl Key {
                     self.count_rejected(entry, n);
                     let d = self.task.shadowed(n, now_us, Self::pending_limited());
                     return Next::Done(d, now_us, None);
+                }
+                if here {
+                    return Next::Here {
+                        entry,
+                        ident,
+                        start_ms,
+                    };
                 }
                 Next::Wait(self.want(entry, ident, start_ms, n))
             }
@@ -602,6 +635,11 @@ impl Key {
 
     /// Registers (or joins) a pull of entry `entry` for slice `start_ms`.
     fn want(&self, entry: usize, ident: u64, start_ms: i64, n: u64) -> Arc<Event> {
+        self.register(entry, ident, start_ms, n, true)
+    }
+
+    /// [`Key::want`]; `wake`: wake the pump (else the caller sends it, [`Key::pull_here`]).
+    fn register(&self, entry: usize, ident: u64, start_ms: i64, n: u64, wake: bool) -> Arc<Event> {
         let sh = &self.task.shared;
         let ev = {
             let mut wants = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
@@ -633,8 +671,49 @@ impl Key {
             w.n = w.n.max(n);
             w.event.clone()
         };
-        sh.keyed.wake.notify_one();
+        if wake {
+            sh.keyed.wake.notify_one();
+        }
         ev
+    }
+
+    /// Pulls entry `entry` for the slice at `start_ms` from the caller's task, over the
+    /// caller's runtime's connection ([`crate::refill::caller`]), together with the other
+    /// wants of the task and slice waiting in this process. False when no pull was made for
+    /// the caller here: it then goes through the background thread (which judges Redis;
+    /// nothing here makes the task FAILED).
+    async fn pull_here(
+        &self,
+        entry: usize,
+        ident: u64,
+        start_ms: i64,
+        n: u64,
+        deadline: Instant,
+    ) -> bool {
+        use crate::refill::keys::Here;
+        let sh = &self.task.shared;
+        let Some(mut conn) = crate::refill::caller::conn(sh, deadline).await else {
+            return false;
+        };
+        // Registered without waking the pump; one yield lets the decisions that are ready
+        // on this runtime now register theirs, and the first to come back sends them all.
+        let ev = self.register(entry, ident, start_ms, n, false);
+        tokio::task::yield_now().await;
+        let r = crate::refill::keys::pull_here(sh, &mut conn, entry, ident, deadline).await;
+        match r {
+            Here::Done => true,
+            Here::Taken | Here::Handed => {
+                if r == Here::Handed {
+                    crate::refill::caller::forget(sh);
+                }
+                tokio::select! {
+                    _ = ev.wait() => {}
+                    _ = tokio::time::sleep_until(deadline.into()) => {}
+                }
+                true
+            }
+            Here::Pump => false,
+        }
     }
 
     /// A prefetch want: nobody waits for it.

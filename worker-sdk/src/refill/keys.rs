@@ -209,21 +209,135 @@ fn slot_meta_version<'a>(sh: &'a Shared, t: &TaskInner) -> Option<(&'a Slot, Fas
     (m.generation == r.generation).then_some((slot, m, version))
 }
 
-/// One KPULL for wants of one task and slice (each holds its entry's pull lock, released here;
-/// the wants are dropped at the end, which wakes their waiters).
-async fn pull(sh: &Shared, items: Vec<Locked>) {
-    let Some(table) = sh.keyed.opened() else {
+/// A KPULL ready to send: wants of one task and slice whose entries are still low, each
+/// with its pull lock, what it asks and its key's digest.
+struct Batch<'a> {
+    table: &'a KeyTable,
+    seg: &'a crate::shm::Segment,
+    task: Arc<TaskInner>,
+    slot: &'a Slot,
+    m: FastMeta,
+    version: i64,
+    start_ms: i64,
+    todo: Vec<(usize, Want, u64, u64, String)>,
+}
+
+impl Batch<'_> {
+    fn request<'b>(
+        &'b self,
+        sh: &'b Shared,
+        request_id: &'b str,
+        wants: &'b [scripts::KeyWant<'b>],
+    ) -> scripts::KeyPullBatch<'b> {
+        scripts::KeyPullBatch {
+            task: &self.task.name,
+            start_ms: self.start_ms,
+            slice_ms: self.m.slice_ms,
+            host_id: &sh.cfg.host_id,
+            request_id,
+            meta_version: self.version,
+            all_or_nothing: false,
+            keys: wants,
+        }
+    }
+
+    fn wants(&self) -> Vec<scripts::KeyWant<'_>> {
+        self.todo
+            .iter()
+            .map(|(_, _, _, want, digest)| scripts::KeyWant {
+                digest,
+                want: *want,
+            })
+            .collect()
+    }
+}
+
+/// A [`Batch`] without its borrows, to finish on the background runtime.
+struct Parts {
+    task: Arc<TaskInner>,
+    m: FastMeta,
+    version: i64,
+    start_ms: i64,
+    todo: Vec<(usize, Want, u64, u64, String)>,
+}
+
+impl Batch<'_> {
+    fn into_parts(mut self) -> Parts {
+        Parts {
+            task: self.task.clone(),
+            m: self.m,
+            version: self.version,
+            start_ms: self.start_ms,
+            todo: std::mem::take(&mut self.todo),
+        }
+    }
+}
+
+/// The batch `p` was, with the same keys and wants (so a resend under the same request id is
+/// answered from KPULL's record of the first call).
+fn from_parts(sh: &Shared, p: Parts) -> Option<Batch<'_>> {
+    let table = sh.keyed.opened()?;
+    let slot = sh.seg.slot(p.task.slot_ref().index)?;
+    Some(Batch {
+        table,
+        seg: &sh.seg,
+        task: p.task,
+        slot,
+        m: p.m,
+        version: p.version,
+        start_ms: p.start_ms,
+        todo: p.todo,
+    })
+}
+
+/// Sends the batch `p` again under `request_id` on the client's shared connection, as the
+/// pump sends (its retry rule and timeout; its failure makes the task FAILED), and applies the
+/// answer: a call from the caller's connection that went unanswered is finished here, and
+/// what it took in Redis is answered again from KPULL's record, never taken twice or lost.
+async fn resend(sh: &Shared, p: Parts, request_id: String) {
+    let Some(batch) = from_parts(sh, p) else {
         return;
     };
+    let wants = batch.wants();
+    let req = batch.request(sh, &request_id, &wants);
+    let before = crate::clock::host_us();
+    let res = call(sh, Retry::Idempotent, |mut c| {
+        let req = req.clone();
+        async move { scripts::key_pull_batch(&mut c, &sh.keys, &req).await }
+    })
+    .await;
+    let after = crate::clock::host_us();
+    drop(wants);
+    apply(sh, batch, res, before, after);
+}
+
+impl Drop for Batch<'_> {
+    /// Releases the pull locks and drops the wants (which wakes their waiters), however the
+    /// batch ends: applied, failed, or its future dropped mid-call (a caller's `acquire`
+    /// cancelled while its pull is in flight must not leave the keys' locks held).
+    fn drop(&mut self) {
+        for (i, w, token, ..) in self.todo.drain(..) {
+            if let Some(e) = self.table.entry(i) {
+                self.seg.lock(&e.pull_lock).unlock(token);
+            }
+            drop(w);
+        }
+    }
+}
+
+/// The batch to send for `items` (wants of one task and slice, each holding its entry's pull
+/// lock), or `None` when nothing is to be pulled (locks released, wants dropped).
+fn prepare(sh: &Shared, items: Vec<Locked>) -> Option<Batch<'_>> {
+    let table = sh.keyed.opened()?;
     let unlock = |i: usize, token: u64| {
         if let Some(e) = table.entry(i) {
             sh.seg.lock(&e.pull_lock).unlock(token);
         }
     };
-    let Some((_, first, _)) = items.first() else {
-        return;
+    let (start_ms, task) = {
+        let (_, first, _) = items.first()?;
+        (first.start_ms, first.task.clone())
     };
-    let (start_ms, task) = (first.start_ms, first.task.clone());
     let meta = slot_meta_version(sh, &task).filter(|(_, m, _)| m.keyed);
     let over = |m: &FastMeta| start_ms + m.slice_ms as i64 <= sh.now_us() / 1_000;
     let (slot, m, version) = match meta {
@@ -232,7 +346,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
             for (i, _, token) in items {
                 unlock(i, token);
             }
-            return;
+            return None;
         }
     };
     // Another process of the host may have refilled an entry meanwhile.
@@ -254,30 +368,35 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
         }
     }
     if todo.is_empty() {
-        return;
+        return None;
     }
-    let wants: Vec<scripts::KeyWant<'_>> = todo
-        .iter()
-        .map(|(_, _, _, want, digest)| scripts::KeyWant {
-            digest,
-            want: *want,
-        })
-        .collect();
-    let request_id = sh.request_id();
-    let req = scripts::KeyPullBatch {
-        task: &task.name,
+    Some(Batch {
+        table,
+        seg: &sh.seg,
+        task,
+        slot,
+        m,
+        version,
         start_ms,
-        slice_ms: m.slice_ms,
-        host_id: &sh.cfg.host_id,
-        request_id: &request_id,
-        meta_version: version,
-        all_or_nothing: false,
-        keys: &wants,
+        todo,
+    })
+}
+
+/// One KPULL for wants of one task and slice (each holds its entry's pull lock, released here;
+/// the wants are dropped at the end, which wakes their waiters).
+async fn pull(sh: &Shared, items: Vec<Locked>) {
+    let Some(batch) = prepare(sh, items) else {
+        return;
     };
+    let wants = batch.wants();
+    let request_id = sh.request_id();
+    let req = batch.request(sh, &request_id, &wants);
     let before = crate::clock::host_us();
     // How long the batch's oldest want waited for this call (tracing only).
     let queued_us = if tracing::enabled!(tracing::Level::TRACE) {
-        todo.iter()
+        batch
+            .todo
+            .iter()
             .map(|t| t.1.since.elapsed().as_micros() as u64)
             .max()
             .unwrap_or(0)
@@ -290,7 +409,140 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
     })
     .await;
     let after = crate::clock::host_us();
-    tracing::trace!(task = %task.name, keys = todo.len(), rtt_us = after - before, queued_us, "key pull");
+    tracing::trace!(task = %batch.task.name, keys = batch.todo.len(), rtt_us = after - before, queued_us, "key pull");
+    drop(wants);
+    apply(sh, batch, res, before, after);
+}
+
+/// What [`pull_here`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Here {
+    /// Pulled (or nothing was left to pull): the caller re-decides.
+    Done,
+    /// The caller's want was taken by another pull meanwhile: the caller waits for it.
+    Taken,
+    /// Sent but unanswered in time (or an error): handed to the background runtime, which
+    /// sends it again under the same request id (KPULL answers a resend from its record: a
+    /// grant is never taken twice nor lost) and judges Redis; the caller waits for its want.
+    Handed,
+    /// Redis answered something other than grants (a stale spec, outside the window, no task
+    /// slice): applied, and the caller goes on through the pump (which paces its retries).
+    Pump,
+}
+
+/// Sends, from the caller's task over `conn` (a connection of the caller's runtime, see
+/// [`crate::refill::caller`]), one KPULL for the caller's want of entry `entry` (identity
+/// `ident`) and every other want of the same task and slice waiting in this process (at most
+/// [`BATCH`]): the wants that came in while the caller yielded once ride along, so a burst of
+/// cold keys costs one call, and an idle link sends at once (no batching wait). Bounded by
+/// `deadline` and half the pull timeout; a call unanswered by then is finished by the
+/// background runtime ([`Here::Handed`]), so a failure of the caller's connection never makes
+/// the task FAILED by itself and nothing it took is lost. Only a caller's future dropped while
+/// its call is in flight strands what the call took (at most one chunk per key of the batch;
+/// the locks are released, [`Batch`]'s drop).
+pub(crate) async fn pull_here(
+    sh: &Arc<Shared>,
+    conn: &mut redis::aio::MultiplexedConnection,
+    entry: usize,
+    ident: u64,
+    deadline: Instant,
+) -> Here {
+    let Some(table) = sh.keyed.opened() else {
+        sh.keyed.wake.notify_one();
+        return Here::Pump;
+    };
+    let items: Vec<Locked> = {
+        let mut map = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(mine) = map.get(&entry).filter(|w| w.ident == ident) else {
+            return Here::Taken;
+        };
+        let (task, start_ms) = (mine.task.clone(), mine.start_ms);
+        let mut ids: Vec<usize> = vec![entry];
+        ids.extend(
+            map.iter()
+                .filter(|(i, w)| **i != entry && w.start_ms == start_ms && w.task.name == task.name)
+                .map(|(i, _)| *i)
+                .take(BATCH - 1),
+        );
+        let now_ms = crate::clock::host_ms();
+        let mut items = Vec::with_capacity(ids.len());
+        for i in ids {
+            let Some(e) = table.entry(i) else { continue };
+            // A want whose entry's lock is busy stays for the pump (another pull of it is in
+            // flight); the caller's own joins that pull.
+            if let Some(token) =
+                crate::refill::try_lock(sh, sh.seg.lock(&e.pull_lock), "key pull", now_ms)
+                && let Some(w) = map.remove(&i)
+            {
+                items.push((i, w, token));
+            } else if i == entry {
+                break;
+            }
+        }
+        items
+    };
+    if items.first().map(|x| x.0) != Some(entry) {
+        // The caller's own entry is being pulled by someone else: release what was taken
+        // (back to the pump) and wait.
+        let back: Vec<Locked> = items;
+        if !back.is_empty() {
+            let mut map = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, w, token) in back {
+                if let Some(e) = table.entry(i) {
+                    sh.seg.lock(&e.pull_lock).unlock(token);
+                }
+                map.entry(i).or_insert(w);
+            }
+        }
+        sh.keyed.wake.notify_one();
+        return Here::Taken;
+    }
+    let Some(batch) = prepare(sh, items) else {
+        return Here::Done;
+    };
+    let wants = batch.wants();
+    let request_id = sh.request_id();
+    let req = batch.request(sh, &request_id, &wants);
+    let before = crate::clock::host_us();
+    sh.redis_calls.fetch_add(1, Ordering::Relaxed);
+    let budget = (sh.cfg.pull_timeout / 2).min(deadline.saturating_duration_since(Instant::now()));
+    let res = tokio::time::timeout(budget, scripts::key_pull_batch(conn, &sh.keys, &req)).await;
+    let after = crate::clock::host_us();
+    tracing::trace!(task = %batch.task.name, keys = batch.todo.len(), rtt_us = after - before, "key pull from the caller");
+    drop(wants);
+    match res {
+        Ok(Ok(reply)) => {
+            let granted = matches!(reply, KeyPullBatchReply::Granted { .. });
+            apply(sh, batch, Ok(Ok(reply)), before, after);
+            if granted { Here::Done } else { Here::Pump }
+        }
+        _ => {
+            let parts = batch.into_parts();
+            let sh2 = sh.clone();
+            sh.rt
+                .spawn(async move { resend(&sh2, parts, request_id).await });
+            Here::Handed
+        }
+    }
+}
+
+/// Applies a KPULL's outcome to its batch's entries, then releases them.
+fn apply(
+    sh: &Shared,
+    batch: Batch<'_>,
+    res: Result<redis::RedisResult<KeyPullBatchReply>, ()>,
+    before: i64,
+    after: i64,
+) {
+    let Batch {
+        table,
+        ref task,
+        slot,
+        m,
+        start_ms,
+        ref todo,
+        ..
+    } = batch;
     let failed = match res {
         Err(_) => Some(PullOutcome::Timeout),
         Ok(Err(err)) => {
@@ -325,7 +577,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
         Ok(Ok(KeyPullBatchReply::OutsideWindow { redis_time_us })) => {
             crate::plumbing::record_clock(sh, before, after, redis_time_us);
             if redis_time_us / 1_000 > start_ms + m.slice_ms as i64 {
-                for (i, w, ..) in &todo {
+                for (i, w, ..) in todo {
                     if let Some(e) = table.entry(*i)
                         && e.ident.load(Ordering::Acquire) == w.ident
                     {
@@ -338,6 +590,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
         Ok(Ok(KeyPullBatchReply::StaleMeta { .. })) => {
             // Re-read the meta at once; the waiters re-decide (and want again).
             slot.meta.refreshed_ms.store(0, Ordering::Relaxed);
+            sh.wake.notify_one();
             None
         }
         Ok(Ok(KeyPullBatchReply::Missing { redis_time_us })) => {
@@ -349,13 +602,9 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
         }
     };
     if let Some(outcome) = failed {
-        pull_failed(sh, &task, slot, outcome);
+        pull_failed(sh, task, slot, outcome);
     }
-    drop(wants);
-    for (i, w, token, ..) in todo {
-        unlock(i, token);
-        drop(w); // wakes its waiters
-    }
+    drop(batch);
 }
 
 /// A key pull failed with `outcome`: the task's state machine decides (FAILED, next probe).

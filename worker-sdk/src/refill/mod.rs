@@ -3,6 +3,7 @@
 //! decision cores (`crate::decide`). Nothing here may import `background` or a front
 //! (`client`, `keyed`, `concurrency`).
 
+pub(crate) mod caller;
 pub(crate) mod flush;
 pub(crate) mod keys;
 pub(crate) mod meta;

@@ -1,0 +1,150 @@
+//! Connections of the callers' own runtimes ([`crate::Config::caller_pulls`]): a keyed
+//! decision that needs Redis sends its pull from the caller's task, so its answer wakes the
+//! caller's thread directly (one wake-up, like a per-request limiter), not the background
+//! thread first and the caller after it (three wake-ups, each of which may wait for a core on
+//! a busy host).
+//!
+//! A thread keeps one connection per client (made on its first such decision, inside the
+//! caller's runtime so the connection's driver runs there), at most [`PER_THREAD`] clients,
+//! and a client has at most [`MAX_CALLER_CONNS`] over all threads: past that, decisions use
+//! the background thread. A connection that fails is dropped (the next decision makes a new
+//! one; a failed connect is retried at most once a second per thread); one left on a runtime
+//! that is no longer driven (a thread alternating between runtimes) times out and is dropped
+//! at each switch. Off by default: see [`crate::Config::caller_pulls`] for what it needs.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use redis::aio::MultiplexedConnection;
+
+use crate::ctx::Shared;
+
+/// Connections of callers' runtimes one client keeps at most, over all threads.
+pub(crate) const MAX_CALLER_CONNS: usize = 64;
+
+/// Clients one thread keeps a connection to at most (the oldest is dropped beyond).
+const PER_THREAD: usize = 4;
+
+/// After a failed connect, the thread does not try again for this long.
+const BACKOFF: Duration = Duration::from_secs(1);
+
+struct Held {
+    /// The client's nonce.
+    client: u64,
+    /// The client's count of caller connections (gone with the client).
+    count: Weak<AtomicUsize>,
+    conn: Option<MultiplexedConnection>,
+    failed_at: Instant,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.conn.is_some()
+            && let Some(c) = self.count.upgrade()
+        {
+            c.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
+
+thread_local! {
+    static HELD: RefCell<Vec<Held>> = const { RefCell::new(Vec::new()) };
+}
+
+/// This thread's connection for the client of `sh`, made now if needed (bounded by the
+/// connect timeout and `deadline`); `None`: decide through the background thread (caller pulls off, outside
+/// Tokio, a cluster, the client's bound reached, a recent failure).
+pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<MultiplexedConnection> {
+    if !sh.cfg.caller_pulls || sh.keyed.caller_off.load(Ordering::Relaxed) {
+        return None;
+    }
+    tokio::runtime::Handle::try_current().ok()?;
+    // `try_with`: a thread being torn down has no connections (the pump decides).
+    let found = HELD
+        .try_with(|h| {
+            let mut h = h.borrow_mut();
+            h.retain(|x| x.count.strong_count() > 0);
+            h.iter()
+                .find(|x| x.client == sh.nonce)
+                .map(|x| (x.conn.clone(), x.failed_at))
+        })
+        .ok()?;
+    match found {
+        Some((Some(c), _)) => return Some(c),
+        Some((None, at)) if at.elapsed() < BACKOFF => return None,
+        _ => {}
+    }
+    let count = &sh.keyed.caller_conns;
+    if count.fetch_add(1, Ordering::AcqRel) >= MAX_CALLER_CONNS {
+        count.fetch_sub(1, Ordering::AcqRel);
+        return None;
+    }
+    // The reservation is given back however this ends (a connect that fails, or a caller's
+    // future dropped while connecting), unless a connection is kept.
+    struct Reserved<'a>(&'a AtomicUsize, bool);
+    impl Drop for Reserved<'_> {
+        fn drop(&mut self) {
+            if !self.1 {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
+    let mut reserved = Reserved(count, false);
+    let budget = deadline.saturating_duration_since(Instant::now());
+    let made = tokio::time::timeout(budget, sh.redis.connect_here())
+        .await
+        .unwrap_or_else(|_| {
+            Err(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "no connection before the decision's deadline",
+            )))
+        });
+    let conn = match made {
+        Ok(Some(c)) => {
+            reserved.1 = true; // now the `Held`'s, given back by its drop
+            Some(c)
+        }
+        Ok(None) => {
+            sh.keyed.caller_off.store(true, Ordering::Relaxed);
+            return None;
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "caller connection to Redis failed; pulling through the background thread");
+            None
+        }
+    };
+    drop(reserved);
+    let held = Held {
+        client: sh.nonce,
+        count: Arc::downgrade(count),
+        conn: conn.clone(),
+        failed_at: Instant::now(),
+    };
+    let old = HELD.try_with(|h| {
+        let mut h = h.borrow_mut();
+        let mut old: Vec<Held> = Vec::new();
+        if let Some(i) = h.iter().position(|x| x.client == sh.nonce) {
+            old.push(h.swap_remove(i));
+        }
+        if h.len() >= PER_THREAD {
+            old.push(h.remove(0));
+        }
+        h.push(held);
+        old
+    });
+    drop(old);
+    conn
+}
+
+/// Drops this thread's connection for the client of `sh` (it failed or went unanswered).
+pub(crate) fn forget(sh: &Shared) {
+    let old = HELD.try_with(|h| {
+        let mut h = h.borrow_mut();
+        h.iter()
+            .position(|x| x.client == sh.nonce)
+            .map(|i| h.swap_remove(i))
+    });
+    drop(old);
+}
