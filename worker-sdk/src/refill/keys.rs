@@ -212,8 +212,8 @@ fn slot_meta_version<'a>(sh: &'a Shared, t: &TaskInner) -> Option<(&'a Slot, Fas
 /// A KPULL ready to send: wants of one task and slice whose entries are still low, each
 /// with its pull lock, what it asks and its key's digest.
 struct Batch<'a> {
+    sh: &'a Shared,
     table: &'a KeyTable,
-    seg: &'a crate::shm::Segment,
     task: Arc<TaskInner>,
     slot: &'a Slot,
     m: FastMeta,
@@ -225,7 +225,6 @@ struct Batch<'a> {
 impl Batch<'_> {
     fn request<'b>(
         &'b self,
-        sh: &'b Shared,
         request_id: &'b str,
         wants: &'b [scripts::KeyWant<'b>],
     ) -> scripts::KeyPullBatch<'b> {
@@ -233,7 +232,7 @@ impl Batch<'_> {
             task: &self.task.name,
             start_ms: self.start_ms,
             slice_ms: self.m.slice_ms,
-            host_id: &sh.cfg.host_id,
+            host_id: &self.sh.cfg.host_id,
             request_id,
             meta_version: self.version,
             all_or_nothing: false,
@@ -250,18 +249,7 @@ impl Batch<'_> {
             })
             .collect()
     }
-}
 
-/// A [`Batch`] without its borrows, to finish on the background runtime.
-struct Parts {
-    task: Arc<TaskInner>,
-    m: FastMeta,
-    version: i64,
-    start_ms: i64,
-    todo: Vec<(usize, Want, u64, u64, String)>,
-}
-
-impl Batch<'_> {
     fn into_parts(mut self) -> Parts {
         Parts {
             task: self.task.clone(),
@@ -273,14 +261,23 @@ impl Batch<'_> {
     }
 }
 
+/// A [`Batch`] without its borrows, to finish on the background runtime.
+struct Parts {
+    task: Arc<TaskInner>,
+    m: FastMeta,
+    version: i64,
+    start_ms: i64,
+    todo: Vec<(usize, Want, u64, u64, String)>,
+}
+
 /// The batch `p` was, with the same keys and wants (so a resend under the same request id is
 /// answered from KPULL's record of the first call).
 fn from_parts(sh: &Shared, p: Parts) -> Option<Batch<'_>> {
     let table = sh.keyed.opened()?;
     let slot = sh.seg.slot(p.task.slot_ref().index)?;
     Some(Batch {
+        sh,
         table,
-        seg: &sh.seg,
         task: p.task,
         slot,
         m: p.m,
@@ -295,20 +292,9 @@ fn from_parts(sh: &Shared, p: Parts) -> Option<Batch<'_>> {
 /// answer: a call from the caller's connection that went unanswered is finished here, and
 /// what it took in Redis is answered again from KPULL's record, never taken twice or lost.
 async fn resend(sh: &Shared, p: Parts, request_id: String) {
-    let Some(batch) = from_parts(sh, p) else {
-        return;
-    };
-    let wants = batch.wants();
-    let req = batch.request(sh, &request_id, &wants);
-    let before = crate::clock::host_us();
-    let res = call(sh, Retry::Idempotent, |mut c| {
-        let req = req.clone();
-        async move { scripts::key_pull_batch(&mut c, &sh.keys, &req).await }
-    })
-    .await;
-    let after = crate::clock::host_us();
-    drop(wants);
-    apply(sh, batch, res, before, after);
+    if let Some(batch) = from_parts(sh, p) {
+        send(batch, &request_id).await;
+    }
 }
 
 impl Drop for Batch<'_> {
@@ -318,7 +304,7 @@ impl Drop for Batch<'_> {
     fn drop(&mut self) {
         for (i, w, token, ..) in self.todo.drain(..) {
             if let Some(e) = self.table.entry(i) {
-                self.seg.lock(&e.pull_lock).unlock(token);
+                self.sh.seg.lock(&e.pull_lock).unlock(token);
             }
             drop(w);
         }
@@ -371,8 +357,8 @@ fn prepare(sh: &Shared, items: Vec<Locked>) -> Option<Batch<'_>> {
         return None;
     }
     Some(Batch {
+        sh,
         table,
-        seg: &sh.seg,
         task,
         slot,
         m,
@@ -385,12 +371,17 @@ fn prepare(sh: &Shared, items: Vec<Locked>) -> Option<Batch<'_>> {
 /// One KPULL for wants of one task and slice (each holds its entry's pull lock, released here;
 /// the wants are dropped at the end, which wakes their waiters).
 async fn pull(sh: &Shared, items: Vec<Locked>) {
-    let Some(batch) = prepare(sh, items) else {
-        return;
-    };
+    if let Some(batch) = prepare(sh, items) {
+        send(batch, &sh.request_id()).await;
+    }
+}
+
+/// Sends `batch` under `request_id` on the client's shared connection (the pump's retry rule
+/// and timeout) and applies the answer.
+async fn send(batch: Batch<'_>, request_id: &str) {
+    let sh = batch.sh;
     let wants = batch.wants();
-    let request_id = sh.request_id();
-    let req = batch.request(sh, &request_id, &wants);
+    let req = batch.request(request_id, &wants);
     let before = crate::clock::host_us();
     // How long the batch's oldest want waited for this call (tracing only).
     let queued_us = if tracing::enabled!(tracing::Level::TRACE) {
@@ -411,7 +402,7 @@ async fn pull(sh: &Shared, items: Vec<Locked>) {
     let after = crate::clock::host_us();
     tracing::trace!(task = %batch.task.name, keys = batch.todo.len(), rtt_us = after - before, queued_us, "key pull");
     drop(wants);
-    apply(sh, batch, res, before, after);
+    apply(batch, res, before, after);
 }
 
 /// What [`pull_here`] did.
@@ -466,34 +457,26 @@ pub(crate) async fn pull_here(
         );
         let now_ms = crate::clock::host_ms();
         let mut items = Vec::with_capacity(ids.len());
+        // The caller's entry first: when its lock is busy (another pull of it is in flight,
+        // from this process's pump or another process), nothing is taken and the caller
+        // joins that pull; any other want whose lock is busy stays for the pump.
         for i in ids {
             let Some(e) = table.entry(i) else { continue };
-            // A want whose entry's lock is busy stays for the pump (another pull of it is in
-            // flight); the caller's own joins that pull.
-            if let Some(token) =
-                crate::refill::try_lock(sh, sh.seg.lock(&e.pull_lock), "key pull", now_ms)
-                && let Some(w) = map.remove(&i)
-            {
-                items.push((i, w, token));
-            } else if i == entry {
-                break;
+            let lock = sh.seg.lock(&e.pull_lock);
+            match crate::refill::try_lock(sh, lock, "key pull", now_ms) {
+                Some(token) => match map.remove(&i) {
+                    Some(w) => items.push((i, w, token)),
+                    None => {
+                        lock.unlock(token);
+                    }
+                },
+                None if i == entry => break,
+                None => {}
             }
         }
         items
     };
-    if items.first().map(|x| x.0) != Some(entry) {
-        // The caller's own entry is being pulled by someone else: release what was taken
-        // (back to the pump) and wait.
-        let back: Vec<Locked> = items;
-        if !back.is_empty() {
-            let mut map = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
-            for (i, w, token) in back {
-                if let Some(e) = table.entry(i) {
-                    sh.seg.lock(&e.pull_lock).unlock(token);
-                }
-                map.entry(i).or_insert(w);
-            }
-        }
+    if items.is_empty() {
         sh.keyed.wake.notify_one();
         return Here::Taken;
     }
@@ -502,7 +485,7 @@ pub(crate) async fn pull_here(
     };
     let wants = batch.wants();
     let request_id = sh.request_id();
-    let req = batch.request(sh, &request_id, &wants);
+    let req = batch.request(&request_id, &wants);
     let before = crate::clock::host_us();
     sh.redis_calls.fetch_add(1, Ordering::Relaxed);
     let budget = (sh.cfg.pull_timeout / 2).min(deadline.saturating_duration_since(Instant::now()));
@@ -513,7 +496,7 @@ pub(crate) async fn pull_here(
     match res {
         Ok(Ok(reply)) => {
             let granted = matches!(reply, KeyPullBatchReply::Granted { .. });
-            apply(sh, batch, Ok(Ok(reply)), before, after);
+            apply(batch, Ok(Ok(reply)), before, after);
             if granted { Here::Done } else { Here::Pump }
         }
         _ => {
@@ -528,13 +511,13 @@ pub(crate) async fn pull_here(
 
 /// Applies a KPULL's outcome to its batch's entries, then releases them.
 fn apply(
-    sh: &Shared,
     batch: Batch<'_>,
     res: Result<redis::RedisResult<KeyPullBatchReply>, ()>,
     before: i64,
     after: i64,
 ) {
     let Batch {
+        sh,
         table,
         ref task,
         slot,
