@@ -963,6 +963,17 @@ pub fn redis_conn(url: &str) -> redis::Connection {
         .unwrap_or_else(|e| panic!("cannot connect to Redis at {url}: {e}"))
 }
 
+/// `CLIENT PAUSE ms WRITE` over `conn`: Redis holds every client's write commands (scripts
+/// included) for `ms` milliseconds, answering them after; reads go on.
+pub fn pause_writes(conn: &mut redis::Connection, ms: u64) {
+    let _: () = redis::cmd("CLIENT")
+        .arg("PAUSE")
+        .arg(ms)
+        .arg("WRITE")
+        .query(conn)
+        .unwrap_or_else(|e| panic!("CLIENT PAUSE {ms} WRITE: {e}"));
+}
+
 /// Starts `n` replicas named `n0`, `n1`, … on the given servers, each with `extra` flags.
 pub async fn start_replicas(
     etcd: &str,

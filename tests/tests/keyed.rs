@@ -1055,18 +1055,10 @@ async fn a_cancelled_acquire_leaves_no_key_lock_behind() {
     assert!(task.wait_ready(Duration::from_secs(10)));
     // The caller's connection is made (and the script loaded) by a first decision.
     assert!(task.key("warm").unwrap().acquire(1).await.is_allowed());
-    let mut admin = redis::Client::open(redis.as_str())
-        .unwrap()
-        .get_connection()
-        .unwrap();
+    let mut admin = redis_conn(&redis);
     for round in 0..3 {
         let key = task.key(&format!("x{round}")).unwrap();
-        let _: () = redis::cmd("CLIENT")
-            .arg("PAUSE")
-            .arg(400)
-            .arg("WRITE")
-            .query(&mut admin)
-            .unwrap();
+        pause_writes(&mut admin, 400);
         let cancelled = tokio::time::timeout(Duration::from_millis(60), key.acquire(1)).await;
         assert!(
             cancelled.is_err(),

@@ -143,15 +143,18 @@ fn check(case: usize, seen: &[Seen]) -> (u64, u64) {
             continue;
         }
         let a = admitted.get(&(s.key, sl)).copied().unwrap_or(0);
-        assert!(
-            a + s.n > limit_of(s.key, vip),
-            "liveness: key {} slice {sl}: {:?} for {} while only {a} of {} were admitted \
-             (case {case})",
-            s.key,
-            s.decision,
-            s.n,
-            limit_of(s.key, vip)
-        );
+        if a + s.n <= limit_of(s.key, vip) {
+            // The key's whole history in the case, to read the failure by.
+            let history: Vec<&Seen> = seen.iter().filter(|x| x.key == s.key).collect();
+            panic!(
+                "liveness: key {} slice {sl}: {:?} for {} while only {a} of {} were admitted \
+                 (case {case}); the key's decisions: {history:#?}",
+                s.key,
+                s.decision,
+                s.n,
+                limit_of(s.key, vip)
+            );
+        }
     }
     (adm, rej)
 }

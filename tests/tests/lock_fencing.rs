@@ -174,12 +174,7 @@ async fn a_lock_acquired_by_a_cancelled_call_is_released() {
     let g = c.lock("warm", Duration::from_secs(10)).await.expect("lock");
     assert!(g.release().await.unwrap());
     let mut admin = redis.admin_conn();
-    let _: () = redis::cmd("CLIENT")
-        .arg("PAUSE")
-        .arg(400)
-        .arg("WRITE")
-        .query(&mut admin)
-        .unwrap();
+    pause_writes(&mut admin, 400);
     let paused = Instant::now();
     let waited = tokio::time::timeout(
         Duration::from_millis(100),
