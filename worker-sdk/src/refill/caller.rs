@@ -8,7 +8,8 @@
 //! caller's runtime so the connection's driver runs there), at most [`PER_THREAD`] clients,
 //! and a client has at most [`MAX_CALLER_CONNS`] over all threads: past that, decisions use
 //! the background thread. A connection that fails is dropped (the next decision makes a new
-//! one; a failed connect is retried at most once a second per thread); one left on a runtime
+//! one after a second; one connect at a time per thread, a failed one retried at most once a
+//! second); one left on a runtime
 //! that is no longer driven (a thread alternating between runtimes) times out and is dropped
 //! at each switch. Off by default: see [`crate::Config::caller_pulls`] for what it needs.
 
@@ -92,6 +93,10 @@ pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<MultiplexedCo
         }
     }
     let mut reserved = Reserved(count, false);
+    // While this connects, the thread's other decisions use the background thread (one
+    // connect at a time per thread); a connect that fails or is cancelled leaves this as the
+    // backoff.
+    put(sh, None);
     let budget = deadline.saturating_duration_since(Instant::now());
     let made = tokio::time::timeout(budget, sh.redis.connect_here())
         .await
@@ -101,32 +106,37 @@ pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<MultiplexedCo
                 "no connection before the decision's deadline",
             )))
         });
-    let conn = match made {
+    match made {
         Ok(Some(c)) => {
             reserved.1 = true; // now the `Held`'s, given back by its drop
+            put(sh, Some(c.clone()));
             Some(c)
         }
         Ok(None) => {
             sh.keyed.caller_off.store(true, Ordering::Relaxed);
-            return None;
+            None
         }
         Err(e) => {
             tracing::debug!(error = %e, "caller connection to Redis failed; pulling through the background thread");
             None
         }
-    };
-    drop(reserved);
+    }
+}
+
+/// Sets this thread's entry for the client of `sh`: a connection, or none since now (a
+/// connect under way, or a backoff after a failure).
+fn put(sh: &Shared, conn: Option<MultiplexedConnection>) {
     let held = Held {
         client: sh.nonce,
-        count: Arc::downgrade(count),
-        conn: conn.clone(),
+        count: Arc::downgrade(&sh.keyed.caller_conns),
+        conn,
         failed_at: Instant::now(),
     };
     let old = HELD.try_with(|h| {
         let mut h = h.borrow_mut();
         let mut old: Vec<Held> = Vec::new();
         if let Some(i) = h.iter().position(|x| x.client == sh.nonce) {
-            old.push(h.swap_remove(i));
+            old.push(h.remove(i));
         }
         if h.len() >= PER_THREAD {
             old.push(h.remove(0));
@@ -135,16 +145,10 @@ pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<MultiplexedCo
         old
     });
     drop(old);
-    conn
 }
 
-/// Drops this thread's connection for the client of `sh` (it failed or went unanswered).
+/// Drops this thread's connection for the client of `sh` (it failed or went unanswered): the
+/// next one is made after the backoff.
 pub(crate) fn forget(sh: &Shared) {
-    let old = HELD.try_with(|h| {
-        let mut h = h.borrow_mut();
-        h.iter()
-            .position(|x| x.client == sh.nonce)
-            .map(|i| h.swap_remove(i))
-    });
-    drop(old);
+    put(sh, None);
 }

@@ -122,9 +122,7 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
                 let Some(e) = table.entry(i) else {
                     continue; // dropped: wakes its waiters
                 };
-                if e.ident.load(Ordering::Acquire) != w.ident
-                    || w.since.elapsed() > sh.cfg.acquire_timeout + sh.cfg.pull_timeout
-                {
+                if stale(&sh, e, &w) {
                     continue;
                 }
                 let timeout = sh.cfg.lock_timeout.as_millis() as u64;
@@ -178,6 +176,13 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
             _ = tokio::time::sleep(wait) => {}
         }
     }
+}
+
+/// A want not worth pulling for: its entry holds another key now, or nobody can still be
+/// waiting for it.
+fn stale(sh: &Shared, e: &KeyEntry, w: &Want) -> bool {
+    e.ident.load(Ordering::Acquire) != w.ident
+        || w.since.elapsed() > sh.cfg.acquire_timeout + sh.cfg.pull_timeout
 }
 
 /// The entry holds fewer permits of the want's slice than half its last chunk.
@@ -451,7 +456,12 @@ pub(crate) async fn pull_here(
         let mut ids: Vec<usize> = vec![entry];
         ids.extend(
             map.iter()
-                .filter(|(i, w)| **i != entry && w.start_ms == start_ms && w.task.name == task.name)
+                .filter(|(i, w)| {
+                    **i != entry
+                        && w.start_ms == start_ms
+                        && w.task.name == task.name
+                        && table.entry(**i).is_some_and(|e| !stale(sh, e, w))
+                })
                 .map(|(i, _)| *i)
                 .take(BATCH - 1),
         );
