@@ -33,7 +33,8 @@
 # (keys grid: Sluice decision loops per process, default 16), SLUICE_BENCH_KEYS_REPORTED (keys
 # grid: keys whose counts per slice are reported and judged, default 1000),
 # SLUICE_BENCH_KEY_SLOTS_CAP (the SDK's MAX_KEY_SLOTS; default read from
-# worker-sdk/src/keytable.rs).
+# worker-sdk/src/keytable.rs), SLUICE_BENCH_KEYS_CALLER_PULLS=1 (keys grid: Sluice's keyed
+# pulls from the decision loops' runtime, `Config::caller_pulls`; default off, as in the SDK).
 # Output: target/bench/result-<unix>.json (+ latest.json). Everything started here is stopped
 # by PID on exit.
 set -euo pipefail
@@ -126,6 +127,7 @@ python3 scripts/bench/run.py --mode "$MODE" --profile "$PROFILE" --command "$CMD
   --sections "$SECTIONS" --keys-rate "${SLUICE_BENCH_KEYS_RATE:-5000}" \
   --keys-seconds "$KEYS_SECS" --keys-workers "${SLUICE_BENCH_KEYS_WORKERS:-16}" \
   --keys-reported "${SLUICE_BENCH_KEYS_REPORTED:-1000}" --key-slots-cap "${SLUICE_BENCH_KEY_SLOTS_CAP:-0}" \
+  --keys-caller-pulls "${SLUICE_BENCH_KEYS_CALLER_PULLS:-0}" \
   --out "$OUT" --tmp "$dir" "${AGENTS[@]}"
 
 # The docs take a full release run of every section, or of the keys grid alone (report.py then

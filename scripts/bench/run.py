@@ -658,6 +658,7 @@ def keys_grid(b):
     points = key_points(grid, rate)
     out = {"rate_per_host": rate, "seconds_per_run": secs, "procs_per_host": KEYS_PROCS,
            "workers_per_proc": workers, "key_slots_cap": cap, "reported_keys": a.keys_reported,
+           "caller_pulls": bool(a.keys_caller_pulls),
            "grid": {k: list(v) for k, v in grid.items()}, "points": []}
     # The background now (the runs before left tasks behind), to take off the peer's counts.
     c0, w0 = b.redis.commands(), time.time()
@@ -710,7 +711,8 @@ def key_run(b, pt, design, name, slots, workers, secs, idle):
                    "--host-id", host, "--procs", str(KEYS_PROCS), "--duration-ms", str(dur),
                    "--rate", str(per_proc), "--bucket-ms", str(slice_ms), "--start-at-ms", str(t0),
                    "--keys", str(pt["keys"]), "--key-slots", str(slots),
-                   "--workers", str(workers), "--key-report", str(report)]
+                   "--workers", str(workers), "--key-report", str(report),
+                   "--caller-pulls", "true" if a.keys_caller_pulls else "false"]
             ps.append((host, cmd, parse_loadgen))
         else:
             for i in range(KEYS_PROCS):
@@ -878,6 +880,8 @@ def main():
                     help="keys grid: loadgen --workers (concurrent decision loops per process)")
     ap.add_argument("--keys-reported", type=int, default=1000,
                     help="keys grid: keys 0 … N-1 have their counts per slice reported (accuracy)")
+    ap.add_argument("--keys-caller-pulls", type=int, choices=(0, 1), default=0,
+                    help="keys grid: 1 = loadgen --caller-pulls true (Config::caller_pulls)")
     ap.add_argument("--key-slots-cap", type=int, default=0,
                     help="keys grid: the SDK's MAX_KEY_SLOTS (0: read from worker-sdk/src/keytable.rs)")
     a = ap.parse_args()

@@ -1053,8 +1053,14 @@ async fn a_cancelled_acquire_leaves_no_key_lock_behind() {
     let client = sluice::Client::new(cfg).unwrap();
     let task = client.task("k").unwrap();
     assert!(task.wait_ready(Duration::from_secs(10)));
-    // The caller's connection is made (and the script loaded) by a first decision.
+    // The caller's connection is made (and the script loaded) by a first decision, whose pull
+    // goes from the caller's runtime.
     assert!(task.key("warm").unwrap().acquire(1).await.is_allowed());
+    assert_eq!(
+        client.caller_pulls_sent(),
+        1,
+        "the first pull was not the caller's"
+    );
     let mut admin = redis_conn(&redis);
     for round in 0..3 {
         let key = task.key(&format!("x{round}")).unwrap();

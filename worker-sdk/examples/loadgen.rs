@@ -284,6 +284,10 @@ struct Report {
     /// (rejected, had the limit been enforced).
     #[serde(default)]
     shadow_admitted: u64,
+    /// Keyed tasks with `--caller-pulls true` (extra): KPULL calls sent from the decision loops'
+    /// runtime (`Client::caller_pulls_sent`; part of `redis_calls`).
+    #[serde(default)]
+    caller_pulls: u64,
     /// Decision latency (additive, with `--latency-every`, and always for keyed tasks):
     /// `floor(log2(ns) · 16)` → decisions, the format of the benchmark's peers
     /// (scripts/bench/peers/README.md). The time of the timing itself is subtracted
@@ -431,6 +435,7 @@ impl Report {
         self.rejected += r.rejected;
         self.fallback_admitted += r.fallback_admitted;
         self.shadow_admitted += r.shadow_admitted;
+        self.caller_pulls += r.caller_pulls;
         self.redis_calls += r.redis_calls;
         for (k, n) in r.lat_hist {
             *self.lat_hist.entry(k).or_insert(0) += n;
@@ -1229,6 +1234,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
         rejected = r.rejected,
         "child done"
     );
+    r.caller_pulls = client.caller_pulls_sent();
     // Drop the client first: its last flush is part of its Redis calls.
     drop(task);
     drop(client);

@@ -207,6 +207,12 @@ impl Client {
         self.shared.redis_calls.load(Ordering::Relaxed)
     }
 
+    /// KPULL calls this client sent from its callers' runtimes ([`Config::caller_pulls`]; also
+    /// counted in [`Client::redis_calls`]). 0 with caller pulls off.
+    pub fn caller_pulls_sent(&self) -> u64 {
+        self.shared.keyed.caller_sent.load(Ordering::Relaxed)
+    }
+
     /// Slices whose counters this process's flushes dropped because Redis refused to add them
     /// (a counter that would overflow Redis' 64-bit integers, a value out of range). Each is
     /// logged as a warning with the task and slice; the other slices' counters are flushed

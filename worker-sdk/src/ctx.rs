@@ -207,6 +207,8 @@ pub(crate) struct KeyState {
     pub(crate) caller_conns: Arc<std::sync::atomic::AtomicUsize>,
     /// Set once the target turned out not to allow caller connections (a cluster).
     pub(crate) caller_off: AtomicBool,
+    /// KPULL calls sent from callers' runtimes ([`crate::Client::caller_pulls_sent`]).
+    pub(crate) caller_sent: std::sync::atomic::AtomicU64,
 }
 
 /// How a keyed task's keys are written where people read them: the `key` field of its key

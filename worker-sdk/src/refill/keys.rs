@@ -498,6 +498,7 @@ pub(crate) async fn pull_here(
     let req = batch.request(&request_id, &wants);
     let before = crate::clock::host_us();
     sh.redis_calls.fetch_add(1, Ordering::Relaxed);
+    sh.keyed.caller_sent.fetch_add(1, Ordering::Relaxed);
     let budget = (sh.cfg.pull_timeout / 2).min(deadline.saturating_duration_since(Instant::now()));
     let res = tokio::time::timeout(budget, scripts::key_pull_batch(conn, &sh.keys, &req)).await;
     let after = crate::clock::host_us();
