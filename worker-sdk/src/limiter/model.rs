@@ -512,6 +512,56 @@ fn prop_clock_steps() {
     property("limiter clock steps", 48, || stepping().boxed());
 }
 
+/// The minimal input of `prop_param_changes`'s failure in CI (SlidingLog, seed
+/// 2275979523880801410): 10 then 9 admitted on a 137 ms window whose ring place the 9 reused
+/// (the 10's word gone), the window lengthened to 1.5 s at limit 5 (the ring's 9 already
+/// filled it), then 1 s at limit 33: 24 more were admitted with 19 in the last second.
+#[test]
+fn a_lengthened_window_then_a_raised_limit_keeps_what_the_ring_lost() {
+    let p = |limit, window_us, burst| Params {
+        limit,
+        window_us,
+        burst,
+    };
+    let (d, c) = (
+        |dt, n| Op::Decide { dt, n },
+        |l, w, b| Op::Change(p(l, w, b)),
+    );
+    let ops = [
+        d(8353, 6),
+        c(11, 137_000, 1),
+        d(3683, 10),
+        d(3959, 5),
+        d(158_520, 33),
+        d(50466, 41),
+        d(9754, 29),
+        d(30590, 26),
+        d(2224, 38),
+        d(0, 9),
+        c(5, 1_500_000, 1),
+        d(9274, 5),
+        c(33, 1_000_000, 0),
+        d(0, 24),
+        d(4646, 27),
+        d(3907, 26),
+        d(147_912, 21),
+        d(2934, 21),
+        d(21254, 11),
+        d(4295, 3),
+        d(6368, 18),
+        d(0, 21),
+        d(1844, 19),
+        d(80662, 10),
+        d(2740, 18),
+        d(0, 5),
+    ];
+    for alg in ALL {
+        if let Err(e) = run(alg, p(1, 100_000, 1), 430_696, &ops) {
+            panic!("{e}");
+        }
+    }
+}
+
 #[test]
 fn prop_param_changes() {
     property("limiter parameter changes", 48, || changing().boxed());

@@ -29,8 +29,9 @@
 //! window ahead of now (the clock stepped back) is moved to now's bucket, so it counts one
 //! more window and is then forgotten. A *longer* window than the ring was written on (cell 5
 //! records it) may reach admissions whose words a shorter window's buckets already reused, so
-//! the ring is then filled as on a change of family: nothing more is admitted in the window of
-//! the change (found by the model, seed 7828340290572986977).
+//! nothing more is admitted in the window of the change, whatever limit follows in it: the
+//! ring is filled to the most a word counts (found by the model, seeds 7828340290572986977 and
+//! 2275979523880801410).
 
 use std::sync::atomic::Ordering;
 
@@ -145,10 +146,13 @@ fn take_back(ws: Words<'_>, bk: &Buckets, word: u64, n: u64) {
 
 /// A longer window than the ring was written on: the ring holds only about one old window of
 /// admissions (its places were reused at the old bucket length), so what was admitted between
-/// the old and the new window's reach may be gone. The ring is then filled as on a change of
-/// family (nothing more is admitted in the window of the change); a shorter window loses
-/// nothing. Filled before the record moves: a process stopped in between leaves the old record,
-/// and the next decision fills again (which adds nothing once full).
+/// the old and the new window's reach may be gone, and how much is unknown (the old window
+/// could admit its limit many times over in the new one). The ring is then filled to the most a
+/// word counts, not to the limit: nothing more is admitted in the window of the change whatever
+/// limit follows within it (filled to the limit, a limit raised next let the lost admissions
+/// in again: the model, seed 2275979523880801410). A shorter window loses nothing. Filled
+/// before the record moves: a process stopped in between leaves the old record, and the next
+/// decision fills again (which adds nothing once full).
 fn follow_window(ws: Words<'_>, i: &Input, w: i64) {
     let cell = ws.cell(WINDOW);
     let seen = cell.load(Ordering::Acquire);
@@ -156,7 +160,7 @@ fn follow_window(ws: Words<'_>, i: &Input, w: i64) {
         return;
     }
     if seen != 0 && (w as u64) > seen {
-        fill(ws, i);
+        fill_to(ws, i, COUNT_MAX);
     }
     let _ = cas(cell, seen, w as u64);
 }
@@ -191,10 +195,14 @@ pub(super) fn decide(ws: Words<'_>, i: &Input) -> Verdict {
 /// Counts now's bucket as holding the whole limit (a change from another family of
 /// algorithms): nothing more is admitted for a window. An increase: needs no commit.
 pub(super) fn fill(ws: Words<'_>, i: &Input) {
+    fill_to(ws, i, i.p.limit.min(COUNT_MAX));
+}
+
+/// Counts now's bucket so that the window holds at least `target`.
+fn fill_to(ws: Words<'_>, i: &Input, target: u64) {
     let bk = Buckets::new(i);
-    let limit = i.p.limit.min(COUNT_MAX);
     let (total, _) = sum(ws, &bk);
-    if total < limit && add(ws, &bk, limit - total).is_some() {
+    if total < target && add(ws, &bk, target - total).is_some() {
         // Like an admission: a decision that summed before the fill starts over.
         ws.cell(SEQ).fetch_add(1, Ordering::AcqRel);
     }
