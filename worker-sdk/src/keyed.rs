@@ -385,7 +385,14 @@ impl Key {
         loop {
             match self.wait_step(n, deadline, false) {
                 Next::Done(d, at, r) => return (d, at, r),
-                Next::Here { .. } => unreachable!("no caller pull without a runtime"),
+                Next::Here {
+                    entry,
+                    ident,
+                    start_ms,
+                } => {
+                    // Not asked for (no caller pulls without a runtime): waits as for a want.
+                    self.want(entry, ident, start_ms, n).wait_blocking(deadline);
+                }
                 Next::Task => {
                     let (d, at) = self.task.acquire_blocking_stamped(n);
                     return (d, at, self.task.refund_of(d, at));
@@ -680,8 +687,9 @@ impl Key {
     /// Pulls entry `entry` for the slice at `start_ms` from the caller's task, over the
     /// caller's runtime's connection ([`crate::refill::caller`]), together with the other
     /// wants of the task and slice waiting in this process. False when no pull was made for
-    /// the caller here: it then goes through the background thread (which judges Redis;
-    /// nothing here makes the task FAILED).
+    /// the caller here: it then goes through the background thread. A failure of the caller's
+    /// connection never makes the task FAILED by itself (the background thread's resend
+    /// judges Redis); an answer that finds no task slice does, as on the background thread.
     async fn pull_here(
         &self,
         entry: usize,
