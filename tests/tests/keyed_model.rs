@@ -78,6 +78,9 @@ fn step() -> impl Strategy<Value = Step> {
 /// One decision as the model sees it.
 #[derive(Debug)]
 struct Seen {
+    /// Which client decided (printed with a failing key's history).
+    #[allow(dead_code)]
+    client: usize,
     key: usize,
     n: u64,
     decision: Decision,
@@ -99,7 +102,8 @@ fn key_name(case: usize, key: usize) -> String {
 }
 
 /// Checks the decisions of one case against the model; returns (admitted, rejected) permits.
-fn check(case: usize, seen: &[Seen]) -> (u64, u64) {
+/// `restarts`: (client, how many decisions had been made) for each `Restart` step.
+fn check(case: usize, seen: &[Seen], restarts: &[(usize, usize)]) -> (u64, u64) {
     let vip = case < VIP_CASES;
     // Admitted permits per (key, slice), counting a straddling decision in both slices
     // (stricter).
@@ -145,10 +149,15 @@ fn check(case: usize, seen: &[Seen]) -> (u64, u64) {
         let a = admitted.get(&(s.key, sl)).copied().unwrap_or(0);
         if a + s.n <= limit_of(s.key, vip) {
             // The key's whole history in the case, to read the failure by.
-            let history: Vec<&Seen> = seen.iter().filter(|x| x.key == s.key).collect();
+            let history: Vec<(usize, &Seen)> = seen
+                .iter()
+                .enumerate()
+                .filter(|(_, x)| x.key == s.key)
+                .collect();
             panic!(
                 "liveness: key {} slice {sl}: {:?} for {} while only {a} of {} were admitted \
-                 (case {case}); the key's decisions: {history:#?}",
+                 (case {case}); restarts (client, after this many decisions of the case): \
+                 {restarts:?}; the key's decisions (with their place in the case): {history:#?}",
                 s.key,
                 s.decision,
                 s.n,
@@ -176,8 +185,10 @@ async fn run_case(redis: &str, ns: &str, case: usize, steps: &[Step]) -> (u64, u
     let mut clients: Vec<(sluice::Client, sluice::Task)> = (0..CLIENTS).map(client).collect();
     let slice = |us: i64| us.div_euclid(SLICE_MS * 1_000);
     let mut seen = Vec::with_capacity(steps.len());
+    let mut restarts = Vec::new();
     for s in steps {
         if let Call::Restart = s.call {
+            restarts.push((s.client, seen.len()));
             clients[s.client] = client(s.client);
             continue;
         }
@@ -201,6 +212,7 @@ async fn run_case(redis: &str, ns: &str, case: usize, steps: &[Step]) -> (u64, u
             Call::Restart => unreachable!(),
         };
         seen.push(Seen {
+            client: s.client,
             key: s.key,
             n: s.n,
             decision,
@@ -211,7 +223,7 @@ async fn run_case(redis: &str, ns: &str, case: usize, steps: &[Step]) -> (u64, u
             tokio::time::sleep(Duration::from_millis(s.pause_ms)).await;
         }
     }
-    check(case, &seen)
+    check(case, &seen, &restarts)
 }
 
 #[test]

@@ -57,7 +57,7 @@ pub(crate) fn spawn(
 }
 
 async fn run(sh: Arc<Shared>) {
-    tokio::spawn(crate::refill::keys::pump(sh.clone()));
+    let pump = tokio::spawn(crate::refill::keys::pump(sh.clone()));
     loop {
         let stopping = sh.stop.load(Ordering::Acquire);
         let (tasks, unused) = {
@@ -91,6 +91,7 @@ async fn run(sh: Arc<Shared>) {
         )
         .await;
         if stopping {
+            crate::refill::keys::finish(&sh, pump).await;
             return;
         }
         crate::refill::report::report_host(&sh).await;

@@ -209,6 +209,12 @@ pub(crate) struct KeyState {
     pub(crate) caller_off: AtomicBool,
     /// KPULL calls sent from callers' runtimes ([`crate::Client::caller_pulls_sent`]).
     pub(crate) caller_sent: std::sync::atomic::AtomicU64,
+    /// Key pulls in flight on the background runtime (the pump's, and callers' calls handed
+    /// over to it): a stopping client waits for them (`crate::refill::keys::finish`), so what
+    /// Redis granted lands in the key table instead of being dropped with the runtime.
+    pub(crate) in_flight: std::sync::atomic::AtomicUsize,
+    /// Notified when [`KeyState::in_flight`] drops to zero.
+    pub(crate) settled: tokio::sync::Notify,
 }
 
 /// How a keyed task's keys are written where people read them: the `key` field of its key

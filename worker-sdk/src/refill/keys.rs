@@ -101,6 +101,53 @@ pub(crate) async fn step(sh: &Shared) -> bool {
     false
 }
 
+/// A key pull in flight on the background runtime, counted in [`crate::ctx::KeyState::in_flight`]
+/// from before it is spawned until it is done (applied, failed, or dropped).
+struct Flight(Arc<Shared>);
+
+impl Flight {
+    fn new(sh: &Arc<Shared>) -> Self {
+        sh.keyed.in_flight.fetch_add(1, Ordering::AcqRel);
+        Self(sh.clone())
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        if self.0.keyed.in_flight.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.keyed.settled.notify_one();
+        }
+    }
+}
+
+/// A stopping client's last step for keys: the pump stops taking wants, and the pulls it (or
+/// a caller's handed-over call) has in flight finish — within the pull timeout and a margin, as
+/// a Redis call does — so that what Redis granted is deposited in the host's key table, where
+/// the host's other processes spend it. Dropped with the runtime instead, a pull's grant was
+/// taken in Redis and lost to every host for the rest of its slice (found by the keyed model:
+/// a client restarted while a decision's prefetch was in flight).
+pub(crate) async fn finish(sh: &Shared, pump: tokio::task::JoinHandle<()>) {
+    sh.keyed.wake.notify_one();
+    let bound = sh.cfg.pull_timeout + Duration::from_millis(250);
+    let waited = tokio::time::timeout(bound, async {
+        let _ = pump.await;
+        loop {
+            let settled = sh.keyed.settled.notified();
+            if sh.keyed.in_flight.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            settled.await;
+        }
+    })
+    .await;
+    if waited.is_err() {
+        tracing::warn!(
+            pulls = sh.keyed.in_flight.load(Ordering::Acquire),
+            "client stopping with key pulls still unanswered; their grants are lost"
+        );
+    }
+}
+
 /// Runs on the background runtime beside the rounds: takes the wants as they come and pulls
 /// each on its own task (at most [`CONCURRENT_PULLS`] at once), so a cold key waits one Redis
 /// round trip, not a round of the background thread.
@@ -150,10 +197,11 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
                 let Ok(permit) = permits.clone().acquire_owned().await else {
                     return;
                 };
-                let sh2 = sh.clone();
+                let flight = Flight::new(&sh);
                 tokio::spawn(async move {
-                    pull(&sh2, batch).await;
+                    pull(&flight.0, batch).await;
                     drop(permit);
+                    drop(flight);
                 });
             }
         }
@@ -512,9 +560,11 @@ pub(crate) async fn pull_here(
         }
         _ => {
             let parts = batch.into_parts();
-            let sh2 = sh.clone();
-            sh.rt
-                .spawn(async move { resend(&sh2, parts, request_id).await });
+            let flight = Flight::new(sh);
+            sh.rt.spawn(async move {
+                resend(&flight.0, parts, request_id).await;
+                drop(flight);
+            });
             Here::Handed
         }
     }
