@@ -280,6 +280,8 @@ pub struct ModeCoverage {
     pub max_in_flight: u64,
     /// Runs started per variant of the newest spec.
     pub runs_keyed: u64,
+    /// Keyed runs with caller pulls (`--caller-pulls true`).
+    pub runs_keyed_caller: u64,
     /// Runs started on a concurrency spec.
     pub runs_concurrency: u64,
     /// Runs started with `--all-with` (every decision `acquire_all` over two pooled tasks).
@@ -310,6 +312,7 @@ impl Default for ModeCoverage {
             permit_instants: 0,
             max_in_flight: 0,
             runs_keyed: 0,
+            runs_keyed_caller: 0,
             runs_concurrency: 0,
             runs_all: 0,
             all_lines: 0,
@@ -370,7 +373,7 @@ impl Watch {
     /// Extra loadgen arguments of a run of `task` whose newest spec is `spec`: permit holding
     /// and its intervals file (used if the task is in mode `concurrency` when the run starts),
     /// loops, and for a keyed spec the keys — a new count (1–40) and skew every run, so keys
-    /// come and go (churn).
+    /// come and go (churn) — and caller pulls for every other one.
     pub fn run_args(
         &mut self,
         rng: &mut Rng,
@@ -402,8 +405,18 @@ impl Watch {
         }
         if spec.is_some_and(|s| s.modes.keyed.is_some()) {
             self.cov.runs_keyed += 1;
+            let keys = rng.range(1, 40);
             a.push("--keys".into());
-            a.push(rng.range(1, 40).to_string());
+            a.push(keys.to_string());
+            // Half the keyed runs send their cold keys' pulls from the decision loops' runtime
+            // (`Config::caller_pulls`), the other half through the background thread: chosen by
+            // the parity of the key count plus the keyed runs so far (any count gets both), so the
+            // seed's sequence of draws is unchanged.
+            if (keys + self.cov.runs_keyed).is_multiple_of(2) {
+                self.cov.runs_keyed_caller += 1;
+                a.push("--caller-pulls".into());
+                a.push("true".into());
+            }
             if rng.chance(0.5) {
                 a.push("--key-skew".into());
                 a.push(format!("{:.2}", rng.uniform(0.8, 1.5)));
@@ -578,12 +591,13 @@ impl Watch {
     pub fn summary(&self) -> String {
         let c = &self.cov;
         format!(
-            "modes: {} key slices, {} shadow buckets, {} permit starts checked (at most {} in flight); {} keyed runs, {} concurrency runs, {} acquire_all runs ({} lines of their second task, {} decisions cancelled mid-wait); liveness: {} key slices judged ({} stalled), {} permit windows judged ({} stalled, {} after a demand shift; lowest mean {:.0} % of the cap)",
+            "modes: {} key slices, {} shadow buckets, {} permit starts checked (at most {} in flight); {} keyed runs ({} with caller pulls), {} concurrency runs, {} acquire_all runs ({} lines of their second task, {} decisions cancelled mid-wait); liveness: {} key slices judged ({} stalled), {} permit windows judged ({} stalled, {} after a demand shift; lowest mean {:.0} % of the cap)",
             c.key_slices,
             c.shadow_buckets,
             c.permit_instants,
             c.max_in_flight,
             c.runs_keyed,
+            c.runs_keyed_caller,
             c.runs_concurrency,
             c.runs_all,
             c.all_lines,

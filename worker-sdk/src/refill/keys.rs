@@ -190,20 +190,32 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
                     .push((i, w, token));
             }
         }
+        let mut batches: Vec<Vec<Locked>> = Vec::new();
         for (_, mut items) in groups.drain() {
             while !items.is_empty() {
                 let rest = items.split_off(items.len().min(BATCH));
-                let batch = std::mem::replace(&mut items, rest);
-                let Ok(permit) = permits.clone().acquire_owned().await else {
-                    return;
-                };
-                let flight = Flight::new(&sh);
-                tokio::spawn(async move {
-                    pull(&flight.0, batch).await;
-                    drop(permit);
-                    drop(flight);
-                });
+                batches.push(std::mem::replace(&mut items, rest));
             }
+        }
+        let mut batches = batches.into_iter();
+        while let Some(batch) = batches.next() {
+            // A stopping client sends nothing more (its last step waits for what it sent,
+            // `finish`, within one pull timeout from then); the rest is released.
+            let permit = match sh.stop.load(Ordering::Acquire) {
+                false => permits.clone().acquire_owned().await.ok(),
+                true => None,
+            };
+            let Some(permit) = permit.filter(|_| !sh.stop.load(Ordering::Acquire)) else {
+                release(&sh, batch);
+                batches.for_each(|b| release(&sh, b));
+                return;
+            };
+            let flight = Flight::new(&sh);
+            tokio::spawn(async move {
+                pull(&flight.0, batch).await;
+                drop(permit);
+                drop(flight);
+            });
         }
         let again = !retry.is_empty();
         if again {
@@ -222,6 +234,19 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
         tokio::select! {
             _ = notified => {}
             _ = tokio::time::sleep(wait) => {}
+        }
+    }
+}
+
+/// Releases the pull locks of wants that will not be pulled; the wants are dropped, which
+/// wakes their waiters.
+fn release(sh: &Shared, items: Vec<Locked>) {
+    let Some(table) = sh.keyed.opened() else {
+        return;
+    };
+    for (i, _, token) in items {
+        if let Some(e) = table.entry(i) {
+            sh.seg.lock(&e.pull_lock).unlock(token);
         }
     }
 }
@@ -382,9 +407,7 @@ fn prepare(sh: &Shared, items: Vec<Locked>) -> Option<Batch<'_>> {
     let (slot, m, version) = match meta {
         Some((slot, m, version)) if !over(&m) => (slot, m, version),
         _ => {
-            for (i, _, token) in items {
-                unlock(i, token);
-            }
+            release(sh, items);
             return None;
         }
     };
