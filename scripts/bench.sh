@@ -34,7 +34,9 @@
 # grid: keys whose counts per slice are reported and judged, default 1000),
 # SLUICE_BENCH_KEY_SLOTS_CAP (the SDK's MAX_KEY_SLOTS; default read from
 # worker-sdk/src/keytable.rs), SLUICE_BENCH_KEYS_CALLER_PULLS=1 (keys grid: Sluice's keyed
-# pulls from the decision loops' runtime, `Config::caller_pulls`; default off, as in the SDK).
+# pulls from the decision loops' runtime, `Config::caller_pulls`; default off, as in the SDK),
+# SLUICE_BENCH_KEYS_PEER_GRAIN_MS=G (keys grid: the per-request peer's due times rounded up to a
+# G ms timer grain, the shape of loadgen's Tokio pacing; default 0, precise pacing).
 # Output: target/bench/result-<unix>.json (+ latest.json). Everything started here is stopped
 # by PID on exit.
 set -euo pipefail
@@ -128,6 +130,7 @@ python3 scripts/bench/run.py --mode "$MODE" --profile "$PROFILE" --command "$CMD
   --keys-seconds "$KEYS_SECS" --keys-workers "${SLUICE_BENCH_KEYS_WORKERS:-16}" \
   --keys-reported "${SLUICE_BENCH_KEYS_REPORTED:-1000}" --key-slots-cap "${SLUICE_BENCH_KEY_SLOTS_CAP:-0}" \
   --keys-caller-pulls "${SLUICE_BENCH_KEYS_CALLER_PULLS:-0}" \
+  --keys-peer-grain-ms "${SLUICE_BENCH_KEYS_PEER_GRAIN_MS:-0}" \
   --out "$OUT" --tmp "$dir" "${AGENTS[@]}"
 
 # The docs take a full release run of every section, or of the keys grid alone (report.py then

@@ -658,7 +658,7 @@ def keys_grid(b):
     points = key_points(grid, rate)
     out = {"rate_per_host": rate, "seconds_per_run": secs, "procs_per_host": KEYS_PROCS,
            "workers_per_proc": workers, "key_slots_cap": cap, "reported_keys": a.keys_reported,
-           "caller_pulls": bool(a.keys_caller_pulls),
+           "caller_pulls": bool(a.keys_caller_pulls), "peer_grain_ms": a.keys_peer_grain_ms,
            "grid": {k: list(v) for k, v in grid.items()}, "points": []}
     # The background now (the runs before left tasks behind), to take off the peer's counts.
     c0, w0 = b.redis.commands(), time.time()
@@ -723,6 +723,8 @@ def key_run(b, pt, design, name, slots, workers, secs, idle):
                        "--rate", str(per_proc), "--bucket-ms", str(slice_ms),
                        "--proc", str(proc), "--keys", str(pt["keys"]),
                        "--key-report", str(report)]
+                if a.keys_peer_grain_ms:
+                    cmd += ["--grain-ms", str(a.keys_peer_grain_ms)]
                 ps.append((f"{name}-p{proc}", cmd, parse_peer))
     mem0 = b.redis.used_memory()
     peak = [mem0]
@@ -882,6 +884,9 @@ def main():
                     help="keys grid: keys 0 … N-1 have their counts per slice reported (accuracy)")
     ap.add_argument("--keys-caller-pulls", type=int, choices=(0, 1), default=0,
                     help="keys grid: 1 = loadgen --caller-pulls true (Config::caller_pulls)")
+    ap.add_argument("--keys-peer-grain-ms", type=int, default=0,
+                    help="keys grid: peer_redis --grain-ms (its due times on a timer of this grain, "
+                         "as loadgen's Tokio timer; 0 = precise pacing)")
     ap.add_argument("--key-slots-cap", type=int, default=0,
                     help="keys grid: the SDK's MAX_KEY_SLOTS (0: read from worker-sdk/src/keytable.rs)")
     a = ap.parse_args()

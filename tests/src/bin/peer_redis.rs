@@ -4,7 +4,7 @@
 //! ```text
 //! peer_redis --algo fixed-window|sliding-log --redis URL --key K --limit L --window-ms W
 //!            --duration-ms D --start-at-ms T [--rate R] [--bucket-ms B] [--proc I]
-//!            [--keys N] [--key-report R]
+//!            [--keys N] [--key-report R] [--grain-ms G]
 //! ```
 //!
 //! * `fixed-window`: the article's INCR limiter, the design of envoyproxy/ratelimit: the key is
@@ -42,6 +42,15 @@
 //! charged) they were decided in:
 //! `"keys": {"k<i>": {"<window_start_ms>": [ok, over_limit]}}` (a key or window with no
 //! answer is absent; errors are not counted there). Every other field is unchanged.
+//!
+//! # Timer grain
+//!
+//! `--grain-ms G` (default 0: each decision due at its own instant, slept for precisely) rounds
+//! every due time up to the next multiple of G ms, as a timer of that grain would: at
+//! `--rate 5000 --grain-ms 1` five decisions are released together every millisecond and the
+//! thread sleeps about 1 ms between bursts — the shape of a Tokio-paced load generator (the
+//! SDK's `loadgen` paces its loops with Tokio's 1 ms timer), so both designs pay the same
+//! wake-ups when they are measured side by side.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -87,6 +96,9 @@ struct Args {
     /// Report per-window counts of the keys k0 … k{R-1} (`"keys"` in the JSON line).
     #[arg(long, default_value_t = 0)]
     key_report: u64,
+    /// Round every due time up to a multiple of this many ms (0 = precise pacing).
+    #[arg(long, default_value_t = 0)]
+    grain_ms: u64,
 }
 
 /// At most this many keys (`--keys`).
@@ -240,6 +252,9 @@ fn main() {
     if args.bucket_ms <= 0 {
         usage("--bucket-ms must be at least 1");
     }
+    if args.grain_ms > 1_000 {
+        usage("--grain-ms must be 0..=1000");
+    }
     if args.keys > MAX_KEYS {
         usage(&format!("--keys must be at most {MAX_KEYS}"));
     }
@@ -306,7 +321,11 @@ fn main() {
             break;
         }
         if let Some(iv) = interval {
-            let due = iv.mul_f64(i as f64);
+            let mut due = iv.mul_f64(i as f64);
+            if args.grain_ms > 0 {
+                let g = args.grain_ms as u128 * 1_000_000;
+                due = Duration::from_nanos((due.as_nanos().div_ceil(g) * g) as u64);
+            }
             if due >= duration {
                 break;
             }
