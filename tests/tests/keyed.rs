@@ -1145,3 +1145,73 @@ async fn a_client_dropped_with_a_key_pull_in_flight_strands_nothing() {
         lost.len()
     );
 }
+
+/// Issue 26, caller pulls (`Config::caller_pulls`): a burst of cold keys decided at once from
+/// many tasks of the caller's runtime — every want is pulled exactly once between the callers
+/// (one sends the wants of the others that came in while it yielded, or joins a pull in
+/// flight), none is lost or left waiting: each key's first `acquire` is admitted, its limit
+/// holds (the 4th of a limit of 3 is refused), and the calls sent from the callers' runtime
+/// are at most one per admitted permit (a limit of 3 pulls one at a time: `cap / 16` < 1).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_cold_keys_through_caller_pulls_is_decided_whole() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("keyburst");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    const SLICE_US: i64 = 10_000_000;
+    keyed_task(&m, "b", r#"{"threshold":3,"slice_ms":10000,"keyed":true}"#).await;
+    let host = format!("{ns}-h");
+    let _guard = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let mut cfg = sdk_config(&redis, &ns, &host);
+    cfg.caller_pulls = true;
+    let client = sluice::Client::new(cfg).unwrap();
+    let task = client.task("b").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    assert!(task.key("warm").unwrap().acquire(1).await.is_allowed());
+    const KEYS: usize = 200;
+    // A round that straddles a slice boundary is run again with new keys.
+    for round in 0..3 {
+        let before = task.now_us().div_euclid(SLICE_US);
+        let sent0 = client.caller_pulls_sent();
+        let burst: Vec<_> = (0..KEYS)
+            .map(|i| {
+                let key = task.key(&format!("r{round}-k{i}")).unwrap();
+                tokio::spawn(async move {
+                    let first = key.acquire(1).await;
+                    let mut rest = Vec::new();
+                    for _ in 0..3 {
+                        rest.push(key.acquire(1).await);
+                    }
+                    (first, rest)
+                })
+            })
+            .collect();
+        let mut results = Vec::with_capacity(KEYS);
+        for h in burst {
+            results.push(h.await.unwrap());
+        }
+        let sent = client.caller_pulls_sent() - sent0;
+        if task.now_us().div_euclid(SLICE_US) != before {
+            continue;
+        }
+        for (i, (first, rest)) in results.iter().enumerate() {
+            assert_eq!(
+                *first,
+                sluice::Decision::Allowed,
+                "round {round}: key {i}'s first decision"
+            );
+            let admitted = rest.iter().filter(|d| d.is_allowed()).count();
+            assert_eq!(
+                admitted, 2,
+                "round {round}: key {i} admitted {} of 3 after its first (limit 3): {rest:?}",
+                admitted
+            );
+        }
+        assert!(
+            (1..=KEYS as u64 * 3).contains(&sent),
+            "round {round}: {sent} calls from the callers' runtime for {KEYS} keys"
+        );
+        eprintln!("{KEYS} cold keys at once: {sent} KPULL calls from the callers' runtime");
+        return;
+    }
+    panic!("every round straddled a slice boundary");
+}
