@@ -700,7 +700,7 @@ impl Key {
     ) -> bool {
         use crate::refill::keys::Here;
         let sh = &self.task.shared;
-        let Some(mut conn) = crate::refill::caller::conn(sh, deadline).await else {
+        let Some((mut conn, conn_id)) = crate::refill::caller::conn(sh, deadline).await else {
             return false;
         };
         // Registered without waking the pump; one yield lets the decisions that are ready
@@ -712,7 +712,7 @@ impl Key {
             Here::Done => true,
             Here::Taken | Here::Handed => {
                 if r == Here::Handed {
-                    crate::refill::caller::forget(sh);
+                    crate::refill::caller::forget(sh, conn_id);
                 }
                 tokio::select! {
                     _ = ev.wait() => {}

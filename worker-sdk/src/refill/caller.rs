@@ -14,7 +14,7 @@
 //! at each switch. Off by default: see [`crate::Config::caller_pulls`] for what it needs.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -31,9 +31,18 @@ const PER_THREAD: usize = 4;
 /// After a failed connect, the thread does not try again for this long.
 const BACKOFF: Duration = Duration::from_secs(1);
 
+/// Names each connection made here (0: none), so that [`forget`] drops only the one that
+/// failed.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+/// A connection of the caller's runtime and its id (for [`forget`]).
+pub(crate) type CallerConn = (MultiplexedConnection, u64);
+
 struct Held {
     /// The client's nonce.
     client: u64,
+    /// The connection's id (0 while there is none).
+    id: u64,
     /// The client's count of caller connections (gone with the client).
     count: Weak<AtomicUsize>,
     conn: Option<MultiplexedConnection>,
@@ -57,7 +66,7 @@ thread_local! {
 /// This thread's connection for the client of `sh`, made now if needed (bounded by the
 /// connect timeout and `deadline`); `None`: decide through the background thread (caller pulls off, outside
 /// Tokio, a cluster, the client's bound reached, a recent failure).
-pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<MultiplexedConnection> {
+pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<CallerConn> {
     if !sh.cfg.caller_pulls || sh.keyed.caller_off.load(Ordering::Relaxed) {
         return None;
     }
@@ -69,12 +78,12 @@ pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<MultiplexedCo
             h.retain(|x| x.count.strong_count() > 0);
             h.iter()
                 .find(|x| x.client == sh.nonce)
-                .map(|x| (x.conn.clone(), x.failed_at))
+                .map(|x| (x.conn.clone(), x.id, x.failed_at))
         })
         .ok()?;
     match found {
-        Some((Some(c), _)) => return Some(c),
-        Some((None, at)) if at.elapsed() < BACKOFF => return None,
+        Some((Some(c), id, _)) => return Some((c, id)),
+        Some((None, _, at)) if at.elapsed() < BACKOFF => return None,
         _ => {}
     }
     let count = &sh.keyed.caller_conns;
@@ -109,8 +118,9 @@ pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<MultiplexedCo
     match made {
         Ok(Some(c)) => {
             reserved.1 = true; // now the `Held`'s, given back by its drop
-            put(sh, Some(c.clone()));
-            Some(c)
+            let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+            put(sh, Some((c.clone(), id)));
+            Some((c, id))
         }
         Ok(None) => {
             sh.keyed.caller_off.store(true, Ordering::Relaxed);
@@ -125,9 +135,14 @@ pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<MultiplexedCo
 
 /// Sets this thread's entry for the client of `sh`: a connection, or none since now (a
 /// connect under way, or a backoff after a failure).
-fn put(sh: &Shared, conn: Option<MultiplexedConnection>) {
+fn put(sh: &Shared, conn: Option<CallerConn>) {
+    let (conn, id) = match conn {
+        Some((c, id)) => (Some(c), id),
+        None => (None, 0),
+    };
     let held = Held {
         client: sh.nonce,
+        id,
         count: Arc::downgrade(&sh.keyed.caller_conns),
         conn,
         failed_at: Instant::now(),
@@ -147,8 +162,19 @@ fn put(sh: &Shared, conn: Option<MultiplexedConnection>) {
     drop(old);
 }
 
-/// Drops this thread's connection for the client of `sh` (it failed or went unanswered): the
-/// next one is made after the backoff.
-pub(crate) fn forget(sh: &Shared) {
-    put(sh, None);
+/// Drops connection `id` for the client of `sh` (it failed or went unanswered) when it is
+/// this thread's: the next one is made after the backoff. A caller's task that moved to
+/// another thread while it waited finds that thread's connection instead, which is left alone
+/// (the failed one is dropped by the next decision that fails on it).
+pub(crate) fn forget(sh: &Shared, id: u64) {
+    let mine = HELD
+        .try_with(|h| {
+            h.borrow()
+                .iter()
+                .any(|x| x.client == sh.nonce && x.id == id && x.conn.is_some())
+        })
+        .unwrap_or(false);
+    if mine {
+        put(sh, None);
+    }
 }
