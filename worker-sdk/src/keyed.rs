@@ -700,7 +700,7 @@ impl Key {
     ) -> bool {
         use crate::refill::keys::Here;
         let sh = &self.task.shared;
-        let Some((mut conn, conn_id)) = crate::refill::caller::conn(sh, deadline).await else {
+        let Some((mut conn, failed)) = crate::refill::caller::conn(sh, deadline).await else {
             return false;
         };
         // Registered without waking the pump; one yield lets the decisions that are ready
@@ -710,9 +710,9 @@ impl Key {
         let r = crate::refill::keys::pull_here(sh, &mut conn, entry, ident, deadline).await;
         match r {
             Here::Done => true,
-            Here::Taken | Here::Handed => {
-                if r == Here::Handed {
-                    crate::refill::caller::forget(sh, conn_id);
+            Here::Taken | Here::Handed { .. } => {
+                if r == (Here::Handed { fault: true }) {
+                    crate::refill::caller::forget(sh, &failed);
                 }
                 tokio::select! {
                     _ = ev.wait() => {}

@@ -14,7 +14,7 @@
 //! at each switch. Off by default: see [`crate::Config::caller_pulls`] for what it needs.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -31,18 +31,15 @@ const PER_THREAD: usize = 4;
 /// After a failed connect, the thread does not try again for this long.
 const BACKOFF: Duration = Duration::from_secs(1);
 
-/// Names each connection made here (0: none), so that [`forget`] drops only the one that
-/// failed.
-static NEXT_ID: AtomicU64 = AtomicU64::new(1);
-
-/// A connection of the caller's runtime and its id (for [`forget`]).
-pub(crate) type CallerConn = (MultiplexedConnection, u64);
+/// A connection of the caller's runtime and its "failed" mark (set by [`forget`] from any
+/// thread: the caller's task may have moved to another thread while its call went unanswered).
+pub(crate) type CallerConn = (MultiplexedConnection, Arc<AtomicBool>);
 
 struct Held {
     /// The client's nonce.
     client: u64,
-    /// The connection's id (0 while there is none).
-    id: u64,
+    /// Set when the connection failed: the thread drops it at its next decision.
+    failed: Arc<AtomicBool>,
     /// The client's count of caller connections (gone with the client).
     count: Weak<AtomicUsize>,
     conn: Option<MultiplexedConnection>,
@@ -78,11 +75,16 @@ pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<CallerConn> {
             h.retain(|x| x.count.strong_count() > 0);
             h.iter()
                 .find(|x| x.client == sh.nonce)
-                .map(|x| (x.conn.clone(), x.id, x.failed_at))
+                .map(|x| (x.conn.clone(), x.failed.clone(), x.failed_at))
         })
         .ok()?;
     match found {
-        Some((Some(c), id, _)) => return Some((c, id)),
+        Some((Some(_), failed, _)) if failed.load(Ordering::Acquire) => {
+            // It failed for a task that had moved on: dropped now, the backoff from now.
+            put(sh, None);
+            return None;
+        }
+        Some((Some(c), failed, _)) => return Some((c, failed)),
         Some((None, _, at)) if at.elapsed() < BACKOFF => return None,
         _ => {}
     }
@@ -117,10 +119,11 @@ pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<CallerConn> {
         });
     match made {
         Ok(Some(c)) => {
-            reserved.1 = true; // now the `Held`'s, given back by its drop
-            let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-            put(sh, Some((c.clone(), id)));
-            Some((c, id))
+            let failed = Arc::new(AtomicBool::new(false));
+            // Kept unless the task moved to a thread that has a live connection of the client
+            // (then this one serves this call only, and the reservation is given back).
+            reserved.1 = keep(sh, (c.clone(), failed.clone()));
+            Some((c, failed))
         }
         Ok(None) => {
             sh.keyed.caller_off.store(true, Ordering::Relaxed);
@@ -136,13 +139,13 @@ pub(crate) async fn conn(sh: &Shared, deadline: Instant) -> Option<CallerConn> {
 /// Sets this thread's entry for the client of `sh`: a connection, or none since now (a
 /// connect under way, or a backoff after a failure).
 fn put(sh: &Shared, conn: Option<CallerConn>) {
-    let (conn, id) = match conn {
-        Some((c, id)) => (Some(c), id),
-        None => (None, 0),
+    let (conn, failed) = match conn {
+        Some((c, f)) => (Some(c), f),
+        None => (None, Arc::new(AtomicBool::new(false))),
     };
     let held = Held {
         client: sh.nonce,
-        id,
+        failed,
         count: Arc::downgrade(&sh.keyed.caller_conns),
         conn,
         failed_at: Instant::now(),
@@ -162,16 +165,34 @@ fn put(sh: &Shared, conn: Option<CallerConn>) {
     drop(old);
 }
 
-/// Drops connection `id` for the client of `sh` (it failed or went unanswered) when it is
-/// this thread's: the next one is made after the backoff. A caller's task that moved to
-/// another thread while it waited finds that thread's connection instead, which is left alone
-/// (the failed one is dropped by the next decision that fails on it).
-pub(crate) fn forget(sh: &Shared, id: u64) {
+/// Keeps a new connection as this thread's for the client of `sh`, unless the thread already
+/// has a live one (the connecting task moved here from the thread that asked for it): true
+/// when kept. The thread it was asked for keeps its placeholder until its backoff ends.
+fn keep(sh: &Shared, conn: CallerConn) -> bool {
+    let live = HELD
+        .try_with(|h| {
+            h.borrow()
+                .iter()
+                .any(|x| x.client == sh.nonce && x.conn.is_some())
+        })
+        .unwrap_or(true);
+    if live {
+        return false;
+    }
+    put(sh, Some(conn));
+    true
+}
+
+/// Marks the connection `failed` belongs to as failed (it errored or went unanswered), from
+/// whatever thread the caller's task runs on now: the thread that holds it drops it at its
+/// next decision (this one at once), and makes the next after the backoff.
+pub(crate) fn forget(sh: &Shared, failed: &Arc<AtomicBool>) {
+    failed.store(true, Ordering::Release);
     let mine = HELD
         .try_with(|h| {
             h.borrow()
                 .iter()
-                .any(|x| x.client == sh.nonce && x.id == id && x.conn.is_some())
+                .any(|x| x.client == sh.nonce && Arc::ptr_eq(&x.failed, failed))
         })
         .unwrap_or(false);
     if mine {

@@ -491,7 +491,9 @@ pub(crate) enum Here {
     /// Sent but unanswered in time (or an error): handed to the background runtime, which
     /// sends it again under the same request id (KPULL answers a resend from its record: a
     /// grant is never taken twice nor lost) and judges Redis; the caller waits for its want.
-    Handed,
+    /// `fault`: the caller's connection is to blame (an error, or no answer within the whole
+    /// half pull timeout), not a budget the decision's own deadline cut short.
+    Handed { fault: bool },
     /// Redis answered something other than grants (a stale spec, outside the window, no task
     /// slice): applied, and the caller goes on through the pump (which paces its retries).
     Pump,
@@ -570,7 +572,8 @@ pub(crate) async fn pull_here(
     let before = crate::clock::host_us();
     sh.redis_calls.fetch_add(1, Ordering::Relaxed);
     sh.keyed.caller_sent.fetch_add(1, Ordering::Relaxed);
-    let budget = (sh.cfg.pull_timeout / 2).min(deadline.saturating_duration_since(Instant::now()));
+    let half = sh.cfg.pull_timeout / 2;
+    let budget = half.min(deadline.saturating_duration_since(Instant::now()));
     let res = tokio::time::timeout(budget, scripts::key_pull_batch(conn, &sh.keys, &req)).await;
     let after = crate::clock::host_us();
     tracing::trace!(task = %batch.task.name, keys = batch.todo.len(), rtt_us = after - before, "key pull from the caller");
@@ -582,13 +585,14 @@ pub(crate) async fn pull_here(
             if granted { Here::Done } else { Here::Pump }
         }
         _ => {
+            let fault = res.is_ok() || budget >= half;
             let parts = batch.into_parts();
             let flight = Flight::new(sh);
             sh.rt.spawn(async move {
                 resend(&flight.0, parts, request_id).await;
                 drop(flight);
             });
-            Here::Handed
+            Here::Handed { fault }
         }
     }
 }
