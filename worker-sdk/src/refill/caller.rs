@@ -7,7 +7,9 @@
 //! A thread keeps one connection per client (made on its first such decision, inside the
 //! caller's runtime so the connection's driver runs there), at most [`PER_THREAD`] clients,
 //! and a client has at most [`MAX_CALLER_CONNS`] over all threads: past that, decisions use
-//! the background thread. A connection that fails is dropped (the next decision makes a new
+//! the background thread. A connection that fails (an error, or a call unanswered for half the
+//! pull timeout) is marked failed from whatever thread the caller's task runs on by then, and
+//! dropped by the thread that holds it at its next decision (the next decision makes a new
 //! one after a second; one connect at a time per thread, a failed one retried at most once a
 //! second); one left on a runtime
 //! that is no longer driven (a thread alternating between runtimes) times out and is dropped
