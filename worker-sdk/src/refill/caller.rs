@@ -168,14 +168,14 @@ fn put(sh: &Shared, conn: Option<CallerConn>) {
 }
 
 /// Keeps a new connection as this thread's for the client of `sh`, unless the thread already
-/// has a live one (the connecting task moved here from the thread that asked for it): true
-/// when kept. The thread it was asked for keeps its placeholder until its backoff ends.
+/// has a live one not marked failed (the connecting task moved here from the thread that
+/// asked for it): true when kept. The thread it was asked for keeps its placeholder until its backoff ends.
 fn keep(sh: &Shared, conn: CallerConn) -> bool {
     let live = HELD
         .try_with(|h| {
-            h.borrow()
-                .iter()
-                .any(|x| x.client == sh.nonce && x.conn.is_some())
+            h.borrow().iter().any(|x| {
+                x.client == sh.nonce && x.conn.is_some() && !x.failed.load(Ordering::Acquire)
+            })
         })
         .unwrap_or(true);
     if live {
