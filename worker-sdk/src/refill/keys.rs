@@ -245,9 +245,14 @@ fn release(sh: &Shared, items: Vec<Locked>) {
         return;
     };
     for (i, _, token) in items {
-        if let Some(e) = table.entry(i) {
-            sh.seg.lock(&e.pull_lock).unlock(token);
-        }
+        unlock(sh, table, i, token);
+    }
+}
+
+/// Releases entry `i`'s pull lock taken as `token`.
+fn unlock(sh: &Shared, table: &KeyTable, i: usize, token: u64) {
+    if let Some(e) = table.entry(i) {
+        sh.seg.lock(&e.pull_lock).unlock(token);
     }
 }
 
@@ -381,9 +386,7 @@ impl Drop for Batch<'_> {
     /// cancelled while its pull is in flight must not leave the keys' locks held).
     fn drop(&mut self) {
         for (i, w, token, ..) in self.todo.drain(..) {
-            if let Some(e) = self.table.entry(i) {
-                self.sh.seg.lock(&e.pull_lock).unlock(token);
-            }
+            unlock(self.sh, self.table, i, token);
             drop(w);
         }
     }
@@ -393,11 +396,6 @@ impl Drop for Batch<'_> {
 /// lock), or `None` when nothing is to be pulled (locks released, wants dropped).
 fn prepare(sh: &Shared, items: Vec<Locked>) -> Option<Batch<'_>> {
     let table = sh.keyed.opened()?;
-    let unlock = |i: usize, token: u64| {
-        if let Some(e) = table.entry(i) {
-            sh.seg.lock(&e.pull_lock).unlock(token);
-        }
-    };
     let (start_ms, task) = {
         let (_, first, _) = items.first()?;
         (first.start_ms, first.task.clone())
@@ -426,7 +424,7 @@ fn prepare(sh: &Shared, items: Vec<Locked>) -> Option<Batch<'_>> {
                 let digest = crate::protocol::key_digest(&w.key);
                 todo.push((i, w, token, want, digest));
             }
-            _ => unlock(i, token),
+            _ => unlock(sh, table, i, token),
         }
     }
     if todo.is_empty() {
