@@ -21,13 +21,21 @@
 //! that was never admitted (which only denies more, until that bucket leaves the window). The
 //! sequence is 64 bits: it never wraps.
 //!
-//! Known weakness (liveness under contention, not safety): a decision can be denied by another
-//! decision's cost that is in its bucket but not committed, and that the other then takes back
-//! because a third committed first — a denial the room left afterwards would have admitted.
-//! It takes three decisions of one slot within the same instant; `limiter::model::prop_concurrent`
-//! (four threads deciding at one time per round) meets it about once in 1,000 cases. Telling a
-//! cost that will be taken back from one that will commit needs either a wait (never on the
-//! decision path) or deciders that finish each other's commits; neither is built yet.
+//! # Denials are decided on what is committed
+//!
+//! A sum may include costs that are not committed: another decision's, between its add and its
+//! commit, which that decision takes back when a third committed first. Denied on such a sum, a
+//! decision would be refused room that the state left afterwards holds (`limiter::model::
+//! prop_concurrent`, four threads deciding at one time per round, met it about once in 1,000
+//! cases). So every decision announces its cost in a pending count (cell 6) before adding it
+//! and withdraws it after committing or taking it back, and counts its take-backs (cell 7). A
+//! decision over the limit denies only when the sum less everything pending is still over it,
+//! with nothing committed or taken back while it read (the pending count is then at least what
+//! the sum held uncommitted, so the committed state alone denies). Otherwise it reads again,
+//! at most [`SETTLE_TRIES`] times, and then denies anyway and clears the pending count (which
+//! nothing settled while it read, so it is stale: a process stopped between announcing and
+//! withdrawing). The pending count only ever *withholds* a denial; admissions are decided on
+//! the whole sum, uncommitted costs included, as before, so nothing it holds can admit more.
 //!
 //! # Time
 //!
@@ -41,7 +49,7 @@
 //! ring is filled to the most a word counts (found by the model, seeds 7828340290572986977 and
 //! 2275979523880801410).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::{COUNT_MAX, Input, Verdict, Words, cas, pack, unpack};
 
@@ -53,6 +61,16 @@ const SEQ: usize = 4;
 
 /// Cell of the window length (ms) the ring was last written on (0 = none recorded).
 const WINDOW: usize = 5;
+
+/// Cell of the costs announced and not yet committed or taken back (at least what the buckets
+/// hold uncommitted, unless cleared as stale).
+const PENDING: usize = 6;
+
+/// Cell counting take-backs.
+const TAKEN: usize = 7;
+
+/// Reads of a denial that depends on pending costs before it is made anyway.
+pub const SETTLE_TRIES: u32 = 64;
 
 /// Now on the bucket grid, ms.
 #[derive(Debug, Clone, Copy)]
@@ -177,27 +195,58 @@ pub(super) fn decide(ws: Words<'_>, i: &Input) -> Verdict {
     let bk = Buckets::new(i);
     follow_window(ws, i, bk.w);
     let limit = i.p.limit.min(COUNT_MAX);
-    let seq = ws.cell(SEQ);
+    let (seq, pending, taken) = (ws.cell(SEQ), ws.cell(PENDING), ws.cell(TAKEN));
+    let mut tries = 0;
     loop {
         let q = seq.load(Ordering::Acquire);
+        let tb = taken.load(Ordering::Acquire);
         let (total, oldest) = sum(ws, &bk);
         if total.saturating_add(i.n) > limit {
-            // Nothing can succeed before the oldest counted bucket leaves the window.
-            let leaves_ms = oldest - 1 + bk.w - bk.t;
-            return Verdict::Deny {
-                retry_after_us: (leaves_ms.max(0) * 1_000 - i.now_us % 1_000).max(1) as u64,
-            };
+            // Read after the sum: a withdrawal it sees was preceded by its take-back's count
+            // or its commit, which the checks below then see.
+            let p = pending.load(Ordering::Acquire);
+            let committed_denies = total.saturating_sub(p).saturating_add(i.n) > limit;
+            let moved = seq.load(Ordering::Acquire) != q || taken.load(Ordering::Acquire) != tb;
+            // Bounded also while others keep committing or taking back (a denial then may be
+            // one the settled state would admit: liveness, never safety).
+            if (!moved && (committed_denies || tries >= SETTLE_TRIES)) || tries >= 4 * SETTLE_TRIES
+            {
+                if !moved && !committed_denies {
+                    // Nothing settled in all those reads: what is pending is stale.
+                    let _ = cas(pending, p, 0);
+                }
+                // Nothing can succeed before the oldest counted bucket leaves the window.
+                let leaves_ms = oldest - 1 + bk.w - bk.t;
+                return Verdict::Deny {
+                    retry_after_us: (leaves_ms.max(0) * 1_000 - i.now_us % 1_000).max(1) as u64,
+                };
+            }
+            tries += 1;
+            std::hint::spin_loop();
+            continue;
         }
+        pending.fetch_add(i.n, Ordering::AcqRel);
         let Some(word) = add(ws, &bk, i.n) else {
+            withdraw(pending, i.n);
             return Verdict::Deny {
                 retry_after_us: (bk.b * 1_000) as u64,
             };
         };
         if cas(seq, q, q.wrapping_add(1)) {
+            withdraw(pending, i.n);
             return Verdict::Admit;
         }
         take_back(ws, &bk, word, i.n);
+        taken.fetch_add(1, Ordering::AcqRel);
+        withdraw(pending, i.n);
     }
+}
+
+/// Withdraws `n` from the pending count (never below 0: it may have been cleared as stale).
+fn withdraw(pending: &AtomicU64, n: u64) {
+    let _ = pending.fetch_update(Ordering::AcqRel, Ordering::Acquire, |p| {
+        Some(p.saturating_sub(n))
+    });
 }
 
 /// Counts now's bucket as holding the whole limit (a change from another family of
@@ -278,6 +327,41 @@ mod tests {
         };
         let w = admitted_per_window(SlidingLog, &p, 0, 100, 4_000_000);
         assert!(w[1..].iter().all(|x| (990..=1_000).contains(x)), "{w:?}");
+    }
+
+    /// A decision stopped between adding its cost and committing it (here: made by hand) still
+    /// counts against admissions, and its pending count is cleared by the first denial that
+    /// waits on it in vain: later denials are decided at once.
+    #[test]
+    fn a_stopped_decisions_pending_cost_denies_and_is_cleared_once() {
+        use super::{Buckets, PENDING, add};
+        use crate::limiter::Input;
+        use std::sync::atomic::Ordering;
+
+        let p = Params {
+            limit: 5,
+            window_us: 1_000_000,
+            burst: 0,
+        };
+        let c = MemCells::default();
+        let t = 1_700_000_000_000_000;
+        assert!(decide(SlidingLog, &p, &c, t, 3).admitted());
+        let ws = c.words();
+        let bk = Buckets::new(&Input {
+            alg: SlidingLog,
+            p,
+            now_us: t,
+            n: 2,
+        });
+        ws.cell(PENDING).fetch_add(2, Ordering::AcqRel);
+        assert!(add(ws, &bk, 2).is_some());
+        // 3 committed + 2 never committed: 1 more would pass the committed 3 alone, but
+        // admissions count the uncommitted too.
+        assert!(!decide(SlidingLog, &p, &c, t, 1).admitted());
+        assert_eq!(ws.cell(PENDING).load(Ordering::Acquire), 0, "stale count kept");
+        assert!(!decide(SlidingLog, &p, &c, t, 1).admitted());
+        // A denial on committed costs alone never waits: 3 committed + 3 asked.
+        assert!(!decide(SlidingLog, &p, &c, t, 3).admitted());
     }
 
     /// Found by `model::prop_param_changes` (seed 7828340290572986977): a short window reuses
