@@ -9,9 +9,10 @@
 //! compare-and-swap of one 64-bit word, and the words are laid out so that whatever a process
 //! was doing when it stopped (a preemption, `SIGSTOP`, `SIGKILL` at any instruction), what it
 //! left behind is a state some complete run could have produced, or one that errs towards
-//! denying (a count added and never taken back), never one that admits more. Nothing waits for
-//! another process (the sliding log re-reads a bounded number of times before a denial that
-//! depends on another decision's uncommitted cost), and nothing can stay stuck.
+//! denying (a count added and never taken back), never one that admits more. No decision
+//! waits for another beyond a bounded number of re-reads (the sliding log, before a denial
+//! that depends on another decision's uncommitted cost: see [`sliding_log`]), and nothing can
+//! stay stuck.
 //!
 //! | algorithm | state (words) | admits | burst |
 //! |---|---|---|---|
@@ -19,7 +20,7 @@
 //! | [`leaky_bucket`] | the same word, read as a water level | a constant drain of `limit` per window | `burst` (default 1 % of `limit`) |
 //! | [`fixed_window`] | window end + count, 1 (+1 shared with the sliding window) | `limit` per aligned window | a whole window at its start |
 //! | [`sliding_window`] | the same + the previous window's count | `limit` per aligned window, and in any window as estimated from two | none beyond the estimate |
-//! | [`sliding_log`] | 128 time buckets + a commit sequence + the window they were written on + a pending count and a take-back count | `limit` in any window, exactly up to one bucket (window / 127, ≥ 1 ms) | none |
+//! | [`sliding_log`] | 128 time buckets + a commit sequence + the window they were written on + a pending count and a take-back count (log words 128 and 136) | `limit` in any window, exactly up to one bucket (window / 127, ≥ 1 ms) | none |
 //!
 //! # Time
 //!

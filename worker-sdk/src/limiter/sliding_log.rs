@@ -27,15 +27,25 @@
 //! commit, which that decision takes back when a third committed first. Denied on such a sum, a
 //! decision would be refused room that the state left afterwards holds (`limiter::model::
 //! prop_concurrent`, four threads deciding at one time per round, met it about once in 1,000
-//! cases). So every decision announces its cost in a pending count (cell 6) before adding it
-//! and withdraws it after committing or taking it back, and counts its take-backs (cell 7). A
-//! decision over the limit denies only when the sum less everything pending is still over it,
-//! with nothing committed or taken back while it read (the pending count is then at least what
-//! the sum held uncommitted, so the committed state alone denies). Otherwise it reads again,
-//! at most [`SETTLE_TRIES`] times, and then denies anyway and clears the pending count (which
-//! nothing settled while it read, so it is stale: a process stopped between announcing and
-//! withdrawing). The pending count only ever *withholds* a denial; admissions are decided on
-//! the whole sum, uncommitted costs included, as before, so nothing it holds can admit more.
+//! cases). So every decision announces its cost in a pending count before adding it and
+//! withdraws it after committing or taking it back, and counts its take-backs (two log words
+//! past the ring, each on its own cache line: the pending count changes at every admission). A
+//! decision over the limit denies at once only when the sum less everything pending is still
+//! over it, with nothing committed or taken back while it read (the pending count is then at
+//! least what the sum held uncommitted, so the committed state alone denies). Otherwise it
+//! reads again: a few times spinning, then yielding its CPU between reads (a decision preempted
+//! between its add and its commit gets to finish: it is the one being waited for), at most
+//! [`SETTLE_TRIES`] reads in all (four times that while others keep committing or taking back).
+//! Then it denies anyway; and when nothing moved from its first such read to its last, the
+//! pending count is stale (a process stopped between announcing and withdrawing, or one
+//! preempted longer than the wait) and is cleared, so one denial pays the wait, not every one.
+//! The wait is bounded: ~64 reads and yields, microseconds on an idle CPU.
+//!
+//! The pending count only ever *withholds* a denial: admissions are decided on the whole sum,
+//! uncommitted costs included, as before, so a pending count that is wrong (cleared while a
+//! decision was preempted, or never kept by a process of an older SDK on the same segment,
+//! whose uncommitted costs are then denied on as before) can cost a denial the settled state
+//! would admit, never an admission.
 //!
 //! # Time
 //!
@@ -62,15 +72,18 @@ const SEQ: usize = 4;
 /// Cell of the window length (ms) the ring was last written on (0 = none recorded).
 const WINDOW: usize = 5;
 
-/// Cell of the costs announced and not yet committed or taken back (at least what the buckets
-/// hold uncommitted, unless cleared as stale).
-const PENDING: usize = 6;
+/// Log word of the costs announced and not yet committed or taken back (at least what the
+/// buckets hold uncommitted, unless cleared as stale). Past the ring, on a cache line of its own.
+const PENDING: usize = BUCKETS;
 
-/// Cell counting take-backs.
-const TAKEN: usize = 7;
+/// Log word counting take-backs (its own cache line too).
+const TAKEN: usize = BUCKETS + 8;
 
 /// Reads of a denial that depends on pending costs before it is made anyway.
-pub const SETTLE_TRIES: u32 = 64;
+pub(crate) const SETTLE_TRIES: u32 = 64;
+
+/// Of those, the first ones spin; the rest yield the CPU between reads.
+const SPINS: u32 = 8;
 
 /// Now on the bucket grid, ms.
 #[derive(Debug, Clone, Copy)]
@@ -195,8 +208,10 @@ pub(super) fn decide(ws: Words<'_>, i: &Input) -> Verdict {
     let bk = Buckets::new(i);
     follow_window(ws, i, bk.w);
     let limit = i.p.limit.min(COUNT_MAX);
-    let (seq, pending, taken) = (ws.cell(SEQ), ws.cell(PENDING), ws.cell(TAKEN));
+    let (seq, pending, taken) = (ws.cell(SEQ), ws.log(PENDING), ws.log(TAKEN));
     let mut tries = 0;
+    // (commits, take-backs, pending) at the first read whose denial waited on pending costs.
+    let mut first: Option<(u64, u64, u64)> = None;
     loop {
         let q = seq.load(Ordering::Acquire);
         let tb = taken.load(Ordering::Acquire);
@@ -207,13 +222,19 @@ pub(super) fn decide(ws: Words<'_>, i: &Input) -> Verdict {
             let p = pending.load(Ordering::Acquire);
             let committed_denies = total.saturating_sub(p).saturating_add(i.n) > limit;
             let moved = seq.load(Ordering::Acquire) != q || taken.load(Ordering::Acquire) != tb;
-            // Bounded also while others keep committing or taking back (a denial then may be
-            // one the settled state would admit: liveness, never safety).
+            if !moved && !committed_denies && first.is_none() {
+                first = Some((q, tb, p));
+            }
             if (!moved && (committed_denies || tries >= SETTLE_TRIES)) || tries >= 4 * SETTLE_TRIES
             {
-                if !moved && !committed_denies {
-                    // Nothing settled in all those reads: what is pending is stale.
-                    let _ = cas(pending, p, 0);
+                if !committed_denies
+                    && let Some((q0, tb0, p0)) = first
+                    && (q0, tb0, p0) == (q, tb, p)
+                    && !moved
+                {
+                    // Nothing settled from the first read to this one: what is pending is
+                    // stale (cleared only if it still is what was read).
+                    let _ = cas(pending, p0, 0);
                 }
                 // Nothing can succeed before the oldest counted bucket leaves the window.
                 let leaves_ms = oldest - 1 + bk.w - bk.t;
@@ -222,7 +243,14 @@ pub(super) fn decide(ws: Words<'_>, i: &Input) -> Verdict {
                 };
             }
             tries += 1;
-            std::hint::spin_loop();
+            #[cfg(test)]
+            tests::on_wait();
+            if tries <= SPINS {
+                std::hint::spin_loop();
+            } else {
+                // The decision waited for may be preempted: let it run.
+                std::thread::yield_now();
+            }
             continue;
         }
         pending.fetch_add(i.n, Ordering::AcqRel);
@@ -329,39 +357,125 @@ mod tests {
         assert!(w[1..].iter().all(|x| (990..=1_000).contains(x)), "{w:?}");
     }
 
-    /// A decision stopped between adding its cost and committing it (here: made by hand) still
-    /// counts against admissions, and its pending count is cleared by the first denial that
-    /// waits on it in vain: later denials are decided at once.
+    thread_local! {
+        /// Run at each re-read of a denial that waits on pending costs (this thread's decisions).
+        static ON_WAIT: std::cell::RefCell<Option<Box<dyn FnMut()>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    pub(super) fn on_wait() {
+        ON_WAIT.with(|h| {
+            if let Some(f) = h.borrow_mut().as_mut() {
+                f();
+            }
+        });
+    }
+
+    const T: i64 = 1_700_000_000_000_000;
+    const P5: Params = Params {
+        limit: 5,
+        window_us: 1_000_000,
+        burst: 0,
+    };
+
+    /// A decision's cost added by hand as a decision stopped after its add does: announced,
+    /// added, not committed. Returns the word added (for its take-back).
+    fn uncommitted(c: &MemCells, n: u64) -> u64 {
+        let bk = super::Buckets::new(&crate::limiter::Input {
+            alg: SlidingLog,
+            p: P5,
+            now_us: T,
+            n,
+        });
+        c.words()
+            .log(super::PENDING)
+            .fetch_add(n, std::sync::atomic::Ordering::AcqRel);
+        super::add(c.words(), &bk, n).expect("room in the word")
+    }
+
+    fn pending(c: &MemCells) -> u64 {
+        c.words()
+            .log(super::PENDING)
+            .load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// The case the pending count is for: 3 committed and 2 of another decision added but not
+    /// committed (limit 5). A decision of 1 waits instead of denying, and when the other takes
+    /// its 2 back (a third committed first, in the real race) it is admitted: the room was
+    /// there all along.
+    #[test]
+    fn a_denial_waits_for_a_cost_that_is_taken_back() {
+        let c = std::sync::Arc::new(MemCells::default());
+        assert!(decide(SlidingLog, &P5, &c, T, 3).admitted());
+        let word = uncommitted(&c, 2);
+        let (c2, waits) = (c.clone(), std::rc::Rc::new(std::cell::Cell::new(0)));
+        let w2 = waits.clone();
+        ON_WAIT.with(|h| {
+            *h.borrow_mut() = Some(Box::new(move || {
+                w2.set(w2.get() + 1);
+                if w2.get() == 3 {
+                    // The other decision's take-back, as `decide` does it.
+                    let bk = super::Buckets::new(&crate::limiter::Input {
+                        alg: SlidingLog,
+                        p: P5,
+                        now_us: T,
+                        n: 2,
+                    });
+                    super::take_back(c2.words(), &bk, word, 2);
+                    c2.words()
+                        .log(super::TAKEN)
+                        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+                    super::withdraw(c2.words().log(super::PENDING), 2);
+                }
+            }))
+        });
+        let admitted = decide(SlidingLog, &P5, &c, T, 1).admitted();
+        ON_WAIT.with(|h| *h.borrow_mut() = None);
+        assert!(admitted, "denied on a cost that was taken back");
+        assert_eq!(waits.get(), 3);
+        assert_eq!(pending(&c), 0);
+        // 4 committed now: 1 more fits, 2 do not.
+        assert!(!decide(SlidingLog, &P5, &c, T, 2).admitted());
+        assert!(decide(SlidingLog, &P5, &c, T, 1).admitted());
+    }
+
+    /// A decision stopped between adding its cost and committing it still counts against
+    /// admissions. A denial on the committed costs alone never waits for it (and leaves its
+    /// pending count); the first denial that does wait for it in vain clears the count, so
+    /// later denials are decided at once.
     #[test]
     fn a_stopped_decisions_pending_cost_denies_and_is_cleared_once() {
-        use super::{Buckets, PENDING, add};
-        use crate::limiter::Input;
-        use std::sync::atomic::Ordering;
-
-        let p = Params {
-            limit: 5,
-            window_us: 1_000_000,
-            burst: 0,
-        };
         let c = MemCells::default();
-        let t = 1_700_000_000_000_000;
-        assert!(decide(SlidingLog, &p, &c, t, 3).admitted());
-        let ws = c.words();
-        let bk = Buckets::new(&Input {
-            alg: SlidingLog,
-            p,
-            now_us: t,
-            n: 2,
-        });
-        ws.cell(PENDING).fetch_add(2, Ordering::AcqRel);
-        assert!(add(ws, &bk, 2).is_some());
-        // 3 committed + 2 never committed: 1 more would pass the committed 3 alone, but
-        // admissions count the uncommitted too.
-        assert!(!decide(SlidingLog, &p, &c, t, 1).admitted());
-        assert_eq!(ws.cell(PENDING).load(Ordering::Acquire), 0, "stale count kept");
-        assert!(!decide(SlidingLog, &p, &c, t, 1).admitted());
-        // A denial on committed costs alone never waits: 3 committed + 3 asked.
-        assert!(!decide(SlidingLog, &p, &c, t, 3).admitted());
+        assert!(decide(SlidingLog, &P5, &c, T, 3).admitted());
+        uncommitted(&c, 2);
+        // 3 committed + 3 asked: denied on the committed alone, at once.
+        let waits = std::rc::Rc::new(std::cell::Cell::new(0));
+        let w2 = waits.clone();
+        ON_WAIT.with(|h| *h.borrow_mut() = Some(Box::new(move || w2.set(w2.get() + 1))));
+        assert!(!decide(SlidingLog, &P5, &c, T, 3).admitted());
+        assert_eq!(waits.get(), 0, "a committed denial waited");
+        assert_eq!(pending(&c), 2);
+        // 3 committed + 2 never committed + 1 asked: the 1 would pass the committed 3 alone,
+        // but admissions count the uncommitted too.
+        assert!(!decide(SlidingLog, &P5, &c, T, 1).admitted());
+        assert_eq!(waits.get(), super::SETTLE_TRIES);
+        assert_eq!(pending(&c), 0, "stale count kept");
+        assert!(!decide(SlidingLog, &P5, &c, T, 1).admitted());
+        assert_eq!(waits.get(), super::SETTLE_TRIES, "waited again");
+        ON_WAIT.with(|h| *h.borrow_mut() = None);
+    }
+
+    /// Stopped between announcing and adding: a pending count with nothing in the buckets. A
+    /// denial waits for it once, and clears it.
+    #[test]
+    fn a_cost_announced_and_never_added_is_cleared_once() {
+        let c = MemCells::default();
+        assert!(decide(SlidingLog, &P5, &c, T, 5).admitted());
+        c.words()
+            .log(super::PENDING)
+            .fetch_add(4, std::sync::atomic::Ordering::AcqRel);
+        assert!(!decide(SlidingLog, &P5, &c, T, 1).admitted());
+        assert_eq!(pending(&c), 0);
     }
 
     /// Found by `model::prop_param_changes` (seed 7828340290572986977): a short window reuses
