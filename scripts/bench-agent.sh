@@ -10,6 +10,12 @@
 #   * open loop at 3× a limit of LIMIT/s (default 2,000, SLUICE_BENCH_LIMIT): per full 1 s
 #     window, OK answers ≤ limit (by arrival time at the client; for the agent also the slice's
 #     granted quota read from Redis).
+# Then per-key limits over gRPC (issue 26): for each K of SLUICE_BENCH_AGENT_KEYS (default
+# "1 100 10000"; --quick: "100"), a keyed task of L = max(1, RATE_K / K) per key per 1 s
+# slice on the agent (direct form `sluice_task=keyedK,sluice_key=*`, rls_load --keys K: the
+# value of request i is v<i mod K>) against an rls_baseline of limit L on the same request,
+# open loop at SLUICE_BENCH_KEYS_RATE (default 5,000/s): demand 1× per key (below 1× where
+# L is clamped to 1). Per full window, OK answers ≤ K·L.
 # Around every run: Redis commands (INFO commandstats deltas, INFO itself excluded), CPU seconds
 # (/proc/<pid>/stat utime+stime) of the limiter process, redis-server and the manager, and the
 # load client's own CPU; per-thread CPU of the limiter (by thread name) for the max runs.
@@ -42,6 +48,17 @@ case "${1:-}" in
 esac
 LIMIT=${SLUICE_BENCH_LIMIT:-2000}
 RATE=${SLUICE_BENCH_RATE:-}
+KRATE=${SLUICE_BENCH_KEYS_RATE:-5000}
+if [ "$QUICK" = 1 ]; then AGENT_KEYS=${SLUICE_BENCH_AGENT_KEYS:-100}; else AGENT_KEYS=${SLUICE_BENCH_AGENT_KEYS:-1 100 10000}; fi
+for k in $AGENT_KEYS; do
+  case "$k" in
+    ''|*[!0-9]*) die "SLUICE_BENCH_AGENT_KEYS: key counts are whole numbers ≥ 1 (got ${k@Q})" ;;
+  esac
+  [ "$k" -ge 1 ] && [ "$k" -le 1000000 ] || die "SLUICE_BENCH_AGENT_KEYS: 1 … 1,000,000 keys (got $k)"
+done
+case "$KRATE" in
+  ''|*[!0-9]*|0) die "SLUICE_BENCH_KEYS_RATE: decisions/s, a whole number ≥ 1 (got ${KRATE@Q})" ;;
+esac
 
 ensure_base_packages
 BIN="${CARGO_TARGET_DIR:-target}/release"
@@ -76,6 +93,12 @@ task_ready() {
 }
 wait_for "task big's slices" 30 task_ready big
 wait_for "task acc's slices" 30 task_ready acc
+# Per-key limits: one keyed task per key count, L per key per slice (demand 1×).
+klimit() { local l=$((KRATE / $1)); [ "$l" -ge 1 ] || l=1; echo "$l"; }
+for k in $AGENT_KEYS; do
+  put_task "keyed$k" "{\"threshold\": $(klimit "$k"), \"slice_ms\": 1000, \"keyed\": true, \"on_failure\": \"local\"}"
+done
+for k in $AGENT_KEYS; do wait_for "task keyed$k's slices" 30 task_ready "keyed$k"; done
 
 ag=$(free_port); ah=$(free_port)
 "$BIN/sluice-agent" --redis "$REDIS_URL" --namespace "$NS" --host-id bench-agent \
@@ -97,19 +120,26 @@ start_baseline() { # NAME LIMIT → sets <NAME>_PID, <NAME>_GRPC, <NAME>_HTTP
 }
 start_baseline BASEBIG 1000000000
 start_baseline BASEACC "$LIMIT"
+KEYED_PROCS=()
+for k in $AGENT_KEYS; do
+  start_baseline "BASEK$k" "$(klimit "$k")"
+  pv="BASEK${k}_PID" gv="BASEK${k}_GRPC" hv="BASEK${k}_HTTP"
+  KEYED_PROCS+=("basek$k:${!pv}:${!gv}:${!hv}")
+done
 log "agent pid $AGENT_PID (gRPC $ag, HTTP $ah), baselines pids $BASEBIG_PID / $BASEACC_PID, redis pid $REDIS_PID"
 
 mkdir -p target/bench-agent
 OUT="target/bench-agent/result-$(date +%s).json"
 python3 - "$BIN/rls_load" "$RPORT" "$REDIS_PID" "$MANAGER_PID" "$NS" "$SECS" "$WARM" "$LIMIT" \
-  "${RATE:-0}" "$OUT" "$dir" "$QUICK" \
+  "${RATE:-0}" "$OUT" "$dir" "$QUICK" "$KRATE" "$AGENT_KEYS" \
   "agent:$AGENT_PID:$ag:$ah" "base:$BASEBIG_PID:$BASEBIG_GRPC:$BASEBIG_HTTP" \
-  "baseacc:$BASEACC_PID:$BASEACC_GRPC:$BASEACC_HTTP" <<'PY'
+  "baseacc:$BASEACC_PID:$BASEACC_GRPC:$BASEACC_HTTP" "${KEYED_PROCS[@]}" <<'PY'
 import json, os, subprocess, sys, time
 
-(load, rport, redis_pid, manager_pid, ns, secs, warm, limit, rate, out, tmp, quick,
- *procs) = sys.argv[1:]
+(load, rport, redis_pid, manager_pid, ns, secs, warm, limit, rate, out, tmp, quick, krate,
+ agent_keys, *procs) = sys.argv[1:]
 secs, warm, limit, rate, quick = float(secs), float(warm), int(limit), float(rate), quick == "1"
+krate, agent_keys = int(krate), [int(k) for k in agent_keys.split()]
 P = {}
 for p in procs:
     name, pid, g, h = p.split(":")
@@ -144,7 +174,7 @@ def cmdstats():
             calls[name] = int(dict(kv.split("=") for kv in rest.split(","))["calls"])
     return calls
 
-def run(label, who, proto, rate, extra, seconds=secs):
+def run(label, who, proto, rate, extra, seconds=secs, limiter=None):
     pr = P[who]
     args = [load, "--target", pr[proto], "--rate", str(rate), "--concurrency", "64",
             "--connections", "2", "--threads", "2", "--window-ms", "1000"] + extra
@@ -186,7 +216,7 @@ def run(label, who, proto, rate, extra, seconds=secs):
     delta = {k: c1.get(k, 0) - c0.get(k, 0) for k in c1 if k != "info"}
     delta = {k: v for k, v in delta.items() if v}
     n = max(r["decisions"], 1)
-    r.update(label=label, limiter=who, redis_commands=sum(delta.values()), redis_by_command=delta,
+    r.update(label=label, limiter=limiter or who, redis_commands=sum(delta.values()), redis_by_command=delta,
              redis_commands_per_decision=sum(delta.values()) / n,
              limiter_cpu_s=l1 - l0, redis_cpu_s=r1 - r0, manager_cpu_s=m1 - m0,
              client_cpu_s=ru.ru_utime + ru.ru_stime,
@@ -244,6 +274,24 @@ for who, proto in targets:
     acc.append(r)
     results.append(r)
 
+# Per-key limits over gRPC: the agent's keyed task (direct form, one key per value) against
+# the per-request design on the same requests, open loop at krate.
+keyed = []
+for k in agent_keys:
+    L = max(1, krate // k)
+    desc = ["--domain", "bench", "--descriptor", f"sluice_task=keyed{k},sluice_key=*", "--keys", str(k)]
+    for who in ("agent", f"basek{k}"):
+        r = run(f"keys-{k}", who, "grpc", krate, desc, seconds=max(secs, 3),
+                limiter="agent" if who == "agent" else "base")
+        wins = r["per_window"][1:-1]
+        r.update(keys=k, key_limit=L, full_windows=len(wins),
+                 max_ok_per_window=max((x["ok"] for x in wins), default=0),
+                 mean_ok_per_window=sum(x["ok"] for x in wins) / max(len(wins), 1),
+                 windows_ok_over_limit=sum(1 for x in wins if x["ok"] > k * L),
+                 windows_ok_over_limit_sent_in_window=sum(
+                     1 for x in wins if x["ok"] - x["ok_sent_before"] > k * L))
+        keyed.append(r)
+
 def row(r):
     c = r["cpu_us_per_decision"]
     return (f"| {'agent' if r['limiter'] == 'agent' else 'per-request'} | {r['protocol']} | {r['label']} "
@@ -274,6 +322,20 @@ for r in acc:
           f"| {r['windows_ok_over_limit']} / {r['windows_ok_over_limit_sent_in_window']} | {g} "
           f"| {r['over_limit']:,} |")
 print()
+print(f"Per-key limits over gRPC (direct form, one key per value; open loop {krate:,}/s; L per key per "
+      "1 s slice, demand 1× per key, below where L is clamped to 1):")
+print()
+print("| keys | L | limiter | decisions/s | p50 µs | p99 µs | p99.9 µs | Redis cmds/decision "
+      "| limiter CPU µs/dec | Redis CPU µs/dec | OK per window max / mean (≤ K·L) | windows OK > K·L (arrival / sent in window) | errors |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+for r in keyed:
+    c = r["cpu_us_per_decision"]
+    print(f"| {r['keys']:,} | {r['key_limit']:,} | {'agent' if r['limiter'] == 'agent' else 'per-request'} "
+          f"| {r['decisions_per_s']:,.0f} | {r['p50_us']:,.0f} | {r['p99_us']:,.0f} | {r['p999_us']:,.0f} "
+          f"| {r['redis_commands_per_decision']:.4f} | {c['limiter']:.1f} | {c['redis']:.1f} "
+          f"| {r['max_ok_per_window']:,} / {r['mean_ok_per_window']:,.0f} ({r['keys'] * r['key_limit']:,}) "
+          f"| {r['windows_ok_over_limit']} / {r['windows_ok_over_limit_sent_in_window']} | {r['errors']} |")
+print()
 for r in results:
     if r["label"] == "max" and r["limiter"] == "agent":
         top = sorted(r["limiter_threads_cpu_s"].items(), key=lambda kv: -kv[1])[:6]
@@ -302,7 +364,8 @@ for g in goals:
 
 doc = {"unix": int(time.time()), "seconds": secs, "warmup_seconds": warm, "fixed_rate": rate,
        "limit": limit, "quick": quick, "cpus": os.cpu_count(), "idle_redis_cmds_per_s": idle_cmds_per_s,
-       "loadavg_before_report": os.getloadavg(), "runs": results, "goals": goals}
+       "loadavg_before_report": os.getloadavg(), "runs": results, "goals": goals,
+       "keys_rate": krate, "keyed_runs": keyed}
 with open(out, "w") as f:
     json.dump(doc, f, indent=1)
 latest = os.path.join(os.path.dirname(out), "latest.json")
@@ -312,7 +375,7 @@ os.symlink(os.path.basename(out), latest)
 print(f"\nresults: {out}", file=sys.stderr)
 
 # The smoke check (--quick) and every run: the output parses and every run got answers.
-bad = [f"{r['label']} {r['limiter']} {r['protocol']}" for r in results
+bad = [f"{r['label']} {r['limiter']} {r['protocol']}" for r in results + keyed
        if r["decisions"] == 0 or r["ok"] + r["over_limit"] == 0 or r["errors"] > 0]
 if bad:
     sys.exit("runs with errors or without answers: " + ", ".join(bad))
