@@ -178,8 +178,19 @@ impl Rls {
                 .filter(|r| r.start_ms == start && r.at.elapsed() < REM_FRESH)
                 .filter(|r| !wait || r.rem.is_some_and(|v| v <= 0) || r.asked >= arrived)
         };
-        if let Some(r) = cached() {
+        // This host's own pull of the key answered its `rem` (a decision that pulled it just
+        // now): as good as a read, and no round trip. A check-only descriptor takes it only
+        // when it says "spent" (as a remembered read: the pull may predate the check).
+        let pulled = key.and_then(|k| k.pulled_rem()).filter(|&(s0, rem, at)| {
+            s0 == start && at.elapsed() < REM_FRESH && (!wait || rem <= 0)
+        });
+        if let Some(r) = cached()
+            && pulled.is_none_or(|p| p.2 <= r.at)
+        {
             return Ok(r.rem);
+        }
+        if let Some((_, rem, _)) = pulled {
+            return Ok(Some(rem));
         }
         // One read per task (or key) at a time; the others wait for it and take its answer
         // from the cache (a burst of checks of one spent slice reads it once).
@@ -240,7 +251,8 @@ impl Rls {
     }
 
     /// `limit_remaining` of an admitted descriptor: the cluster-wide estimate — what this host
-    /// holds of the slice plus what Redis has not handed out yet (the slice's `rem`, read at
+    /// holds of the slice plus what Redis has not handed out yet (the slice's `rem`: what this
+    /// agent's own pull of the key answered within [`REM_FRESH`], else read at
     /// most every [`REM_FRESH`] per task or key, waited for at most [`REM_TIMEOUT`] and never
     /// past `deadline` (the answer's budget for these reads, [`REM_TIMEOUT`]); a key's
     /// slice not made yet counts as its whole cap). Other hosts' holdings are not known: the

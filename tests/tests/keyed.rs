@@ -1328,3 +1328,78 @@ async fn a_caller_connection_is_dropped_for_its_own_fault_only() {
         "the connection was dropped for a call its deadline cut short"
     );
 }
+
+/// A pull tells the process what it left of the key's slice in Redis (`Key::pulled_rem`, what
+/// the agent's `limit_remaining` uses instead of reading the field again): the key's `rem` in
+/// the slice's hash, for the slice decided in; `None` for a key this process never pulled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_pull_tells_what_it_left_in_redis() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("pulledrem");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    keyed_task(
+        &m,
+        "r",
+        r#"{"threshold":100,"slice_ms":10000,"keyed":true}"#,
+    )
+    .await;
+    let host = format!("{ns}-h");
+    let _guard = SegmentGuard(vec![(ns.clone(), host.clone())]);
+    let client = sluice::Client::new(sdk_config(&redis, &ns, &host)).unwrap();
+    let task = client.task("r").unwrap();
+    assert!(task.wait_ready(Duration::from_secs(10)));
+    let keys = sluice_protocol::Keys::new(&ns).unwrap();
+    let mut conn = redis_conn(&redis);
+    let field = sluice_protocol::key_field(&sluice_protocol::key_digest("carol"));
+    let never = task.key("dave").unwrap();
+    assert!(never.pulled_rem().is_none(), "never pulled");
+    let key = task.key("carol").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no slice with room to look at"
+        );
+        // Not in the slice's last 3 s: the reads below stay in the slice decided in.
+        if task.now_us().div_euclid(1_000) % 10_000 > 7_000 {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        let (d, at_us) = key.acquire_stamped(1).await;
+        assert!(d.is_allowed(), "{d:?}");
+        let start = sluice_protocol::slice::start(at_us.div_euclid(1_000), 10_000);
+        let hash = keys.key_slices("r", start);
+        // A prefetch may follow the decision's pull: compare once the two agree (5 s at most).
+        let until = std::time::Instant::now() + Duration::from_secs(5);
+        let mut agreed = false;
+        while !agreed && std::time::Instant::now() < until {
+            let v: Option<String> = redis::cmd("HGET")
+                .arg(&hash)
+                .arg(&field)
+                .query(&mut conn)
+                .unwrap();
+            let in_redis = v.as_deref().and_then(sluice_protocol::parse_key_quota);
+            agreed = key.pulled_rem().is_some_and(|(s, rem, at)| {
+                s == start && at.elapsed() < Duration::from_secs(5) && in_redis == Some((rem, None))
+            });
+            if !agreed {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        if task.now_us().div_euclid(1_000) / 10_000 != start / 10_000 {
+            continue; // the slice ended meanwhile: again in the next one
+        }
+        assert!(
+            agreed,
+            "pulled_rem {:?} never matched Redis",
+            key.pulled_rem()
+        );
+        let (_, rem, _) = key.pulled_rem().unwrap();
+        assert!((0..100).contains(&rem), "rem {rem}");
+        break;
+    }
+    assert!(
+        never.pulled_rem().is_none(),
+        "another key's pull is not this one's"
+    );
+}

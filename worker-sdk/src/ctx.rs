@@ -215,6 +215,24 @@ pub(crate) struct KeyState {
     pub(crate) in_flight: std::sync::atomic::AtomicUsize,
     /// Notified when [`KeyState::in_flight`] drops to zero.
     pub(crate) settled: tokio::sync::Notify,
+    /// What this process's latest pull of each key table entry answered of the key's slice in
+    /// Redis ([`crate::Key::pulled_rem`]), at most [`MAX_PULLED`] entries (emptied when full).
+    pub(crate) pulled: Mutex<HashMap<usize, Pulled>>,
+}
+
+/// Most entries [`KeyState::pulled`] remembers.
+pub(crate) const MAX_PULLED: usize = 10_000;
+
+/// A key pull's answer for one entry: the key's quota left in Redis after it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Pulled {
+    /// The entry's identity when pulled (a reclaimed entry's record is another key's).
+    pub(crate) ident: u64,
+    pub(crate) start_ms: i64,
+    /// The key's `rem` in the slice's hash after the pull (what no host has pulled yet).
+    pub(crate) rem: i64,
+    /// When the answer arrived.
+    pub(crate) at: Instant,
 }
 
 /// How a keyed task's keys are written where people read them: the `key` field of its key

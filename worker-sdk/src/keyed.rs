@@ -231,6 +231,34 @@ impl Key {
         Some((e.cap.load(Ordering::Relaxed), held))
     }
 
+    /// What this process's latest pull of this key answered of the key's quota in Redis: the
+    /// slice's start (Unix ms), the key's `rem` there after the pull (what no host has pulled
+    /// yet), and when the answer arrived. `None` when this process has not pulled the key
+    /// since its entry was claimed (another process of the host may have), or the key is not
+    /// decided from the key table. A reading for estimates (the agent's `limit_remaining`
+    /// uses it instead of reading the key's field again after a decision that pulled it);
+    /// never a decision.
+    #[doc(hidden)]
+    pub fn pulled_rem(&self) -> Option<(i64, i64, Instant)> {
+        let (_, m) = self.task.slot_meta()?;
+        if !m.keyed {
+            return None;
+        }
+        let table = self.table()?;
+        let r = self.task.inner.slot_ref();
+        let own = owner(&self.task.shared.seg, r.index, r.generation);
+        let (i, ident) = table.lookup(self.h, own)?;
+        let p = *self
+            .task
+            .shared
+            .keyed
+            .pulled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&i)?;
+        (p.ident == ident).then_some((p.start_ms, p.rem, p.at))
+    }
+
     /// Benchmarks and tests only: puts `n` permits of the current slice (exhausted after them
     /// when `exhausted`) into this host's entry for the key, claiming one. False when the key
     /// is not decided from the key table (not keyed, meta unknown, table full).

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::ctx::{Labels, Locked, Shared, TaskInner, Want};
+use crate::ctx::{Labels, Locked, MAX_PULLED, Pulled, Shared, TaskInner, Want};
 use crate::decide::keyed::{chunk, deposit};
 use crate::keytable::{KeyEntry, KeyTable, OWNED, TOP_KEYS, owner_alive};
 use crate::plumbing::{Retry, call};
@@ -623,6 +623,8 @@ fn apply(
             redis_time_us,
         })) => {
             crate::plumbing::record_clock(sh, before, after, redis_time_us);
+            let at = Instant::now();
+            let mut pulled = Vec::with_capacity(todo.len());
             for ((i, w, _, want, ..), g) in todo.iter().zip(grants) {
                 let Some(e) = table.entry(*i) else { continue };
                 if e.ident.load(Ordering::Acquire) != w.ident {
@@ -640,7 +642,17 @@ fn apply(
                 if g.granted > 0 || exhausted {
                     deposit(e, start_ms, m.slice_ms, g.granted, exhausted, sh.now_us());
                 }
+                pulled.push((
+                    *i,
+                    Pulled {
+                        ident: w.ident,
+                        start_ms,
+                        rem: g.remaining,
+                        at,
+                    },
+                ));
             }
+            note_pulled(sh, pulled);
             None
         }
         Ok(Ok(KeyPullBatchReply::OutsideWindow { redis_time_us })) => {
@@ -674,6 +686,18 @@ fn apply(
         pull_failed(sh, task, slot, outcome);
     }
     drop(batch);
+}
+
+/// Remembers what a pull answered of its keys' slices in Redis ([`crate::Key::pulled_rem`]).
+fn note_pulled(sh: &Shared, pulled: Vec<(usize, Pulled)>) {
+    if pulled.is_empty() {
+        return;
+    }
+    let mut map = sh.keyed.pulled.lock().unwrap_or_else(|e| e.into_inner());
+    if map.len() + pulled.len() > MAX_PULLED {
+        map.clear();
+    }
+    map.extend(pulled);
 }
 
 /// A key pull failed with `outcome`: the task's state machine decides (FAILED, next probe).
