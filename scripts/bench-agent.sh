@@ -15,7 +15,8 @@
 # slice on the agent (direct form `sluice_task=keyedK,sluice_key=*`, rls_load --keys K: the
 # value of request i is v<i mod K>) against an rls_baseline of limit L on the same request,
 # open loop at SLUICE_BENCH_KEYS_RATE (default 5,000/s): demand 1× per key (below 1× where
-# L is clamped to 1). Per full window, OK answers ≤ K·L.
+# L is clamped to 1). Per full window, OK answers ≤ K·L. SLUICE_BENCH_AGENT_KEYS_ONLY=1 runs
+# only these (no single-key runs, no goals line).
 # Around every run: Redis commands (INFO commandstats deltas, INFO itself excluded), CPU seconds
 # (/proc/<pid>/stat utime+stime) of the limiter process, redis-server and the manager, and the
 # load client's own CPU; per-thread CPU of the limiter (by thread name) for the max runs.
@@ -131,13 +132,14 @@ log "agent pid $AGENT_PID (gRPC $ag, HTTP $ah), baselines pids $BASEBIG_PID / $B
 mkdir -p target/bench-agent
 OUT="target/bench-agent/result-$(date +%s).json"
 python3 - "$BIN/rls_load" "$RPORT" "$REDIS_PID" "$MANAGER_PID" "$NS" "$SECS" "$WARM" "$LIMIT" \
-  "${RATE:-0}" "$OUT" "$dir" "$QUICK" "$KRATE" "$AGENT_KEYS" \
+  "${RATE:-0}" "$OUT" "$dir" "$QUICK" "$KRATE" "$AGENT_KEYS" "${SLUICE_BENCH_AGENT_KEYS_ONLY:-0}" \
   "agent:$AGENT_PID:$ag:$ah" "base:$BASEBIG_PID:$BASEBIG_GRPC:$BASEBIG_HTTP" \
   "baseacc:$BASEACC_PID:$BASEACC_GRPC:$BASEACC_HTTP" "${KEYED_PROCS[@]}" <<'PY'
 import json, os, subprocess, sys, time
 
 (load, rport, redis_pid, manager_pid, ns, secs, warm, limit, rate, out, tmp, quick, krate,
- agent_keys, *procs) = sys.argv[1:]
+ agent_keys, keys_only, *procs) = sys.argv[1:]
+keys_only = keys_only == "1"
 secs, warm, limit, rate, quick = float(secs), float(warm), int(limit), float(rate), quick == "1"
 krate, agent_keys = int(krate), [int(k) for k in agent_keys.split()]
 P = {}
@@ -231,7 +233,7 @@ def run(label, who, proto, rate, extra, seconds=secs, limiter=None):
 i0 = cmdstats(); time.sleep(2); i1 = cmdstats()
 idle_cmds_per_s = sum(v - i0.get(k, 0) for k, v in i1.items() if k != "info") / 2
 
-targets = [("agent", "grpc"), ("agent", "http"), ("base", "grpc"), ("base", "http")]
+targets = [] if keys_only else [("agent", "grpc"), ("agent", "http"), ("base", "grpc"), ("base", "http")]
 def extra(who, proto, task):
     if proto == "grpc":
         # The agent's direct form addresses a task created through the API; the baseline
@@ -245,7 +247,7 @@ for who, proto in targets:
     r = run("max", who, proto, 0, extra(who, proto, "big"))
     maxes[(who, proto)] = r["decisions_per_s"]
     results.append(r)
-if rate <= 0:
+if rate <= 0 and maxes:
     rate = max(1000, min(20000, int(min(maxes.values()) * 0.5) // 1000 * 1000))
 for who, proto in targets:
     results.append(run("fixed", who, proto, rate, extra(who, proto, "big")))
@@ -345,7 +347,7 @@ for r in results:
 def get(label, who, proto):
     return next(r for r in results if r["label"] == label and r["limiter"] == who and r["protocol"] == proto)
 goals = []
-for proto in ("grpc", "http"):
+for proto in () if keys_only else ("grpc", "http"):
     a, b = get("fixed", "agent", proto), get("fixed", "base", proto)
     am, bm = get("max", "agent", proto), get("max", "base", proto)
     goals.append({"protocol": proto,
