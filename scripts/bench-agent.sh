@@ -51,14 +51,24 @@ LIMIT=${SLUICE_BENCH_LIMIT:-2000}
 RATE=${SLUICE_BENCH_RATE:-}
 KRATE=${SLUICE_BENCH_KEYS_RATE:-5000}
 if [ "$QUICK" = 1 ]; then AGENT_KEYS=${SLUICE_BENCH_AGENT_KEYS:-100}; else AGENT_KEYS=${SLUICE_BENCH_AGENT_KEYS:-1 100 10000}; fi
+keys_norm=""
 for k in $AGENT_KEYS; do
   case "$k" in
-    ''|*[!0-9]*) die "SLUICE_BENCH_AGENT_KEYS: key counts are whole numbers ≥ 1 (got ${k@Q})" ;;
+    ''|*[!0-9]*|???????*) die "SLUICE_BENCH_AGENT_KEYS: key counts are whole numbers 1 … 1,000,000 (got ${k@Q})" ;;
   esac
+  k=$((10#$k)) # decimal, whatever leading zeros (bash reads 0100 as octal)
   [ "$k" -ge 1 ] && [ "$k" -le 1000000 ] || die "SLUICE_BENCH_AGENT_KEYS: 1 … 1,000,000 keys (got $k)"
+  case " $keys_norm " in *" $k "*) ;; *) keys_norm="$keys_norm $k" ;; esac
 done
+AGENT_KEYS=${keys_norm# }
 case "$KRATE" in
-  ''|*[!0-9]*|0) die "SLUICE_BENCH_KEYS_RATE: decisions/s, a whole number ≥ 1 (got ${KRATE@Q})" ;;
+  ''|*[!0-9]*|????????*) die "SLUICE_BENCH_KEYS_RATE: decisions/s, a whole number 1 … 9,999,999 (got ${KRATE@Q})" ;;
+esac
+KRATE=$((10#$KRATE))
+[ "$KRATE" -ge 1 ] || die "SLUICE_BENCH_KEYS_RATE: decisions/s, at least 1 (got $KRATE)"
+case "${SLUICE_BENCH_AGENT_KEYS_ONLY:-0}" in
+  0|1) ;;
+  *) die "SLUICE_BENCH_AGENT_KEYS_ONLY: 0 or 1 (got ${SLUICE_BENCH_AGENT_KEYS_ONLY@Q})" ;;
 esac
 
 ensure_base_packages

@@ -154,6 +154,8 @@ impl Rls {
     /// at most every [`REM_FRESH`] per task or key, by one read at a time per task or key (the
     /// others wait for its answer) and by at most [`MAX_REM_READS`] reads at once: beyond them
     /// `wait` waits until `deadline`, else answers `Err` at once.
+    /// What this process's own pull of the key answered within [`REM_FRESH`]
+    /// ([`sluice::Key::pulled_rem`]) counts as such a read (with both, the smaller `rem`).
     /// With `wait` (a check-only descriptor) a remembered `rem` is reused only when it says
     /// the slice is spent: a positive one may have been spent by another host since, while a
     /// spent one grows again only when the slice's cap is raised (ROLL adds the difference),
@@ -178,19 +180,20 @@ impl Rls {
                 .filter(|r| r.start_ms == start && r.at.elapsed() < REM_FRESH)
                 .filter(|r| !wait || r.rem.is_some_and(|v| v <= 0) || r.asked >= arrived)
         };
-        // This host's own pull of the key answered its `rem` (a decision that pulled it just
-        // now): as good as a read, and no round trip. A check-only descriptor takes it only
-        // when it says "spent" (as a remembered read: the pull may predate the check).
-        let pulled = key.and_then(|k| k.pulled_rem()).filter(|&(s0, rem, at)| {
-            s0 == start && at.elapsed() < REM_FRESH && (!wait || rem <= 0)
-        });
-        if let Some(r) = cached()
-            && pulled.is_none_or(|p| p.2 <= r.at)
-        {
-            return Ok(r.rem);
-        }
-        if let Some((_, rem, _)) = pulled {
-            return Ok(Some(rem));
+        // This process's own pull of the key answered its `rem` (a decision that pulled it
+        // just now): as good as a read, and no round trip. A check-only descriptor takes it
+        // only when it says "spent" (as a remembered read: the pull may predate the check).
+        // With a remembered read of the same slice too, the smaller: a key's `rem` never rises
+        // within a slice (only pulls write it), so the smaller is the later reading.
+        let pulled = key
+            .and_then(|k| k.pulled_rem())
+            .filter(|&(s0, rem, at)| s0 == start && at.elapsed() < REM_FRESH && (!wait || rem <= 0))
+            .map(|(_, rem, _)| rem);
+        match (cached(), pulled) {
+            (Some(r), Some(p)) => return Ok(Some(r.rem.map_or(p, |c| c.min(p)))),
+            (Some(r), None) => return Ok(r.rem),
+            (None, Some(p)) => return Ok(Some(p)),
+            (None, None) => {}
         }
         // One read per task (or key) at a time; the others wait for it and take its answer
         // from the cache (a burst of checks of one spent slice reads it once).
@@ -256,7 +259,8 @@ impl Rls {
     /// most every [`REM_FRESH`] per task or key, waited for at most [`REM_TIMEOUT`] and never
     /// past `deadline` (the answer's budget for these reads, [`REM_TIMEOUT`]); a key's
     /// slice not made yet counts as its whole cap). Other hosts' holdings are not known: the
-    /// estimate is at most what the cluster can still admit, short by what other hosts hold.
+    /// estimate is short by what other hosts hold, and as of a reading up to [`REM_FRESH`] old
+    /// (above what is left by what others took since).
     /// Modes other than `pooled`, FAILED and a silent Redis: what this host holds.
     async fn cluster_remaining(&self, task: &Task, key: Option<&Key>, deadline: Instant) -> u64 {
         let Some(info) = task.limit_info("", None, true, key) else {

@@ -1076,3 +1076,60 @@ async fn checks_queued_behind_a_read_redis_never_answers_follow_on_failure() {
         "a check answered without Redis on a deny task: {codes:?}"
     );
 }
+
+/// `HGET` calls Redis has served so far (`INFO commandstats`; commands run inside scripts
+/// included).
+fn hget_calls(conn: &mut redis::Connection) -> u64 {
+    let info: String = redis::cmd("INFO").arg("commandstats").query(conn).unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_hget:"))
+        .and_then(|rest| rest.split(',').find_map(|kv| kv.strip_prefix("calls=")))
+        .map_or(0, |v| v.parse().unwrap())
+}
+
+/// A wildcard descriptor's new value costs one round trip: the SDK's pull of its key, whose
+/// answer gives `limit_remaining` the key's `rem` in Redis (before, an `HGET` of the key's field
+/// followed every cold key's decision). On a Redis of its own, so every `HGET` is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_wildcard_key_is_answered_without_a_second_read() {
+    let etcd = shared_etcd();
+    let private = RedisServer::start();
+    let redis = private.url();
+    let ns = unique_ns("ecold");
+    let m = Manager::start(ManagerOpts::new(&etcd, &redis, &ns, "m1")).await;
+    m.wait_leader().await;
+    let yaml = "\
+domain: cold
+descriptors:
+  - key: api_key
+    rate_limit:
+      unit: hour
+      requests_per_unit: 100
+";
+    let (a, _) = agent_with(&m, &redis, &ns, yaml).await;
+    not_near_a_boundary(3_600_000, 20_000).await;
+    let ca = client(&a).await;
+    // Warm: the hour's key hash is made by its first pull (its one HGET of the task's cap).
+    let r = ok(
+        &ca,
+        request("cold", vec![descriptor(&[("api_key", "warm")])]),
+    )
+    .await;
+    assert_eq!(r.overall_code, OK, "{r:?}");
+    let mut conn = redis_conn(&redis);
+    let before = hget_calls(&mut conn);
+    for i in 0..20 {
+        let r = ok(
+            &ca,
+            request("cold", vec![descriptor(&[("api_key", &format!("k{i}"))])]),
+        )
+        .await;
+        assert_eq!(r.overall_code, OK, "{r:?}");
+        let left = r.statuses[0].limit_remaining;
+        assert!((50..=99).contains(&left), "k{i}: {r:?}");
+    }
+    let reads = hget_calls(&mut conn) - before;
+    // The manager's own reads on this Redis are few; an HGET per key would be ≥ 20.
+    assert!(reads < 10, "{reads} HGETs for 20 cold keys");
+    eprintln!("{reads} HGETs for 20 cold keys");
+}

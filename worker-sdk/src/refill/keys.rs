@@ -623,8 +623,28 @@ fn apply(
             redis_time_us,
         })) => {
             crate::plumbing::record_clock(sh, before, after, redis_time_us);
+            // What each pull left in Redis, noted before its grant lands in the entry: a reader
+            // of the entry's holdings that sees the grant then finds the note (the agent adds
+            // the two for `limit_remaining`; the other order could count the grant twice). A
+            // replayed answer's `rem` is the first attempt's, possibly older: not noted.
             let at = Instant::now();
-            let mut pulled = Vec::with_capacity(todo.len());
+            note_pulled(
+                sh,
+                todo.iter()
+                    .zip(&grants)
+                    .filter(|(_, g)| !g.replayed)
+                    .map(|((i, w, ..), g)| {
+                        (
+                            *i,
+                            Pulled {
+                                ident: w.ident,
+                                start_ms,
+                                rem: g.remaining,
+                                at,
+                            },
+                        )
+                    }),
+            );
             for ((i, w, _, want, ..), g) in todo.iter().zip(grants) {
                 let Some(e) = table.entry(*i) else { continue };
                 if e.ident.load(Ordering::Acquire) != w.ident {
@@ -642,17 +662,7 @@ fn apply(
                 if g.granted > 0 || exhausted {
                     deposit(e, start_ms, m.slice_ms, g.granted, exhausted, sh.now_us());
                 }
-                pulled.push((
-                    *i,
-                    Pulled {
-                        ident: w.ident,
-                        start_ms,
-                        rem: g.remaining,
-                        at,
-                    },
-                ));
             }
-            note_pulled(sh, pulled);
             None
         }
         Ok(Ok(KeyPullBatchReply::OutsideWindow { redis_time_us })) => {
@@ -689,15 +699,19 @@ fn apply(
 }
 
 /// Remembers what a pull answered of its keys' slices in Redis ([`crate::Key::pulled_rem`]).
-fn note_pulled(sh: &Shared, pulled: Vec<(usize, Pulled)>) {
-    if pulled.is_empty() {
-        return;
-    }
+/// Bounded by [`MAX_PULLED`]: when full, notes older than a second (useless: readers take
+/// them for 250 ms) go first, and the whole map only if that is not enough.
+fn note_pulled(sh: &Shared, pulled: impl Iterator<Item = (usize, Pulled)>) {
     let mut map = sh.keyed.pulled.lock().unwrap_or_else(|e| e.into_inner());
-    if map.len() + pulled.len() > MAX_PULLED {
-        map.clear();
+    for (i, p) in pulled {
+        if map.len() >= MAX_PULLED && !map.contains_key(&i) {
+            map.retain(|_, q| q.at.elapsed() < Duration::from_secs(1));
+            if map.len() >= MAX_PULLED {
+                map.clear();
+            }
+        }
+        map.insert(i, p);
     }
-    map.extend(pulled);
 }
 
 /// A key pull failed with `outcome`: the task's state machine decides (FAILED, next probe).
