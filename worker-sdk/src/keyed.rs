@@ -211,14 +211,7 @@ impl Key {
     /// when the key is not decided from the key table (not keyed, no entry).
     #[cfg(feature = "tower")]
     pub(crate) fn local_view(&self, now_us: i64) -> Option<(u64, u64)> {
-        let (_, m) = self.task.slot_meta()?;
-        if !m.keyed {
-            return None;
-        }
-        let table = self.table()?;
-        let r = self.task.inner.slot_ref();
-        let own = owner(&self.task.shared.seg, r.index, r.generation);
-        let (i, _) = table.lookup(self.h, own)?;
+        let (m, table, i, _) = self.entry_now()?;
         let e = table.entry(i)?;
         let start = now_us.div_euclid(m.slice_ms as i64 * 1_000) * m.slice_ms as i64;
         let w = e.quota[crate::shm::parity(start, m.slice_ms)].load(Ordering::Acquire);
@@ -240,14 +233,7 @@ impl Key {
     /// never a decision.
     #[doc(hidden)]
     pub fn pulled_rem(&self) -> Option<(i64, i64, Instant)> {
-        let (_, m) = self.task.slot_meta()?;
-        if !m.keyed {
-            return None;
-        }
-        let table = self.table()?;
-        let r = self.task.inner.slot_ref();
-        let own = owner(&self.task.shared.seg, r.index, r.generation);
-        let (i, ident) = table.lookup(self.h, own)?;
+        let (_, _, i, ident) = self.entry_now()?;
         let p = *self
             .task
             .shared
@@ -538,6 +524,21 @@ impl Key {
 
     fn table(&self) -> Option<&KeyTable> {
         self.task.shared.keyed.opened()
+    }
+
+    /// The key's entry in this host's key table as it is (none is claimed): the meta, the
+    /// table, the entry's index and identity. `None` when the task is not keyed or the key has
+    /// no entry.
+    fn entry_now(&self) -> Option<(FastMeta, &KeyTable, usize, u64)> {
+        let (_, m) = self.task.slot_meta()?;
+        if !m.keyed {
+            return None;
+        }
+        let table = self.table()?;
+        let r = self.task.inner.slot_ref();
+        let own = owner(&self.task.shared.seg, r.index, r.generation);
+        let (i, ident) = table.lookup(self.h, own)?;
+        Some((m, table, i, ident))
     }
 
     /// The key's entry: cached, looked up, or claimed.
