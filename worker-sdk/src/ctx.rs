@@ -216,7 +216,8 @@ pub(crate) struct KeyState {
     /// Notified when [`KeyState::in_flight`] drops to zero.
     pub(crate) settled: tokio::sync::Notify,
     /// What this process's latest pull of each key table entry answered of the key's slice in
-    /// Redis ([`crate::Key::pulled_rem`]), at most [`MAX_PULLED`] entries (emptied when full).
+    /// Redis ([`crate::Key::pulled_rem`]), at most [`MAX_PULLED`] entries (when full, stale
+    /// ones are dropped, then all: `crate::refill::keys::note_pulled`).
     pub(crate) pulled: Mutex<HashMap<usize, Pulled>>,
 }
 
