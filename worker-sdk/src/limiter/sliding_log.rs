@@ -35,7 +35,7 @@
 //! least what the sum held uncommitted, so the committed state alone denies). Otherwise it
 //! reads again: a few times spinning, then yielding its CPU between reads (a decision preempted
 //! between its add and its commit gets to finish: it is the one being waited for), at most
-//! [`SETTLE_TRIES`] reads in all (four times that while others keep committing or taking back).
+//! `SETTLE_TRIES` reads in all (four times that while others keep committing or taking back).
 //! Then it denies anyway; and when nothing moved from its first such read to its last, the
 //! pending count is stale (a process stopped between announcing and withdrawing, or one
 //! preempted longer than the wait) and is cleared, so one denial pays the wait, not every one.
