@@ -262,17 +262,22 @@ if rate <= 0 and maxes:
 for who, proto in targets:
     results.append(run("fixed", who, proto, rate, extra(who, proto, "big")))
 
+def window_counts(r, cap):
+    """OK answers per full window of run `r` against `cap` (into `r`); the full windows."""
+    wins = r["per_window"][1:-1]           # full windows only
+    r["full_windows"] = len(wins)
+    r["max_ok_per_window"] = max((x["ok"] for x in wins), default=0)
+    r["windows_ok_over_limit"] = sum(1 for x in wins if x["ok"] > cap)
+    r["windows_ok_over_limit_sent_in_window"] = sum(1 for x in wins if x["ok"] - x["ok_sent_before"] > cap)
+    r["mean_ok_per_window"] = sum(x["ok"] for x in wins) / max(len(wins), 1)
+    return wins
+
 acc = []
 acc_secs = max(secs, 3)
 for who, proto in targets:
     w = "agent" if who == "agent" else "baseacc"
     r = run("3x-limit", w, proto, 3 * limit, extra(who, proto, "acc"), seconds=acc_secs)
-    wins = r["per_window"][1:-1]           # full windows only
-    r["full_windows"] = len(wins)
-    r["max_ok_per_window"] = max((x["ok"] for x in wins), default=0)
-    r["windows_ok_over_limit"] = sum(1 for x in wins if x["ok"] > limit)
-    r["windows_ok_over_limit_sent_in_window"] = sum(1 for x in wins if x["ok"] - x["ok_sent_before"] > limit)
-    r["mean_ok_per_window"] = sum(x["ok"] for x in wins) / max(len(wins), 1)
+    wins = window_counts(r, limit)
     if who == "agent":
         # Authoritative for Sluice: the quota the slice granted (cap - rem), read from Redis.
         g = []
@@ -295,13 +300,8 @@ for k in agent_keys:
     for who in ("agent", f"basek{k}"):
         r = run(f"keys-{k}", who, "grpc", krate, desc, seconds=max(secs, 3),
                 limiter="agent" if who == "agent" else "base")
-        wins = r["per_window"][1:-1]
-        r.update(keys=k, key_limit=L, full_windows=len(wins),
-                 max_ok_per_window=max((x["ok"] for x in wins), default=0),
-                 mean_ok_per_window=sum(x["ok"] for x in wins) / max(len(wins), 1),
-                 windows_ok_over_limit=sum(1 for x in wins if x["ok"] > k * L),
-                 windows_ok_over_limit_sent_in_window=sum(
-                     1 for x in wins if x["ok"] - x["ok_sent_before"] > k * L))
+        window_counts(r, k * L)
+        r.update(keys=k, key_limit=L)
         keyed.append(r)
 
 def row(r):

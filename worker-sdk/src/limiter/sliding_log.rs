@@ -264,10 +264,16 @@ pub(super) fn decide(ws: Words<'_>, i: &Input) -> Verdict {
             withdraw(pending, i.n);
             return Verdict::Admit;
         }
-        take_back(ws, &bk, word, i.n);
-        taken.fetch_add(1, Ordering::AcqRel);
-        withdraw(pending, i.n);
+        give_up(ws, &bk, word, i.n);
     }
+}
+
+/// Takes back `n` added as `word` by a decision that did not commit, counts the take-back and
+/// withdraws its pending cost.
+fn give_up(ws: Words<'_>, bk: &Buckets, word: u64, n: u64) {
+    take_back(ws, bk, word, n);
+    ws.log(TAKEN).fetch_add(1, Ordering::AcqRel);
+    withdraw(ws.log(PENDING), n);
 }
 
 /// Withdraws `n` from the pending count (never below 0: it may have been cleared as stale).
@@ -378,19 +384,23 @@ mod tests {
         burst: 0,
     };
 
-    /// A decision's cost added by hand as a decision stopped after its add does: announced,
-    /// added, not committed. Returns the word added (for its take-back).
-    fn uncommitted(c: &MemCells, n: u64) -> u64 {
-        let bk = super::Buckets::new(&crate::limiter::Input {
+    /// The bucket grid of a decision of `n` under `P5` at `T`.
+    fn grid(n: u64) -> super::Buckets {
+        super::Buckets::new(&crate::limiter::Input {
             alg: SlidingLog,
             p: P5,
             now_us: T,
             n,
-        });
+        })
+    }
+
+    /// A decision's cost added by hand as a decision stopped after its add does: announced,
+    /// added, not committed. Returns the word added (for its take-back).
+    fn uncommitted(c: &MemCells, n: u64) -> u64 {
         c.words()
             .log(super::PENDING)
             .fetch_add(n, std::sync::atomic::Ordering::AcqRel);
-        super::add(c.words(), &bk, n).expect("room in the word")
+        super::add(c.words(), &grid(n), n).expect("room in the word")
     }
 
     fn pending(c: &MemCells) -> u64 {
@@ -414,18 +424,8 @@ mod tests {
             *h.borrow_mut() = Some(Box::new(move || {
                 w2.set(w2.get() + 1);
                 if w2.get() == 3 {
-                    // The other decision's take-back, as `decide` does it.
-                    let bk = super::Buckets::new(&crate::limiter::Input {
-                        alg: SlidingLog,
-                        p: P5,
-                        now_us: T,
-                        n: 2,
-                    });
-                    super::take_back(c2.words(), &bk, word, 2);
-                    c2.words()
-                        .log(super::TAKEN)
-                        .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-                    super::withdraw(c2.words().log(super::PENDING), 2);
+                    // The other decision gives up (a third committed first, in the real race).
+                    super::give_up(c2.words(), &grid(2), word, 2);
                 }
             }))
         });
