@@ -36,7 +36,9 @@
 # worker-sdk/src/keytable.rs), SLUICE_BENCH_KEYS_CALLER_PULLS=1 (keys grid: Sluice's keyed
 # pulls from the decision loops' runtime, `Config::caller_pulls`; default off, as in the SDK),
 # SLUICE_BENCH_KEYS_PEER_GRAIN_MS=G (keys grid: the per-request peer's due times rounded up to a
-# G ms timer grain, the shape of loadgen's Tokio pacing; default 0, precise pacing).
+# G ms timer grain, the shape of loadgen's Tokio pacing; default 0, precise pacing),
+# SLUICE_BENCH_KEYS_GRID='keys=100 demand=1,3 hosts=1,2 slice=1' (keys grid: a subset of it; the
+# docs are then left alone).
 # Output: target/bench/result-<unix>.json (+ latest.json). Everything started here is stopped
 # by PID on exit.
 set -euo pipefail
@@ -131,11 +133,13 @@ python3 scripts/bench/run.py --mode "$MODE" --profile "$PROFILE" --command "$CMD
   --keys-reported "${SLUICE_BENCH_KEYS_REPORTED:-1000}" --key-slots-cap "${SLUICE_BENCH_KEY_SLOTS_CAP:-0}" \
   --keys-caller-pulls "${SLUICE_BENCH_KEYS_CALLER_PULLS:-0}" \
   --keys-peer-grain-ms "${SLUICE_BENCH_KEYS_PEER_GRAIN_MS:-0}" \
+  --keys-grid "${SLUICE_BENCH_KEYS_GRID:-}" \
   --out "$OUT" --tmp "$dir" "${AGENTS[@]}"
 
 # The docs take a full release run of every section, or of the keys grid alone (report.py then
 # replaces its section only); anything else is rendered to target/bench/.
 if [ "$MODE" = full ] && [ "$PROFILE" = release ] && [ -z "${SLUICE_BENCH_PEERS:-}" ] &&
+  [ -z "${SLUICE_BENCH_KEYS_GRID:-}" ] &&
   { { [ -z "$SECTIONS" ] && [ -z "${SLUICE_BENCH_SKIP_CRITERION:-}" ]; } || [ "$SECTIONS" = keys ]; }; then
   python3 scripts/bench/report.py "$OUT" --doc docs/benchmarks.md --svg-dir docs/img
   log "docs/benchmarks.md and docs/img/bench-*.svg regenerated from $OUT"

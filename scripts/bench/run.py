@@ -566,6 +566,27 @@ KEYS_PROCS = 2           # processes per host (one loadgen --procs 2; 2 peer pro
 KEYS_LEAD_MS = 1500      # processes start this long before the common start
 
 
+def keys_grid_of(mode, spec):
+    """The mode's grid with the dimensions named in `spec` (`--keys-grid`) replaced: words
+    `name=v,v,…` for keys, demand, hosts, slice (seconds). Raises ValueError with the word."""
+    grid = dict(KEYS_GRID[mode])
+    names = {"keys": ("keys", int), "demand": ("demand", float), "hosts": ("hosts", int),
+             "slice": ("slice_s", int)}
+    for word in spec.replace(";", " ").split():
+        name, _, vals = word.partition("=")
+        if name not in names or not vals:
+            raise ValueError(f"--keys-grid: {word!r} is not one of {', '.join(names)}=v,v,…")
+        key, conv = names[name]
+        try:
+            vs = tuple(conv(v) for v in vals.split(","))
+        except ValueError:
+            raise ValueError(f"--keys-grid: {word!r} has a value that is not a number") from None
+        if any(v <= 0 for v in vs):
+            raise ValueError(f"--keys-grid: {word!r}: values must be positive")
+        grid[key] = vs
+    return grid
+
+
 def key_slots_cap(a):
     """The SDK's largest key table (`MAX_KEY_SLOTS`): --key-slots-cap, else read from the
     source the binaries were built from (the constant may change), else 262,144."""
@@ -652,11 +673,12 @@ def key_accuracy(reports, limit, slice_ms):
 
 def keys_grid(b):
     a = b.a
-    grid = KEYS_GRID[a.mode]
+    grid = keys_grid_of(a.mode, a.keys_grid)
     rate, secs, workers = a.keys_rate, a.keys_seconds, a.keys_workers
     cap = key_slots_cap(a)
     points = key_points(grid, rate)
     out = {"rate_per_host": rate, "seconds_per_run": secs, "procs_per_host": KEYS_PROCS,
+           "grid_subset": a.keys_grid,
            "workers_per_proc": workers, "key_slots_cap": cap, "reported_keys": a.keys_reported,
            "caller_pulls": bool(a.keys_caller_pulls), "peer_grain_ms": a.keys_peer_grain_ms,
            "grid": {k: list(v) for k, v in grid.items()}, "points": []}
@@ -780,6 +802,9 @@ def key_run(b, pt, design, name, slots, workers, secs, idle):
         "decisions_per_s": round(decisions / max(seconds, 1e-9), 1),
         "admitted_fraction": round(sum(r["ok"] for r in reports) / max(decisions, 1), 4),
         "p50_us": hist_pct_us(hist, 0.50), "p99_us": hist_pct_us(hist, 0.99),
+        # The tail's shape (extra; the goals judge p50 and p99).
+        "p90_us": hist_pct_us(hist, 0.90), "p95_us": hist_pct_us(hist, 0.95),
+        "p98_us": hist_pct_us(hist, 0.98), "p999_us": hist_pct_us(hist, 0.999),
         "redis_commands": cmds,
         "redis_commands_per_decision": round(cmds / max(decisions, 1), 5),
         "redis_cpu_us_per_decision": round(rcpu * 1e6 / max(decisions, 1), 3),
@@ -799,7 +824,8 @@ def key_run(b, pt, design, name, slots, workers, secs, idle):
     acc = res["accuracy"]
     log(f"  {design:11} {res['decisions_per_s']:>9,.0f}/s p50 {res['p50_us']} µs p99 "
         f"{res['p99_us']} µs cmds/dec {res['redis_commands_per_decision']} over {acc['over_slices']}"
-        f" util {acc['util_median']}")
+        f" util {acc['util_median']} (p90/95/98/99.9 {res['p90_us']:.3g}/{res['p95_us']:.3g}/"
+        f"{res['p98_us']:.3g}/{res['p999_us']:.3g} µs)")
     return res
 
 
@@ -887,6 +913,9 @@ def main():
     ap.add_argument("--keys-peer-grain-ms", type=int, default=0,
                     help="keys grid: peer_redis --grain-ms (its due times on a timer of this grain, "
                          "as loadgen's Tokio timer; 0 = precise pacing)")
+    ap.add_argument("--keys-grid", default="",
+                    help="keys grid: a subset instead of the mode's grid, e.g. "
+                         "'keys=100,10000 demand=1 hosts=1,2 slice=1' (unnamed dimensions: the mode's)")
     ap.add_argument("--key-slots-cap", type=int, default=0,
                     help="keys grid: the SDK's MAX_KEY_SLOTS (0: read from worker-sdk/src/keytable.rs)")
     a = ap.parse_args()
@@ -897,6 +926,10 @@ def main():
         ap.error(f"--sections: unknown {', '.join(unknown)} (known: {', '.join(SECTIONS)})")
     if a.mode == "full" and os.environ.get("SLUICE_BENCH_SKIP_CRITERION") and "criterion" in sections:
         sections.remove("criterion")
+    try:
+        keys_grid_of(a.mode, a.keys_grid)
+    except ValueError as e:
+        ap.error(str(e))
     if not (a.keys_rate > 0 and a.keys_seconds > 0 and a.keys_workers > 0 and a.keys_reported > 0):
         ap.error("--keys-rate, --keys-seconds, --keys-workers and --keys-reported must be positive")
     b = Bench(a)

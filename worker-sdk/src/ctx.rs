@@ -200,6 +200,9 @@ pub(crate) struct KeyState {
     pub(crate) wants: Mutex<HashMap<usize, Want>>,
     /// Wakes the key pump (`crate::refill::keys::pump`).
     pub(crate) wake: tokio::sync::Notify,
+    /// When (host ms) a prefetch want was last registered without waking the pump: while
+    /// they come, the pump looks for wants every `PREFETCH_TICK`.
+    pub(crate) quiet_ms: std::sync::atomic::AtomicI64,
     /// How each keyed task's keys are labelled, by task name: the labels, the meta version
     /// they were read at and when.
     pub(crate) labels: Mutex<HashMap<String, (Labels, i64, Instant)>>,

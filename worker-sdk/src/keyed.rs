@@ -39,11 +39,16 @@
 //! # Chunks from 1 to N
 //!
 //! A key's first pull in a slice asks for exactly what the decision needs; each further pull
-//! of the same slice doubles the previous one, up to `max(1, cap / CHUNK_DIVISOR)`. A cold key
-//! therefore costs about one Redis call per decision (like an exact limiter) and a hot key is
-//! decided from shared memory like a pooled task. At most one pull per key per host is in
-//! flight (the entry's pull lock), so one host holds at most `cap / 16` unspent permits of a
-//! key beyond what it is about to spend.
+//! of the same slice doubles the previous one, up to `max(cap / CHUNK_DIVISOR, min(cap,
+//! MIN_MAX_CHUNK))` (a sixteenth of the cap, at least 4 when the cap allows). A key pulled in
+//! the previous slice starts the next one at that slice's last chunk, and a key whose chunk
+//! grew past 1 asks for the next chunk once less than half of the last is left (and, in the
+//! last eighth of a slice, for its next slice's first chunk), so it is decided from shared
+//! memory like a pooled task; a cold key costs about one Redis call per decision (like an
+//! exact limiter) and nothing more. At most one pull per key per host is in flight (the
+//! entry's pull lock), so one host holds at most one chunk of a key's slice (`max(cap / 16,
+//! min(cap, 4))` permits) beyond what it is about to spend, and one prefetched chunk of its
+//! next slice.
 //!
 //! # Failure
 //!
@@ -72,7 +77,8 @@ use crate::decide::keyed::{self, Direct, Entry, deposit, give_back, take_back};
 use crate::decision::{Decision, Refund};
 use crate::error::Error;
 pub use crate::keytable::{
-    CHUNK_DIVISOR, DEFAULT_KEY_SLOTS, KeyEntry, KeyTable, MAX_KEY_SLOTS, TOP_KEYS, WAYS,
+    CHUNK_DIVISOR, DEFAULT_KEY_SLOTS, KeyEntry, KeyTable, MAX_KEY_SLOTS, MIN_MAX_CHUNK, TOP_KEYS,
+    WAYS,
 };
 use crate::keytable::{Owner, owner, owner_of};
 use crate::protocol::Mode;
@@ -115,10 +121,11 @@ fn next_slice_due(e: &KeyEntry, m: &FastMeta, start_ms: i64, now_us: i64) -> boo
     if left > (m.slice_ms as i64 * 1_000) / 8 || left < 5_000 {
         return false;
     }
-    // Hot: pulled in this slice more than once (the chunk grew past 1). A key decided once
-    // per slice would only strand what a prefetch brings (measured: 10,000 cold keys).
+    // Hot: its chunk grew past 1 (in this slice, or in the last one when this slice's first
+    // chunk was prefetched and sufficed). A key decided once per slice would only strand what
+    // a prefetch brings (measured: 10,000 cold keys).
     let g = e.grant.load(Ordering::Relaxed);
-    if (g >> 32) as u32 != tag_of(start_ms) || g & 0xFFFF_FFFF < 2 {
+    if keyed::last_chunk(g, start_ms, m.slice_ms).is_none_or(|size| size < 2) {
         return false;
     }
     let next = start_ms + m.slice_ms as i64;
@@ -644,7 +651,15 @@ impl Key {
                 self.decide(n, now_us)
             }
             Entry::Failed => KStep::Decided(fallback::key(slot, &m, Some(e), start_ms, n, now_us)),
-            Entry::Limited { retry_after } => KStep::Decided(Decision::Limited { retry_after }),
+            Entry::Limited { retry_after } => {
+                if next_slice_due(e, &m, start_ms, now_us) {
+                    // Its quota of this slice is spent and it is still asked for: the next
+                    // slice's first decision should not wait either (measured: at 3× its
+                    // limit, every key's first decision of a slice waited, 2 % of them).
+                    self.want_quiet(i, id, start_ms + m.slice_ms as i64, 1);
+                }
+                KStep::Decided(Decision::Limited { retry_after })
+            }
             Entry::Pending => KStep::Pending {
                 entry: i,
                 ident: id,
@@ -753,7 +768,7 @@ impl Key {
         }
     }
 
-    /// A prefetch want: nobody waits for it.
+    /// A prefetch want: nobody waits for it, and the pump is not woken for it.
     fn want_quiet(&self, entry: usize, ident: u64, start_ms: i64, n: u64) {
         let sh = &self.task.shared;
         let fresh = {
@@ -775,7 +790,12 @@ impl Key {
             }
         };
         if fresh {
-            sh.keyed.wake.notify_one();
+            // The pump is not woken: a wake from here costs the deciding thread tens of µs
+            // (the woken thread takes its core; measured: 10 % of a hot key's decisions over
+            // 27 µs). It finds the want within PREFETCH_TICK (`crate::refill::keys::pump`).
+            sh.keyed
+                .quiet_ms
+                .store(crate::clock::host_ms(), Ordering::Relaxed);
         }
     }
 
@@ -850,14 +870,46 @@ mod tests {
         assert_eq!(chunk(tag | 32, s, 1_000, 1_000, 1), 62);
         assert_eq!(chunk(tag | 62, s, 1_000, 1_000, 1), 62);
         assert_eq!(chunk(tag | 62, s, 1_000, 1_000, 100), 100);
-        // The previous slice was hot: start at half its last chunk.
+        // The previous slice was hot: start at its last chunk.
         let prev = (tag_of(s - 1_000) as u64) << 32;
-        assert_eq!(chunk(prev | 40, s, 1_000, 1_000, 1), 20);
+        assert_eq!(chunk(prev | 40, s, 1_000, 1_000, 1), 40);
+        assert_eq!(chunk(prev | 1, s, 1_000, 1_000, 1), 1);
         // Older: cold again.
         let old = (tag_of(s - 5_000) as u64) << 32;
         assert_eq!(chunk(old | 40, s, 1_000, 1_000, 1), 1);
-        // A small cap: never more than one at a time.
-        assert_eq!(chunk(tag | 1, s, 1_000, 10, 1), 1);
+        // A small cap: chunks up to MIN_MAX_CHUNK (4), never more than the cap.
+        assert_eq!(chunk(tag | 1, s, 1_000, 10, 1), 2);
+        assert_eq!(chunk(tag | 4, s, 1_000, 10, 1), 4);
+        assert_eq!(chunk(tag | 4, s, 1_000, 50, 1), 4);
+        assert_eq!(chunk(tag | 1, s, 1_000, 1, 1), 1);
+        assert_eq!(chunk(tag | 2, s, 1_000, 3, 1), 3);
+        assert_eq!(chunk(tag | 4, s, 1_000, 64, 1), 4);
+        assert_eq!(chunk(tag | 4, s, 1_000, 160, 1), 8);
+        assert_eq!(chunk(tag | 8, s, 1_000, 160, 1), 10);
+    }
+
+    /// Issue 26: a chunk of one is never "low" (a cold key pulled once per slice would double
+    /// its calls); a chunk of 2 or more is low below its half, odd sizes included.
+    #[test]
+    fn low_is_below_half_a_chunk_of_two_or_more() {
+        use crate::decide::keyed::below_half;
+        let s = 10_000;
+        let g = |start: i64, size: u64| ((tag_of(start) as u64) << 32) | size;
+        let low = |held, last| below_half(held, last, s, 1_000);
+        assert!(!low(0, g(s, 1)));
+        assert!(low(0, g(s, 2)));
+        assert!(!low(1, g(s, 2)));
+        assert!(low(1, g(s, 3)));
+        assert!(!low(2, g(s, 3)));
+        assert!(low(1, g(s, 4)));
+        assert!(!low(2, g(s, 4)));
+        // The previous slice's last chunk sized this one's first (prefetched) chunk.
+        assert!(low(1, g(s - 1_000, 4)));
+        assert!(!low(2, g(s - 1_000, 4)));
+        // Older, or the next slice's: says nothing about this one.
+        assert!(!low(0, g(s - 2_000, 8)));
+        assert!(!low(0, g(s + 1_000, 8)));
+        assert!(!low(0, 0));
     }
 
     #[test]
@@ -960,6 +1012,44 @@ mod tests {
         // Once the next slice's chunk is held: no more.
         assert!(deposit(e, start + 1_000, 1_000, 2, false, at(900)));
         assert!(!next_slice_due(e, &m, start, at(900)));
+        // Issue 26: a key whose first chunk of this slice was prefetched and sufficed has no
+        // pull of this slice yet (its grant word is the last slice's): still hot, still
+        // prefetched; two slices back: cold.
+        let next = start + 1_000;
+        e.grant
+            .store(((tag_of(start) as u64) << 32) | 4, Ordering::Relaxed);
+        assert!(next_slice_due(e, &m, next, (next + 900) * 1_000));
+        e.grant.store(
+            ((tag_of(start - 1_000) as u64) << 32) | 4,
+            Ordering::Relaxed,
+        );
+        assert!(!next_slice_due(e, &m, next, (next + 900) * 1_000));
+    }
+
+    /// Issue 26: a prefetch of the next slice keeps the current slice's grant record (the
+    /// low-water mark of this slice's decisions); a pull of this slice, or a prefetch answered
+    /// once its slice began, is recorded.
+    #[test]
+    fn a_prefetch_of_the_next_slice_keeps_this_slices_record() {
+        use crate::decide::keyed::{below_half, record_grant};
+        let (_d, t, _seg) = table(8);
+        let e = t.entry(0).unwrap();
+        let start = 10_000i64;
+        record_grant(e, start, 4, start + 100);
+        record_grant(e, start + 1_000, 4, start + 900);
+        let g = e.grant.load(Ordering::Relaxed);
+        assert_eq!(g, ((tag_of(start) as u64) << 32) | 4);
+        assert!(
+            below_half(1, g, start, 1_000),
+            "this slice's low-water mark holds"
+        );
+        // In the next slice the record of the last one sizes its first chunk's mark.
+        assert!(below_half(1, g, start + 1_000, 1_000));
+        record_grant(e, start + 1_000, 8, start + 1_000);
+        assert_eq!(
+            e.grant.load(Ordering::Relaxed),
+            ((tag_of(start + 1_000) as u64) << 32) | 8
+        );
     }
 
     /// Review of issue 23 (F7): a give-back undone after a reclaim takes what is left of the

@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::ctx::{Labels, Locked, MAX_PULLED, Pulled, Shared, TaskInner, Want};
-use crate::decide::keyed::{chunk, deposit};
+use crate::decide::keyed::{below_half, chunk, deposit, record_grant};
 use crate::keytable::{KeyEntry, KeyTable, OWNED, TOP_KEYS, owner_alive};
 use crate::plumbing::{Retry, call};
 use crate::protocol::scripts::{self, KeyPullBatchReply, KeyPullReply, KeyPullRequest};
@@ -148,6 +148,10 @@ pub(crate) async fn finish(sh: &Shared, pump: tokio::task::JoinHandle<()>) {
     }
 }
 
+/// How often the pump looks for wants while prefetches come (they do not wake it: see
+/// `Key::want_quiet`), and while a want waits for another process's pull lock.
+const PREFETCH_TICK: Duration = Duration::from_millis(1);
+
 /// Runs on the background runtime beside the rounds: takes the wants as they come and pulls
 /// each on its own task (at most [`CONCURRENT_PULLS`] at once), so a cold key waits one Redis
 /// round trip, not a round of the background thread.
@@ -226,8 +230,9 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
                 map.entry(i).or_insert(w);
             }
         }
-        let wait = if again {
-            Duration::from_millis(1)
+        let quiet = crate::clock::host_ms() - sh.keyed.quiet_ms.load(Ordering::Relaxed);
+        let wait = if again || (0..1_000).contains(&quiet) {
+            PREFETCH_TICK
         } else {
             Duration::from_millis(10)
         };
@@ -263,8 +268,8 @@ fn stale(sh: &Shared, e: &KeyEntry, w: &Want) -> bool {
         || w.since.elapsed() > sh.cfg.acquire_timeout + sh.cfg.pull_timeout
 }
 
-/// The entry holds fewer permits of the want's slice than half its last chunk.
-fn low(e: &KeyEntry, w: &Want) -> bool {
+/// The entry holds fewer permits of the want's slice than it needs, or [`below_half`] its last chunk.
+fn low(e: &KeyEntry, w: &Want, slice_ms: u64) -> bool {
     let tag = tag_of(w.start_ms);
     let last = e.grant.load(Ordering::Relaxed);
     let held: u64 = e
@@ -278,7 +283,7 @@ fn low(e: &KeyEntry, w: &Want) -> bool {
         })
         .max()
         .unwrap_or(0);
-    held < w.n || ((last >> 32) as u32 == tag && held < (last & 0xFFFF_FFFF) / 2)
+    held < w.n || below_half(held, last, w.start_ms, slice_ms)
 }
 
 /// The task's slot and meta, when the slot is still the task's, with the meta version the
@@ -413,7 +418,7 @@ fn prepare(sh: &Shared, items: Vec<Locked>) -> Option<Batch<'_>> {
     let mut todo = Vec::with_capacity(items.len());
     for (i, w, token) in items {
         match table.entry(i) {
-            Some(e) if low(e, &w) => {
+            Some(e) if low(e, &w, m.slice_ms) => {
                 let want = chunk(
                     e.grant.load(Ordering::Relaxed),
                     start_ms,
@@ -645,6 +650,7 @@ fn apply(
                         )
                     }),
             );
+            let now_ms = sh.now_us().div_euclid(1_000);
             for ((i, w, _, want, ..), g) in todo.iter().zip(grants) {
                 let Some(e) = table.entry(*i) else { continue };
                 if e.ident.load(Ordering::Acquire) != w.ident {
@@ -654,10 +660,7 @@ fn apply(
                     continue;
                 }
                 e.cap.store(g.cap, Ordering::Relaxed);
-                e.grant.store(
-                    ((tag_of(start_ms) as u64) << 32) | (*want).min(0xFFFF_FFFF),
-                    Ordering::Relaxed,
-                );
+                record_grant(e, start_ms, *want, now_ms);
                 let exhausted = g.remaining <= 0;
                 if g.granted > 0 || exhausted {
                     deposit(e, start_ms, m.slice_ms, g.granted, exhausted, sh.now_us());
