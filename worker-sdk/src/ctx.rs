@@ -200,9 +200,11 @@ pub(crate) struct KeyState {
     pub(crate) wants: Mutex<HashMap<usize, Want>>,
     /// Wakes the key pump (`crate::refill::keys::pump`).
     pub(crate) wake: tokio::sync::Notify,
-    /// When (host ms) a prefetch want was last registered without waking the pump: while
-    /// they come, the pump looks for wants every `PREFETCH_TICK`.
+    /// When (`crate::clock::boot_ms`) a prefetch want was last registered: while they come,
+    /// the pump looks for wants every `PREFETCH_TICK` instead of being woken for each.
     pub(crate) quiet_ms: std::sync::atomic::AtomicI64,
+    /// Set by the pump for its long idle wait: the next prefetch want wakes it (once).
+    pub(crate) pump_idle: AtomicBool,
     /// How each keyed task's keys are labelled, by task name: the labels, the meta version
     /// they were read at and when.
     pub(crate) labels: Mutex<HashMap<String, (Labels, i64, Instant)>>,

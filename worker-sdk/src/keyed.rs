@@ -39,16 +39,15 @@
 //! # Chunks from 1 to N
 //!
 //! A key's first pull in a slice asks for exactly what the decision needs; each further pull
-//! of the same slice doubles the previous one, up to `max(cap / CHUNK_DIVISOR, min(cap,
-//! MIN_MAX_CHUNK))` (a sixteenth of the cap, at least 4 when the cap allows). A key pulled in
-//! the previous slice starts the next one at that slice's last chunk, and a key whose chunk
-//! grew past 1 asks for the next chunk once less than half of the last is left (and, in the
-//! last eighth of a slice, for its next slice's first chunk), so it is decided from shared
-//! memory like a pooled task; a cold key costs about one Redis call per decision (like an
-//! exact limiter) and nothing more. At most one pull per key per host is in flight (the
-//! entry's pull lock), so one host holds at most one chunk of a key's slice (`max(cap / 16,
-//! min(cap, 4))` permits) beyond what it is about to spend, and one prefetched chunk of its
-//! next slice.
+//! of the same slice doubles the previous one, up to [`max_chunk`]`(cap)` (a sixteenth of the
+//! cap; 2–4 for caps of 8–63). A key pulled in the previous slice (or prefetched into this
+//! one) starts at its last chunk, and a key whose chunk is 2 or more asks for the next chunk
+//! once less than half of the last is left (and, decided in the last eighth of a slice, for its
+//! next slice's first chunk), so it is decided from shared memory like a pooled task; a cold
+//! key costs about one Redis call per decision (like an exact limiter) and nothing more. At
+//! most one pull per key per host is in flight (the entry's pull lock), so one host holds less
+//! than 1.5 chunks of a key's slice beyond what it is about to spend, and one prefetched chunk
+//! of its next slice.
 //!
 //! # Failure
 //!
@@ -72,8 +71,8 @@ use std::time::{Duration, Instant};
 use crate::client::Task;
 use crate::ctx::{Event, Want};
 use crate::decide::fallback;
-pub use crate::decide::keyed::chunk;
 use crate::decide::keyed::{self, Direct, Entry, deposit, give_back, take_back};
+pub use crate::decide::keyed::{chunk, max_chunk};
 use crate::decision::{Decision, Refund};
 use crate::error::Error;
 pub use crate::keytable::{
@@ -112,8 +111,8 @@ impl std::fmt::Debug for Key {
 
 /// Whether a key decided now in the slice starting at `start_ms` should have its next slice's
 /// first chunk pulled ahead: the slice is in its last eighth (at least 5 ms left, so the pull
-/// can arrive in time), the key is hot here (its chunk of this slice grew past 1), and
-/// nothing is held for the next slice yet. What a prefetch strands if the key goes cold is one chunk.
+/// can arrive in time), the key is hot here (its last chunk around this slice,
+/// [`keyed::last_chunk`], is 2 or more), and nothing is held for the next slice yet. What a prefetch strands if the key goes cold is one chunk.
 #[inline]
 fn next_slice_due(e: &KeyEntry, m: &FastMeta, start_ms: i64, now_us: i64) -> bool {
     let end_us = (start_ms + m.slice_ms as i64) * 1_000;
@@ -121,9 +120,8 @@ fn next_slice_due(e: &KeyEntry, m: &FastMeta, start_ms: i64, now_us: i64) -> boo
     if left > (m.slice_ms as i64 * 1_000) / 8 || left < 5_000 {
         return false;
     }
-    // Hot: its chunk grew past 1 (in this slice, or in the last one when this slice's first
-    // chunk was prefetched and sufficed). A key decided once per slice would only strand what
-    // a prefetch brings (measured: 10,000 cold keys).
+    // Hot: its chunk grew past 1 (pulled in this slice, or prefetched into it). A key decided
+    // once per slice would only strand what a prefetch brings (measured: 10,000 cold keys).
     let g = e.grant.load(Ordering::Relaxed);
     if keyed::last_chunk(g, start_ms, m.slice_ms).is_none_or(|size| size < 2) {
         return false;
@@ -768,11 +766,18 @@ impl Key {
         }
     }
 
-    /// A prefetch want: nobody waits for it, and the pump is not woken for it.
+    /// A prefetch want: nobody waits for it. Best effort: skipped when the wants map is busy
+    /// (a refused decision of a hot key must not queue on the lock), and it wakes the pump
+    /// only when the pump is in its long idle wait: a wake from here costs the deciding
+    /// thread tens of µs (the woken thread takes its core; measured: 10 % of a hot key's
+    /// decisions over 27 µs), so while prefetches keep coming the pump looks for them every
+    /// `PREFETCH_TICK` instead (`crate::refill::keys::pump`).
     fn want_quiet(&self, entry: usize, ident: u64, start_ms: i64, n: u64) {
         let sh = &self.task.shared;
         let fresh = {
-            let mut wants = sh.keyed.wants.lock().unwrap_or_else(|e| e.into_inner());
+            let Ok(mut wants) = sh.keyed.wants.try_lock() else {
+                return;
+            };
             match wants.entry(entry) {
                 std::collections::hash_map::Entry::Occupied(_) => false,
                 std::collections::hash_map::Entry::Vacant(v) => {
@@ -790,12 +795,12 @@ impl Key {
             }
         };
         if fresh {
-            // The pump is not woken: a wake from here costs the deciding thread tens of µs
-            // (the woken thread takes its core; measured: 10 % of a hot key's decisions over
-            // 27 µs). It finds the want within PREFETCH_TICK (`crate::refill::keys::pump`).
             sh.keyed
                 .quiet_ms
-                .store(crate::clock::host_ms(), Ordering::Relaxed);
+                .store(crate::clock::boot_ms(), Ordering::SeqCst);
+            if sh.keyed.pump_idle.swap(false, Ordering::SeqCst) {
+                sh.keyed.wake.notify_one();
+            }
         }
     }
 
@@ -877,15 +882,32 @@ mod tests {
         // Older: cold again.
         let old = (tag_of(s - 5_000) as u64) << 32;
         assert_eq!(chunk(old | 40, s, 1_000, 1_000, 1), 1);
-        // A small cap: chunks up to MIN_MAX_CHUNK (4), never more than the cap.
+        // A prefetch's record (the next slice's) sizes this slice's pulls too.
+        let next = (tag_of(s + 1_000) as u64) << 32;
+        assert_eq!(chunk(next | 40, s, 1_000, 1_000, 1), 40);
+        // A small cap: chunks up to min(4, cap / 4) (max_chunk), at least 1.
         assert_eq!(chunk(tag | 1, s, 1_000, 10, 1), 2);
-        assert_eq!(chunk(tag | 4, s, 1_000, 10, 1), 4);
+        assert_eq!(chunk(tag | 4, s, 1_000, 10, 1), 2);
         assert_eq!(chunk(tag | 4, s, 1_000, 50, 1), 4);
         assert_eq!(chunk(tag | 1, s, 1_000, 1, 1), 1);
-        assert_eq!(chunk(tag | 2, s, 1_000, 3, 1), 3);
+        assert_eq!(chunk(tag | 2, s, 1_000, 3, 1), 1);
+        assert_eq!(chunk(tag | 2, s, 1_000, 3, 3), 3);
         assert_eq!(chunk(tag | 4, s, 1_000, 64, 1), 4);
         assert_eq!(chunk(tag | 4, s, 1_000, 160, 1), 8);
         assert_eq!(chunk(tag | 8, s, 1_000, 160, 1), 10);
+        for (cap, max) in [
+            (0, 1),
+            (1, 1),
+            (7, 1),
+            (8, 2),
+            (15, 3),
+            (16, 4),
+            (63, 4),
+            (64, 4),
+            (80, 5),
+        ] {
+            assert_eq!(max_chunk(cap), max, "cap {cap}");
+        }
     }
 
     /// Issue 26: a chunk of one is never "low" (a cold key pulled once per slice would double
@@ -906,9 +928,11 @@ mod tests {
         // The previous slice's last chunk sized this one's first (prefetched) chunk.
         assert!(low(1, g(s - 1_000, 4)));
         assert!(!low(2, g(s - 1_000, 4)));
-        // Older, or the next slice's: says nothing about this one.
+        // The next slice's (a prefetch): this slice's mark holds through it.
+        assert!(low(1, g(s + 1_000, 4)));
+        // Older or further: says nothing about this one.
         assert!(!low(0, g(s - 2_000, 8)));
-        assert!(!low(0, g(s + 1_000, 8)));
+        assert!(!low(0, g(s + 2_000, 8)));
         assert!(!low(0, 0));
     }
 
@@ -1026,30 +1050,42 @@ mod tests {
         assert!(!next_slice_due(e, &m, next, (next + 900) * 1_000));
     }
 
-    /// Issue 26: a prefetch of the next slice keeps the current slice's grant record (the
-    /// low-water mark of this slice's decisions); a pull of this slice, or a prefetch answered
-    /// once its slice began, is recorded.
+    /// Issue 26: a prefetch of the next slice keeps the current slice's low-water mark, and a
+    /// key whose prefetched chunk sufficed (no pull in its slice) stays hot and prefetches its
+    /// next slice at the same size (it decayed to 1, then to cold).
     #[test]
-    fn a_prefetch_of_the_next_slice_keeps_this_slices_record() {
+    fn a_prefetch_keeps_the_low_water_mark_and_the_size() {
         use crate::decide::keyed::{below_half, record_grant};
         let (_d, t, _seg) = table(8);
         let e = t.entry(0).unwrap();
-        let start = 10_000i64;
-        record_grant(e, start, 4, start + 100);
-        record_grant(e, start + 1_000, 4, start + 900);
+        let m = FastMeta {
+            slice_ms: 1_000,
+            mode: Mode::Pooled,
+            on_failure: crate::protocol::OnFailure::Local,
+            algorithm: crate::protocol::FallbackAlgorithm::TokenBucket,
+            generation: 1,
+            keyed: true,
+            shadow: false,
+            paced: false,
+        };
+        let s = 10_000i64;
+        record_grant(e, s, 8);
+        // The prefetch of slice s + 1 (asked at 900 ms), sized from this slice's record.
+        assert!(next_slice_due(e, &m, s, (s + 900) * 1_000));
+        let want = chunk(e.grant.load(Ordering::Relaxed), s + 1_000, 1_000, 1_000, 1);
+        assert_eq!(want, 8);
+        record_grant(e, s + 1_000, want);
         let g = e.grant.load(Ordering::Relaxed);
-        assert_eq!(g, ((tag_of(start) as u64) << 32) | 4);
         assert!(
-            below_half(1, g, start, 1_000),
+            below_half(3, g, s, 1_000),
             "this slice's low-water mark holds"
         );
-        // In the next slice the record of the last one sizes its first chunk's mark.
-        assert!(below_half(1, g, start + 1_000, 1_000));
-        record_grant(e, start + 1_000, 8, start + 1_000);
-        assert_eq!(
-            e.grant.load(Ordering::Relaxed),
-            ((tag_of(start + 1_000) as u64) << 32) | 8
-        );
+        // Slice s + 1: its prefetched 8 suffice, nothing pulled in it; at 900 ms it is still
+        // hot and its next slice is asked for 8 again.
+        assert!(next_slice_due(e, &m, s + 1_000, (s + 1_900) * 1_000));
+        assert_eq!(chunk(g, s + 2_000, 1_000, 1_000, 1), 8);
+        // A pull in slice s + 1 doubles.
+        assert_eq!(chunk(g, s + 1_000, 1_000, 1_000, 1), 16);
     }
 
     /// Review of issue 23 (F7): a give-back undone after a reclaim takes what is left of the

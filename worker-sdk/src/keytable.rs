@@ -21,9 +21,9 @@ pub const MAX_KEY_SLOTS: u32 = 4_194_304;
 pub const WAYS: usize = 8;
 /// A key's pull is at most `cap / CHUNK_DIVISOR` (and at least what the decision needs)...
 pub const CHUNK_DIVISOR: u64 = 16;
-/// ... or `min(cap, MIN_MAX_CHUNK)` where that is more: a key of a small cap (below 64) that is
-/// hot on a host still gets chunks it can prefetch ahead of its decisions (with chunks of one,
-/// every admitted decision of such a key waited for a pull).
+/// ... or `min(MIN_MAX_CHUNK, cap / 4)` where that is more (`crate::keyed::max_chunk`): a key of
+/// a small cap (below 64) that is hot on a host still gets chunks it can prefetch ahead of its
+/// decisions (with chunks of one, every admitted decision of such a key waited for a pull).
 pub const MIN_MAX_CHUNK: u64 = 4;
 /// Keys whose busiest are reported per task and host per report.
 pub const TOP_KEYS: usize = 10;

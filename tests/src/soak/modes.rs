@@ -932,10 +932,11 @@ pub fn check_key_liveness(
             }
             cov.key_live_slices += 1;
             let admitted: u64 = cells.iter().map(Cell::global).sum();
-            // Each host that asked may end the slice holding a chunk of the key it did not
-            // spend: at most max(1, limit / 16) (keyed.rs, "Chunks").
+            // Each host that asked may end the slice holding what it did not spend of the key:
+            // less than half its last chunk plus the next one, 1.5 × max_chunk (keyed.rs,
+            // "Chunks").
             let askers = cells.iter().filter(|c| c.demand() > 0).count() as f64;
-            let stranded = askers * (limit as f64 / 16.0).floor().max(1.0);
+            let stranded = askers * 1.5 * sluice::keyed::max_chunk(limit) as f64;
             let floor =
                 (0.9 * limit as f64).min(limit as f64 - stranded) - skew_share * limit as f64;
             if (admitted as f64) < floor {

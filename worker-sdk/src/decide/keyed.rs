@@ -83,50 +83,51 @@ pub(crate) fn deposit(
     }
 }
 
+/// The most a key's pull asks for (beyond what its decision needs) under a cap of `cap`
+/// permits per slice: a sixteenth of the cap, at least `min(MIN_MAX_CHUNK, cap / 4)` (4 from a
+/// cap of 16 on; a key of a small cap that is hot on a host still gets chunks of 2 or more it
+/// can prefetch ahead of its decisions, and no host takes more than a quarter of a small cap at
+/// once), at least 1.
+#[doc(hidden)]
+pub fn max_chunk(cap: u64) -> u64 {
+    (cap / CHUNK_DIVISOR).max(MIN_MAX_CHUNK.min(cap / 4)).max(1)
+}
+
 /// The size of the next pull of a key for slice `start_ms`: what is needed first, then
-/// doubling within the slice, up to `max(need, cap / CHUNK_DIVISOR, min(cap,
-/// MIN_MAX_CHUNK))`; a key pulled in the previous slice starts at that slice's last chunk.
+/// doubling within the slice, up to `max(need, max_chunk(cap))`; a key whose grant record is
+/// of the previous or the next slice (a prefetch) pulls that record's size.
 pub fn chunk(last: u64, start_ms: i64, slice_ms: u64, cap: u64, need: u64) -> u64 {
     let tag = tag_of(start_ms);
-    let size = last & 0xFFFF_FFFF;
-    let t = (last >> 32) as u32;
-    let max = (cap / CHUNK_DIVISOR).max(cap.min(MIN_MAX_CHUNK)).max(1);
-    let next = if last == 0 {
-        1
-    } else if t == tag {
-        size.saturating_mul(2)
-    } else if t == tag_of(start_ms - slice_ms as i64) {
-        // Hot in the previous slice: start the new one at its last chunk.
-        size.max(1)
+    let next = if last != 0 && (last >> 32) as u32 == tag {
+        (last & 0xFFFF_FFFF).saturating_mul(2)
     } else {
-        1
+        // Hot in the neighbouring slice: start at its last chunk; else cold: one.
+        last_chunk(last, start_ms, slice_ms).unwrap_or(1).max(1)
     };
-    next.min(max).max(need)
+    next.min(max_chunk(cap)).max(need)
 }
 
 /// Records a pull of `want` permits for the slice starting at `start_ms` in the entry's grant
-/// word (what the next pull and the low-water mark are sized from), at host time `now_ms`: a
-/// pull of the current slice (or a prefetch answered late) is recorded; a prefetch of the next
-/// slice is not, or the current slice's low-water mark would be lost with it (its decisions
-/// then waited for Redis: measured, 3 % of a hot key's decisions).
-pub(crate) fn record_grant(e: &KeyEntry, start_ms: i64, want: u64, now_ms: i64) {
-    if start_ms <= now_ms {
-        e.grant.store(
-            ((tag_of(start_ms) as u64) << 32) | want.min(0xFFFF_FFFF),
-            Ordering::Relaxed,
-        );
-    }
+/// word: what the next pull and the low-water mark are sized from.
+pub(crate) fn record_grant(e: &KeyEntry, start_ms: i64, want: u64) {
+    e.grant.store(
+        ((tag_of(start_ms) as u64) << 32) | want.min(0xFFFF_FFFF),
+        Ordering::Relaxed,
+    );
 }
 
-/// The last chunk pulled for the slice starting at `start_ms`, from the entry's grant word
-/// `last`: the size of its last pull in this slice, or, when it has none yet, of its last pull
-/// in the previous slice (what its first chunk here was sized from: a prefetch for the next
-/// slice leaves the grant word alone, so the word of a hot key is this slice's or the last's).
+/// The last chunk pulled around the slice starting at `start_ms`, from the entry's grant word
+/// `last`: its size when it was for this slice, the previous one or the next one (a prefetch
+/// records the next slice's pull: this slice's low-water mark must survive it, and a first
+/// chunk prefetched into this slice that sufficed leaves the previous slice's record), else
+/// none (cold).
 #[inline]
 pub(crate) fn last_chunk(last: u64, start_ms: i64, slice_ms: u64) -> Option<u64> {
     let t = (last >> 32) as u32;
-    (last != 0 && (t == tag_of(start_ms) || t == tag_of(start_ms - slice_ms as i64)))
-        .then_some(last & 0xFFFF_FFFF)
+    let near = t == tag_of(start_ms)
+        || t == tag_of(start_ms - slice_ms as i64)
+        || t == tag_of(start_ms + slice_ms as i64);
+    (last != 0 && near).then_some(last & 0xFFFF_FFFF)
 }
 
 /// Whether `held` permits of the slice starting at `start_ms` are less than half the entry's

@@ -148,9 +148,13 @@ pub(crate) async fn finish(sh: &Shared, pump: tokio::task::JoinHandle<()>) {
     }
 }
 
-/// How often the pump looks for wants while prefetches come (they do not wake it: see
-/// `Key::want_quiet`), and while a want waits for another process's pull lock.
+/// How often the pump looks for wants while prefetches come (they wake it only from its long
+/// idle wait: see `Key::want_quiet`), and while a want waits for another process's pull lock.
 const PREFETCH_TICK: Duration = Duration::from_millis(1);
+/// The pump ticks every `PREFETCH_TICK` while a prefetch want came in this recently (ms); then
+/// it waits long (10 ms, or until woken) again. Costs a timer wake-up of the background
+/// thread a millisecond while a host's hot keys prefetch.
+const PREFETCH_WINDOW_MS: i64 = 100;
 
 /// Runs on the background runtime beside the rounds: takes the wants as they come and pulls
 /// each on its own task (at most [`CONCURRENT_PULLS`] at once), so a cold key waits one Redis
@@ -230,16 +234,23 @@ pub(crate) async fn pump(sh: Arc<Shared>) {
                 map.entry(i).or_insert(w);
             }
         }
-        let quiet = crate::clock::host_ms() - sh.keyed.quiet_ms.load(Ordering::Relaxed);
-        let wait = if again || (0..1_000).contains(&quiet) {
+        // Idle unless a prefetch came lately. Marked before reading when the last one came
+        // (both SeqCst, as in `Key::want_quiet`, which stores the time, then clears the mark):
+        // either this read sees a new prefetch, or that prefetch sees the mark and wakes us.
+        sh.keyed.pump_idle.store(true, Ordering::SeqCst);
+        let quiet = crate::clock::boot_ms() - sh.keyed.quiet_ms.load(Ordering::SeqCst);
+        let wait = if again || quiet < PREFETCH_WINDOW_MS {
+            sh.keyed.pump_idle.store(false, Ordering::SeqCst);
             PREFETCH_TICK
         } else {
+            // The long wait: the next prefetch want wakes the pump (once, `Key::want_quiet`).
             Duration::from_millis(10)
         };
         tokio::select! {
             _ = notified => {}
             _ = tokio::time::sleep(wait) => {}
         }
+        sh.keyed.pump_idle.store(false, Ordering::SeqCst);
     }
 }
 
@@ -650,7 +661,6 @@ fn apply(
                         )
                     }),
             );
-            let now_ms = sh.now_us().div_euclid(1_000);
             for ((i, w, _, want, ..), g) in todo.iter().zip(grants) {
                 let Some(e) = table.entry(*i) else { continue };
                 if e.ident.load(Ordering::Acquire) != w.ident {
@@ -660,7 +670,7 @@ fn apply(
                     continue;
                 }
                 e.cap.store(g.cap, Ordering::Relaxed);
-                record_grant(e, start_ms, *want, now_ms);
+                record_grant(e, start_ms, *want);
                 let exhausted = g.remaining <= 0;
                 if g.granted > 0 || exhausted {
                     deposit(e, start_ms, m.slice_ms, g.granted, exhausted, sh.now_us());
