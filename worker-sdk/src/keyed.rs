@@ -775,8 +775,10 @@ impl Key {
     fn want_quiet(&self, entry: usize, ident: u64, start_ms: i64, n: u64) {
         let sh = &self.task.shared;
         let fresh = {
-            let Ok(mut wants) = sh.keyed.wants.try_lock() else {
-                return;
+            let mut wants = match sh.keyed.wants.try_lock() {
+                Ok(w) => w,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return,
             };
             match wants.entry(entry) {
                 std::collections::hash_map::Entry::Occupied(_) => false,

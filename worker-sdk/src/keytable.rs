@@ -22,8 +22,9 @@ pub const WAYS: usize = 8;
 /// A key's pull is at most `cap / CHUNK_DIVISOR` (and at least what the decision needs)...
 pub const CHUNK_DIVISOR: u64 = 16;
 /// ... or `min(MIN_MAX_CHUNK, cap / 4)` where that is more (`crate::keyed::max_chunk`): a key of
-/// a small cap (below 64) that is hot on a host still gets chunks it can prefetch ahead of its
-/// decisions (with chunks of one, every admitted decision of such a key waited for a pull).
+/// a cap of 8 to 63 that is hot on a host gets chunks of 2 to 4 it can prefetch ahead of its
+/// decisions (with chunks of one, every admitted decision of such a key waited for a pull);
+/// below 8, chunks stay at one (no host takes more than a quarter of a small cap at once).
 pub const MIN_MAX_CHUNK: u64 = 4;
 /// Keys whose busiest are reported per task and host per report.
 pub const TOP_KEYS: usize = 10;

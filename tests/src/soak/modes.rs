@@ -294,6 +294,9 @@ pub struct ModeCoverage {
     pub key_live_slices: u64,
     /// Key-grid slices not judged for liveness: the machine stalled around them.
     pub key_live_stalled: u64,
+    /// Key slices with demand not judged: what their hosts may strand (chunks) is the whole
+    /// limit (small caps across several hosts), so no floor can fail.
+    pub key_live_small: u64,
     /// Sub-windows judged for permit liveness.
     pub permit_live_windows: u64,
     /// Sub-windows of permit liveness not judged: the machine stalled in them.
@@ -319,6 +322,7 @@ impl Default for ModeCoverage {
             all_cancelled: 0,
             key_live_slices: 0,
             key_live_stalled: 0,
+            key_live_small: 0,
             permit_live_windows: 0,
             permit_live_stalled: 0,
             permit_live_shifted: 0,
@@ -591,7 +595,7 @@ impl Watch {
     pub fn summary(&self) -> String {
         let c = &self.cov;
         format!(
-            "modes: {} key slices, {} shadow buckets, {} permit starts checked (at most {} in flight); {} keyed runs ({} with caller pulls), {} concurrency runs, {} acquire_all runs ({} lines of their second task, {} decisions cancelled mid-wait); liveness: {} key slices judged ({} stalled), {} permit windows judged ({} stalled, {} after a demand shift; lowest mean {:.0} % of the cap)",
+            "modes: {} key slices, {} shadow buckets, {} permit starts checked (at most {} in flight); {} keyed runs ({} with caller pulls), {} concurrency runs, {} acquire_all runs ({} lines of their second task, {} decisions cancelled mid-wait); liveness: {} key slices judged ({} stalled, {} with a cap their chunks may strand whole), {} permit windows judged ({} stalled, {} after a demand shift; lowest mean {:.0} % of the cap)",
             c.key_slices,
             c.shadow_buckets,
             c.permit_instants,
@@ -604,6 +608,7 @@ impl Watch {
             c.all_cancelled,
             c.key_live_slices,
             c.key_live_stalled,
+            c.key_live_small,
             c.permit_live_windows,
             c.permit_live_stalled,
             c.permit_live_shifted,
@@ -930,13 +935,27 @@ pub fn check_key_liveness(
             if (demand as f64) < 1.1 * limit as f64 {
                 continue;
             }
-            cov.key_live_slices += 1;
             let admitted: u64 = cells.iter().map(Cell::global).sum();
             // Each host that asked may end the slice holding what it did not spend of the key:
-            // less than half its last chunk plus the next one, 1.5 × max_chunk (keyed.rs,
-            // "Chunks").
+            // less than half its last chunk plus the next one, 1.5 × max_chunk; a host that
+            // asked in the previous slice and not in this one may hold a chunk prefetched into
+            // it (keyed.rs, "Chunks"; docs/sdk.md).
+            let chunk = sluice::keyed::max_chunk(limit) as f64;
+            let before = key_sums(per_host, s - l, s);
             let askers = cells.iter().filter(|c| c.demand() > 0).count() as f64;
-            let stranded = askers * 1.5 * sluice::keyed::max_chunk(limit) as f64;
+            let holders = cells
+                .iter()
+                .zip(&before)
+                .filter(|(c, b)| c.demand() == 0 && b.demand() > 0)
+                .count() as f64;
+            let stranded = askers * 1.5 * chunk + holders * chunk;
+            if stranded >= limit as f64 {
+                // The chunks may hold the whole limit: no floor that can fail; counted, so a
+                // run whose keys are all like this shows that it judged none.
+                cov.key_live_small += 1;
+                continue;
+            }
+            cov.key_live_slices += 1;
             let floor =
                 (0.9 * limit as f64).min(limit as f64 - stranded) - skew_share * limit as f64;
             if (admitted as f64) < floor {
@@ -1130,6 +1149,36 @@ mod tests {
             after_edit(&mut rng, &shape, 0, &cur, "put.threshold", &mut s);
             assert_eq!(s.variant(), v);
         }
+    }
+
+    /// Issue 26: where the hosts' chunks may hold a key's whole limit (a small cap over two
+    /// hosts), the slice is counted as not judged instead of passing a floor of ≤ 0; a host
+    /// that asked only in the previous slice counts as a holder of a prefetched chunk.
+    #[test]
+    fn a_key_whose_chunks_may_hold_its_whole_limit_is_not_judged() {
+        let mut k = spec(100, "pooled");
+        k.modes.keyed = Some(vec![(1, 3), (2, 5)]);
+        let l = ledger(k.clone());
+        let mut keys: BTreeMap<u64, Vec<BTreeMap<i64, Cell>>> = BTreeMap::new();
+        let mut put = |k: u64, h: usize, b: i64, adm: u64, rej: u64| {
+            let e = keys.entry(k).or_insert_with(|| vec![BTreeMap::new(); 2]);
+            let c = e[h].entry(b).or_default();
+            c.adm += adm;
+            c.rej += rej;
+        };
+        // key-1 (limit 3, chunks of 1): two askers may strand 1.5 each = 3, the whole limit.
+        put(1, 0, 12_000, 0, 10);
+        put(1, 1, 12_000, 0, 10);
+        // key-2 (limit 5, chunks of 1): one asker (1.5) and a holder of a prefetch from the
+        // slice before (1): judged, floor 2.5; admitting 1 is caught.
+        put(2, 0, 12_000, 0, 3);
+        put(2, 1, 13_000, 1, 9);
+        let mut cov = ModeCoverage::default();
+        let v = check_key_liveness(&l, &keys, &k, 0, 10_000, 20_000, &[true, true], &mut cov);
+        assert_eq!(cov.key_live_small, 1, "{cov:?}");
+        assert_eq!(cov.key_live_slices, 1, "{cov:?}");
+        assert_eq!(v.len(), 1, "{v:?}");
+        assert_eq!((v[0].invariant, v[0].slice), ("liveness.key", Some(13_000)));
     }
 
     #[test]

@@ -95,7 +95,8 @@ pub fn max_chunk(cap: u64) -> u64 {
 
 /// The size of the next pull of a key for slice `start_ms`: what is needed first, then
 /// doubling within the slice, up to `max(need, max_chunk(cap))`; a key whose grant record is
-/// of the previous or the next slice (a prefetch) pulls that record's size.
+/// of the previous or the next slice pulls that record's size (so a pull after this slice's
+/// prefetch of the next one does not double: the record is the prefetch's).
 pub fn chunk(last: u64, start_ms: i64, slice_ms: u64, cap: u64, need: u64) -> u64 {
     let tag = tag_of(start_ms);
     let next = if last != 0 && (last >> 32) as u32 == tag {
