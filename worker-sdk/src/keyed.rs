@@ -1007,13 +1007,9 @@ mod tests {
         assert_eq!(held(), 9, "the other key gained this key's refund");
     }
 
-    /// Issue 26: a key pulled in this slice asks for its next slice's first chunk in the last
-    /// eighth of the slice (not earlier, not with less than 5 ms left, not twice).
-    #[test]
-    fn the_next_slice_is_prefetched_only_late_for_a_hot_key() {
-        let (_d, t, _seg) = table(8);
-        let e = t.entry(0).unwrap();
-        let m = FastMeta {
+    /// A keyed pooled task's meta of 1 s slices.
+    fn keyed_meta() -> FastMeta {
+        FastMeta {
             slice_ms: 1_000,
             mode: Mode::Pooled,
             on_failure: crate::protocol::OnFailure::Local,
@@ -1022,7 +1018,16 @@ mod tests {
             keyed: true,
             shadow: false,
             paced: false,
-        };
+        }
+    }
+
+    /// Issue 26: a key pulled in this slice asks for its next slice's first chunk in the last
+    /// eighth of the slice (not earlier, not with less than 5 ms left, not twice).
+    #[test]
+    fn the_next_slice_is_prefetched_only_late_for_a_hot_key() {
+        let (_d, t, _seg) = table(8);
+        let e = t.entry(0).unwrap();
+        let m = keyed_meta();
         let start = 10_000i64;
         let at = |ms: i64| (start + ms) * 1_000;
         // Not pulled in this slice, or once for one permit: cold, no prefetch.
@@ -1060,16 +1065,7 @@ mod tests {
         use crate::decide::keyed::{below_half, record_grant};
         let (_d, t, _seg) = table(8);
         let e = t.entry(0).unwrap();
-        let m = FastMeta {
-            slice_ms: 1_000,
-            mode: Mode::Pooled,
-            on_failure: crate::protocol::OnFailure::Local,
-            algorithm: crate::protocol::FallbackAlgorithm::TokenBucket,
-            generation: 1,
-            keyed: true,
-            shadow: false,
-            paced: false,
-        };
+        let m = keyed_meta();
         let s = 10_000i64;
         record_grant(e, s, 8);
         // The prefetch of slice s + 1 (asked at 900 ms), sized from this slice's record.

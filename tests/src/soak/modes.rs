@@ -1151,6 +1151,21 @@ mod tests {
         }
     }
 
+    /// Adds `adm` admitted and `rej` refused of key `k` to host `h`'s bucket `b` (two hosts).
+    fn put_key(
+        keys: &mut BTreeMap<u64, Vec<BTreeMap<i64, Cell>>>,
+        k: u64,
+        h: usize,
+        b: i64,
+        adm: u64,
+        rej: u64,
+    ) {
+        let e = keys.entry(k).or_insert_with(|| vec![BTreeMap::new(); 2]);
+        let c = e[h].entry(b).or_default();
+        c.adm += adm;
+        c.rej += rej;
+    }
+
     /// Issue 26: where the hosts' chunks may hold a key's whole limit (a small cap over two
     /// hosts), the slice is counted as not judged instead of passing a floor of ≤ 0; a host
     /// that asked only in the previous slice counts as a holder of a prefetched chunk.
@@ -1160,12 +1175,8 @@ mod tests {
         k.modes.keyed = Some(vec![(1, 3), (2, 5)]);
         let l = ledger(k.clone());
         let mut keys: BTreeMap<u64, Vec<BTreeMap<i64, Cell>>> = BTreeMap::new();
-        let mut put = |k: u64, h: usize, b: i64, adm: u64, rej: u64| {
-            let e = keys.entry(k).or_insert_with(|| vec![BTreeMap::new(); 2]);
-            let c = e[h].entry(b).or_default();
-            c.adm += adm;
-            c.rej += rej;
-        };
+        let mut put =
+            |k: u64, h: usize, b: i64, adm: u64, rej: u64| put_key(&mut keys, k, h, b, adm, rej);
         // key-1 (limit 3, chunks of 1): two askers may strand 1.5 each = 3, the whole limit.
         put(1, 0, 12_000, 0, 10);
         put(1, 1, 12_000, 0, 10);
@@ -1187,12 +1198,8 @@ mod tests {
         k.modes.keyed = Some(vec![(3, 20), (4, 0)]);
         let mut l = ledger(k.clone());
         let mut keys: BTreeMap<u64, Vec<BTreeMap<i64, Cell>>> = BTreeMap::new();
-        let mut put = |k: u64, h: usize, b: i64, adm: u64, rej: u64| {
-            let e = keys.entry(k).or_insert_with(|| vec![BTreeMap::new(); 2]);
-            let c = e[h].entry(b).or_default();
-            c.adm += adm;
-            c.rej += rej;
-        };
+        let mut put =
+            |k: u64, h: usize, b: i64, adm: u64, rej: u64| put_key(&mut keys, k, h, b, adm, rej);
         for s in (10_000..20_000).step_by(1_000) {
             put(0, 0, s, 50, 30); // key-0 (limit 100): 95 admitted, pressed
             put(0, 1, s + 300, 45, 30);
