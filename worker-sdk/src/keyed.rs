@@ -110,36 +110,25 @@ impl std::fmt::Debug for Key {
 }
 
 /// Whether a key decided now in the slice starting at `start_ms` should have its next slice's
-/// first chunk pulled ahead, and of what size: the slice is in its last eighth (at least 5 ms
-/// left, so the pull can arrive in time), the key is hot here (its last chunk around this slice,
-/// [`keyed::last_chunk`], is 2 or more), and nothing is held for the next slice yet; the size
-/// is [`keyed::prefetch_size`].
+/// first chunk pulled ahead: the slice is in its last eighth (at least 5 ms left, so the pull
+/// can arrive in time), the key is hot here (its last chunk around this slice,
+/// [`keyed::last_chunk`], is 2 or more), and nothing is held for the next slice yet. What a prefetch strands if the key goes cold is one chunk.
 #[inline]
-fn next_slice_due(e: &KeyEntry, m: &FastMeta, start_ms: i64, now_us: i64) -> Option<u64> {
+fn next_slice_due(e: &KeyEntry, m: &FastMeta, start_ms: i64, now_us: i64) -> bool {
     let end_us = (start_ms + m.slice_ms as i64) * 1_000;
     let left = end_us - now_us;
     if left > (m.slice_ms as i64 * 1_000) / 8 || left < 5_000 {
-        return None;
+        return false;
     }
     // Hot: its chunk grew past 1 (pulled in this slice, or prefetched into it). A key decided
     // once per slice would only strand what a prefetch brings (measured: 10,000 cold keys).
     let g = e.grant.load(Ordering::Relaxed);
     if keyed::last_chunk(g, start_ms, m.slice_ms).is_none_or(|size| size < 2) {
-        return None;
+        return false;
     }
     let next = start_ms + m.slice_ms as i64;
     let w = e.quota[crate::shm::parity(next, m.slice_ms)].load(Ordering::Acquire);
-    if w != 0 && crate::shm::unpack_quota(w).0 == tag_of(next) {
-        return None;
-    }
-    let q = e.quota[crate::shm::parity(start_ms, m.slice_ms)].load(Ordering::Acquire);
-    let (t, _, c) = crate::shm::unpack_quota(q);
-    let held = if q != 0 && t == tag_of(start_ms) {
-        c as u64
-    } else {
-        0
-    };
-    Some(keyed::prefetch_size(g, start_ms, m.slice_ms, held))
+    w == 0 || crate::shm::unpack_quota(w).0 != tag_of(next)
 }
 
 /// What a waiting call does next ([`Key::wait_step`]).
@@ -643,10 +632,10 @@ impl Key {
                 if low {
                     // Running low: the next chunk is on its way before it is needed.
                     self.want_quiet(i, id, start_ms, n);
-                } else if let Some(size) = next_slice_due(e, &m, start_ms, now_us) {
+                } else if next_slice_due(e, &m, start_ms, now_us) {
                     // A key pulled in this slice, in its last eighth: its first decision of
                     // the next slice should not wait for Redis (issue 26).
-                    self.want_quiet(i, id, start_ms + m.slice_ms as i64, size);
+                    self.want_quiet(i, id, start_ms + m.slice_ms as i64, 1);
                 }
                 KStep::Admitted {
                     entry: i,
@@ -661,11 +650,11 @@ impl Key {
             }
             Entry::Failed => KStep::Decided(fallback::key(slot, &m, Some(e), start_ms, n, now_us)),
             Entry::Limited { retry_after } => {
-                if let Some(size) = next_slice_due(e, &m, start_ms, now_us) {
+                if next_slice_due(e, &m, start_ms, now_us) {
                     // Its quota of this slice is spent and it is still asked for: the next
                     // slice's first decision should not wait either (measured: at 3× its
                     // limit, every key's first decision of a slice waited, 2 % of them).
-                    self.want_quiet(i, id, start_ms + m.slice_ms as i64, size);
+                    self.want_quiet(i, id, start_ms + m.slice_ms as i64, 1);
                 }
                 KStep::Decided(Decision::Limited { retry_after })
             }
@@ -1042,69 +1031,59 @@ mod tests {
         let start = 10_000i64;
         let at = |ms: i64| (start + ms) * 1_000;
         // Not pulled in this slice, or once for one permit: cold, no prefetch.
-        assert_eq!(next_slice_due(e, &m, start, at(950)), None);
+        assert!(!next_slice_due(e, &m, start, at(950)));
         e.grant
             .store(((tag_of(start) as u64) << 32) | 1, Ordering::Relaxed);
-        assert_eq!(next_slice_due(e, &m, start, at(950)), None);
+        assert!(!next_slice_due(e, &m, start, at(950)));
         e.grant
             .store(((tag_of(start) as u64) << 32) | 3, Ordering::Relaxed);
-        assert_eq!(next_slice_due(e, &m, start, at(800)), None, "too early");
-        assert_eq!(next_slice_due(e, &m, start, at(900)), Some(3));
-        assert_eq!(
-            next_slice_due(e, &m, start, at(996)),
-            None,
-            "too late to arrive"
-        );
+        assert!(!next_slice_due(e, &m, start, at(800)), "too early");
+        assert!(next_slice_due(e, &m, start, at(900)));
+        assert!(!next_slice_due(e, &m, start, at(996)), "too late to arrive");
         // Once the next slice's chunk is held: no more.
         assert!(deposit(e, start + 1_000, 1_000, 2, false, at(900)));
-        assert_eq!(next_slice_due(e, &m, start, at(900)), None);
-        // Issue 26: a key whose record is the last slice's (nothing pulled in this one) is
-        // still hot and prefetched at that size; two slices back: cold.
-        let next = start + 2_000;
-        e.grant.store(
-            ((tag_of(start + 1_000) as u64) << 32) | 4,
-            Ordering::Relaxed,
-        );
-        assert_eq!(next_slice_due(e, &m, next, (next + 900) * 1_000), Some(4));
+        assert!(!next_slice_due(e, &m, start, at(900)));
+        // Issue 26: a key whose first chunk of this slice was prefetched and sufficed has no
+        // pull of this slice yet (its grant word is the last slice's): still hot, still
+        // prefetched; two slices back: cold.
+        let next = start + 1_000;
         e.grant
             .store(((tag_of(start) as u64) << 32) | 4, Ordering::Relaxed);
-        assert_eq!(next_slice_due(e, &m, next, (next + 900) * 1_000), None);
+        assert!(next_slice_due(e, &m, next, (next + 900) * 1_000));
+        e.grant.store(
+            ((tag_of(start - 1_000) as u64) << 32) | 4,
+            Ordering::Relaxed,
+        );
+        assert!(!next_slice_due(e, &m, next, (next + 900) * 1_000));
     }
 
-    /// Issue 26: a prefetch of the next slice keeps the current slice's low-water mark; a key
-    /// whose prefetched chunk sufficed (no pull in its slice) prefetches its next slice at what
-    /// it spent of it (first review: it decayed to 1, then cold; second review: it kept
-    /// pulling, and stranding, its old chunk every slice); a pull in the slice sizes the next
-    /// prefetch as before.
+    /// Issue 26: a prefetch of the next slice keeps the current slice's low-water mark, and a
+    /// key whose prefetched chunk sufficed (no pull in its slice) stays hot and prefetches its
+    /// next slice at the same size (it decayed to 1, then to cold).
     #[test]
-    fn a_prefetch_keeps_the_low_water_mark_and_follows_what_was_spent() {
+    fn a_prefetch_keeps_the_low_water_mark_and_the_size() {
         use crate::decide::keyed::{below_half, record_grant};
         let (_d, t, _seg) = table(8);
         let e = t.entry(0).unwrap();
         let m = keyed_meta();
         let s = 10_000i64;
-        let at = |ms: i64| (s + ms) * 1_000;
-        record_grant(e, s, 8, false);
-        // Slice s pulled its 8 and spent them: its next slice is prefetched at 8.
-        assert_eq!(next_slice_due(e, &m, s, at(900)), Some(8));
-        record_grant(e, s + 1_000, 8, true);
+        record_grant(e, s, 8);
+        // The prefetch of slice s + 1 (asked at 900 ms), sized from this slice's record.
+        assert!(next_slice_due(e, &m, s, (s + 900) * 1_000));
+        let want = chunk(e.grant.load(Ordering::Relaxed), s + 1_000, 1_000, 1_000, 1);
+        assert_eq!(want, 8);
+        record_grant(e, s + 1_000, want);
         let g = e.grant.load(Ordering::Relaxed);
         assert!(
             below_half(3, g, s, 1_000),
             "this slice's low-water mark holds"
         );
-        assert!(!below_half(4, g, s, 1_000));
-        // Slice s + 1 starts with the prefetched 8 and spends 2 of them by 900 ms: its next
-        // slice is prefetched at 2; spending 1, at 1 (and a chunk of 1 is cold after).
-        assert!(deposit(e, s + 1_000, 1_000, 6, false, at(1_000)));
-        assert_eq!(next_slice_due(e, &m, s + 1_000, at(1_900)), Some(2));
-        assert!(deposit(e, s + 1_000, 1_000, 1, false, at(1_000)));
-        assert_eq!(next_slice_due(e, &m, s + 1_000, at(1_900)), Some(1));
-        // A pull in slice s + 1 (it ran low): doubling from the prefetched size, and the next
-        // slice's prefetch at that pull's size.
+        // Slice s + 1: its prefetched 8 suffice, nothing pulled in it; at 900 ms it is still
+        // hot and its next slice is asked for 8 again.
+        assert!(next_slice_due(e, &m, s + 1_000, (s + 1_900) * 1_000));
+        assert_eq!(chunk(g, s + 2_000, 1_000, 1_000, 1), 8);
+        // A pull in slice s + 1 doubles.
         assert_eq!(chunk(g, s + 1_000, 1_000, 1_000, 1), 16);
-        record_grant(e, s + 1_000, 16, false);
-        assert_eq!(next_slice_due(e, &m, s + 1_000, at(1_900)), Some(16));
     }
 
     /// Review of issue 23 (F7): a give-back undone after a reclaim takes what is left of the

@@ -100,7 +100,7 @@ pub fn max_chunk(cap: u64) -> u64 {
 pub fn chunk(last: u64, start_ms: i64, slice_ms: u64, cap: u64, need: u64) -> u64 {
     let tag = tag_of(start_ms);
     let next = if last != 0 && (last >> 32) as u32 == tag {
-        (last & GRANT_SIZE).saturating_mul(2)
+        (last & 0xFFFF_FFFF).saturating_mul(2)
     } else {
         // Hot in the neighbouring slice: start at its last chunk; else cold: one.
         last_chunk(last, start_ms, slice_ms).unwrap_or(1).max(1)
@@ -108,34 +108,13 @@ pub fn chunk(last: u64, start_ms: i64, slice_ms: u64, cap: u64, need: u64) -> u6
     next.min(max_chunk(cap)).max(need)
 }
 
-/// A grant record's bit: the pull was a prefetch, answered before its slice began.
-const GRANT_PREFETCHED: u64 = 1 << 31;
-/// A grant record's size bits.
-const GRANT_SIZE: u64 = GRANT_PREFETCHED - 1;
-
 /// Records a pull of `want` permits for the slice starting at `start_ms` in the entry's grant
-/// word (`tag:32 | prefetched:1 | size:31`): what the next pull and the low-water mark are
-/// sized from; `prefetched`: answered before its slice began.
-pub(crate) fn record_grant(e: &KeyEntry, start_ms: i64, want: u64, prefetched: bool) {
-    let flag = if prefetched { GRANT_PREFETCHED } else { 0 };
+/// word: what the next pull and the low-water mark are sized from.
+pub(crate) fn record_grant(e: &KeyEntry, start_ms: i64, want: u64) {
     e.grant.store(
-        ((tag_of(start_ms) as u64) << 32) | flag | want.min(GRANT_SIZE),
+        ((tag_of(start_ms) as u64) << 32) | want.min(0xFFFF_FFFF),
         Ordering::Relaxed,
     );
-}
-
-/// The first chunk to prefetch for the slice after the one starting at `start_ms`, which holds
-/// `held` permits of the key: the last chunk ([`last_chunk`]), except when this slice's only
-/// chunk so far is the one prefetched into it (no pull in the slice yet): then what the key
-/// spent of it (at least 1), so a key that went quieter stops pulling, and stranding, its old
-/// chunk every slice (a key at one decision a slice goes cold: its next prefetch is of 1).
-pub(crate) fn prefetch_size(last: u64, start_ms: i64, slice_ms: u64, held: u64) -> u64 {
-    let size = last_chunk(last, start_ms, slice_ms).unwrap_or(1).max(1);
-    if last != 0 && (last >> 32) as u32 == tag_of(start_ms) && last & GRANT_PREFETCHED != 0 {
-        size.saturating_sub(held).max(1)
-    } else {
-        size
-    }
 }
 
 /// The last chunk pulled around the slice starting at `start_ms`, from the entry's grant word
@@ -149,7 +128,7 @@ pub(crate) fn last_chunk(last: u64, start_ms: i64, slice_ms: u64) -> Option<u64>
     let near = t == tag_of(start_ms)
         || t == tag_of(start_ms - slice_ms as i64)
         || t == tag_of(start_ms + slice_ms as i64);
-    (last != 0 && near).then_some(last & GRANT_SIZE)
+    (last != 0 && near).then_some(last & 0xFFFF_FFFF)
 }
 
 /// Whether `held` permits of the slice starting at `start_ms` are less than half the entry's

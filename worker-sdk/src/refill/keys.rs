@@ -8,7 +8,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::ctx::{Labels, Locked, MAX_PULLED, Pulled, Shared, TaskInner, Want};
-use crate::decide::keyed::{below_half, chunk, deposit, max_chunk, record_grant};
+use crate::decide::keyed::{below_half, chunk, deposit, record_grant};
 use crate::keytable::{KeyEntry, KeyTable, OWNED, TOP_KEYS, owner_alive};
 use crate::plumbing::{Retry, call};
 use crate::protocol::scripts::{self, KeyPullBatchReply, KeyPullReply, KeyPullRequest};
@@ -430,20 +430,13 @@ fn prepare(sh: &Shared, items: Vec<Locked>) -> Option<Batch<'_>> {
     for (i, w, token) in items {
         match table.entry(i) {
             Some(e) if low(e, &w, m.slice_ms) => {
-                let cap = e.cap.load(Ordering::Relaxed);
-                let want = if start_ms > sh.now_us().div_euclid(1_000) {
-                    // A prefetch of a slice not yet begun: its size was chosen with it
-                    // (`prefetch_size`, from what the key spent of this slice's chunk).
-                    w.n.min(max_chunk(cap)).max(1)
-                } else {
-                    chunk(
-                        e.grant.load(Ordering::Relaxed),
-                        start_ms,
-                        m.slice_ms,
-                        cap,
-                        w.n,
-                    )
-                };
+                let want = chunk(
+                    e.grant.load(Ordering::Relaxed),
+                    start_ms,
+                    m.slice_ms,
+                    e.cap.load(Ordering::Relaxed),
+                    w.n,
+                );
                 let digest = crate::protocol::key_digest(&w.key);
                 todo.push((i, w, token, want, digest));
             }
@@ -668,7 +661,6 @@ fn apply(
                         )
                     }),
             );
-            let now_ms = sh.now_us().div_euclid(1_000);
             for ((i, w, _, want, ..), g) in todo.iter().zip(grants) {
                 let Some(e) = table.entry(*i) else { continue };
                 if e.ident.load(Ordering::Acquire) != w.ident {
@@ -678,7 +670,7 @@ fn apply(
                     continue;
                 }
                 e.cap.store(g.cap, Ordering::Relaxed);
-                record_grant(e, start_ms, *want, start_ms > now_ms);
+                record_grant(e, start_ms, *want);
                 let exhausted = g.remaining <= 0;
                 if g.granted > 0 || exhausted {
                     deposit(e, start_ms, m.slice_ms, g.granted, exhausted, sh.now_us());
