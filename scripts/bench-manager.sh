@@ -5,6 +5,9 @@
 # EVALSHA throughput as the baseline of what Redis can do.
 #
 #   scripts/bench-manager.sh [TASKS] [SECONDS]
+#
+# SLUICE_MANAGER_BIN=path runs that manager binary instead of building this checkout's (to
+# measure an older build side by side with this one).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib.sh
@@ -15,13 +18,17 @@ trap 'exit 130' INT TERM
 TASKS=${1:-10000}
 SECS=${2:-30}
 ensure_base_packages
-log "building sluice-manager (release)"
-cargo build --release -q -p sluice-manager
+MANAGER_BIN=${SLUICE_MANAGER_BIN:-}
+if [[ -z $MANAGER_BIN ]]; then
+  log "building sluice-manager (release)"
+  cargo build --release -q -p sluice-manager
+  MANAGER_BIN=target/release/sluice-manager
+fi
 start_etcd
 start_redis
 dir="$(sluice_tmp)"
 port=$(free_port)
-target/release/sluice-manager --etcd "$ETCD_ENDPOINT" --redis "$REDIS_URL" \
+"$MANAGER_BIN" --etcd "$ETCD_ENDPOINT" --redis "$REDIS_URL" \
   --listen "127.0.0.1:$port" --node-id bench >"$dir/manager.log" 2>&1 &
 MPID=$!
 SLUICE_PIDS+=($MPID)
@@ -97,6 +104,18 @@ el = w1 - w0
 def rate(k): return (m1.get(k, 0) - m0.get(k, 0)) / el
 cmds = (int(r1["total_commands_processed"]) - int(r0["total_commands_processed"])) / el
 rcpu = (float(r1["used_cpu_sys"]) + float(r1["used_cpu_user"]) - float(r0["used_cpu_sys"]) - float(r0["used_cpu_user"])) / el
+def cmdstats(d):
+    out = {}
+    for k, v in d.items():
+        if k.startswith("cmdstat_"):
+            f = dict(x.split("=", 1) for x in v.split(","))
+            out[k[8:]] = (int(f["calls"]), float(f["usec"]))
+    return out
+s0, s1 = cmdstats(r0), cmdstats(r1)
+breakdown = sorted(
+    ((name, (c - s0.get(name, (0, 0))[0]) / el, (u - s0.get(name, (0, 0))[1]) / el)
+     for name, (c, u) in s1.items()),
+    key=lambda x: -x[2])
 ticks = m1["sluice_roll_tick_seconds_count"] - m0["sluice_roll_tick_seconds_count"]
 tick_ms = 1000 * (m1["sluice_roll_tick_seconds_sum"] - m0["sluice_roll_tick_seconds_sum"]) / max(ticks, 1)
 mem = int(r1["used_memory"]) / 2**20
@@ -126,4 +145,10 @@ print(f"""
 | baseline, same Redis: redis-benchmark HSET (50 clients) | {hset:,.0f} req/s |
 | baseline, same Redis: redis-benchmark EVALSHA of a one-HINCRBY script | {evalsha:,.0f} req/s |
 """)
+print("Redis commands by name (steady state; those inside scripts included; `evalsha`'s time includes its commands'):\n")
+print("| command | calls/s | Redis µs/s |")
+print("|---|---|---|")
+for name, calls, usec in breakdown:
+    if calls >= 1:
+        print(f"| {name} | {calls:,.0f} | {usec:,.0f} |")
 PY

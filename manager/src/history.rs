@@ -81,6 +81,26 @@ pub const MAX_SETTLE: Duration = Duration::from_secs(5);
 /// Period of the harvest loop.
 pub const TICK: Duration = Duration::from_secs(1);
 
+/// A task none of whose harvested buckets had traffic for this long is dormant: harvested
+/// every [`dormant_period`] instead of every [`TICK`] (issue 27: an idle task's harvest read one
+/// slice a second for nothing).
+pub const DORMANT_AFTER_MS: i64 = 60_000;
+
+/// How often a dormant task is harvested: 10 s, and at most a quarter of `retention`, so its
+/// slices are still in Redis when they are read (settle, at most a quarter, comes first).
+/// Records are pure functions of the slices, so a late harvest writes what a timely one would
+/// have; the API reads that much more of a task's recent slices live ([`live_from`]).
+///
+/// ```
+/// use std::time::Duration;
+/// use sluice_manager::history::dormant_period;
+/// assert_eq!(dormant_period(Duration::from_secs(60)), Duration::from_secs(10));
+/// assert_eq!(dormant_period(Duration::from_secs(8)), Duration::from_secs(2));
+/// ```
+pub fn dormant_period(retention: Duration) -> Duration {
+    (retention / 4).min(Duration::from_secs(10))
+}
+
 /// Harvest calls (per task) in flight at once: multiplexed on one connection, pipelined.
 const CONCURRENCY: usize = 128;
 
@@ -517,6 +537,11 @@ struct TaskHarvest {
     done_to: i64,
     /// Second records of the current and previous minute (to recompute minute records).
     recent: BTreeMap<i64, Record>,
+    /// When (manager clock, ms) the task last had traffic in a harvested bucket, or its
+    /// harvest began (a new leadership, a new task).
+    busy_ms: i64,
+    /// Not harvested again before this (manager clock, ms): set for dormant tasks.
+    next_ms: i64,
 }
 
 /// The leader's harvest loop.
@@ -597,6 +622,7 @@ impl Harvester {
         let jobs: Vec<(String, u64, bool, Option<TaskHarvest>)> = snap
             .tasks
             .values()
+            .filter(|e| self.state.get(&e.name).is_none_or(|st| st.next_ms <= now))
             .map(|e| {
                 (
                     e.name.clone(),
@@ -624,9 +650,15 @@ impl Harvester {
             .collect()
             .await;
         let mut stats = HarvestStats::default();
+        let dormant_every = dormant_period(self.retention).as_millis() as i64;
         for (name, r) in results {
             match r {
-                Ok((st, slices, records, would_reject)) => {
+                Ok((mut st, slices, records, would_reject)) => {
+                    st.next_ms = if now - st.busy_ms >= DORMANT_AFTER_MS {
+                        now + dormant_every
+                    } else {
+                        0
+                    };
                     stats.slices += slices;
                     stats.records += records;
                     if would_reject > 0 {
@@ -698,7 +730,12 @@ async fn harvest_task(
                 .into_iter()
                 .map(|r| (r.start_ms, r))
                 .collect();
-            TaskHarvest { done_to, recent }
+            TaskHarvest {
+                done_to,
+                recent,
+                busy_ms: now,
+                next_ms: 0,
+            }
         }
     };
     let until = settled_until(now, slice_ms, settle);
@@ -763,6 +800,9 @@ async fn harvest_task(
         .collect();
     for r in &seconds {
         st.recent.insert(r.start_ms, *r);
+    }
+    if !seconds.is_empty() {
+        st.busy_ms = now;
     }
     // Recompute each touched minute from its second records.
     let mut minutes: Vec<Record> = Vec::new();
@@ -848,10 +888,13 @@ pub async fn read_live(
 }
 
 /// Where the live part of a one-second history starts: what the harvester may not have
-/// written yet (settle, one slice, a tick of lag and a second of margin), and never after the
-/// start of the slice in progress.
+/// written yet (settle, one slice, a dormant task's harvest period, a tick of lag and a second
+/// of margin), and never after the start of the slice in progress.
 pub fn live_from(now_ms: i64, slice_ms: u64, retention: Duration) -> i64 {
-    let lag = settle(retention).as_millis() as i64 + slice_ms as i64 + 3 * TICK.as_millis() as i64;
+    let lag = settle(retention).as_millis() as i64
+        + slice_ms as i64
+        + dormant_period(retention).as_millis() as i64
+        + 3 * TICK.as_millis() as i64;
     SECONDS.bucket((now_ms - lag).min(slice::start(now_ms, slice_ms)))
 }
 
@@ -959,8 +1002,11 @@ mod tests {
         let ret = Duration::from_secs(60);
         let now = 100_500;
         let live = live_from(now, 1_000, ret);
-        // Not yet harvested: buckets from settled_until on.
+        // Not yet harvested: buckets from settled_until on, and a dormant task's harvest
+        // may lag by its period.
         assert!(live <= settled_until(now, 1_000, settle(ret)) - 1_000);
+        let period = dormant_period(ret).as_millis() as i64;
+        assert!(live <= settled_until(now, 1_000, settle(ret)) - period - 1_000);
         // A long slice in progress is read live until it has been harvested.
         assert!(live_from(now, 60_000, ret) <= 60_000);
     }

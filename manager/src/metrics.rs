@@ -38,6 +38,11 @@ pub struct Metrics {
     pub slices_written: Counter,
     /// Roll script calls sent to Redis.
     pub roll_calls: Counter,
+    /// Tasks with nothing new to write checked by one `HMGET` of their meta instead of a roll
+    /// script call (a script call follows when the probe finds anything unexpected).
+    pub roll_probes: Counter,
+    /// Slice readings of the clock-skew detector (one script call each).
+    pub skew_polls: Counter,
     /// Failed roll calls (Redis errors, timeouts).
     pub roll_errors: Counter,
     /// Roll calls refused by the fence (a newer leader exists).
@@ -117,6 +122,8 @@ impl Metrics {
             leader_changes: Counter::default(),
             slices_written: Counter::default(),
             roll_calls: Counter::default(),
+            roll_probes: Counter::default(),
+            skew_polls: Counter::default(),
             roll_errors: Counter::default(),
             fenced: Counter::default(),
             fence_foreign_tasks: Gauge::default(),
@@ -162,6 +169,16 @@ impl Metrics {
             "roll_calls",
             "Roll script calls sent to Redis",
             m.roll_calls.clone(),
+        );
+        registry.register(
+            "roll_probes",
+            "Tasks with nothing new to write checked by one HMGET of their meta instead of a roll script call",
+            m.roll_probes.clone(),
+        );
+        registry.register(
+            "skew_polls",
+            "Slice readings of the clock-skew detector (one script call each)",
+            m.skew_polls.clone(),
         );
         registry.register(
             "roll_errors",

@@ -263,6 +263,9 @@ pub fn plan(
 pub struct TickStats {
     /// Script calls.
     pub calls: u64,
+    /// Tasks with nothing to write answered by the one-`HMGET` probe instead of a script call
+    /// ([`scripts::roll_probe`]).
+    pub probes: u64,
     /// Slices created or changed.
     pub written: u64,
     /// Failed calls.
@@ -562,7 +565,7 @@ impl Roller {
             let keys = &self.keys;
             let fence = &fence;
             let secret = self.key_secret.as_ref();
-            let results: Vec<(Arc<TaskEntry>, Attempt, Plan, Result<RollOutcome>)> =
+            let results: Vec<(Arc<TaskEntry>, Attempt, Plan, Result<(RollOutcome, bool)>)> =
                 futures::stream::iter(jobs)
                     .map(|(entry, attempt, plan)| {
                         let mut c = conn.clone();
@@ -585,7 +588,15 @@ impl Roller {
                     .collect()
                     .await;
             for (entry, attempt, plan, r) in results {
-                stats.calls += plan.slices.len().div_ceil(MAX_SLICES_PER_CALL).max(1) as u64;
+                let (r, probed) = match r {
+                    Ok((out, probed)) => (Ok(out), probed),
+                    Err(e) => (Err(e), false),
+                };
+                if probed {
+                    stats.probes += 1;
+                } else {
+                    stats.calls += plan.slices.len().div_ceil(MAX_SLICES_PER_CALL).max(1) as u64;
+                }
                 let name = &entry.name;
                 match r {
                     Ok(RollOutcome::Written(n)) => {
@@ -663,6 +674,7 @@ impl Roller {
         self.report(ctx, snap);
 
         self.metrics.roll_calls.inc_by(stats.calls);
+        self.metrics.roll_probes.inc_by(stats.probes);
         self.metrics.slices_written.inc_by(stats.written);
         self.metrics.roll_errors.inc_by(stats.errors);
         self.metrics.tasks.set(snap.tasks.len() as i64);
@@ -1040,7 +1052,32 @@ async fn execute(
     plan: &Plan,
     force: bool,
     secret: Option<&sluice_protocol::KeySecret>,
-) -> Result<RollOutcome> {
+) -> Result<(RollOutcome, bool)> {
+    if plan.slices.is_empty() && !plan.write_meta && !plan.refresh && !plan.full && !force {
+        // Nothing to write: one HMGET tells whether the script would write nothing either
+        // (the common case, answered without a script); anything else goes to the script.
+        let probe = scripts::roll_probe(
+            conn,
+            keys,
+            &entry.name,
+            fence,
+            plan.expect_rolled_to,
+            entry.version,
+        );
+        match tokio::time::timeout(CALL_TIMEOUT, probe).await {
+            Ok(r) => {
+                if r.map_err(redis_err("roll probe"))? {
+                    return Ok((RollOutcome::Written(0), true));
+                }
+            }
+            Err(_) => {
+                return Err(Error::Timeout {
+                    op: "roll probe",
+                    after: CALL_TIMEOUT,
+                });
+            }
+        }
+    }
     let meta = entry.spec.meta(entry.version);
     let extra = key_fields(&entry.spec, secret);
     let chunks: Vec<&[SliceWrite]> = if plan.slices.is_empty() {
@@ -1088,7 +1125,7 @@ async fn execute(
         };
         match out {
             RollOutcome::Written(k) => written += k,
-            other => return Ok(other),
+            other => return Ok((other, false)),
         }
         expect = if plan.full && first {
             rolled_to
@@ -1096,7 +1133,7 @@ async fn execute(
             expect.max(rolled_to)
         };
     }
-    Ok(RollOutcome::Written(written))
+    Ok((RollOutcome::Written(written), false))
 }
 
 /// Dynamic threshold overrides by task, set by the dynamic controller, read by the roller.

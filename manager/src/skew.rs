@@ -61,6 +61,15 @@ pub const AHEAD: i64 = 3;
 pub const MAX_MOVING: usize = 2;
 /// A task whose slices have not moved for this long is polled once a slice instead.
 pub const IDLE_AFTER_MS: i64 = 2_000;
+/// A task that neither moved nor showed any consumption in the slices read for this long is
+/// dormant: polled every [`DORMANT_POLL_MS`] (issue 27: thousands of idle tasks cost a script
+/// call each per second for nothing).
+pub const DORMANT_AFTER_MS: i64 = 60_000;
+/// How often a dormant task is polled. Its first poll after traffic resumes sees consumption
+/// in the slices around the current one and ends the dormancy; movement is judged from the
+/// next poll on (the first has nothing of the same slices to compare with), so skew on a task
+/// that wakes is flagged at most this much plus a slice later than on a busy one.
+pub const DORMANT_POLL_MS: i64 = 5_000;
 /// Host reports older than this are ignored.
 pub const HOST_FRESH_MS: i64 = 60_000;
 /// Host entries not seen for this long are pruned from `NS:hosts` (10 minutes).
@@ -109,6 +118,8 @@ pub struct TaskWatch {
     consumed: BTreeMap<i64, i64>,
     prev_started_ms: Option<i64>,
     last_moved_ms: Option<i64>,
+    /// Last poll that moved or found any slice consumed (or the first poll).
+    last_busy_ms: Option<i64>,
 }
 
 impl TaskWatch {
@@ -141,12 +152,23 @@ impl TaskWatch {
         if !moved.is_empty() || self.last_moved_ms.is_none() {
             self.last_moved_ms = Some(finished_ms);
         }
+        let consumed = readings
+            .iter()
+            .any(|(_, r)| r.is_some_and(|(cap, rem)| cap != rem));
+        if consumed || !moved.is_empty() || self.last_busy_ms.is_none() {
+            self.last_busy_ms = Some(finished_ms);
+        }
         Movement { moved, allowed }
     }
 
     /// How long no slice of the task has moved, as of `now_ms`.
     pub fn idle_for(&self, now_ms: i64) -> i64 {
         self.last_moved_ms.map_or(0, |t| now_ms - t)
+    }
+
+    /// How long no poll found a slice of the task moved or consumed at all, as of `now_ms`.
+    pub fn dormant_for(&self, now_ms: i64) -> i64 {
+        self.last_busy_ms.map_or(0, |t| now_ms - t)
     }
 
     fn changed(&mut self, readings: &[Reading]) -> Vec<i64> {
@@ -283,11 +305,14 @@ async fn read_slices(
 }
 
 /// How long until a task is polled again: a quarter of a slice (at most 250 ms) while its
-/// slices move, one slice (at most 1 s) once nothing has moved for [`IDLE_AFTER_MS`]. The
-/// allowance of [`allowed_moving`] follows the time actually covered, so the slower polls of
-/// an idle task stay correct; they only make detection coarser until traffic resumes.
-pub fn poll_period_ms(slice_ms: u64, idle_for_ms: i64) -> i64 {
-    if idle_for_ms >= IDLE_AFTER_MS {
+/// slices move, one slice (at most 1 s) once nothing has moved for [`IDLE_AFTER_MS`], and
+/// [`DORMANT_POLL_MS`] once no slice read has moved or been consumed for [`DORMANT_AFTER_MS`].
+/// The allowance of [`allowed_moving`] follows the time actually covered, so the slower polls
+/// of an idle task stay correct; they only make detection coarser until traffic resumes.
+pub fn poll_period_ms(slice_ms: u64, idle_for_ms: i64, dormant_for_ms: i64) -> i64 {
+    if dormant_for_ms >= DORMANT_AFTER_MS {
+        DORMANT_POLL_MS
+    } else if idle_for_ms >= IDLE_AFTER_MS {
         (slice_ms as i64).clamp(50, 1_000)
     } else {
         (slice_ms as i64 / 4).clamp(50, 250)
@@ -370,8 +395,13 @@ pub async fn run(
             .map(|e| (e.name.clone(), e.spec.slice_ms))
             .collect();
         for (name, slice_ms) in &due {
-            let idle_for = watches.get(name).map_or(0, |w| w.idle_for(now));
-            next_poll.insert(name.clone(), now + poll_period_ms(*slice_ms, idle_for));
+            let (idle_for, dormant_for) = watches
+                .get(name)
+                .map_or((0, 0), |w| (w.idle_for(now), w.dormant_for(now)));
+            next_poll.insert(
+                name.clone(),
+                now + poll_period_ms(*slice_ms, idle_for, dormant_for),
+            );
         }
         let readings: Vec<(String, u64, Option<Vec<Reading>>, i64)> = futures::stream::iter(due)
             .map(|(name, slice_ms)| {
@@ -385,6 +415,7 @@ pub async fn run(
             .buffer_unordered(64)
             .collect()
             .await;
+        metrics.skew_polls.inc_by(readings.len() as u64);
         for (task, slice_ms, r, finished) in readings {
             let Some(r) = r else { continue };
             let movement = watches
@@ -527,13 +558,46 @@ mod tests {
         let mut w = TaskWatch::default();
         let r = rd(&[(0, 10, 10), (1000, 10, 10)]);
         w.observe(&r, 0, 1, 1000);
-        assert_eq!(poll_period_ms(1000, w.idle_for(500)), 250);
+        let period =
+            |w: &TaskWatch, slice, now| poll_period_ms(slice, w.idle_for(now), w.dormant_for(now));
+        assert_eq!(period(&w, 1000, 500), 250);
         w.observe(&r, 250, 251, 1000);
-        assert_eq!(poll_period_ms(1000, w.idle_for(2_500)), 1_000);
-        assert_eq!(poll_period_ms(100, w.idle_for(2_500)), 100);
+        assert_eq!(period(&w, 1000, 2_500), 1_000);
+        assert_eq!(period(&w, 100, 2_500), 100);
         // Movement brings the fast polls back.
         w.observe(&rd(&[(0, 10, 9), (1000, 10, 10)]), 2_500, 2_501, 1000);
-        assert_eq!(poll_period_ms(1000, w.idle_for(2_600)), 250);
+        assert_eq!(period(&w, 1000, 2_600), 250);
+    }
+
+    #[test]
+    fn dormant_tasks_are_polled_every_few_seconds_until_a_slice_is_consumed() {
+        let mut w = TaskWatch::default();
+        let idle = |t: i64| rd(&[(t, 10, 10), (t + 1000, 10, 10)]);
+        w.observe(&idle(0), 0, 1, 1000);
+        let period = |w: &TaskWatch, now| poll_period_ms(1000, w.idle_for(now), w.dormant_for(now));
+        // Nothing moved or consumed for a minute: dormant.
+        w.observe(&idle(59_000), 59_000, 59_001, 1000);
+        assert_eq!(period(&w, 59_500), 1_000);
+        w.observe(&idle(60_000), 60_000, 60_002, 1000);
+        assert_eq!(period(&w, 60_100), DORMANT_POLL_MS);
+        // A slice consumed (nothing of it read before, so no movement yet): awake again, and
+        // the next poll judges movement.
+        let m = w.observe(
+            &rd(&[(65_000, 10, 7), (66_000, 10, 10)]),
+            65_000,
+            65_001,
+            1000,
+        );
+        assert!(m.moved.is_empty());
+        assert_eq!(period(&w, 65_100), 1_000);
+        let m = w.observe(
+            &rd(&[(65_000, 10, 5), (66_000, 10, 10)]),
+            66_100,
+            66_101,
+            1000,
+        );
+        assert_eq!(m.moved, [65_000]);
+        assert_eq!(period(&w, 66_200), 250);
     }
 
     #[test]

@@ -453,6 +453,53 @@ pub enum RollOutcome {
     },
 }
 
+/// The leader's cheap probe of a task it has nothing to write for: one `HMGET` of the meta
+/// (`term`, `epoch`, `rolled_to`, `retired`, `version`), no script, nothing written.
+///
+/// `true` when [`roll`] with no slices, no meta and no refresh would answer `Written(0)`
+/// without writing anything: the meta holds this fence's term and epoch (so no other writer
+/// has claimed it since), is not retired, is rolled to at least `expect_rolled_to` (Redis has
+/// not lost or rewound it) and holds no spec version above `spec_version`. `false` for
+/// anything else, including a field that does not parse: the caller then makes the real call,
+/// whose answer is authoritative. Issue 27: the probe every tick is most of an idle task's
+/// cost, and a script call costs Redis several times this one command.
+pub async fn roll_probe<C>(
+    conn: &mut C,
+    keys: &Keys,
+    task: &str,
+    fence: &Fence,
+    expect_rolled_to: i64,
+    spec_version: i64,
+) -> RedisResult<bool>
+where
+    C: redis::aio::ConnectionLike,
+{
+    let (term, epoch, rolled_to, retired, version): (
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+    ) = redis::cmd("HMGET")
+        .arg(keys.meta(task))
+        .arg(crate::meta_field::TERM)
+        .arg(crate::meta_field::EPOCH)
+        .arg(crate::meta_field::ROLLED_TO)
+        .arg(crate::meta_field::RETIRED)
+        .arg(crate::meta_field::VERSION)
+        .query_async(conn)
+        .await?;
+    let num = |v: &Option<String>| v.as_deref().and_then(|v| v.parse::<i64>().ok());
+    Ok(num(&term) == Some(fence.term)
+        && epoch.as_deref() == Some(fence.epoch.to_string().as_str())
+        && retired.is_none()
+        && num(&rolled_to).is_some_and(|r| r >= expect_rolled_to)
+        && match &version {
+            None => true,
+            Some(_) => num(&version).is_some_and(|v| v <= spec_version),
+        })
+}
+
 /// Outcome of [`retire`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RetireOutcome {

@@ -394,3 +394,185 @@ async fn prune_hosts_deletes_only_entries_still_stale() {
     left.sort();
     assert_eq!(left, ["fresh", "lagging-clock"]);
 }
+
+/// The roller's probe call with no slices, meta or refresh: what the script answers.
+async fn script_probe(
+    c: &mut RedisConn,
+    keys: &Keys,
+    task: &str,
+    f: &Fence,
+    expect: i64,
+    version: i64,
+) -> RollOutcome {
+    let req = RollRequest {
+        task,
+        fence: f,
+        full: false,
+        expect_rolled_to: expect,
+        spec_version: version,
+        new_rolled_to: expect,
+        force: false,
+        refresh: false,
+        meta: None,
+        meta_extra: &[],
+        slices: &[],
+    };
+    scripts::roll(c, keys, &req)
+        .await
+        .expect("roll probe script")
+}
+
+/// `roll_probe` (one HMGET) says "nothing to do" only where the script's probe call would
+/// answer `Written(0)` and write nothing; everything else (a lost, rewound, retired,
+/// re-fenced, foreign or newer meta, a field that does not parse) goes to the script.
+#[tokio::test]
+async fn the_cheap_probe_answers_only_where_the_script_would_write_nothing() {
+    let ns = unique_ns("probe");
+    let keys = Keys::new(&ns).unwrap();
+    let mut c = conn().await;
+    let mut sync = redis_conn(&shared_redis());
+    let f = fence(100, 7, 10_000);
+    let start = now_ms() / 1000 * 1000;
+    let rolled_to = start + 5_000;
+    let setup = async |c: &mut RedisConn| {
+        assert!(matches!(
+            roll(c, &keys, "t", &f, 10, 100, true).await,
+            RollOutcome::Written(_)
+        ));
+    };
+    // (what is done to the meta after a full roll, probe's fence, expect, version, probe says)
+    type Edit = fn(&mut redis::Connection, &str);
+    let cases: Vec<(&str, Edit, Fence, i64, i64, bool)> = vec![
+        (
+            "as written",
+            |_, _| {},
+            fence(100, 7, 10_000),
+            rolled_to,
+            10,
+            true,
+        ),
+        (
+            "an older spec version held",
+            |_, _| {},
+            fence(100, 7, 10_000),
+            rolled_to,
+            11,
+            true,
+        ),
+        (
+            "rolled further than expected",
+            |_, _| {},
+            fence(100, 7, 10_000),
+            rolled_to - 1_000,
+            10,
+            true,
+        ),
+        (
+            "rewound (an older snapshot)",
+            |_, _| {},
+            fence(100, 7, 10_000),
+            rolled_to + 1_000,
+            10,
+            false,
+        ),
+        (
+            "a newer spec version stored",
+            |_, _| {},
+            fence(100, 7, 10_000),
+            rolled_to,
+            9,
+            false,
+        ),
+        (
+            "a new term of this epoch",
+            |_, _| {},
+            fence(101, 7, 10_000),
+            rolled_to,
+            10,
+            false,
+        ),
+        (
+            "another epoch",
+            |_, _| {},
+            fence(100, 8, 10_000),
+            rolled_to,
+            10,
+            false,
+        ),
+        (
+            "the meta lost",
+            |c, m| {
+                let _: () = redis::cmd("DEL").arg(m).query(c).unwrap();
+            },
+            fence(100, 7, 10_000),
+            rolled_to,
+            10,
+            false,
+        ),
+        (
+            "retired",
+            |c, m| {
+                let _: () = redis::cmd("HSET")
+                    .arg(m)
+                    .arg("retired")
+                    .arg(11)
+                    .query(c)
+                    .unwrap();
+            },
+            fence(100, 7, 10_000),
+            rolled_to,
+            10,
+            false,
+        ),
+        (
+            "rolled_to that does not parse",
+            |c, m| {
+                let _: () = redis::cmd("HSET")
+                    .arg(m)
+                    .arg("rolled_to")
+                    .arg("x")
+                    .query(c)
+                    .unwrap();
+            },
+            fence(100, 7, 10_000),
+            rolled_to,
+            10,
+            false,
+        ),
+        (
+            "a version that does not parse",
+            |c, m| {
+                let _: () = redis::cmd("HSET")
+                    .arg(m)
+                    .arg("version")
+                    .arg("1e3")
+                    .query(c)
+                    .unwrap();
+            },
+            fence(100, 7, 10_000),
+            rolled_to,
+            10,
+            false,
+        ),
+    ];
+    for (what, edit, pf, expect, version, says) in cases {
+        setup(&mut c).await;
+        let meta_key = keys.meta("t");
+        edit(&mut sync, &meta_key);
+        let got = scripts::roll_probe(&mut c, &keys, "t", &pf, expect, version)
+            .await
+            .expect("probe");
+        assert_eq!(got, says, "{what}");
+        if got {
+            // The script agrees: nothing written, nothing to do.
+            let before = meta_fields(&mut sync, &ns, "t");
+            let out = script_probe(&mut c, &keys, "t", &pf, expect, version).await;
+            assert_eq!(out, RollOutcome::Written(0), "{what}");
+            assert_eq!(
+                meta_fields(&mut sync, &ns, "t"),
+                before,
+                "{what}: the script wrote"
+            );
+        }
+    }
+}
