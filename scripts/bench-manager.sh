@@ -6,6 +6,9 @@
 #
 #   scripts/bench-manager.sh [TASKS] [SECONDS]
 #
+# The steady state is measured once every task has been idle for SLUICE_BENCH_IDLE_S (default
+# 70) seconds after the fill: the leader polls and harvests tasks idle for a minute less often.
+#
 # SLUICE_MANAGER_BIN=path runs that manager binary instead of building this checkout's (to
 # measure an older build side by side with this one).
 set -euo pipefail
@@ -36,10 +39,11 @@ wait_for "manager" 30 curl -sf "http://127.0.0.1:$port/healthz"
 wait_for "leadership" 30 sh -c "curl -sf http://127.0.0.1:$port/metrics | grep -q '^sluice_leader 1'"
 RPORT=${REDIS_URL##*:}
 
-python3 - "$port" "$TASKS" "$SECS" "$MPID" "$RPORT" <<'PY'
+python3 - "$port" "$TASKS" "$SECS" "$MPID" "$RPORT" "${SLUICE_BENCH_IDLE_S:-70}" <<'PY'
 import concurrent.futures, json, os, re, subprocess, sys, time, urllib.request
 
 port, tasks, secs, mpid, rport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+idle_s = float(sys.argv[6])
 base = f"http://127.0.0.1:{port}"
 tick = os.sysconf("SC_CLK_TCK")
 
@@ -72,7 +76,8 @@ def redis_info():
 
 def put(i):
     body = json.dumps({"threshold": 1000 + i % 100, "slice_ms": 1000}).encode()
-    req = urllib.request.Request(f"{base}/api/v1/tasks/bench{i}", data=body, method="PUT")
+    req = urllib.request.Request(f"{base}/api/v1/tasks/bench{i}", data=body, method="PUT",
+                                 headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         return r.status
 
@@ -95,7 +100,8 @@ while True:
 t_fill = time.time() - t0
 print(f"  filled {t_fill:.1f}s after the first PUT", file=sys.stderr)
 
-time.sleep(2)
+print(f"  letting every task idle for {idle_s:.0f}s ...", file=sys.stderr)
+time.sleep(idle_s)
 m0, c0, r0, w0 = metrics(), cpu_seconds(mpid), redis_info(), time.time()
 print(f"measuring steady state for {secs}s ...", file=sys.stderr)
 time.sleep(secs)
@@ -136,6 +142,9 @@ print(f"""
 | initial fill (create {tasks:,} tasks through the API, then every task 60 s ahead) | {t_fill:.1f} s ({tasks / t_created:.0f} PUT/s) |
 | slice writes per second (steady) | {rate('sluice_slices_written_total'):,.0f} |
 | roll script calls per second | {rate('sluice_roll_calls_total'):,.0f} |
+| roll probes (one HMGET) per second | {rate('sluice_roll_probes_total'):,.0f} |
+| skew detector readings per second | {rate('sluice_skew_polls_total'):,.0f} |
+| history slices read per second | {rate('sluice_history_slices_total'):,.0f} |
 | Redis commands per second (all, incl. inside scripts) | {cmds:,.0f} |
 | one rolling pass over all tasks (mean) | {tick_ms:.0f} ms |
 | manager CPU | {100 * (c1 - c0) / el:.0f} % of one core |

@@ -99,7 +99,8 @@ def cpu(pid):
 def put(arg):
     port, i = arg
     body = json.dumps({"threshold": 1000 + i % 100, "slice_ms": 1000}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/v1/tasks/bench{i}", data=body, method="PUT")
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/v1/tasks/bench{i}", data=body, method="PUT",
+                                 headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         return r.status
 

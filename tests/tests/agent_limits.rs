@@ -207,8 +207,11 @@ async fn http_requests_are_bounded() {
             "2",
             "--acquire-timeout",
             "100ms",
+            // Long enough that the two slow requests below are still in flight while a
+            // loaded machine gets the third one through (at 1.5 s, a CI run of 5b32da5 with
+            // two release builds beside it never saw the 503: the window had closed).
             "--request-timeout",
-            "1500ms",
+            "6s",
         ],
     )
     .await;
@@ -235,7 +238,7 @@ async fn http_requests_are_bounded() {
     let s2 = slow_body(&a.http).await;
     let v = wait_until(
         "a request refused while two are in flight",
-        Duration::from_secs(10),
+        Duration::from_secs(6),
         Duration::from_millis(20),
         || async {
             let (s, v) = a.decide(&json!({"task": "t"})).await;
