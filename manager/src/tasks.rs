@@ -10,15 +10,32 @@
 //! a spec written into etcd by hand that would not pass `PUT` is kept as an [`InvalidTask`]
 //! (neither rolled nor retired: its slices already written keep serving until the horizon),
 //! logged once per version and alerted by the leader (`invalid_spec`).
+//!
+//! Specs are read in key order, in ranges of at most [`RANGE_BATCH`] keys, every range of one
+//! read at the revision of its first ([`TaskStore::page`]): one consistent view however many
+//! requests it takes, and no response too large for the gRPC client (a single read of every
+//! spec stops working at a few MiB: tens of thousands of tasks). etcd keys sort bytewise, as
+//! task names do, so a range of keys is a range of names:
+//!
+//! ```text
+//!  /NS/tasks/<prefix>            first key a prefix can match
+//!  /NS/tasks/<after>\0           first key strictly after the cursor `after`
+//!  /NS/tasks/<prefix + 1>        end of the prefix (its last byte incremented)
+//!
+//!  read [max(first of prefix, first after cursor), end of prefix), RANGE_BATCH keys a request
+//! ```
 
 use std::collections::BTreeMap;
+use std::num::NonZeroUsize;
+use std::ops::ControlFlow;
 use std::sync::Arc;
 use std::time::Duration;
 
 use etcd_client::{
-    Client, Compare, CompareOp, EventType, GetOptions, PutOptions, Txn, TxnOp, WatchOptions,
+    Client, Compare, CompareOp, EventType, GetOptions, KeyValue, PutOptions, Txn, TxnOp,
+    WatchOptions,
 };
-use sluice_protocol::Keys;
+use sluice_protocol::{Keys, Mode};
 use tokio::sync::watch;
 use tokio::time::sleep;
 use tokio_util::sync::CancellationToken;
@@ -148,6 +165,96 @@ impl TaskSnapshot {
     }
 }
 
+/// Most keys one etcd range request of task specs asks for.
+pub const RANGE_BATCH: i64 = 128;
+
+/// Largest spec a range response is sized for: the API's body limit (2 MiB, axum's default).
+const SPEC_MAX_BYTES: usize = 2 << 20;
+
+/// The gRPC decoding limit of range reads: a full batch of the largest specs, plus their keys
+/// and framing. tonic's default (4 MiB) would refuse a batch of a few large specs (a keyed
+/// task's 1,000 overrides).
+const RANGE_RESPONSE_MAX_BYTES: usize = RANGE_BATCH as usize * SPEC_MAX_BYTES + (1 << 20);
+
+/// Most stored specs one page examines ([`TaskStore::page`] with a limit): a page filtered by
+/// mode or keyed whose matches are rare stops here, short of its limit (even empty), with a
+/// cursor to go on from.
+pub const PAGE_SCAN_BUDGET: usize = 10_000;
+
+/// Which tasks a listing wants, and where it starts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskFilter {
+    /// Only names starting with this (`""`: every name).
+    pub prefix: String,
+    /// Only names sorted (bytewise) strictly after this: the cursor of a page.
+    pub after: Option<String>,
+    /// Only valid specs of this mode.
+    pub mode: Option<Mode>,
+    /// Only valid specs that are keyed (`true`) or not (`false`).
+    pub keyed: Option<bool>,
+}
+
+impl TaskFilter {
+    /// Whether a stored spec is listed. A spec that fails validation has no mode nor keyed to
+    /// filter on: it is listed only when neither is asked for.
+    pub fn admits(&self, stored: &Stored) -> bool {
+        match stored {
+            Stored::Valid(t) => {
+                self.mode.is_none_or(|m| t.spec.mode == m)
+                    && self.keyed.is_none_or(|k| t.spec.keyed == k)
+            }
+            Stored::Invalid(_) => self.mode.is_none() && self.keyed.is_none(),
+        }
+    }
+
+    /// The etcd keys `[start, end)` that can hold the names this filter wants; None when no key
+    /// can (the cursor is past the prefix).
+    fn key_range(&self, keys: &Keys) -> Option<(Vec<u8>, Vec<u8>)> {
+        let first = keys.etcd_task(&self.prefix).into_bytes();
+        let end = prefix_end(&first);
+        let start = match &self.after {
+            Some(after) => {
+                let mut past = keys.etcd_task(after).into_bytes();
+                past.push(0);
+                past.max(first)
+            }
+            None => first,
+        };
+        (start < end).then_some((start, end))
+    }
+}
+
+/// The first key after every key that starts with `prefix` (etcd's "range end of a prefix").
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    vec![0] // every byte 0xff (or empty): to the end of the keyspace
+}
+
+/// One page of a listing, in name order.
+#[derive(Debug, Clone, Default)]
+pub struct TaskPage {
+    /// The valid specs.
+    pub tasks: Vec<TaskEntry>,
+    /// The stored specs that fail validation.
+    pub invalid: Vec<InvalidTask>,
+    /// Where the next page starts (its `after`): None when no stored spec after this page
+    /// matches; otherwise more may.
+    pub next: Option<String>,
+}
+
+/// The last name a page lists (its two lists are each in name order).
+fn last_listed(page: &TaskPage) -> Option<String> {
+    let valid = page.tasks.last().map(|t| t.name.as_str());
+    let invalid = page.invalid.last().map(|t| t.name.as_str());
+    valid.max(invalid).map(str::to_string)
+}
+
 /// Result of a conditional write.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PutOutcome {
@@ -243,25 +350,94 @@ impl TaskStore {
 
     /// Every task, read from etcd now: the valid ones, and those that fail validation.
     pub async fn list(&self) -> Result<(Vec<TaskEntry>, Vec<InvalidTask>)> {
-        let mut c = self.client.clone();
-        let prefix = self.keys.etcd_tasks_prefix();
-        let resp = etcd(
-            "list tasks",
-            ETCD_TIMEOUT,
-            c.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
-        )
-        .await?;
-        let (mut valid, mut invalid) = (Vec::new(), Vec::new());
-        for kv in resp.kvs() {
+        let page = self.page(&TaskFilter::default(), None).await?;
+        Ok((page.tasks, page.invalid))
+    }
+
+    /// The stored specs `filter` admits, in name order, read from etcd now (one consistent
+    /// view). With `limit`, at most that many (valid and invalid together) and a cursor to the
+    /// next page: the page ends after `limit` entries, or when [`PAGE_SCAN_BUDGET`] specs were
+    /// examined (a filter by mode or keyed skips specs), or at the end of the range. Without
+    /// `limit`, every match.
+    pub async fn page(&self, filter: &TaskFilter, limit: Option<NonZeroUsize>) -> Result<TaskPage> {
+        let limit = limit.map(NonZeroUsize::get);
+        let mut page = TaskPage::default();
+        let Some((start, end)) = filter.key_range(&self.keys) else {
+            return Ok(page);
+        };
+        let (mut listed, mut examined) = (0usize, 0usize);
+        let mut last_examined: Option<String> = None;
+        self.scan("list tasks", start, end, |kv| {
             let Some(name) = self.name_of(kv.key()) else {
-                continue;
+                return ControlFlow::Continue(());
             };
-            match Stored::decode(name, kv) {
-                Stored::Valid(t) => valid.push(t),
-                Stored::Invalid(e) => invalid.push(e),
+            if limit.is_some() {
+                if examined == PAGE_SCAN_BUDGET {
+                    // Everything up to the last spec examined is answered.
+                    page.next = last_examined.take();
+                    return ControlFlow::Break(());
+                }
+                examined += 1;
+            }
+            let stored = Stored::decode(name, kv);
+            if filter.admits(&stored) {
+                if limit == Some(listed) {
+                    // One more match: the page is full and another one follows it.
+                    page.next = last_listed(&page);
+                    return ControlFlow::Break(());
+                }
+                listed += 1;
+                match stored {
+                    Stored::Valid(t) => page.tasks.push(t),
+                    Stored::Invalid(e) => page.invalid.push(e),
+                }
+            }
+            last_examined = Some(name.to_string());
+            ControlFlow::Continue(())
+        })
+        .await?;
+        Ok(page)
+    }
+
+    /// Reads the keys of `[start, end)` in key order, [`RANGE_BATCH`] per request, every
+    /// request at the revision of the first; `visit` sees each key until it breaks. Returns the
+    /// revision read at (a compaction past it between two requests fails the read).
+    async fn scan(
+        &self,
+        op: &'static str,
+        start: Vec<u8>,
+        end: Vec<u8>,
+        mut visit: impl FnMut(&KeyValue) -> ControlFlow<()>,
+    ) -> Result<i64> {
+        let mut kv = self
+            .client
+            .kv_client()
+            .max_decoding_message_size(RANGE_RESPONSE_MAX_BYTES);
+        let (mut from, mut revision) = (start, 0);
+        loop {
+            let mut opts = GetOptions::new()
+                .with_range(end.clone())
+                .with_limit(RANGE_BATCH);
+            if revision > 0 {
+                opts = opts.with_revision(revision);
+            }
+            let resp = etcd(op, ETCD_TIMEOUT, kv.get(from, Some(opts))).await?;
+            if revision == 0 {
+                revision = resp.header().map_or(0, |h| h.revision());
+            }
+            for kv in resp.kvs() {
+                if visit(kv).is_break() {
+                    return Ok(revision);
+                }
+            }
+            match resp.kvs().last() {
+                Some(last) if resp.more() => {
+                    from = last.key().to_vec();
+                    from.push(0);
+                }
+                _ => return Ok(revision),
             }
         }
-        Ok((valid, invalid))
     }
 
     /// The etcd revision now (one cheap request; used to tell numbers of another etcd history
@@ -349,25 +525,20 @@ impl TaskStore {
     }
 
     async fn load(&self) -> Result<TaskSnapshot> {
-        let mut c = self.client.clone();
-        let prefix = self.keys.etcd_tasks_prefix();
-        let resp = etcd(
-            "load tasks",
-            ETCD_TIMEOUT,
-            c.get(prefix.as_str(), Some(GetOptions::new().with_prefix())),
-        )
-        .await?;
         let mut snap = TaskSnapshot {
-            revision: resp.header().map_or(0, |h| h.revision()),
             loaded: true,
             ..Default::default()
         };
-        for kv in resp.kvs() {
-            let Some(name) = self.name_of(kv.key()) else {
-                continue;
-            };
-            snap.insert(name, Stored::decode(name, kv));
-        }
+        let first = self.keys.etcd_tasks_prefix().into_bytes();
+        let end = prefix_end(&first);
+        snap.revision = self
+            .scan("load tasks", first, end, |kv| {
+                if let Some(name) = self.name_of(kv.key()) {
+                    snap.insert(name, Stored::decode(name, kv));
+                }
+                ControlFlow::Continue(())
+            })
+            .await?;
         Ok(snap)
     }
 
@@ -490,5 +661,72 @@ impl TaskStore {
                 _ = sleep(backoff) => {}
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn range(prefix: &str, after: Option<&str>) -> Option<(String, String)> {
+        let f = TaskFilter {
+            prefix: prefix.into(),
+            after: after.map(str::to_string),
+            ..Default::default()
+        };
+        let keys = Keys::new("ns").unwrap();
+        f.key_range(&keys)
+            .map(|(a, b)| (String::from_utf8(a).unwrap(), String::from_utf8(b).unwrap()))
+    }
+
+    #[test]
+    fn a_filter_reads_the_keys_of_its_names_only() {
+        let r = |a: &str, b: &str| Some((a.to_string(), b.to_string()));
+        // Every task: the prefix of the tasks' keys ('/' + 1 = '0').
+        assert_eq!(range("", None), r("/ns/tasks/", "/ns/tasks0"));
+        assert_eq!(range("chk", None), r("/ns/tasks/chk", "/ns/tasks/chl"));
+        assert_eq!(range("a-", None), r("/ns/tasks/a-", "/ns/tasks/a."));
+        // The cursor: strictly after it, within the prefix.
+        assert_eq!(range("", Some("b")), r("/ns/tasks/b\0", "/ns/tasks0"));
+        assert_eq!(
+            range("chk", Some("chk.1")),
+            r("/ns/tasks/chk.1\0", "/ns/tasks/chl")
+        );
+        // A cursor before the prefix starts at the prefix; one past it reads nothing.
+        assert_eq!(range("chk", Some("a")), r("/ns/tasks/chk", "/ns/tasks/chl"));
+        assert_eq!(range("chk", Some("chl")), None);
+        assert_eq!(range("chk", Some("z")), None);
+        // The prefix itself as the cursor: the names that extend it.
+        assert_eq!(
+            range("chk", Some("chk")),
+            r("/ns/tasks/chk\0", "/ns/tasks/chl")
+        );
+    }
+
+    #[test]
+    fn prefix_ends() {
+        assert_eq!(prefix_end(b"ab"), b"ac");
+        assert_eq!(prefix_end(b"a\xff"), b"b");
+        assert_eq!(prefix_end(b"\xff\xff"), b"\0");
+        assert_eq!(prefix_end(b""), b"\0");
+    }
+
+    #[test]
+    fn a_spec_that_fails_validation_has_no_mode_to_filter_on() {
+        let valid = Stored::Valid(
+            TaskEntry::decode("k", br#"{"threshold": 1, "keyed": true}"#, 2, 2).unwrap(),
+        );
+        let invalid = Stored::Invalid(TaskEntry::decode("x", b"{}", 3, 3).unwrap_err());
+        let f = |mode: Option<Mode>, keyed: Option<bool>| TaskFilter {
+            mode,
+            keyed,
+            ..Default::default()
+        };
+        assert!(f(None, None).admits(&valid) && f(None, None).admits(&invalid));
+        assert!(f(Some(Mode::Pooled), Some(true)).admits(&valid));
+        assert!(!f(Some(Mode::Pooled), None).admits(&invalid));
+        assert!(!f(None, Some(false)).admits(&invalid));
+        assert!(!f(None, Some(false)).admits(&valid));
+        assert!(!f(Some(Mode::Local), None).admits(&valid));
     }
 }

@@ -238,3 +238,66 @@ async fn the_api_token_protects_mutations_and_the_settings() {
         .unwrap();
     assert_eq!(r.status(), 200);
 }
+
+/// Writes `n` specs `{prefix}{i:05}` into etcd by hand (100 per transaction), each with a
+/// description of `pad` bytes.
+async fn etcd_specs(ns: &str, prefix: &str, n: usize, spec: &str, pad: usize) {
+    let keys = Keys::new(ns).unwrap();
+    let mut c = etcd_client::Client::connect([shared_etcd()], None)
+        .await
+        .expect("etcd client");
+    let body = spec.replace("PAD", &"x".repeat(pad));
+    for chunk in (0..n).collect::<Vec<_>>().chunks(100) {
+        let ops: Vec<etcd_client::TxnOp> = chunk
+            .iter()
+            .map(|i| {
+                etcd_client::TxnOp::put(
+                    keys.etcd_task(&format!("{prefix}{i:05}")),
+                    body.as_str(),
+                    None,
+                )
+            })
+            .collect();
+        c.txn(etcd_client::Txn::new().and_then(ops))
+            .await
+            .expect("etcd txn");
+    }
+}
+
+/// More stored specs than one gRPC message holds (tonic's 4 MiB default): the API lists them
+/// all, and a replica started afterwards loads them all into its watched snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn specs_beyond_one_grpc_message_are_listed_and_loaded() {
+    let ns = unique_ns("apibig");
+    // Concurrency tasks: the leader writes their meta only (no slices to roll).
+    let n = 5_000;
+    etcd_specs(
+        &ns,
+        "big",
+        n,
+        r#"{"threshold": 10, "mode": "concurrency", "description": "PAD"}"#,
+        1_000,
+    )
+    .await;
+    let m = Manager::start(ManagerOpts::new(&shared_etcd(), &shared_redis(), &ns, "n0")).await;
+    wait_until(
+        "every spec loaded",
+        Duration::from_secs(30),
+        Duration::from_millis(100),
+        || async { (m.metric("sluice_tasks").await == Some(n as f64)).then_some(()) },
+    )
+    .await;
+    let r = http()
+        .get(m.url("/api/v1/tasks"))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = r.json().await.unwrap();
+    let tasks = v["tasks"].as_array().unwrap();
+    assert_eq!(tasks.len(), n);
+    assert_eq!(tasks[0]["name"], "big00000");
+    assert_eq!(tasks[n - 1]["name"], format!("big{:05}", n - 1));
+    assert_eq!(m.log_count("panicked"), 0);
+}
