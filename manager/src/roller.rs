@@ -18,8 +18,10 @@
 //!                 everything when slice_ms changed (the new grid) or the task was re-created
 //! ```
 //!
-//! Every tick sends one call per task even when nothing is new: the call is the probe that
-//! notices a Redis that lost its data, which is healed within the same tick. A new leader has no
+//! Every tick looks at every task even when nothing is new: that is the probe that notices a
+//! Redis that lost its data, which is healed within the same tick. A task with nothing to write
+//! is probed by one `HMGET` of its meta ([`scripts::roll_probe`]); only what that cannot vouch
+//! for (a lost, rewound, retired, re-fenced or newer meta) costs the script call. A new leader has no
 //! memory of what was written, so its first tick sends every task's whole window (the script
 //! skips slices that already hold the right threshold).
 //!
