@@ -1,5 +1,6 @@
 //! The task API against a real replica: bad input is a 400 naming the field and changes
-//! nothing; stale versions are 409; the token protects writes.
+//! nothing; stale versions are 409; the token protects writes; the task list pages and
+//! filters, and lists more specs than one etcd response holds.
 
 use std::time::Duration;
 
@@ -142,6 +143,260 @@ async fn bad_inputs_are_400_with_the_field_and_change_nothing() {
     let _: () = redis::cmd("PING").query(&mut conn).unwrap();
 }
 
+/// `GET path` → (status, JSON body).
+async fn get(m: &Manager, path: &str) -> (u16, Value) {
+    let r = http().get(m.url(path)).send().await.expect("GET");
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// The names of a list answer: its tasks and its invalid specs, merged in name order.
+fn names_of(page: &Value) -> Vec<String> {
+    let mut names: Vec<String> = ["tasks", "invalid"]
+        .iter()
+        .flat_map(|k| page[*k].as_array().unwrap().iter())
+        .map(|t| t["name"].as_str().unwrap().to_string())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Follows `next` from the first page of `GET /api/v1/tasks?{query}&limit={limit}` to the
+/// last; checks every page (at most `limit` entries, each list in name order, every name after
+/// the cursor and at most `next`, traffic of the same query names the same valid tasks) and
+/// returns every name seen, in the order seen, and the number of pages.
+async fn walk(m: &Manager, query: &str, limit: usize) -> (Vec<String>, usize) {
+    let (mut seen, mut pages, mut after) = (Vec::<String>::new(), 0, None::<String>);
+    loop {
+        let mut q = format!("{query}&limit={limit}");
+        if let Some(a) = &after {
+            q.push_str(&format!("&after={a}"));
+        }
+        let (s, page) = get(m, &format!("/api/v1/tasks?{q}")).await;
+        assert_eq!(s, 200, "{q}: {page}");
+        pages += 1;
+        assert!(pages <= 1_000, "{q}: no end");
+        for k in ["tasks", "invalid"] {
+            let names: Vec<&str> = page[k]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["name"].as_str().unwrap())
+                .collect();
+            assert!(names.is_sorted(), "{q}: {k} {names:?}");
+        }
+        let names = names_of(&page);
+        assert!(names.len() <= limit, "{q}: {names:?}");
+        let next = page["next"].as_str().map(str::to_string);
+        for n in &names {
+            assert!(
+                after.as_ref().is_none_or(|a| n > a),
+                "{q}: {n} not after the cursor"
+            );
+            assert!(
+                next.as_ref().is_none_or(|x| n <= x),
+                "{q}: {n} after next {next:?}"
+            );
+        }
+        let (s, traffic) = get(m, &format!("/api/v1/traffic?{q}")).await;
+        assert_eq!(s, 200, "{q}: {traffic}");
+        let mut in_traffic: Vec<&String> = traffic["tasks"].as_object().unwrap().keys().collect();
+        in_traffic.sort();
+        let valid: Vec<&str> = page["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["name"].as_str().unwrap())
+            .collect();
+        assert_eq!(in_traffic, valid, "{q}: traffic of the page");
+        assert_eq!(traffic["next"], page["next"], "{q}");
+        seen.extend(names);
+        match next {
+            Some(n) => after = Some(n),
+            None => return (seen, pages),
+        }
+    }
+}
+
+/// Pages of every size walk every matching task exactly once, in name order, with and without
+/// filters; stored specs that fail validation follow the name filters only; no parameter
+/// answers every task as before; every bad parameter is a 400 naming it and changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_task_list_pages_and_filters() {
+    let (m, ns) = leader_replica(&[]).await;
+    // (name, mode, keyed): names chosen to sort across the charset ('-' < '.' < digits <
+    // upper case < '_' < lower case).
+    let mut tasks: Vec<(String, &str, bool)> = vec![
+        ("0".into(), "pooled", false),
+        ("Z".into(), "pooled", true),
+        ("a".into(), "pooled", false),
+        ("a-b".into(), "local", false),
+        ("a.b".into(), "exact_fixed", false),
+        ("a.c".into(), "exact_sliding", false),
+        ("a_b".into(), "concurrency", false),
+        ("ab".into(), "pooled", true),
+        ("b".into(), "concurrency", false),
+    ];
+    for i in 0..12 {
+        let keyed = i % 3 == 0;
+        tasks.push((
+            format!("c{i:02}"),
+            if keyed { "pooled" } else { "local" },
+            keyed,
+        ));
+    }
+    for (name, mode, keyed) in &tasks {
+        let body = format!(r#"{{"threshold": 10, "mode": "{mode}", "keyed": {keyed}}}"#);
+        let (s, v) = m.put(&format!("/api/v1/tasks/{name}"), &body).await;
+        assert_eq!(s, 201, "{name}: {v}");
+    }
+    // Two specs written by hand that fail validation.
+    let keys = Keys::new(&ns).unwrap();
+    for name in ["a.bad", "c05x"] {
+        etcd_put(
+            &shared_etcd(),
+            &keys.etcd_task(name),
+            r#"{"threshold": -1}"#,
+        )
+        .await;
+    }
+    let invalid = ["a.bad", "c05x"];
+
+    // No parameter: everything, as before (plus "next": null).
+    let (s, all) = get(&m, "/api/v1/tasks").await;
+    assert_eq!(s, 200, "{all}");
+    let mut every: Vec<String> = tasks.iter().map(|t| t.0.clone()).collect();
+    every.extend(invalid.iter().map(|n| n.to_string()));
+    every.sort();
+    assert_eq!(names_of(&all), every);
+    assert_eq!(all["tasks"].as_array().unwrap().len(), tasks.len());
+    assert_eq!(all["invalid"].as_array().unwrap().len(), 2);
+    assert_eq!(all["invalid"][0]["field"], "threshold", "{all}");
+    assert!(all["next"].is_null(), "{all}");
+    let one = &all["tasks"].as_array().unwrap()[0];
+    let (_, alone) = get(
+        &m,
+        &format!("/api/v1/tasks/{}", one["name"].as_str().unwrap()),
+    )
+    .await;
+    let mut alone = alone.clone();
+    alone.as_object_mut().unwrap().remove("status");
+    assert_eq!(one, &alone, "a listed spec is the spec GET answers");
+
+    // Every filter, every page size: the pages walk the matching names exactly once, in order.
+    let expect = |prefix: &str, mode: Option<&str>, keyed: Option<bool>| -> Vec<String> {
+        let mut v: Vec<String> = tasks
+            .iter()
+            .filter(|(n, m, k)| {
+                n.starts_with(prefix)
+                    && mode.is_none_or(|x| x == *m)
+                    && keyed.is_none_or(|x| x == *k)
+            })
+            .map(|t| t.0.clone())
+            .collect();
+        if mode.is_none() && keyed.is_none() {
+            v.extend(
+                invalid
+                    .iter()
+                    .filter(|n| n.starts_with(prefix))
+                    .map(|n| n.to_string()),
+            );
+        }
+        v.sort();
+        v
+    };
+    let filters: &[(&str, Option<&str>, Option<bool>)] = &[
+        ("", None, None),
+        ("a", None, None),
+        ("a.", None, None),
+        ("c0", None, None),
+        ("c05", None, None),
+        ("c05x", None, None),
+        ("zz", None, None),
+        ("", Some("pooled"), None),
+        ("", Some("local"), None),
+        ("", Some("concurrency"), None),
+        ("", Some("exact_sliding"), None),
+        ("", None, Some(true)),
+        ("", None, Some(false)),
+        ("c", Some("pooled"), Some(true)),
+        ("c", Some("local"), Some(true)),
+        ("a", Some("exact_fixed"), Some(false)),
+    ];
+    for (prefix, mode, keyed) in filters {
+        let mut query = format!("prefix={prefix}");
+        if let Some(mode) = mode {
+            query.push_str(&format!("&mode={mode}"));
+        }
+        if let Some(keyed) = keyed {
+            query.push_str(&format!("&keyed={keyed}"));
+        }
+        let want = expect(prefix, *mode, *keyed);
+        // Without a limit: every match at once.
+        let (s, v) = get(&m, &format!("/api/v1/tasks?{query}")).await;
+        assert_eq!(s, 200, "{query}: {v}");
+        assert_eq!(names_of(&v), want, "{query}");
+        assert!(v["next"].is_null(), "{query}: {v}");
+        for limit in [1, 2, 3, 7, 1000] {
+            let (seen, pages) = walk(&m, &query, limit).await;
+            assert_eq!(seen, want, "{query} limit {limit}");
+            // A full page says a next one exists only if a match follows it.
+            assert_eq!(
+                pages,
+                want.len().div_ceil(limit).max(1),
+                "{query} limit {limit}"
+            );
+        }
+    }
+    // The cursor alone, with or without a limit; one past the last name.
+    let (_, v) = get(&m, "/api/v1/tasks?after=c05").await;
+    assert_eq!(
+        names_of(&v),
+        every[every.iter().position(|n| n == "c05x").unwrap()..]
+    );
+    let (_, v) = get(&m, "/api/v1/tasks?after=c11&limit=5").await;
+    assert_eq!(names_of(&v), Vec::<String>::new());
+    assert!(v["next"].is_null(), "{v}");
+
+    // Bad parameters: a 400 naming each, on the list and on the traffic.
+    let long = "x".repeat(65);
+    let bad: &[(&str, &str)] = &[
+        ("prefix=a%20b", "prefix"),
+        ("prefix=a/b", "prefix"),
+        ("prefix=a:b", "prefix"),
+        (&format!("prefix={long}"), "prefix"),
+        ("prefix=%FF", "prefix"),
+        ("mode=fast", "mode"),
+        ("mode=", "mode"),
+        ("mode=POOLED", "mode"),
+        ("keyed=yes", "keyed"),
+        ("keyed=1", "keyed"),
+        ("keyed=", "keyed"),
+        ("limit=0", "limit"),
+        ("limit=1001", "limit"),
+        ("limit=-3", "limit"),
+        ("limit=ten", "limit"),
+        ("limit=", "limit"),
+        ("after=", "after"),
+        ("after=a%2Fb", "after"),
+        (&format!("after={long}"), "after"),
+        ("limit=2&limit=3", "limit"),
+        ("page=2", "page"),
+        ("prefix=a&q=b", "q"),
+    ];
+    for (query, field) in bad {
+        for path in ["/api/v1/tasks", "/api/v1/traffic"] {
+            let (s, v) = get(&m, &format!("{path}?{query}")).await;
+            assert_eq!(s, 400, "{path}?{query}: {v}");
+            assert_eq!(v["field"], *field, "{path}?{query}: {v}");
+            assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+        }
+    }
+    // Nothing changed: the same specs at the same versions.
+    let (_, now) = get(&m, "/api/v1/tasks").await;
+    assert_eq!(now, all);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn versions_prevent_lost_updates() {
     let (m, _) = leader_replica(&[]).await;
@@ -265,18 +520,19 @@ async fn etcd_specs(ns: &str, prefix: &str, n: usize, spec: &str, pad: usize) {
 }
 
 /// More stored specs than one gRPC message holds (tonic's 4 MiB default): the API lists them
-/// all, and a replica started afterwards loads them all into its watched snapshot.
+/// all, and a replica started afterwards loads them all into its watched snapshot. A page
+/// filtered by mode examines at most 10,000 specs: it may come back empty, with a cursor.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn specs_beyond_one_grpc_message_are_listed_and_loaded() {
     let ns = unique_ns("apibig");
     // Concurrency tasks: the leader writes their meta only (no slices to roll).
-    let n = 5_000;
+    let n = 10_050;
     etcd_specs(
         &ns,
         "big",
         n,
         r#"{"threshold": 10, "mode": "concurrency", "description": "PAD"}"#,
-        1_000,
+        500,
     )
     .await;
     let m = Manager::start(ManagerOpts::new(&shared_etcd(), &shared_redis(), &ns, "n0")).await;
@@ -287,6 +543,12 @@ async fn specs_beyond_one_grpc_message_are_listed_and_loaded() {
         || async { (m.metric("sluice_tasks").await == Some(n as f64)).then_some(()) },
     )
     .await;
+    for name in ["bigp0", "bigp1"] {
+        let (s, v) = m
+            .put(&format!("/api/v1/tasks/{name}"), r#"{"threshold": 5}"#)
+            .await;
+        assert_eq!(s, 201, "{v}");
+    }
     let r = http()
         .get(m.url("/api/v1/tasks"))
         .timeout(Duration::from_secs(30))
@@ -296,8 +558,27 @@ async fn specs_beyond_one_grpc_message_are_listed_and_loaded() {
     assert_eq!(r.status(), 200);
     let v: Value = r.json().await.unwrap();
     let tasks = v["tasks"].as_array().unwrap();
-    assert_eq!(tasks.len(), n);
+    assert_eq!(tasks.len(), n + 2);
     assert_eq!(tasks[0]["name"], "big00000");
     assert_eq!(tasks[n - 1]["name"], format!("big{:05}", n - 1));
+
+    // Pages of 1,000 walk them all.
+    let (seen, pages) = walk(&m, "", 1000).await;
+    assert_eq!((seen.len(), pages), (n + 2, 11));
+    assert!(seen.is_sorted());
+    // The two pooled tasks come after 10,050 concurrency specs: the first page stops after
+    // examining 10,000 of them, empty, with a cursor; the second finds both.
+    let (s, p) = get(&m, "/api/v1/tasks?mode=pooled&limit=5").await;
+    assert_eq!(s, 200, "{p}");
+    assert_eq!(names_of(&p), Vec::<String>::new());
+    assert_eq!(p["next"], "big09999");
+    let (seen, pages) = walk(&m, "mode=pooled", 5).await;
+    assert_eq!(
+        (seen, pages),
+        (vec!["bigp0".to_string(), "bigp1".into()], 2)
+    );
+    // A prefix reads its own keys only.
+    let (seen, pages) = walk(&m, "prefix=big1&mode=concurrency", 1000).await;
+    assert_eq!((seen.len(), pages), (50, 1));
     assert_eq!(m.log_count("panicked"), 0);
 }

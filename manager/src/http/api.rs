@@ -5,7 +5,7 @@
 //! (task spec, settings) that fails validation (written into etcd by hand), 503 when etcd or
 //! Redis cannot be reached.
 
-use axum::extract::State;
+use axum::extract::{RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use redis::AsyncCommands;
@@ -19,7 +19,8 @@ use utoipa_axum::routes;
 
 use super::AppState;
 use super::extract::{ApiBody, ApiPath};
-use super::openapi::{Cluster, ErrorBody, TaskList, TaskSpecDoc};
+use super::listing::{page_json, parse_list_query};
+use super::openapi::{Cluster, ErrorBody, ListParams, TaskList, TaskSpecDoc};
 use crate::election::ETCD_TIMEOUT;
 use crate::election::cluster_view;
 use crate::error::Error;
@@ -155,28 +156,28 @@ async fn cluster(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
     })))
 }
 
-/// Every task: the valid specs, and the stored ones that fail validation.
+/// The tasks (valid specs, and the stored ones that fail validation), in name order: every one,
+/// or those the query asks for, a page at a time ([`super::listing`]).
 #[utoipa::path(
     get,
     path = "/tasks",
     tag = "tasks",
+    params(ListParams),
     responses(
         (status = 200, description = "The tasks", body = TaskList),
+        (status = 400, description = "A bad or unknown parameter (`field` names it)", body = ErrorBody),
         (status = 500, description = "An unexpected backend error (stored data that cannot be decoded)", body = ErrorBody),
         (status = 503, description = "etcd cannot be reached", body = ErrorBody),
     )
 )]
-async fn list_tasks(State(s): State<AppState>) -> ApiResult<axum::Json<Value>> {
-    let (valid, invalid) = s.store.list().await?;
-    let tasks: Vec<Value> = valid
-        .iter()
-        .map(|t| t.spec.to_api_json(&t.name, t.version))
-        .collect();
-    let invalid: Vec<Value> = invalid
-        .iter()
-        .map(|t| json!({"name": t.name, "version": t.version, "error": t.error, "field": t.field}))
-        .collect();
-    Ok(axum::Json(json!({ "tasks": tasks, "invalid": invalid })))
+async fn list_tasks(
+    State(s): State<AppState>,
+    RawQuery(raw): RawQuery,
+) -> ApiResult<axum::Json<Value>> {
+    let q = parse_list_query(raw.as_deref().unwrap_or(""))
+        .map_err(|e| ApiError::field(StatusCode::BAD_REQUEST, e))?;
+    let page = s.store.page(&q.filter, q.limit).await?;
+    Ok(axum::Json(page_json(&page)))
 }
 
 /// Live status of a task, read from Redis. Fields are null when Redis cannot be read.

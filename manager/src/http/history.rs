@@ -5,7 +5,8 @@
 //! ```text
 //!  GET /tasks/{name}/history?seconds=N[&resolution=1s|1m]  ring records + live slices
 //!  GET /hosts[?task=T]                                      NS:hosts, parsed
-//!  GET /traffic                                             every task: threshold now, rates,
+//!  GET /traffic[?prefix&mode&keyed&limit&after]            every task (or a page of them, as
+//!                                                           GET /tasks): threshold now, rates,
 //!                                                           host states
 //! ```
 //!
@@ -14,7 +15,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use axum::extract::{Query, State};
+use axum::extract::{Query, RawQuery, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use futures::StreamExt;
@@ -25,6 +26,7 @@ use sluice_protocol::{HostReport, meta_field, slice, unix_ms, validate_task_name
 use super::AppState;
 use super::api::{ApiError, invalid_task_body};
 use super::extract::ApiPath;
+use super::listing::parse_list_query;
 use crate::error::{Error, Result as CrateResult, redis as redis_err};
 use crate::history::{self, MINUTES, Record, SECONDS, Series, SliceSample};
 use crate::tasks::Stored;
@@ -465,19 +467,25 @@ async fn concurrency_traffic(mut conn: RedisConn, s: &AppState, name: &str) -> C
     }))
 }
 
-/// Every task's threshold now, admitted/rejected rates and host states (the dashboard's list).
+/// The threshold now, admitted/rejected rates and host states of every task, or of the page of
+/// tasks the query asks for (the same query as `GET /tasks`: the dashboard's list asks for the
+/// traffic of the page it shows).
 #[utoipa::path(
     get,
     path = "/traffic",
     tag = "traffic",
+    params(super::openapi::ListParams),
     responses(
         (status = 200, description = "The summary", body = super::openapi::Traffic),
+        (status = 400, description = "A bad or unknown parameter (`field` names it)", body = super::openapi::ErrorBody),
         (status = 500, description = "An unexpected backend error", body = super::openapi::ErrorBody),
         (status = 503, description = "etcd or Redis cannot be reached", body = super::openapi::ErrorBody),
     )
 )]
-async fn traffic(State(s): State<AppState>) -> Reply {
-    let (tasks, _invalid) = s.store.list().await.map_err(backend)?;
+async fn traffic(State(s): State<AppState>, RawQuery(raw): RawQuery) -> Reply {
+    let q = parse_list_query(raw.as_deref().unwrap_or("")).map_err(|e| bad(&e.field, e.error))?;
+    let page = s.store.page(&q.filter, q.limit).await.map_err(backend)?;
+    let (tasks, next) = (page.tasks, page.next);
     let conn = s
         .redis
         .conn()
@@ -524,5 +532,7 @@ async fn traffic(State(s): State<AppState>) -> Reply {
         v["hosts"] = json!(states.remove(&name).unwrap_or_default());
         out.insert(name, v);
     }
-    Ok(axum::Json(json!({ "now_ms": now, "tasks": out })))
+    Ok(axum::Json(
+        json!({ "now_ms": now, "tasks": out, "next": next }),
+    ))
 }

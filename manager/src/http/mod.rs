@@ -8,6 +8,7 @@ pub mod envoy;
 pub mod extract;
 pub mod history;
 pub mod keys;
+pub mod listing;
 pub mod openapi;
 pub mod ops;
 pub mod tls;

@@ -20,7 +20,7 @@ use axum::response::IntoResponse;
 use utoipa::openapi::path::{Operation, PathItem};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityRequirement, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, Ref, ResponseBuilder};
-use utoipa::{Modify, OpenApi, ToSchema};
+use utoipa::{IntoParams, Modify, OpenApi, ToSchema};
 
 /// The document's skeleton: title, tags, schemas referenced by name, and the access rules.
 #[derive(OpenApi)]
@@ -393,11 +393,42 @@ pub struct TaskSpecDoc {
     status: Option<serde_json::Value>,
 }
 
-/// `GET /api/v1/tasks`: the valid tasks, and the stored specs that fail validation.
+/// `GET /api/v1/tasks`: the valid tasks, and the stored specs that fail validation, each list
+/// in name order.
 #[derive(ToSchema)]
 pub struct TaskList {
     tasks: Vec<TaskSpecDoc>,
     invalid: Vec<InvalidTaskDoc>,
+    /// With `limit`: the `after` of the next page, null when no stored spec after this page
+    /// matches (a non-null `next` says more may). Always null without `limit`.
+    #[schema(required = true)]
+    next: Option<String>,
+}
+
+/// The query of a task listing (`GET /api/v1/tasks`, `GET /api/v1/traffic`), every parameter
+/// optional: none lists every task. With `limit`, pages: follow `next` (as `after`) until it is
+/// null. `limit` counts `tasks` and `invalid` together; one page examines at most 10,000
+/// stored specs, so a page filtered by `mode` or `keyed` may hold fewer (even none) and still
+/// have a `next`.
+#[derive(IntoParams)]
+#[into_params(parameter_in = Query)]
+pub struct ListParams {
+    /// Only names starting with this.
+    #[param(pattern = "^[A-Za-z0-9_.-]{0,64}$", nullable = false)]
+    prefix: Option<String>,
+    /// Only valid specs of this mode (stored specs that fail validation are left out).
+    #[param(inline, nullable = false)]
+    mode: Option<ModeDoc>,
+    /// Only valid specs that are keyed (`true`) or not (`false`) (stored specs that fail
+    /// validation are left out).
+    #[param(nullable = false)]
+    keyed: Option<bool>,
+    /// At most this many entries, and a `next`.
+    #[param(minimum = 1, maximum = 1000, nullable = false)]
+    limit: Option<u32>,
+    /// Only names after this one (bytewise): the `next` of the page before.
+    #[param(pattern = "^[A-Za-z0-9_.-]{1,64}$", nullable = false)]
+    after: Option<String>,
 }
 
 /// A stored spec that fails validation.
@@ -517,6 +548,9 @@ pub struct Traffic {
     now_ms: i64,
     #[schema(value_type = Object)]
     tasks: serde_json::Value,
+    /// With `limit`: the `after` of the next page, as `GET /api/v1/tasks` answers it.
+    #[schema(required = true)]
+    next: Option<String>,
 }
 
 /// `GET /api/v1/alerts`.
