@@ -102,6 +102,89 @@ describe('dashboard', () => {
     }
   });
 
+  test('the task list loads pages, searches by name prefix and filters by mode and keyed', T, async () => {
+    const ns = uniqueNs('uipages');
+    const m = await manager({ ns, nodeId: 'p1' });
+    const p = await page();
+    // Every list and traffic request the page makes: none may ask for every task.
+    const asked = [];
+    p.on('request', (r) => {
+      const u = new URL(r.url());
+      if (u.pathname === '/api/v1/tasks' || u.pathname === '/api/v1/traffic') asked.push(u);
+    });
+    try {
+      // 205 concurrency tasks (the leader writes no slices for them), 3 pooled, 1 local.
+      const specs = [];
+      for (let i = 0; i < 205; i++) specs.push([`bulk-${String(i).padStart(3, '0')}`, { threshold: 5, mode: 'concurrency' }]);
+      specs.push(['pay-1', { threshold: 5 }], ['pay-2', { threshold: 5 }], ['pay-keyed', { threshold: 5, keyed: true }]);
+      specs.push(['zz-local', { threshold: 5, mode: 'local' }]);
+      for (let i = 0; i < specs.length; i += 8) {
+        const batch = specs.slice(i, i + 8).map(([name, spec]) => call(m.url, 'PUT', `/api/v1/tasks/${name}`, spec));
+        for (const r of await Promise.all(batch)) assert.equal(r.status, 201, JSON.stringify(r.body));
+      }
+      const rows = p.locator('[data-testid="tasks-table"] tbody tr');
+      const names = async () => rows.evaluateAll((trs) => trs.map((tr) => tr.dataset.task));
+      const count = p.getByTestId('tasks-count');
+
+      // A page of 100, in name order; "Load 100 more" twice shows the rest.
+      await p.goto(`${m.url}/`);
+      await waitFor('the first page', async () => (await rows.count()) === 100);
+      const first = await names();
+      assert.equal(first[0], 'bulk-000');
+      assert.equal(first[99], 'bulk-099');
+      assert.match(await count.textContent(), /100 tasks shown, more to load/);
+      await p.getByRole('button', { name: 'Load 100 more' }).click();
+      await waitFor('the second page', async () => (await rows.count()) === 200);
+      await p.getByRole('button', { name: 'Load 100 more' }).click();
+      await waitFor('the last page', async () => (await rows.count()) === 209);
+      const all = await names();
+      assert.deepEqual(all, [...all].sort());
+      assert.equal(new Set(all).size, 209);
+      assert.equal(all[208], 'zz-local');
+      assert.equal(await p.getByRole('button', { name: /Load .* more/ }).count(), 0);
+      assert.match(await count.textContent(), /^209 tasks$/);
+
+      // The search is a name prefix, asked of the API; it starts again from the first page.
+      await p.getByLabel('Search tasks').fill('pay');
+      await waitFor('the pay tasks', async () => JSON.stringify(await names()) === '["pay-1","pay-2","pay-keyed"]');
+      assert.match(p.url(), /[?&]q=pay/);
+      await p.getByLabel('Keyed', { exact: true }).selectOption('true');
+      await waitFor('the keyed one', async () => JSON.stringify(await names()) === '["pay-keyed"]');
+      await p.getByLabel('Keyed', { exact: true }).selectOption('false');
+      await waitFor('the others', async () => JSON.stringify(await names()) === '["pay-1","pay-2"]');
+      await p.getByLabel('Mode', { exact: true }).selectOption('local');
+      await p.getByText('No task matches').waitFor();
+      await p.getByLabel('Search tasks').fill('');
+      await waitFor('the local task', async () => JSON.stringify(await names()) === '["zz-local"]');
+      await p.getByLabel('Keyed', { exact: true }).selectOption('');
+      await p.getByLabel('Mode', { exact: true }).selectOption('concurrency');
+      await p.getByLabel('Search tasks').fill('bulk-2');
+      await waitFor('bulk-200 to bulk-204', async () => (await names()).join() === 'bulk-200,bulk-201,bulk-202,bulk-203,bulk-204');
+      // Not a name's start: said at once, nothing asked.
+      await p.getByLabel('Search tasks').fill('a b');
+      await p.getByText('names use only').waitFor();
+      // The filters are in the URL: a reload keeps them.
+      await p.goto(`${m.url}/?q=pay&keyed=true`);
+      await waitFor('the keyed one after a reload', async () => JSON.stringify(await names()) === '["pay-keyed"]');
+      assert.equal(await p.getByLabel('Search tasks').inputValue(), 'pay');
+
+      // The cluster page reads the horizon of a bounded page of tasks.
+      await p.goto(`${m.url}/cluster`);
+      await p.getByTestId('horizon').waitFor();
+      await waitFor('the horizon table', async () => (await p.locator('[data-testid="horizons"] tbody tr').count()) > 0);
+
+      assert.ok(asked.length > 0);
+      for (const u of asked) {
+        const limit = Number(u.searchParams.get('limit'));
+        assert.ok(limit >= 1 && limit <= 1000, `${u.pathname}${u.search} asks for every task`);
+        assert.ok(!u.searchParams.get('prefix')?.includes(' '), `${u.search}: a bad prefix was sent`);
+      }
+      assert.deepEqual(p.errors, []);
+    } finally {
+      await cleanup([m], [p]);
+    }
+  });
+
   test('a bad value shows the field error and writes nothing', T, async () => {
     const ns = uniqueNs('uibad');
     const m = await manager({ ns, nodeId: 'b1' });

@@ -38,6 +38,49 @@ export interface TaskSpec {
   key_overrides?: Record<string, number>;
 }
 
+/** A spec stored in etcd that fails validation (GET /api/v1/tasks lists it under `invalid`). */
+export interface InvalidTask {
+  name: string;
+  version: number;
+  error: string;
+  field: string;
+}
+
+/** A page of tasks (GET /api/v1/tasks): `next` is the `after` of the page after, or null. */
+export interface TaskList {
+  tasks: TaskSpec[];
+  invalid: InvalidTask[];
+  next?: string | null;
+}
+
+/** What a task list asks for (the query of GET /api/v1/tasks and /api/v1/traffic). */
+export interface TaskQuery {
+  /** Names starting with this. */
+  prefix?: string;
+  mode?: string;
+  keyed?: boolean;
+  limit?: number;
+  after?: string | null;
+}
+
+/** The modes a spec accepts (the API's spelling). */
+export const MODES = ['pooled', 'local', 'exact_fixed', 'exact_sliding', 'concurrency'] as const;
+
+/** Whether `s` can start a task name (`[A-Za-z0-9_.-]`, at most 64; empty = any). */
+export const isNamePrefix = (s: string) => /^[A-Za-z0-9_.-]{0,64}$/.test(s);
+
+/** `?prefix=…&mode=…` for a task query (parameters left out when not set). */
+export function taskQueryString(q: TaskQuery): string {
+  const u = new URLSearchParams();
+  if (q.prefix) u.set('prefix', q.prefix);
+  if (q.mode) u.set('mode', q.mode);
+  if (q.keyed !== undefined) u.set('keyed', String(q.keyed));
+  if (q.limit !== undefined) u.set('limit', String(q.limit));
+  if (q.after) u.set('after', q.after);
+  const s = u.toString();
+  return s ? `?${s}` : '';
+}
+
 /** One key of a keyed task's top keys, with the permits of the window. */
 export interface TopKey {
   key: string;
@@ -161,6 +204,8 @@ export interface TaskTraffic {
 export interface Traffic {
   now_ms: number;
   tasks: Record<string, TaskTraffic>;
+  /** Asked with `limit`: the `after` of the next page of tasks, or null. */
+  next?: string | null;
 }
 
 export interface Alert {

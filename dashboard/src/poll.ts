@@ -13,10 +13,15 @@ export interface Polled<T> {
   refresh: () => void;
 }
 
+/**
+ * `keepData`: when the inputs change, the last data stays on screen until the new request
+ * answers (a search box: the list does not blink to "Loading…" at every key).
+ */
 export function usePoll<T>(
   fn: (signal: AbortSignal) => Promise<T>,
   everyMs: number,
   deps: unknown[],
+  { keepData = false }: { keepData?: boolean } = {},
 ): Polled<T> {
   const [state, setState] = useState<{ data?: T; error?: ApiError; loading: boolean }>({ loading: true });
   const kick = useRef<() => void>(() => {});
@@ -24,7 +29,7 @@ export function usePoll<T>(
     const ctl = new AbortController();
     let timer: ReturnType<typeof setTimeout> | undefined;
     let running = false;
-    setState({ loading: true });
+    setState((s) => (keepData ? { data: s.data, loading: true } : { loading: true }));
     const run = async () => {
       if (running || ctl.signal.aborted) return;
       running = true;

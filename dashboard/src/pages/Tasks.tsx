@@ -1,30 +1,72 @@
-// Tasks: every task with its threshold now, traffic and state; search; a way to create one.
+// Tasks: the task list, a page at a time. The search (a name prefix) and the filters (mode,
+// keyed) are the API's (GET /api/v1/tasks?prefix&mode&keyed&limit&after): nothing here loads
+// every task. Each page's threshold now, rates and state come from GET /api/v1/traffic with
+// the same query, so the traffic read is the page's too.
 
-import { useState } from 'preact/hooks';
-import { ApiError, get, type TaskSpec, type TaskTraffic, type Traffic } from '../api';
+import { useEffect, useState } from 'preact/hooks';
+import {
+  ApiError,
+  get,
+  isNamePrefix,
+  MODES,
+  taskQueryString,
+  type TaskList,
+  type TaskQuery,
+  type TaskSpec,
+  type TaskTraffic,
+  type Traffic,
+} from '../api';
 import { Badge, ErrorNote } from '../components/ui';
 import { duration, num, sliceLen } from '../format';
 import { Link } from '../router';
 import { usePoll } from '../poll';
 
+/** Tasks a page asks for, and how many more "Load more" shows. */
+export const PAGE = 100;
+
+/**
+ * Requests a load may make beyond its pages when pages come back short: a filter by mode or
+ * keyed whose matches are rare (the API examines at most 10,000 specs a request, so ten more
+ * cover 100,000).
+ */
+const EXTRA_REQUESTS = 10;
+
 interface Data {
   tasks: TaskSpec[];
-  traffic?: Traffic;
+  /** Task name → its traffic (the pages' tasks only). */
+  traffic: Record<string, TaskTraffic>;
   trafficError?: ApiError;
+  /** The `after` of the page after the last one loaded; null when every match is loaded. */
+  next: string | null;
 }
 
-async function load(signal: AbortSignal): Promise<Data> {
-  const [tasks, traffic] = await Promise.allSettled([
-    get<{ tasks: TaskSpec[] }>('/api/v1/tasks', signal),
-    get<Traffic>('/api/v1/traffic', signal),
-  ]);
-  if (tasks.status === 'rejected') throw tasks.reason;
-  return {
-    tasks: tasks.value.tasks,
-    traffic: traffic.status === 'fulfilled' ? traffic.value : undefined,
-    trafficError: traffic.status === 'rejected' ? (traffic.reason as ApiError) : undefined,
-  };
+/**
+ * Walks the pages of `filter` from the first until `want` tasks are loaded or none is left;
+ * each page's traffic is read after it (pages without tasks read none).
+ */
+async function load(filter: TaskQuery, want: number, signal: AbortSignal): Promise<Data> {
+  const out: Data = { tasks: [], traffic: {}, next: null };
+  let after: string | null = null;
+  for (let requests = 1; ; requests++) {
+    const qs = taskQueryString({ ...filter, limit: PAGE, after });
+    const page = await get<TaskList>(`/api/v1/tasks${qs}`, signal);
+    out.tasks.push(...page.tasks);
+    if (page.tasks.length > 0 && !out.trafficError) {
+      try {
+        Object.assign(out.traffic, (await get<Traffic>(`/api/v1/traffic${qs}`, signal)).tasks);
+      } catch (e) {
+        if (signal.aborted) throw e;
+        out.trafficError = e instanceof ApiError ? e : new ApiError(-2, String(e));
+      }
+    }
+    after = page.next ?? null;
+    if (!after || out.tasks.length >= want || requests >= Math.ceil(want / PAGE) + EXTRA_REQUESTS) break;
+  }
+  out.next = after;
+  return out;
 }
+
+const NOTHING: Data = { tasks: [], traffic: {}, next: null };
 
 /** The task's state from its hosts' reports (and its traffic when no host reports). */
 export function taskState(t?: TaskTraffic): { kind: string; text: string; title: string } {
@@ -40,19 +82,67 @@ export function taskState(t?: TaskTraffic): { kind: string; text: string; title:
   return { kind: 'muted', text: 'idle', title: 'No traffic in the last seconds' };
 }
 
+/** The search and filters, as the page's URL keeps them (`?q=&mode=&keyed=`). */
+function fromUrl() {
+  const u = new URLSearchParams(location.search);
+  const mode = u.get('mode') ?? '';
+  const keyed = u.get('keyed') ?? '';
+  return {
+    q: u.get('q') ?? '',
+    mode: (MODES as readonly string[]).includes(mode) ? mode : '',
+    keyed: keyed === 'true' || keyed === 'false' ? keyed : '',
+  };
+}
+
 export function TasksPage() {
-  const [q, setQ] = useState(() => new URLSearchParams(location.search).get('q') ?? '');
-  const { data, error, loading } = usePoll(load, 2000, []);
-  const needle = q.trim().toLowerCase();
-  const tasks = (data?.tasks ?? []).filter(
-    (t) => !needle || t.name.toLowerCase().includes(needle) || t.description.toLowerCase().includes(needle),
-  );
-  const onSearch = (v: string) => {
-    setQ(v);
+  const [initial] = useState(fromUrl);
+  const [q, setQ] = useState(initial.q);
+  const [mode, setMode] = useState(initial.mode);
+  const [keyed, setKeyed] = useState(initial.keyed);
+  // The prefix asked for: the search box, once typing pauses.
+  const [prefix, setPrefix] = useState(initial.q.trim());
+  const [pages, setPages] = useState(1);
+  useEffect(() => {
+    const t = setTimeout(() => {
+      if (q.trim() === prefix) return;
+      setPrefix(q.trim());
+      setPages(1);
+    }, 200);
+    return () => clearTimeout(t);
+  }, [q]);
+  useEffect(() => {
     const u = new URL(location.href);
-    if (v) u.searchParams.set('q', v);
-    else u.searchParams.delete('q');
+    for (const [k, v] of [
+      ['q', q],
+      ['mode', mode],
+      ['keyed', keyed],
+    ]) {
+      if (v) u.searchParams.set(k, v);
+      else u.searchParams.delete(k);
+    }
     history.replaceState(null, '', u.pathname + u.search);
+  }, [q, mode, keyed]);
+
+  const badPrefix = !isNamePrefix(prefix);
+  const filter: TaskQuery = { prefix, mode: mode || undefined, keyed: keyed ? keyed === 'true' : undefined };
+  const { data, error, loading } = usePoll(
+    (s) => (badPrefix ? Promise.resolve(NOTHING) : load(filter, pages * PAGE, s)),
+    2000,
+    [prefix, mode, keyed, pages],
+    { keepData: true },
+  );
+  const filtered = Boolean(prefix || mode || keyed);
+  const tasks = data?.tasks ?? [];
+  const what = [
+    prefix ? `names starting with “${prefix}”` : '',
+    mode ? `mode ${mode}` : '',
+    keyed === 'true' ? 'keyed' : keyed === 'false' ? 'not keyed' : '',
+  ]
+    .filter(Boolean)
+    .join(', ');
+  const onFilter = (set: (v: string) => void) => (e: Event) => {
+    set((e.currentTarget as HTMLSelectElement).value);
+    setPages(1);
   };
   return (
     <div class="page">
@@ -69,20 +159,45 @@ export function TasksPage() {
         <input
           id="task-search"
           type="search"
-          placeholder="Search by name or description"
+          placeholder="Search by name (its start)"
           value={q}
-          onInput={(e) => onSearch(e.currentTarget.value)}
+          aria-invalid={badPrefix ? 'true' : undefined}
+          onInput={(e) => setQ(e.currentTarget.value)}
         />
-        <span class="muted small" aria-live="polite">
-          {data ? `${tasks.length} of ${data.tasks.length} task${data.tasks.length === 1 ? '' : 's'}` : ''}
+        <label for="task-mode" class="sr-only">
+          Mode
+        </label>
+        <select id="task-mode" value={mode} onChange={onFilter(setMode)}>
+          <option value="">Any mode</option>
+          {MODES.map((m) => (
+            <option value={m}>{m}</option>
+          ))}
+        </select>
+        <label for="task-keyed" class="sr-only">
+          Keyed
+        </label>
+        <select id="task-keyed" value={keyed} onChange={onFilter(setKeyed)}>
+          <option value="">Keyed or not</option>
+          <option value="true">Keyed</option>
+          <option value="false">Not keyed</option>
+        </select>
+        <span class="muted small" aria-live="polite" data-testid="tasks-count">
+          {data && !badPrefix
+            ? `${num(tasks.length)} task${tasks.length === 1 ? '' : 's'}${data.next ? ' shown, more to load' : ''}`
+            : ''}
         </span>
       </div>
+      {badPrefix ? (
+        <p class="note" role="alert">
+          No task name starts with “{prefix}”: names use only A–Z a–z 0–9 _ . - (at most 64).
+        </p>
+      ) : null}
       <ErrorNote error={error} what="the tasks" />
       {data?.trafficError && !data.trafficError.unreachable ? (
         <p class="note muted">Live traffic is not available: {data.trafficError.message}</p>
       ) : null}
       {loading && !data ? <p class="muted">Loading…</p> : null}
-      {data && data.tasks.length === 0 ? (
+      {data && tasks.length === 0 && !filtered && !data.next ? (
         <div class="empty">
           <p>No tasks yet.</p>
           <Link href="/new" class="button">
@@ -90,7 +205,12 @@ export function TasksPage() {
           </Link>
         </div>
       ) : null}
-      {data && data.tasks.length > 0 ? (
+      {data && tasks.length === 0 && filtered && !badPrefix ? (
+        <p class="muted">
+          No task matches ({what}){data.next ? ' among those read so far' : ''}.
+        </p>
+      ) : null}
+      {data && tasks.length > 0 ? (
         <div class="table-wrap">
           <table class="tasks" data-testid="tasks-table">
             <thead>
@@ -113,7 +233,7 @@ export function TasksPage() {
             </thead>
             <tbody>
               {tasks.map((t) => {
-                const tr = data.traffic?.tasks[t.name];
+                const tr = data.traffic[t.name];
                 const st = taskState(tr);
                 const now = tr?.threshold ?? null;
                 return (
@@ -156,8 +276,14 @@ export function TasksPage() {
               })}
             </tbody>
           </table>
-          {tasks.length === 0 ? <p class="muted">No task matches “{q}”.</p> : null}
         </div>
+      ) : null}
+      {data?.next && !badPrefix ? (
+        <p>
+          <button type="button" class="secondary" disabled={loading} onClick={() => setPages((n) => n + 1)}>
+            {loading ? 'Loading…' : `Load ${PAGE} more`}
+          </button>
+        </p>
       ) : null}
     </div>
   );
