@@ -86,19 +86,24 @@ pub const TICK: Duration = Duration::from_secs(1);
 /// slice a second for nothing).
 pub const DORMANT_AFTER_MS: i64 = 60_000;
 
-/// How often a dormant task is harvested: 10 s, and at most a quarter of `retention`, so its
-/// slices are still in Redis when they are read (settle, at most a quarter, comes first).
-/// Records are pure functions of the slices, so a late harvest writes what a timely one would
-/// have; the API reads that much more of a task's recent slices live ([`live_from`]).
+/// How often a dormant task is harvested: 10 s, and short enough that its slices are still in
+/// Redis when they are read — a slice ends, settles, waits at most this period and a tick —
+/// so at most half of what `retention` leaves after settle and 3 s (0, i.e. every tick, when
+/// `retention` is short). Records are pure functions of the slices, so a late harvest writes
+/// what a timely one would have; the API reads that much more of a task's recent slices live
+/// ([`live_from`]). Keyed tasks are never dormant: the harvest also `UNLINK`s their key
+/// quota hashes, which expire by themselves 5 s after their window.
 ///
 /// ```
 /// use std::time::Duration;
 /// use sluice_manager::history::dormant_period;
 /// assert_eq!(dormant_period(Duration::from_secs(60)), Duration::from_secs(10));
-/// assert_eq!(dormant_period(Duration::from_secs(8)), Duration::from_secs(2));
+/// assert_eq!(dormant_period(Duration::from_secs(11)), Duration::from_millis(2_625));
+/// assert_eq!(dormant_period(Duration::from_secs(4)), Duration::ZERO);
 /// ```
 pub fn dormant_period(retention: Duration) -> Duration {
-    (retention / 4).min(Duration::from_secs(10))
+    (retention.saturating_sub(settle(retention) + Duration::from_secs(3)) / 2)
+        .min(Duration::from_secs(10))
 }
 
 /// Harvest calls (per task) in flight at once: multiplexed on one connection, pipelined.
@@ -649,12 +654,18 @@ impl Harvester {
             .buffer_unordered(CONCURRENCY)
             .collect()
             .await;
+        let keyed: std::collections::HashSet<String> = snap
+            .tasks
+            .values()
+            .filter(|e| e.spec.keyed)
+            .map(|e| e.name.clone())
+            .collect();
         let mut stats = HarvestStats::default();
         let dormant_every = dormant_period(self.retention).as_millis() as i64;
         for (name, r) in results {
             match r {
                 Ok((mut st, slices, records, would_reject)) => {
-                    st.next_ms = if now - st.busy_ms >= DORMANT_AFTER_MS {
+                    st.next_ms = if now - st.busy_ms >= DORMANT_AFTER_MS && !keyed.contains(&name) {
                         now + dormant_every
                     } else {
                         0

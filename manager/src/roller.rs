@@ -567,7 +567,7 @@ impl Roller {
             let keys = &self.keys;
             let fence = &fence;
             let secret = self.key_secret.as_ref();
-            let results: Vec<(Arc<TaskEntry>, Attempt, Plan, Result<(RollOutcome, bool)>)> =
+            let results: Vec<(Arc<TaskEntry>, Attempt, Plan, Result<(RollOutcome, Sent)>)> =
                 futures::stream::iter(jobs)
                     .map(|(entry, attempt, plan)| {
                         let mut c = conn.clone();
@@ -590,13 +590,21 @@ impl Roller {
                     .collect()
                     .await;
             for (entry, attempt, plan, r) in results {
-                let (r, probed) = match r {
-                    Ok((out, probed)) => (Ok(out), probed),
-                    Err(e) => (Err(e), false),
+                let (r, sent) = match r {
+                    Ok((out, sent)) => (Ok(out), sent),
+                    // Failed somewhere: counted as the call it was meant to be.
+                    Err(e) => (
+                        Err(e),
+                        Sent {
+                            probe: false,
+                            script: true,
+                        },
+                    ),
                 };
-                if probed {
+                if sent.probe {
                     stats.probes += 1;
-                } else {
+                }
+                if sent.script {
                     stats.calls += plan.slices.len().div_ceil(MAX_SLICES_PER_CALL).max(1) as u64;
                 }
                 let name = &entry.name;
@@ -1054,8 +1062,17 @@ async fn execute(
     plan: &Plan,
     force: bool,
     secret: Option<&sluice_protocol::KeySecret>,
-) -> Result<(RollOutcome, bool)> {
-    if plan.slices.is_empty() && !plan.write_meta && !plan.refresh && !plan.full && !force {
+) -> Result<(RollOutcome, Sent)> {
+    // `rolled_to` must not move either: the script would write it and claim the fence (a
+    // concurrency task has no slices, yet its window moves every slice).
+    let quiet = plan.slices.is_empty()
+        && !plan.write_meta
+        && !plan.refresh
+        && !plan.full
+        && !force
+        && plan.new_rolled_to <= plan.expect_rolled_to;
+    let mut probed = false;
+    if quiet {
         // Nothing to write: one HMGET tells whether the script would write nothing either
         // (the common case, answered without a script); anything else goes to the script.
         let probe = scripts::roll_probe(
@@ -1069,8 +1086,15 @@ async fn execute(
         match tokio::time::timeout(CALL_TIMEOUT, probe).await {
             Ok(r) => {
                 if r.map_err(redis_err("roll probe"))? {
-                    return Ok((RollOutcome::Written(0), true));
+                    return Ok((
+                        RollOutcome::Written(0),
+                        Sent {
+                            probe: true,
+                            script: false,
+                        },
+                    ));
                 }
+                probed = true;
             }
             Err(_) => {
                 return Err(Error::Timeout {
@@ -1127,7 +1151,15 @@ async fn execute(
         };
         match out {
             RollOutcome::Written(k) => written += k,
-            other => return Ok((other, false)),
+            other => {
+                return Ok((
+                    other,
+                    Sent {
+                        probe: probed,
+                        script: true,
+                    },
+                ));
+            }
         }
         expect = if plan.full && first {
             rolled_to
@@ -1135,7 +1167,22 @@ async fn execute(
             expect.max(rolled_to)
         };
     }
-    Ok((RollOutcome::Written(written), false))
+    Ok((
+        RollOutcome::Written(written),
+        Sent {
+            probe: probed,
+            script: true,
+        },
+    ))
+}
+
+/// What one task's turn sent to Redis.
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    /// The one-`HMGET` probe ([`scripts::roll_probe`]).
+    probe: bool,
+    /// The roll script (after a probe that could not vouch, or instead of one).
+    script: bool,
 }
 
 /// Dynamic threshold overrides by task, set by the dynamic controller, read by the roller.

@@ -238,7 +238,8 @@ async fn http_requests_are_bounded() {
     let s2 = slow_body(&a.http).await;
     let v = wait_until(
         "a request refused while two are in flight",
-        Duration::from_secs(6),
+        // Well inside the 6 s window: the RLS call below must still find both in flight.
+        Duration::from_secs(4),
         Duration::from_millis(20),
         || async {
             let (s, v) = a.decide(&json!({"task": "t"})).await;

@@ -413,3 +413,32 @@ async fn deleting_a_task_retires_its_meta_but_keeps_the_fence() {
     )
     .await;
 }
+
+/// Issue 27's cheap probe: a task with nothing new to write is checked by one HMGET, and a task
+/// whose window moves without slices (mode `concurrency`) is not mistaken for one — before the
+/// review's fix its `rolled_to` was skipped by the probe and the task was "healed" (rewritten
+/// whole) every slice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_tasks_are_probed_and_never_rewritten_as_lost() {
+    let ns = unique_ns("probe");
+    let m = Manager::start(ManagerOpts::new(&shared_etcd(), &shared_redis(), &ns, "n0")).await;
+    m.wait_leader().await;
+    for (name, body) in [
+        ("short", r#"{"threshold": 10, "slice_ms": 1000}"#),
+        ("long", r#"{"threshold": 10, "slice_ms": 60000}"#),
+        ("permits", r#"{"threshold": 10, "mode": "concurrency"}"#),
+    ] {
+        let (s, v) = m.put(&format!("/api/v1/tasks/{name}"), body).await;
+        assert_eq!(s, 201, "{name}: {v}");
+    }
+    let probes = m.metric("sluice_roll_probes_total").await.unwrap_or(0.0);
+    // Several ticks (500 ms) and slice boundaries of the 1 s grid.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(
+        m.log_count("rewrote tasks that Redis had lost"),
+        0,
+        "a task with nothing lost was rewritten whole"
+    );
+    let after = m.metric("sluice_roll_probes_total").await.unwrap_or(0.0);
+    assert!(after > probes, "no probe in 4 s: {probes} -> {after}");
+}
