@@ -567,7 +567,7 @@ impl Roller {
             let keys = &self.keys;
             let fence = &fence;
             let secret = self.key_secret.as_ref();
-            let results: Vec<(Arc<TaskEntry>, Attempt, Plan, Result<(RollOutcome, Sent)>)> =
+            let results: Vec<(Arc<TaskEntry>, Attempt, Plan, Result<Turn>)> =
                 futures::stream::iter(jobs)
                     .map(|(entry, attempt, plan)| {
                         let mut c = conn.clone();
@@ -1062,7 +1062,7 @@ async fn execute(
     plan: &Plan,
     force: bool,
     secret: Option<&sluice_protocol::KeySecret>,
-) -> Result<(RollOutcome, Sent)> {
+) -> Result<Turn> {
     // `rolled_to` must not move either: the script would write it and claim the fence (a
     // concurrency task has no slices, yet its window moves every slice).
     let quiet = plan.slices.is_empty()
@@ -1175,6 +1175,9 @@ async fn execute(
         },
     ))
 }
+
+/// What one task's turn got, and what it sent.
+type Turn = (RollOutcome, Sent);
 
 /// What one task's turn sent to Redis.
 #[derive(Debug, Clone, Copy)]

@@ -474,13 +474,7 @@ pub async fn roll_probe<C>(
 where
     C: redis::aio::ConnectionLike,
 {
-    let (term, epoch, rolled_to, retired, version): (
-        Option<String>,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-    ) = redis::cmd("HMGET")
+    let [term, epoch, rolled_to, retired, version]: [Option<String>; 5] = redis::cmd("HMGET")
         .arg(keys.meta(task))
         .arg(crate::meta_field::TERM)
         .arg(crate::meta_field::EPOCH)
