@@ -440,122 +440,73 @@ async fn the_cheap_probe_answers_only_where_the_script_would_write_nothing() {
             RollOutcome::Written(_)
         ));
     };
-    // (what is done to the meta after a full roll, probe's fence, expect, version, probe says)
-    type Edit = fn(&mut redis::Connection, &str);
-    let cases: Vec<(&str, Edit, Fence, i64, i64, bool)> = vec![
-        (
-            "as written",
-            |_, _| {},
-            fence(100, 7, 10_000),
-            rolled_to,
-            10,
-            true,
-        ),
-        (
-            "an older spec version held",
-            |_, _| {},
-            fence(100, 7, 10_000),
-            rolled_to,
-            11,
-            true,
-        ),
+    // (what, the meta field set after a full roll — `None` as the field: the meta deleted —,
+    // the probe's term and epoch, its expected rolled_to less the written one, its spec
+    // version, what the probe must say)
+    type Case<'a> = (
+        &'a str,
+        Option<(Option<&'a str>, &'a str)>,
+        i64,
+        u64,
+        i64,
+        i64,
+        bool,
+    );
+    let cases: Vec<Case> = vec![
+        ("as written", None, 100, 7, 0, 10, true),
+        ("an older spec version held", None, 100, 7, 0, 11, true),
         (
             "rolled further than expected",
-            |_, _| {},
-            fence(100, 7, 10_000),
-            rolled_to - 1_000,
+            None,
+            100,
+            7,
+            -1_000,
             10,
             true,
         ),
         (
             "rewound (an older snapshot)",
-            |_, _| {},
-            fence(100, 7, 10_000),
-            rolled_to + 1_000,
+            None,
+            100,
+            7,
+            1_000,
             10,
             false,
         ),
-        (
-            "a newer spec version stored",
-            |_, _| {},
-            fence(100, 7, 10_000),
-            rolled_to,
-            9,
-            false,
-        ),
-        (
-            "a new term of this epoch",
-            |_, _| {},
-            fence(101, 7, 10_000),
-            rolled_to,
-            10,
-            false,
-        ),
-        (
-            "another epoch",
-            |_, _| {},
-            fence(100, 8, 10_000),
-            rolled_to,
-            10,
-            false,
-        ),
-        (
-            "the meta lost",
-            |c, m| {
-                let _: () = redis::cmd("DEL").arg(m).query(c).unwrap();
-            },
-            fence(100, 7, 10_000),
-            rolled_to,
-            10,
-            false,
-        ),
+        ("a newer spec version stored", None, 100, 7, 0, 9, false),
+        ("a new term of this epoch", None, 101, 7, 0, 10, false),
+        ("another epoch", None, 100, 8, 0, 10, false),
+        ("the meta lost", Some((None, "")), 100, 7, 0, 10, false),
         (
             "retired",
-            |c, m| {
-                let _: () = redis::cmd("HSET")
-                    .arg(m)
-                    .arg("retired")
-                    .arg(11)
-                    .query(c)
-                    .unwrap();
-            },
-            fence(100, 7, 10_000),
-            rolled_to,
+            Some((Some("retired"), "11")),
+            100,
+            7,
+            0,
             10,
             false,
         ),
         (
             "rolled_to that does not parse",
-            |c, m| {
-                let _: () = redis::cmd("HSET")
-                    .arg(m)
-                    .arg("rolled_to")
-                    .arg("x")
-                    .query(c)
-                    .unwrap();
-            },
-            fence(100, 7, 10_000),
-            rolled_to,
+            Some((Some("rolled_to"), "x")),
+            100,
+            7,
+            0,
             10,
             false,
         ),
         (
             "a version that does not parse",
-            |c, m| {
-                let _: () = redis::cmd("HSET")
-                    .arg(m)
-                    .arg("version")
-                    .arg("1e3")
-                    .query(c)
-                    .unwrap();
-            },
-            fence(100, 7, 10_000),
-            rolled_to,
+            Some((Some("version"), "1e3")),
+            100,
+            7,
+            0,
             10,
             false,
         ),
     ];
-    for (what, edit, pf, expect, version, says) in cases {
+    for (what, edit, term, epoch, delta, version, says) in cases {
+        let (pf, expect) = (fence(term, epoch, 10_000), rolled_to + delta);
         setup(&mut c).await;
         // `expect` was computed against the window's end at the start; a second boundary may
         // have passed since (the review's flake): move it with what the roll wrote.
@@ -564,7 +515,20 @@ async fn the_cheap_probe_answers_only_where_the_script_would_write_nothing() {
             .expect("rolled_to");
         let expect = expect + (written - rolled_to);
         let meta_key = keys.meta("t");
-        edit(&mut sync, &meta_key);
+        match edit {
+            None => {}
+            Some((None, _)) => {
+                let _: () = redis::cmd("DEL").arg(&meta_key).query(&mut sync).unwrap();
+            }
+            Some((Some(field), value)) => {
+                let _: () = redis::cmd("HSET")
+                    .arg(&meta_key)
+                    .arg(field)
+                    .arg(value)
+                    .query(&mut sync)
+                    .unwrap();
+            }
+        }
         let got = scripts::roll_probe(&mut c, &keys, "t", &pf, expect, version)
             .await
             .expect("probe");
