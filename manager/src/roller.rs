@@ -114,6 +114,24 @@ pub struct RollConfig {
     pub fence_stale_after: Duration,
 }
 
+/// How far past the horizon a task's window is written when it is extended: a sixth of the
+/// horizon, at most 10 s, and 0 when that is shorter than a slice (one slice at a time, as a
+/// 60 s slice is anyway). Slices are always written at least `horizon` ahead; the step adds up
+/// to that much more (memory: up to `step / (horizon + retention)` more slice keys, 8 % with
+/// the defaults) and divides the roll calls of short slices by the slices in a step.
+///
+/// ```
+/// use std::time::Duration;
+/// use sluice_manager::roller::roll_step_ms;
+/// assert_eq!(roll_step_ms(Duration::from_secs(60), 1_000), 10_000);
+/// assert_eq!(roll_step_ms(Duration::from_secs(6), 100), 1_000);
+/// assert_eq!(roll_step_ms(Duration::from_secs(60), 60_000), 0);
+/// ```
+pub fn roll_step_ms(horizon: Duration, slice_ms: u64) -> i64 {
+    let step = (horizon.as_millis() as i64 / 6).min(10_000);
+    if step < slice_ms as i64 { 0 } else { step }
+}
+
 /// The effective threshold of the slice starting at `start_ms`: base → schedule → dynamic.
 pub fn effective_threshold(entry: &TaskEntry, dynamic: Option<u64>, start_ms: i64) -> u64 {
     let scheduled = entry.schedule.threshold_at(entry.spec.threshold, start_ms);
@@ -175,17 +193,21 @@ pub struct Plan {
 /// let entry = TaskEntry { name: "t".into(), schedule: Arc::default(), spec, version: 5, created: 5 };
 /// let cfg = RollConfig { horizon: Duration::from_secs(10), retention: Duration::from_secs(60),
 ///                        tick: Duration::from_millis(500), fence_stale_after: Duration::from_secs(10) };
-/// // A new leader writes the whole window: slices 1000..=11000, meta included.
+/// // A new leader writes the whole window, the horizon and a step (1,666 ms) past it:
+/// // slices 1000..=13000, meta included.
 /// let p = plan(&TaskRollState::default(), &entry, None, 1_500, &cfg, true);
-/// assert_eq!(p.slices.len(), 11);
+/// assert_eq!(p.slices.len(), 13);
 /// assert!(p.write_meta);
-/// assert_eq!(p.new_rolled_to, 12_000);
-/// // Half a second later nothing is new: the call only probes.
+/// assert_eq!(p.new_rolled_to, 14_000);
+/// // Half a second later nothing is new: the task is only probed.
 /// let q = plan(&p.next, &entry, None, 2_000 - 1, &cfg, false);
 /// assert!(q.slices.is_empty() && !q.write_meta && !q.refresh);
-/// // One slice later, exactly one new slice enters the window.
-/// let r = plan(&p.next, &entry, None, 2_500, &cfg, false);
-/// assert_eq!(r.slices.iter().map(|s| s.start_ms).collect::<Vec<_>>(), [12_000]);
+/// // Nor while a whole horizon is still written ahead.
+/// let q = plan(&p.next, &entry, None, 4_000, &cfg, false);
+/// assert!(q.slices.is_empty());
+/// // Then a step's worth of slices enters the window at once.
+/// let r = plan(&p.next, &entry, None, 4_500, &cfg, false);
+/// assert_eq!(r.slices.iter().map(|s| s.start_ms).collect::<Vec<_>>(), [14_000, 15_000, 16_000]);
 /// ```
 pub fn plan(
     state: &TaskRollState,
@@ -200,7 +222,14 @@ pub fn plan(
     let full = full || state.slice_ms != slice_ms || state.created != entry.created;
     let current = slice::start(now_ms, slice_ms);
     let ahead = (cfg.horizon.as_millis() as i64).min(len * MAX_SLICES_AHEAD);
-    let until = now_ms + ahead;
+    // The window is extended in steps: while a whole horizon is still written nothing new
+    // enters it; once it is not, it grows to a step past the horizon (one call writes ten
+    // 1 s slices every ten seconds instead of one every second: issue 27).
+    let until = if !full && state.rolled_to >= now_ms + ahead {
+        state.rolled_to
+    } else {
+        now_ms + (ahead + roll_step_ms(cfg.horizon, slice_ms)).min(len * MAX_SLICES_AHEAD)
+    };
     let recompute = full || state.version != entry.version || state.dynamic != dynamic;
 
     let mut caps = BTreeMap::new();
@@ -1330,7 +1359,44 @@ mod tests {
         let e = entry(r#"{"threshold": 1, "slice_ms": 250}"#, 1);
         let p = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true);
         assert_eq!(p.slices[0].expire_at_ms, 1_250 + 60_000);
-        assert_eq!(p.slices.len(), 20);
+        // The 5 s horizon and a step of 833 ms past it: slices 1,000 … 6,750.
+        assert_eq!(p.slices.len(), 24);
+    }
+
+    #[test]
+    fn the_window_grows_in_steps_and_never_falls_below_the_horizon() {
+        let e = entry(r#"{"threshold": 1, "slice_ms": 250}"#, 1);
+        let c = cfg();
+        let horizon = c.horizon.as_millis() as i64;
+        let mut st = TaskRollState::default();
+        let mut full = true;
+        let mut calls_with_slices = 0;
+        // 20 s of ticks: the window always reaches a horizon ahead, new slices come in steps.
+        for now in (1_000..21_000).step_by(500) {
+            let p = plan(&st, &e, None, now, &c, full);
+            full = false;
+            if !p.slices.is_empty() {
+                calls_with_slices += 1;
+                // A step's worth at once (after the first, whole-window write).
+                assert!(
+                    p.slices.len() >= 3 || now == 1_000,
+                    "{now}: {}",
+                    p.slices.len()
+                );
+            }
+            assert!(
+                p.new_rolled_to >= now + horizon,
+                "{now}: {}",
+                p.new_rolled_to
+            );
+            assert!(
+                p.new_rolled_to <= now + horizon + roll_step_ms(c.horizon, 250) + 250,
+                "{now}"
+            );
+            st = p.next;
+        }
+        // One call per step (833 ms, rounded to the ticks: every other tick), not every tick.
+        assert!(calls_with_slices <= 21, "{calls_with_slices}");
     }
 
     /// A slice_ms change: every slice of the new grid in the window is written with the new

@@ -134,7 +134,9 @@ async fn sigkill_of_the_leader_fails_over_within_ttl_plus_one_second_without_gap
         },
     )
     .await;
-    assert!(ahead <= 61.0, "{ahead}");
+    // At most the horizon and the step the window grows by (issue 27: 10 s of 1 s slices
+    // are written at once), and a second of margin.
+    assert!(ahead <= 71.0, "{ahead}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
