@@ -174,6 +174,29 @@ pub struct Plan {
     pub new_rolled_to: i64,
     /// State after success.
     pub next: TaskRollState,
+    /// Nothing planned ([`quiet`]): `next` is not filled in and the state stays as it is.
+    pub unchanged: bool,
+}
+
+/// Whether [`plan`] would plan nothing for this task at `now_ms` (no new slice, no cap to
+/// recompute, no meta, no fence refresh): the roller then only probes it, without planning
+/// (which copies the window's caps: the leader's CPU at 10,000 idle tasks).
+pub fn quiet(
+    state: &TaskRollState,
+    entry: &TaskEntry,
+    dynamic: Option<u64>,
+    now_ms: i64,
+    cfg: &RollConfig,
+) -> bool {
+    let slice_ms = entry.spec.slice_ms.max(1);
+    let ahead = (cfg.horizon.as_millis() as i64).min(slice_ms as i64 * MAX_SLICES_AHEAD);
+    let refresh_every = (cfg.fence_stale_after.as_millis() as i64 / 4).max(1);
+    state.slice_ms == slice_ms
+        && state.created == entry.created
+        && state.version == entry.version
+        && state.dynamic == dynamic
+        && state.rolled_to >= now_ms + ahead
+        && now_ms - state.refreshed_ms < refresh_every
 }
 
 /// Plans the writes for one task at `now_ms` (pure).
@@ -202,12 +225,14 @@ pub struct Plan {
 /// // Half a second later nothing is new: the task is only probed.
 /// let q = plan(&p.next, &entry, None, 2_000 - 1, &cfg, false);
 /// assert!(q.slices.is_empty() && !q.write_meta && !q.refresh);
-/// // Nor while a whole horizon is still written ahead.
-/// let q = plan(&p.next, &entry, None, 4_000, &cfg, false);
-/// assert!(q.slices.is_empty());
-/// // Then a step's worth of slices enters the window at once.
-/// let r = plan(&p.next, &entry, None, 4_500, &cfg, false);
-/// assert_eq!(r.slices.iter().map(|s| s.start_ms).collect::<Vec<_>>(), [14_000, 15_000, 16_000]);
+/// // Nor while a whole horizon is still written ahead and the fence is fresh.
+/// let q = plan(&p.next, &entry, None, 3_900, &cfg, false);
+/// assert!(q.slices.is_empty() && !q.refresh);
+/// // Then a step's worth of slices enters the window at once, here with the fence's refresh
+/// // (due every quarter of `fence_stale_after`).
+/// let r = plan(&p.next, &entry, None, 4_000, &cfg, false);
+/// assert!(r.refresh);
+/// assert_eq!(r.slices.iter().map(|s| s.start_ms).collect::<Vec<_>>(), [14_000, 15_000]);
 /// ```
 pub fn plan(
     state: &TaskRollState,
@@ -225,7 +250,11 @@ pub fn plan(
     // The window is extended in steps: while a whole horizon is still written nothing new
     // enters it; once it is not, it grows to a step past the horizon (one call writes ten
     // 1 s slices every ten seconds instead of one every second: issue 27).
-    let until = if !full && state.rolled_to >= now_ms + ahead {
+    // A call that refreshes the fence anyway extends the window too: with the default
+    // `--fence-stale-after` that is every 2.5 s, and the refresh rides on the write.
+    let refresh_every = (cfg.fence_stale_after.as_millis() as i64 / 4).max(1);
+    let refresh_due = now_ms - state.refreshed_ms >= refresh_every;
+    let until = if !full && !refresh_due && state.rolled_to >= now_ms + ahead {
         state.rolled_to
     } else {
         now_ms + (ahead + roll_step_ms(cfg.horizon, slice_ms)).min(len * MAX_SLICES_AHEAD)
@@ -263,8 +292,7 @@ pub fn plan(
         Some(end) => end.max(state.rolled_to),
         None => state.rolled_to,
     };
-    let refresh_every = (cfg.fence_stale_after.as_millis() as i64 / 4).max(1);
-    let refresh = full || now_ms - state.refreshed_ms >= refresh_every;
+    let refresh = full || refresh_due;
     let fenced_now = refresh || new_rolled_to > state.rolled_to;
     Plan {
         full,
@@ -286,6 +314,7 @@ pub fn plan(
             },
             caps,
         },
+        unchanged: false,
     }
 }
 
@@ -583,12 +612,30 @@ impl Roller {
             let jobs: Vec<(Arc<TaskEntry>, Attempt, Plan)> = pending
                 .drain(..)
                 .map(|(entry, attempt)| {
-                    let st = self.state.get(&entry.name).cloned().unwrap_or_default();
-                    let full = attempt.full || !self.state.contains_key(&entry.name);
                     let over = dynamic
                         .get(&entry.name)
                         .filter(|(inc, _)| *inc == entry.created)
                         .map(|(_, v)| *v);
+                    let known = self.state.get(&entry.name);
+                    if let Some(st) = known
+                        && !attempt.full
+                        && !attempt.force
+                        && quiet(st, &entry, over, now, &self.cfg)
+                    {
+                        let p = Plan {
+                            full: false,
+                            write_meta: false,
+                            refresh: false,
+                            slices: Vec::new(),
+                            expect_rolled_to: st.rolled_to,
+                            new_rolled_to: st.rolled_to,
+                            next: TaskRollState::default(),
+                            unchanged: true,
+                        };
+                        return (entry, attempt, p);
+                    }
+                    let st = known.cloned().unwrap_or_default();
+                    let full = attempt.full || known.is_none();
                     let p = plan(&st, &entry, over, now, &self.cfg, full);
                     (entry, attempt, p)
                 })
@@ -640,7 +687,9 @@ impl Roller {
                 match r {
                     Ok(RollOutcome::Written(n)) => {
                         stats.written += n;
-                        self.state.insert(name.clone(), plan.next);
+                        if !plan.unchanged {
+                            self.state.insert(name.clone(), plan.next);
+                        }
                     }
                     Ok(RollOutcome::NeedFull) if !attempt.full => {
                         stats.healed += 1;
@@ -1374,6 +1423,17 @@ mod tests {
         // 20 s of ticks: the window always reaches a horizon ahead, new slices come in steps.
         for now in (1_000..21_000).step_by(500) {
             let p = plan(&st, &e, None, now, &c, full);
+            if !full && quiet(&st, &e, None, now, &c) {
+                // The roller skips planning exactly where the plan would be empty.
+                assert!(p.slices.is_empty() && !p.write_meta && !p.refresh, "{now}");
+                assert_eq!(p.new_rolled_to, st.rolled_to, "{now}");
+                assert_eq!(p.next.refreshed_ms, st.refreshed_ms, "{now}");
+            } else if !full {
+                assert!(
+                    !p.slices.is_empty() || p.refresh,
+                    "{now}: not quiet, nothing planned"
+                );
+            }
             full = false;
             if !p.slices.is_empty() {
                 calls_with_slices += 1;
