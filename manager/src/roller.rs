@@ -196,7 +196,25 @@ pub fn quiet(
         && state.version == entry.version
         && state.dynamic == dynamic
         && state.rolled_to >= now_ms + ahead
-        && now_ms - state.refreshed_ms < refresh_every
+        && !refresh_due(state.refreshed_ms, now_ms, refresh_every)
+}
+
+/// Whether the fence is due for a refresh: `refresh_every` since the last, or the leader's
+/// clock stepped back past it (the fence must not go stale while the clock catches up).
+fn refresh_due(refreshed_ms: i64, now_ms: i64, refresh_every: i64) -> bool {
+    now_ms - refreshed_ms >= refresh_every || now_ms < refreshed_ms
+}
+
+/// How much earlier than `now` a task's first write counts its fence refresh, so that the
+/// refreshes (and the window's steps that ride on them) of a leadership's tasks, all written
+/// at once, spread over the refresh period instead of landing in one tick (an earlier refresh
+/// is always safe).
+fn refresh_spread(name: &str, refresh_every: i64) -> i64 {
+    // FNV-1a: stable across runs and platforms.
+    let h = name.bytes().fold(0xcbf2_9ce4_8422_2325_u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+    });
+    (h % refresh_every.max(1) as u64) as i64
 }
 
 /// Plans the writes for one task at `now_ms` (pure).
@@ -226,13 +244,14 @@ pub fn quiet(
 /// let q = plan(&p.next, &entry, None, 2_000 - 1, &cfg, false);
 /// assert!(q.slices.is_empty() && !q.write_meta && !q.refresh);
 /// // Nor while a whole horizon is still written ahead and the fence is fresh.
-/// let q = plan(&p.next, &entry, None, 3_900, &cfg, false);
+/// let q = plan(&p.next, &entry, None, 2_700, &cfg, false);
 /// assert!(q.slices.is_empty() && !q.refresh);
-/// // Then a step's worth of slices enters the window at once, here with the fence's refresh
-/// // (due every quarter of `fence_stale_after`).
-/// let r = plan(&p.next, &entry, None, 4_000, &cfg, false);
+/// // Then the window grows by a step, here with the fence's refresh (due every quarter of
+/// // `fence_stale_after`; this task's first one comes early, as refreshes are spread by name).
+/// let r = plan(&p.next, &entry, None, 2_800, &cfg, false);
 /// assert!(r.refresh);
-/// assert_eq!(r.slices.iter().map(|s| s.start_ms).collect::<Vec<_>>(), [14_000, 15_000]);
+/// assert_eq!(r.slices.iter().map(|s| s.start_ms).collect::<Vec<_>>(), [14_000]);
+/// assert_eq!(r.new_rolled_to, 15_000);
 /// ```
 pub fn plan(
     state: &TaskRollState,
@@ -253,9 +272,11 @@ pub fn plan(
     // A call that refreshes the fence anyway extends the window too: with the default
     // `--fence-stale-after` that is every 2.5 s, and the refresh rides on the write.
     let refresh_every = (cfg.fence_stale_after.as_millis() as i64 / 4).max(1);
-    let refresh_due = now_ms - state.refreshed_ms >= refresh_every;
+    let refresh_due = refresh_due(state.refreshed_ms, now_ms, refresh_every);
     let until = if !full && !refresh_due && state.rolled_to >= now_ms + ahead {
-        state.rolled_to
+        // Capped like the extension below: a leader clock stepped back (it wrote ahead of
+        // today's time) must not recompute or write a window of more than the cap.
+        state.rolled_to.min(now_ms + len * MAX_SLICES_AHEAD)
     } else {
         now_ms + (ahead + roll_step_ms(cfg.horizon, slice_ms)).min(len * MAX_SLICES_AHEAD)
     };
@@ -307,7 +328,9 @@ pub fn plan(
             slice_ms,
             dynamic,
             rolled_to: new_rolled_to,
-            refreshed_ms: if fenced_now {
+            refreshed_ms: if full {
+                now_ms - refresh_spread(&entry.name, refresh_every)
+            } else if fenced_now {
                 now_ms
             } else {
                 state.refreshed_ms
@@ -1523,21 +1546,61 @@ mod tests {
     fn the_fence_is_refreshed_at_least_every_quarter_of_stale_after() {
         // A one-day slice: rolled_to does not move for a day, the fence must still be fresh.
         let e = entry(r#"{"threshold": 1, "slice_ms": 86400000}"#, 1);
-        let p = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true);
+        let p = plan(&TaskRollState::default(), &e, None, 10_000, &cfg(), true);
         assert!(p.refresh);
-        assert_eq!(p.next.refreshed_ms, 1_000);
-        let q = plan(&p.next, &e, None, 3_000, &cfg(), false);
+        // A first write counts its refresh up to a period (2.5 s = 10 s / 4) earlier, spread
+        // by the task's name, so that a leadership's tasks do not all refresh in one tick.
+        let r0 = p.next.refreshed_ms;
+        assert!(r0 <= 10_000 && r0 > 10_000 - 2_500, "{r0}");
+        let q = plan(&p.next, &e, None, r0 + 2_499, &cfg(), false);
         assert!(!q.refresh && q.slices.is_empty());
-        assert_eq!(q.next.refreshed_ms, 1_000);
-        let r = plan(&q.next, &e, None, 3_500, &cfg(), false); // 2.5 s = 10 s / 4
+        assert!(quiet(&p.next, &e, None, r0 + 2_499, &cfg()));
+        assert_eq!(q.next.refreshed_ms, r0);
+        let r = plan(&q.next, &e, None, r0 + 2_500, &cfg(), false);
         assert!(r.refresh);
-        assert_eq!(r.next.refreshed_ms, 3_500);
+        assert_eq!(r.next.refreshed_ms, r0 + 2_500);
+        // The leader's clock stepped back: the fence is refreshed at once, not once the clock
+        // has caught up.
+        let b = plan(&r.next, &e, None, r0 + 1_000, &cfg(), false);
+        assert!(b.refresh);
+        assert!(!quiet(&r.next, &e, None, r0 + 1_000, &cfg()));
         // With 1 s slices rolled_to advances every second, which rewrites the fence anyway.
         let e = entry(r#"{"threshold": 1}"#, 1);
         let p = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true);
         let q = plan(&p.next, &e, None, 2_000, &cfg(), false);
         assert!(!q.refresh && q.new_rolled_to > p.new_rolled_to);
         assert_eq!(q.next.refreshed_ms, 2_000);
+    }
+
+    #[test]
+    fn a_clock_stepped_back_never_plans_more_than_the_cap() {
+        // Written by a leader whose clock was an hour fast, then the clock is stepped back and
+        // the spec changes: the recomputed window stays within the cap (the review's case).
+        let e = entry(r#"{"threshold": 1, "slice_ms": 100}"#, 1);
+        let c = RollConfig {
+            horizon: Duration::from_secs(60),
+            ..cfg()
+        };
+        let t = 1_000_000_000;
+        let p = plan(&TaskRollState::default(), &e, None, t + 3_600_000, &c, true);
+        let e2 = entry(r#"{"threshold": 2, "slice_ms": 100}"#, 2);
+        let q = plan(&p.next, &e2, None, t, &c, false);
+        assert!(
+            q.slices.len() as i64 <= MAX_SLICES_AHEAD,
+            "{}",
+            q.slices.len()
+        );
+        assert!(
+            q.next.caps.len() as i64 <= MAX_SLICES_AHEAD,
+            "{}",
+            q.next.caps.len()
+        );
+        let d = plan(&p.next, &e, Some(5), t, &c, false);
+        assert!(
+            d.slices.len() as i64 <= MAX_SLICES_AHEAD,
+            "{}",
+            d.slices.len()
+        );
     }
 
     #[test]

@@ -134,8 +134,8 @@ async fn sigkill_of_the_leader_fails_over_within_ttl_plus_one_second_without_gap
         },
     )
     .await;
-    // At most the horizon and the step the window grows by (issue 27: 10 s of 1 s slices
-    // are written at once), and a second of margin.
+    // At most the horizon and the step the window grows by (issue 27: up to 10 s past the
+    // horizon), and a second of margin.
     assert!(ahead <= 71.0, "{ahead}");
 }
 

@@ -8,6 +8,15 @@ use sluice_tests::*;
 
 const TTL: Duration = Duration::from_secs(2);
 
+fn fenced_ms(conn: &mut redis::Connection, keys: &Keys, task: &str) -> i64 {
+    redis::cmd("HGET")
+        .arg(keys.meta(task))
+        .arg(meta_field::FENCED_MS)
+        .query::<Option<i64>>(conn)
+        .unwrap()
+        .unwrap_or(0)
+}
+
 fn rolled_to(conn: &mut redis::Connection, keys: &Keys, task: &str) -> i64 {
     redis::cmd("HGET")
         .arg(keys.meta(task))
@@ -46,6 +55,7 @@ async fn an_etcd_outage_costs_nothing_and_nobody_leads_without_a_lease() {
     let down_at = Instant::now();
     let mut nobody_leads_since: Option<Instant> = None;
     let mut rolled_at_quiet: Option<i64> = None;
+    let mut fenced_at_quiet: Option<i64> = None;
     while down_at.elapsed() < Duration::from_secs(10) {
         // Slices written before the outage keep their values.
         let now = now_ms();
@@ -66,6 +76,7 @@ async fn an_etcd_outage_costs_nothing_and_nobody_leads_without_a_lease() {
             // what it stays until a leader is elected again.
             if since.elapsed() >= Duration::from_secs(1) && rolled_at_quiet.is_none() {
                 rolled_at_quiet = Some(rolled_to(&mut conn, &keys, "o"));
+                fenced_at_quiet = Some(fenced_ms(&mut conn, &keys, "o"));
             }
         } else {
             // A leader may only remain while its lease can still be alive.
@@ -94,6 +105,13 @@ async fn an_etcd_outage_costs_nothing_and_nobody_leads_without_a_lease() {
         Some(rolled_during),
         rolled_at_quiet,
         "nobody rolled while no lease was live"
+    );
+    // Nor refreshed the fence (every fenced write does, at least every 2.5 s): a deposed
+    // leader that kept writing would show here even between two steps of the window.
+    assert_eq!(
+        Some(fenced_ms(&mut conn, &keys, "o")),
+        fenced_at_quiet,
+        "nobody wrote the fence while no lease was live"
     );
 
     etcd.restart();

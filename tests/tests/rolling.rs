@@ -433,8 +433,9 @@ async fn idle_tasks_are_probed_and_never_rewritten_as_lost() {
         assert_eq!(s, 201, "{name}: {v}");
     }
     let probes = m.metric("sluice_roll_probes_total").await.unwrap_or(0.0);
-    // Several ticks (500 ms) and slice boundaries of the 1 s grid.
-    tokio::time::sleep(Duration::from_secs(4)).await;
+    // Several ticks (500 ms), slice boundaries of the 1 s grid, and at least two fence
+    // refreshes (every 2.5 s), each of which moves the concurrency task's window.
+    tokio::time::sleep(Duration::from_secs(6)).await;
     assert_eq!(
         m.log_count("rewrote tasks that Redis had lost"),
         0,
