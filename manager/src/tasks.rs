@@ -372,7 +372,9 @@ impl TaskStore {
 
     fn name_of<'a>(&self, key: &'a [u8]) -> Option<&'a str> {
         let key = std::str::from_utf8(key).ok()?;
+        // An empty name (a key of the prefix alone, written by hand) is no task.
         key.strip_prefix(self.keys.etcd_tasks_prefix().as_str())
+            .filter(|n| !n.is_empty())
     }
 
     /// Every task, read from etcd now: the valid ones, and those that fail validation.
@@ -609,7 +611,7 @@ impl TaskStore {
                     }
                 },
             };
-            let mut c = self.client.clone();
+            let c = self.client.clone();
             let opts = WatchOptions::new()
                 .with_prefix()
                 .with_start_revision(current.revision + 1)
@@ -617,7 +619,11 @@ impl TaskStore {
             let mut stream = match etcd(
                 "watch tasks",
                 ETCD_TIMEOUT,
-                c.watch(prefix.as_str(), Some(opts)),
+                // As large as a range read may be: a watch catching up sends up to 1,000
+                // revisions in one message.
+                c.watch_client()
+                    .max_decoding_message_size(RANGE_RESPONSE_MAX_BYTES)
+                    .watch(prefix.as_str(), Some(opts)),
             )
             .await
             {
@@ -682,7 +688,11 @@ impl TaskStore {
                 }
                 // A progress notification (no events) promises everything up to its header's
                 // revision was delivered; event responses only vouch for their events.
+                // Not the response that says the watch was created: its header carries the
+                // store's revision now, before the catch-up events from the load's revision have
+                // come (resuming from it after a break would skip them: the review's finding).
                 if resp.events().is_empty()
+                    && !resp.created()
                     && let Some(h) = resp.header()
                 {
                     current.revision = current.revision.max(h.revision());

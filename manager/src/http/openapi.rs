@@ -427,7 +427,7 @@ pub struct ListParams {
     #[param(minimum = 1, maximum = 1000, nullable = false)]
     limit: Option<u32>,
     /// Only names after this one (bytewise): the `next` of the page before.
-    #[param(pattern = "^[A-Za-z0-9_.-]{1,64}$", nullable = false)]
+    #[param(min_length = 1, max_length = 1024, nullable = false)]
     after: Option<String>,
 }
 
