@@ -173,7 +173,10 @@ mod tests {
             ("limit=2.5", "limit"),
             ("limit=x", "limit"),
             ("limit=99999999999999999999999", "limit"),
-            (&format!("after={}", "a".repeat(MAX_AFTER_BYTES + 1)), "after"),
+            (
+                &format!("after={}", "a".repeat(MAX_AFTER_BYTES + 1)),
+                "after",
+            ),
             ("mode=local&mode=local", "mode"),
             ("limit=5&Limit=5", "Limit"),
             ("x", "x"),
