@@ -150,7 +150,7 @@ print(f"""
 | manager CPU | {100 * (c1 - c0) / el:.0f} % of one core |
 | Redis CPU | {100 * rcpu:.0f} % of one core |
 | Redis memory, keys | {mem:,.0f} MiB, {int(keys):,} keys |
-| roll errors during the run | {m1.get('sluice_roll_errors_total', 0):.0f} |
+| roll errors during the steady state (since the start) | {m1.get('sluice_roll_errors_total', 0) - m0.get('sluice_roll_errors_total', 0):.0f} ({m1.get('sluice_roll_errors_total', 0):.0f}) |
 | baseline, same Redis: redis-benchmark HSET (50 clients) | {hset:,.0f} req/s |
 | baseline, same Redis: redis-benchmark EVALSHA of a one-HINCRBY script | {evalsha:,.0f} req/s |
 """)
@@ -161,3 +161,8 @@ for name, calls, usec in breakdown:
     if calls >= 1:
         print(f"| {name} | {calls:,.0f} | {usec:,.0f} |")
 PY
+if grep -q "WARN" "$dir/manager.log"; then
+  echo
+  echo "The manager's warnings during the run (most frequent first):"
+  grep "WARN" "$dir/manager.log" | sed -E 's/\x1b\[[0-9;]*m//g; s/^[^ ]+ +WARN +//; s/task=[^ ]+ //' | cut -c1-200 | sort | uniq -c | sort -rn | head -8
+fi
