@@ -267,10 +267,10 @@ pub fn plan(
     let current = slice::start(now_ms, slice_ms);
     let ahead = (cfg.horizon.as_millis() as i64).min(len * MAX_SLICES_AHEAD);
     // The window is extended in steps: while a whole horizon is still written nothing new
-    // enters it; once it is not, it grows to a step past the horizon (one call writes ten
-    // 1 s slices every ten seconds instead of one every second: issue 27).
-    // A call that refreshes the fence anyway extends the window too: with the default
-    // `--fence-stale-after` that is every 2.5 s, and the refresh rides on the write.
+    // enters it; once it is not, it grows to a step past the horizon (issue 27). A call that
+    // refreshes the fence anyway extends the window too: with the default
+    // `--fence-stale-after` that is every 2.5 s, so a task of 1 s slices costs one call every
+    // 2.5 s writing two or three slices, not one call a second.
     let refresh_every = (cfg.fence_stale_after.as_millis() as i64 / 4).max(1);
     let refresh_due = refresh_due(state.refreshed_ms, now_ms, refresh_every);
     let until = if !full && !refresh_due && state.rolled_to >= now_ms + ahead {
