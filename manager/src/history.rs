@@ -82,8 +82,9 @@ pub const MAX_SETTLE: Duration = Duration::from_secs(5);
 pub const TICK: Duration = Duration::from_secs(1);
 
 /// A task none of whose harvested buckets had traffic for this long is dormant: harvested
-/// every [`dormant_period`] instead of every [`TICK`] (issue 27: an idle task's harvest read one
-/// slice a second for nothing).
+/// every [`dormant_period`] instead of every [`TICK`] (issue 27: an idle task cost a harvest
+/// round trip a second for nothing; a dormant one reads the same slices in one pipeline every
+/// period).
 pub const DORMANT_AFTER_MS: i64 = 60_000;
 
 /// How often a dormant task is harvested: 10 s, and short enough that its slices are still in
