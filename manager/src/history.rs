@@ -655,18 +655,14 @@ impl Harvester {
             .buffer_unordered(CONCURRENCY)
             .collect()
             .await;
-        let keyed: std::collections::HashSet<String> = snap
-            .tasks
-            .values()
-            .filter(|e| e.spec.keyed)
-            .map(|e| e.name.clone())
-            .collect();
         let mut stats = HarvestStats::default();
         let dormant_every = dormant_period(self.retention).as_millis() as i64;
         for (name, r) in results {
             match r {
                 Ok((mut st, slices, records, would_reject)) => {
-                    st.next_ms = if now - st.busy_ms >= DORMANT_AFTER_MS && !keyed.contains(&name) {
+                    st.next_ms = if now - st.busy_ms >= DORMANT_AFTER_MS
+                        && !snap.tasks.get(&name).is_some_and(|e| e.spec.keyed)
+                    {
                         now + dormant_every
                     } else {
                         0

@@ -132,6 +132,19 @@ pub fn roll_step_ms(horizon: Duration, slice_ms: u64) -> i64 {
     if step < slice_ms as i64 { 0 } else { step }
 }
 
+impl RollConfig {
+    /// How far ahead a task of `slice_ms` slices is written at least: the horizon, capped at
+    /// [`MAX_SLICES_AHEAD`] slices.
+    fn ahead_ms(&self, slice_ms: u64) -> i64 {
+        (self.horizon.as_millis() as i64).min(slice_ms as i64 * MAX_SLICES_AHEAD)
+    }
+
+    /// How often a live leader refreshes a task's fence: a quarter of `fence_stale_after`.
+    fn refresh_every_ms(&self) -> i64 {
+        (self.fence_stale_after.as_millis() as i64 / 4).max(1)
+    }
+}
+
 /// The effective threshold of the slice starting at `start_ms`: base → schedule → dynamic.
 pub fn effective_threshold(entry: &TaskEntry, dynamic: Option<u64>, start_ms: i64) -> u64 {
     let scheduled = entry.schedule.threshold_at(entry.spec.threshold, start_ms);
@@ -189,14 +202,12 @@ pub fn quiet(
     cfg: &RollConfig,
 ) -> bool {
     let slice_ms = entry.spec.slice_ms.max(1);
-    let ahead = (cfg.horizon.as_millis() as i64).min(slice_ms as i64 * MAX_SLICES_AHEAD);
-    let refresh_every = (cfg.fence_stale_after.as_millis() as i64 / 4).max(1);
     state.slice_ms == slice_ms
         && state.created == entry.created
         && state.version == entry.version
         && state.dynamic == dynamic
-        && state.rolled_to >= now_ms + ahead
-        && !refresh_due(state.refreshed_ms, now_ms, refresh_every)
+        && state.rolled_to >= now_ms + cfg.ahead_ms(slice_ms)
+        && !refresh_due(state.refreshed_ms, now_ms, cfg.refresh_every_ms())
 }
 
 /// Whether the fence is due for a refresh: `refresh_every` since the last, or the leader's
@@ -265,13 +276,13 @@ pub fn plan(
     let len = slice_ms as i64;
     let full = full || state.slice_ms != slice_ms || state.created != entry.created;
     let current = slice::start(now_ms, slice_ms);
-    let ahead = (cfg.horizon.as_millis() as i64).min(len * MAX_SLICES_AHEAD);
+    let ahead = cfg.ahead_ms(slice_ms);
     // The window is extended in steps: while a whole horizon is still written nothing new
     // enters it; once it is not, it grows to a step past the horizon (issue 27). A call that
     // refreshes the fence anyway extends the window too: with the default
     // `--fence-stale-after` that is every 2.5 s, so a task of 1 s slices costs one call every
     // 2.5 s writing two or three slices, not one call a second.
-    let refresh_every = (cfg.fence_stale_after.as_millis() as i64 / 4).max(1);
+    let refresh_every = cfg.refresh_every_ms();
     let refresh_due = refresh_due(state.refreshed_ms, now_ms, refresh_every);
     let until = if !full && !refresh_due && state.rolled_to >= now_ms + ahead {
         // Capped like the extension below: a leader clock stepped back (it wrote ahead of

@@ -377,12 +377,6 @@ impl TaskStore {
             .filter(|n| !n.is_empty())
     }
 
-    /// Every task, read from etcd now: the valid ones, and those that fail validation.
-    pub async fn list(&self) -> Result<(Vec<TaskEntry>, Vec<InvalidTask>)> {
-        let page = self.page(&TaskFilter::default(), None).await?;
-        Ok((page.tasks, page.invalid))
-    }
-
     /// The stored specs `filter` admits, in name order, read from etcd now (one consistent
     /// view). With `limit`, at most that many (valid and invalid together) and a cursor to the
     /// next page: the page ends after `limit` entries, or when [`PAGE_SCAN_BUDGET`] specs were

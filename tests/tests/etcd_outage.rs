@@ -8,22 +8,22 @@ use sluice_tests::*;
 
 const TTL: Duration = Duration::from_secs(2);
 
-fn fenced_ms(conn: &mut redis::Connection, keys: &Keys, task: &str) -> i64 {
+/// A numeric field of the task's meta (0 when absent).
+fn meta_i64(conn: &mut redis::Connection, keys: &Keys, task: &str, field: &str) -> i64 {
     redis::cmd("HGET")
         .arg(keys.meta(task))
-        .arg(meta_field::FENCED_MS)
+        .arg(field)
         .query::<Option<i64>>(conn)
         .unwrap()
         .unwrap_or(0)
 }
 
 fn rolled_to(conn: &mut redis::Connection, keys: &Keys, task: &str) -> i64 {
-    redis::cmd("HGET")
-        .arg(keys.meta(task))
-        .arg(meta_field::ROLLED_TO)
-        .query::<Option<i64>>(conn)
-        .unwrap()
-        .unwrap_or(0)
+    meta_i64(conn, keys, task, meta_field::ROLLED_TO)
+}
+
+fn fenced_ms(conn: &mut redis::Connection, keys: &Keys, task: &str) -> i64 {
+    meta_i64(conn, keys, task, meta_field::FENCED_MS)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
