@@ -74,6 +74,11 @@ pub struct Cli {
     /// etcd or a lower term (at least 2 × tick + lease TTL) [default: 10s]
     #[arg(long, env = "SLUICE_FENCE_STALE_AFTER")]
     pub fence_stale_after: Option<String>,
+    /// Leave a task without traffic for this long lazy: no slices written ahead, workers make
+    /// them from its meta (protocol 5; every worker must speak it); `off` or `0` = never
+    /// [default: off]
+    #[arg(long, env = "SLUICE_LAZY_AFTER")]
+    pub lazy_after: Option<String>,
     /// Bearer token required by mutating API calls (unset = no auth)
     #[arg(long, env = "SLUICE_API_TOKEN", hide_env_values = true)]
     pub api_token: Option<String>,
@@ -151,6 +156,7 @@ struct FileConfig {
     tick: Option<String>,
     control_period: Option<String>,
     fence_stale_after: Option<String>,
+    lazy_after: Option<String>,
     api_token: Option<String>,
     api_token_file: Option<PathBuf>,
     insecure_listen: Option<bool>,
@@ -199,6 +205,8 @@ pub struct Config {
     pub control_period: Duration,
     /// A fence not refreshed for this long may be taken over.
     pub fence_stale_after: Duration,
+    /// `--lazy-after`: tasks without traffic this long are left lazy; `None` = never.
+    pub lazy_after: Option<Duration>,
     /// Admin API token (`--api-token` or `--api-token-file`): every call.
     pub api_token: Option<Token>,
     /// Read-only API token (`--api-read-token[-file]`): reads, including the settings.
@@ -479,6 +487,19 @@ impl Config {
             &pick!(cli, file, fence_stale_after, "10s"),
         )?;
         let min_stale = tick * 2 + lease_ttl;
+        let lazy_after = match pick!(cli, file, lazy_after, "off").trim() {
+            "off" | "0" => None,
+            v => {
+                let d = duration("lazy-after", v)?;
+                if d < Duration::from_secs(1) || d > Duration::from_secs(86_400) {
+                    return Err(err(
+                        "lazy-after",
+                        "must be `off`, `0` or between 1s and 24h",
+                    ));
+                }
+                (!d.is_zero()).then_some(d)
+            }
+        };
         if fence_stale_after < min_stale || fence_stale_after > Duration::from_secs(3600) {
             return Err(err(
                 "fence-stale-after",
@@ -544,6 +565,7 @@ impl Config {
             tick,
             control_period,
             fence_stale_after,
+            lazy_after,
             api_token,
             api_read_token,
             insecure_listen,
@@ -578,6 +600,11 @@ mod tests {
         let c = parse(&["--node-id", "n1", "--fence-stale-after", "4s"]).unwrap();
         assert_eq!(c.fence_stale_after, Duration::from_secs(4));
         assert!(matches!(c.redis, RedisTarget::Single(_)));
+        assert_eq!(c.lazy_after, None);
+        for (v, want) in [("off", None), ("0", None), ("90s", Some(90))] {
+            let c = parse(&["--node-id", "n1", "--lazy-after", v]).unwrap();
+            assert_eq!(c.lazy_after, want.map(Duration::from_secs), "{v}");
+        }
     }
 
     #[test]
@@ -591,6 +618,9 @@ mod tests {
             (&["--horizon", "100ms"][..], "horizon"),
             (&["--node-id", "a b"][..], "node-id"),
             (&["--fence-stale-after", "3s"][..], "fence-stale-after"),
+            (&["--lazy-after", "500ms"][..], "lazy-after"),
+            (&["--lazy-after", "25h"][..], "lazy-after"),
+            (&["--lazy-after", "never"][..], "lazy-after"),
             (
                 &["--fence-stale-after", "5s", "--lease-ttl", "5s"][..],
                 "fence-stale-after",

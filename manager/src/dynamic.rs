@@ -42,6 +42,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use sluice_protocol::conn::Redis;
 use sluice_protocol::scripts::{self, AdjustOutcome, FenceRefusal, SliceCounters};
@@ -470,6 +471,11 @@ pub async fn run(
     let mut last_eval: HashMap<String, i64> = HashMap::new();
     // Tasks without dynamic limiting known to have no controller state (name → incarnation).
     let mut clean: HashMap<String, i64> = HashMap::new();
+    // The snapshot the maps above were last pruned for, and whether every non-dynamic task of
+    // it is known clean: at 100,000 tasks, walking them every 500 ms was a large part of an
+    // idle leader's CPU (issue 27).
+    let mut pruned_for: Option<Arc<crate::tasks::TaskSnapshot>> = None;
+    let mut all_clean = false;
     let mut interval = tokio::time::interval(Duration::from_millis(500));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let period_ms = period.as_millis() as i64;
@@ -496,20 +502,35 @@ pub async fn run(
                 overrides.set(&name, inc, None);
             }
         }
-        states.retain(|name, (inc, _)| {
-            snap.tasks.get(name).is_some_and(|e| e.created == *inc) && enabled(name)
-        });
-        last_eval.retain(|name, _| states.contains_key(name) || enabled(name));
-        clean.retain(|name, inc| {
-            snap.tasks.get(name).is_some_and(|e| e.created == *inc) && !enabled(name)
-        });
-        match clear_disabled(&ctx, &keys, &redis, &snap, &mut clean).await {
-            Ok(()) => {}
-            Err(Error::Fenced { task, current, .. }) => {
-                ctx.step_down(format!("fenced on {task} by term {current}"));
-                return;
+        // What depends only on the snapshot is redone when it changes.
+        let fresh = pruned_for.as_ref().is_none_or(|s| !Arc::ptr_eq(s, &snap));
+        if fresh {
+            states.retain(|name, (inc, _)| {
+                snap.tasks.get(name).is_some_and(|e| e.created == *inc) && enabled(name)
+            });
+            last_eval.retain(|name, _| states.contains_key(name) || enabled(name));
+            clean.retain(|name, inc| {
+                snap.tasks.get(name).is_some_and(|e| e.created == *inc) && !enabled(name)
+            });
+            pruned_for = Some(snap.clone());
+            all_clean = false;
+        }
+        if !all_clean {
+            match clear_disabled(&ctx, &keys, &redis, &snap, &mut clean).await {
+                Ok(()) => {
+                    let non_dynamic = snap
+                        .tasks
+                        .values()
+                        .filter(|e| !e.spec.dynamic.as_ref().is_some_and(|d| d.enabled))
+                        .count();
+                    all_clean = clean.len() == non_dynamic;
+                }
+                Err(Error::Fenced { task, current, .. }) => {
+                    ctx.step_down(format!("fenced on {task} by term {current}"));
+                    return;
+                }
+                Err(e) => debug!(%e, "clearing dynamic state of non-dynamic tasks failed"),
             }
-            Err(e) => debug!(%e, "clearing dynamic state of non-dynamic tasks failed"),
         }
         for entry in snap.tasks.values() {
             let Some(d) = entry.spec.dynamic.as_ref().filter(|d| d.enabled) else {
@@ -571,8 +592,8 @@ fn refused(ctx: &LeaderContext, task: &str, r: &FenceRefusal) -> Result<bool> {
 }
 
 /// Deletes the controller state of tasks without dynamic limiting (fenced), so enabling it
-/// again starts from the base threshold. Tasks not in `clean` are checked with one pipelined
-/// `EXISTS`; at the start of a leadership that is every such task, later only those whose
+/// again starts from the base threshold. Tasks not in `clean` are checked with an `EXISTS`
+/// each (many in flight); at the start of a leadership that is every such task, later only those whose
 /// dynamic limiting was just switched off.
 async fn clear_disabled(
     ctx: &LeaderContext,
@@ -591,15 +612,32 @@ async fn clear_disabled(
         return Ok(());
     }
     let mut c = redis.conn().await.map_err(redis_err("connect"))?;
-    let mut pipe = redis::pipe();
-    for e in &todo {
-        pipe.cmd("EXISTS").arg(keys.dynamic_state(&e.name));
+    // One `EXISTS` per task, many in flight: a pipeline of many tasks' keys is refused by a
+    // Redis Cluster (they lie in different slots).
+    let names: Vec<String> = todo.iter().map(|e| keys.dynamic_state(&e.name)).collect();
+    let exists: Vec<redis::RedisResult<bool>> = futures::stream::iter(names)
+        .map(|key| {
+            let mut c = c.clone();
+            async move {
+                redis::cmd("EXISTS")
+                    .arg(key)
+                    .query_async::<bool>(&mut c)
+                    .await
+            }
+        })
+        .buffered(64)
+        .collect()
+        .await;
+    // A task whose read failed is looked at again next round; the others go on.
+    let failed = exists.iter().filter(|r| r.is_err()).count();
+    if failed > 0 {
+        warn!(
+            tasks = failed,
+            "cannot read whether non-dynamic tasks keep controller state; retrying"
+        );
     }
-    let exists: Vec<bool> = pipe
-        .query_async(&mut c)
-        .await
-        .map_err(redis_err("dynamic state exists"))?;
     for (e, has) in todo.into_iter().zip(exists) {
+        let Ok(has) = has else { continue };
         if has {
             if !ctx.is_valid() {
                 return Err(Error::NotLeader);

@@ -53,7 +53,7 @@
 //! leader may already have written. Slices newer than the harvest are read live by the API
 //! ([`read_live`]), so the live chart is current to the second.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -536,6 +536,76 @@ async fn bounded<T>(
     }
 }
 
+/// When each task last had traffic, as the harvester saw it (manager clock, ms). Written by the
+/// harvester, read by the roller to leave idle tasks lazy (`--lazy-after`).
+#[derive(Debug, Clone, Default)]
+pub struct Activity {
+    inner: Arc<std::sync::RwLock<HashMap<String, Seen>>>,
+    /// The tasks the roller left lazy: no slice of theirs exists but what a worker makes, so
+    /// the harvester and the skew detector leave them alone until they wake (issue 27).
+    lazy: Arc<std::sync::RwLock<HashSet<String>>>,
+}
+
+/// What the harvester saw of a task's traffic (manager clock, ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Seen {
+    /// Its last harvested bucket with traffic, or when its harvest began (a new leadership, a
+    /// new task): it has been idle at most since then.
+    pub busy_ms: i64,
+    /// When a harvest last found traffic; `None`: none this leadership.
+    pub traffic_ms: Option<i64>,
+}
+
+impl Activity {
+    /// What the harvester saw of `task`; `None` while it has not harvested it.
+    pub fn seen(&self, task: &str) -> Option<Seen> {
+        self.inner.read().ok()?.get(task).copied()
+    }
+
+    /// Records what changed (new tasks, tasks with new traffic), forgets deleted tasks.
+    fn record(&self, snap: &TaskSnapshot, changed: Vec<(String, Seen)>) {
+        if let Ok(mut m) = self.inner.write() {
+            if m.len() > snap.tasks.len() {
+                m.retain(|n, _| snap.tasks.contains_key(n));
+            }
+            m.extend(changed);
+        }
+    }
+
+    /// Forgets everything (a new leadership starts without knowledge).
+    pub fn clear(&self) {
+        if let Ok(mut m) = self.inner.write() {
+            m.clear();
+        }
+        if let Ok(mut m) = self.lazy.write() {
+            m.clear();
+        }
+    }
+
+    /// Whether the roller left `task` lazy.
+    pub fn is_lazy(&self, task: &str) -> bool {
+        self.lazy.read().is_ok_and(|m| m.contains(task))
+    }
+
+    /// Runs `f` over the set of tasks the roller left lazy (one read lock, no copy).
+    pub fn with_lazy_set<T>(&self, f: impl FnOnce(&HashSet<String>) -> T) -> T {
+        match self.lazy.read() {
+            Ok(m) => f(&m),
+            Err(_) => f(&HashSet::new()),
+        }
+    }
+
+    /// The roller's changes: tasks left lazy, tasks woken (or gone).
+    pub fn set_lazy(&self, added: Vec<String>, removed: Vec<String>) {
+        if let Ok(mut m) = self.lazy.write() {
+            for n in &removed {
+                m.remove(n);
+            }
+            m.extend(added);
+        }
+    }
+}
+
 /// What the harvester knows of one task.
 #[derive(Debug, Clone, Default)]
 struct TaskHarvest {
@@ -546,6 +616,8 @@ struct TaskHarvest {
     /// When (manager clock, ms) the task last had traffic in a harvested bucket, or its
     /// harvest began (a new leadership, a new task).
     busy_ms: i64,
+    /// When a harvest last found traffic (manager clock, ms); `None`: none this leadership.
+    traffic_ms: Option<i64>,
     /// Not harvested again before this (manager clock, ms): set for dormant tasks.
     next_ms: i64,
 }
@@ -558,6 +630,9 @@ pub struct Harvester {
     retention: Duration,
     settle: Duration,
     state: HashMap<String, TaskHarvest>,
+    activity: Activity,
+    /// The snapshot (revision, task count) `state` was last pruned for.
+    pruned_revision: Option<(i64, usize)>,
 }
 
 /// Counts of one harvest tick.
@@ -581,7 +656,17 @@ impl Harvester {
             retention,
             settle: settle(retention),
             state: HashMap::new(),
+            activity: Activity::default(),
+            pruned_revision: None,
         }
+    }
+
+    /// Publishes when each task last had traffic into `activity` (cleared now: a new
+    /// leadership knows nothing yet).
+    pub fn with_activity(mut self, activity: Activity) -> Self {
+        activity.clear();
+        self.activity = activity;
+        self
     }
 
     /// Harvests every [`TICK`] until leadership ends.
@@ -612,7 +697,12 @@ impl Harvester {
 
     /// One pass over every task: read settled slices, write their records.
     pub async fn tick(&mut self, ctx: &LeaderContext, snap: &TaskSnapshot) -> Result<HarvestStats> {
-        self.state.retain(|name, _| snap.tasks.contains_key(name));
+        // Deleted tasks are forgotten when the snapshot changes (issue 27: a walk of 100,000
+        // names through the snapshot's map every second was a large part of the leader's CPU).
+        if self.pruned_revision != Some((snap.revision, snap.tasks.len())) {
+            self.state.retain(|name, _| snap.tasks.contains_key(name));
+            self.pruned_revision = Some((snap.revision, snap.tasks.len()));
+        }
         let mut conn = self.redis.conn().await.map_err(redis_err("connect"))?;
         let now = unix_ms();
         // Key quota hashes are unlinked only once KPULL refuses their slice by REDIS time
@@ -625,19 +715,25 @@ impl Harvester {
         .await
         .ok()
         .map(|(s, us)| (s * 1_000 + us / 1_000).min(now) - UNLINK_MARGIN_MS);
-        let jobs: Vec<(String, u64, bool, Option<TaskHarvest>)> = snap
-            .tasks
-            .values()
-            .filter(|e| self.state.get(&e.name).is_none_or(|st| st.next_ms <= now))
-            .map(|e| {
-                (
-                    e.name.clone(),
-                    e.spec.slice_ms,
-                    e.spec.keyed,
-                    self.state.get(&e.name).cloned(),
-                )
-            })
-            .collect();
+        // A lazy task's slices are made only by workers, and waking it is the roller's probe:
+        // it is harvested again once woken, from as far back as its slices may be.
+        let state = &self.state;
+        let jobs: Vec<(String, u64, bool, Option<TaskHarvest>)> =
+            self.activity.with_lazy_set(|lazy| {
+                snap.tasks
+                    .values()
+                    .filter(|e| !lazy.contains(&e.name))
+                    .filter(|e| state.get(&e.name).is_none_or(|st| st.next_ms <= now))
+                    .map(|e| {
+                        (
+                            e.name.clone(),
+                            e.spec.slice_ms,
+                            e.spec.keyed,
+                            state.get(&e.name).cloned(),
+                        )
+                    })
+                    .collect()
+            });
         let (keys, retention, settle) = (&self.keys, self.retention, self.settle);
         let results: Vec<(String, Result<Harvested>)> = futures::stream::iter(jobs)
             .map(|(name, slice_ms, keyed, st)| {
@@ -657,9 +753,21 @@ impl Harvester {
             .await;
         let mut stats = HarvestStats::default();
         let dormant_every = dormant_period(self.retention).as_millis() as i64;
+        let mut changed = Vec::new();
         for (name, r) in results {
             match r {
                 Ok((mut st, slices, records, would_reject)) => {
+                    if self
+                        .state
+                        .get(&name)
+                        .is_none_or(|old| old.busy_ms != st.busy_ms)
+                    {
+                        let seen = Seen {
+                            busy_ms: st.busy_ms,
+                            traffic_ms: st.traffic_ms,
+                        };
+                        changed.push((name.clone(), seen));
+                    }
                     st.next_ms = if now - st.busy_ms >= DORMANT_AFTER_MS
                         && !snap.tasks.get(&name).is_some_and(|e| e.spec.keyed)
                     {
@@ -681,6 +789,7 @@ impl Harvester {
                 }
             }
         }
+        self.activity.record(snap, changed);
         self.metrics.history_slices.inc_by(stats.slices);
         self.metrics.history_records.inc_by(stats.records);
         self.metrics.history_errors.inc_by(stats.errors);
@@ -742,10 +851,18 @@ async fn harvest_task(
                 done_to,
                 recent,
                 busy_ms: now,
+                traffic_ms: None,
                 next_ms: 0,
             }
         }
     };
+    // A task left lazy for a while is not harvested meanwhile: what it skipped is read only as
+    // far back as a slice may still exist (one starting at `s` expires `slice_ms + retention`
+    // after `s`; `settle` more for clocks apart). Never past a slice that may exist: a slice
+    // long against the retention started well before `first_bucket`.
+    let gone_before =
+        now - slice_ms as i64 - retention.as_millis() as i64 - settle.as_millis() as i64;
+    st.done_to = st.done_to.max(SECONDS.bucket(gone_before));
     let until = settled_until(now, slice_ms, settle);
     if until <= st.done_to {
         return Ok((st, 0, 0, 0));
@@ -811,6 +928,11 @@ async fn harvest_task(
     }
     if !seconds.is_empty() {
         st.busy_ms = now;
+        // When the traffic was (its last second's end), not when it was harvested: a new
+        // leadership's catch-up finds the last minute's traffic, which is older than its
+        // takeover and must not wake the tasks it keeps lazy.
+        let last = seconds.iter().map(|r| r.start_ms + SECONDS.res_ms).max();
+        st.traffic_ms = last.max(st.traffic_ms);
     }
     // Recompute each touched minute from its second records.
     let mut minutes: Vec<Record> = Vec::new();

@@ -47,6 +47,10 @@ pub struct LeaderDeps {
     pub metrics: Arc<Metrics>,
     /// Rolling settings.
     pub roll: RollConfig,
+    /// `--lazy-after`: tasks without traffic this long are left lazy (`None`: never).
+    pub lazy_after: Option<std::time::Duration>,
+    /// When each task last had traffic (the harvester's, read by the roller).
+    pub activity: crate::history::Activity,
     /// Dynamic threshold overrides.
     pub dynamic: DynamicThresholds,
     /// etcd (settings).
@@ -85,13 +89,15 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
         deps.metrics.clone(),
         alerts.clone(),
     )
-    .with_key_secret(key_secret);
+    .with_key_secret(key_secret)
+    .with_lazy(deps.lazy_after, deps.activity.clone());
     let harvester = Harvester::new(
         deps.keys.clone(),
         deps.redis.clone(),
         deps.roll.retention,
         deps.metrics.clone(),
-    );
+    )
+    .with_activity(deps.activity.clone());
     tokio::join!(
         crate::alerts::run(
             ctx.clone(),
@@ -141,6 +147,7 @@ pub async fn lead(ctx: LeaderContext, deps: Arc<LeaderDeps>) {
             deps.metrics.clone(),
             settings,
             alerts,
+            deps.activity.clone(),
         ),
     );
 }

@@ -222,6 +222,8 @@ pub async fn run(cfg: Config, shutdown: impl Future<Output = ()> + Send + 'stati
             tick: cfg.tick,
             fence_stale_after: cfg.fence_stale_after,
         },
+        lazy_after: cfg.lazy_after,
+        activity: crate::history::Activity::default(),
         dynamic: DynamicThresholds::default(),
         etcd: etcd.clone(),
         control_period: cfg.control_period,

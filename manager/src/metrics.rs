@@ -43,6 +43,12 @@ pub struct Metrics {
     pub roll_probes: Counter,
     /// Slice readings of the clock-skew detector (one script call each).
     pub skew_polls: Counter,
+    /// Tasks the leader left lazy (`--lazy-after`): no slices ahead, workers make them.
+    pub lazy_tasks: Gauge,
+    /// Lazy tasks rolled ahead again because a worker made one of their slices.
+    pub lazy_woken: Counter,
+    /// Fresh hosts whose workers speak a protocol before 5: no task is left lazy meanwhile.
+    pub lazy_held_back_hosts: Gauge,
     /// Failed roll calls (Redis errors, timeouts).
     pub roll_errors: Counter,
     /// Roll calls refused by the fence (a newer leader exists).
@@ -124,6 +130,9 @@ impl Metrics {
             roll_calls: Counter::default(),
             roll_probes: Counter::default(),
             skew_polls: Counter::default(),
+            lazy_tasks: Gauge::default(),
+            lazy_woken: Counter::default(),
+            lazy_held_back_hosts: Gauge::default(),
             roll_errors: Counter::default(),
             fenced: Counter::default(),
             fence_foreign_tasks: Gauge::default(),
@@ -174,6 +183,21 @@ impl Metrics {
             "roll_probes",
             "Tasks with nothing new to write checked by one HMGET of their meta instead of a roll script call",
             m.roll_probes.clone(),
+        );
+        registry.register(
+            "lazy_tasks",
+            "Tasks the leader left lazy (--lazy-after): no slices written ahead, workers make them from the meta",
+            m.lazy_tasks.clone(),
+        );
+        registry.register(
+            "lazy_held_back_hosts",
+            "Fresh hosts whose workers speak a protocol before 5 (no task is left lazy meanwhile)",
+            m.lazy_held_back_hosts.clone(),
+        );
+        registry.register(
+            "lazy_woken",
+            "Lazy tasks rolled ahead again because a worker made one of their slices",
+            m.lazy_woken.clone(),
         );
         registry.register(
             "skew_polls",
@@ -357,6 +381,8 @@ impl Metrics {
                 self.leader.set(0);
                 self.term.set(0);
                 self.horizon_ahead.set(0.0);
+                self.lazy_tasks.set(0);
+                self.lazy_held_back_hosts.set(0);
                 self.fence_foreign_tasks.set(0);
             }
         }

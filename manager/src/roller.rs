@@ -58,7 +58,7 @@ use futures::StreamExt;
 use serde_json::json;
 use sluice_protocol::conn::Redis;
 use sluice_protocol::scripts::{
-    self, FenceRefusal, RetireOutcome, RollOutcome, RollRequest, SliceWrite,
+    self, FenceRefusal, LazyWindow, RetireOutcome, RollOutcome, RollRequest, SliceWrite,
 };
 use sluice_protocol::{Keys, Mode, slice, unix_ms};
 use tracing::{debug, info, warn};
@@ -66,6 +66,7 @@ use tracing::{debug, info, warn};
 use crate::alerts::{AlertTx, Condition, Signal};
 use crate::election::LeaderContext;
 use crate::error::{Error, Result, redis as redis_err};
+use crate::history::Seen;
 use crate::metrics::Metrics;
 use crate::tasks::{TaskEntry, TaskSnapshot, TaskStore};
 
@@ -143,7 +144,45 @@ impl RollConfig {
     fn refresh_every_ms(&self) -> i64 {
         (self.fence_stale_after.as_millis() as i64 / 4).max(1)
     }
+
+    /// How often a lazy task's fence and window are refreshed, and the task probed when no
+    /// host reports using it (issue 27: at 100,000 idle tasks a refresh of each every quarter of
+    /// `fence_stale_after` was the leader's whole cost): half the horizon, at most
+    /// [`LAZY_REFRESH_MAX_MS`], never more often than an eager task's.
+    ///
+    /// ```
+    /// # use std::time::Duration;
+    /// # use sluice_manager::roller::RollConfig;
+    /// let cfg = |h: u64| RollConfig { horizon: Duration::from_secs(h), retention: Duration::from_secs(60),
+    ///     tick: Duration::from_millis(500), fence_stale_after: Duration::from_secs(10) };
+    /// assert_eq!(cfg(60).lazy_refresh_ms(), 30_000);
+    /// assert_eq!(cfg(600).lazy_refresh_ms(), 30_000);
+    /// assert_eq!(cfg(20).lazy_refresh_ms(), 10_000);
+    /// assert_eq!(cfg(2).lazy_refresh_ms(), 2_500);
+    /// // Its fence holds two refreshes (and never less than `fence_stale_after`).
+    /// assert_eq!(cfg(60).lazy_fence_ttl_ms(), 60_000);
+    /// assert_eq!(cfg(2).lazy_fence_ttl_ms(), 10_000);
+    /// ```
+    pub fn lazy_refresh_ms(&self) -> i64 {
+        (self.horizon.as_millis() as i64 / 2)
+            .min(LAZY_REFRESH_MAX_MS)
+            .max(self.refresh_every_ms())
+    }
+
+    /// How long a lazy task's fence holds (its `fence_ttl`): two of its refreshes, at least
+    /// `fence_stale_after`. A lazy window reaches a horizon and a refresh past the write that
+    /// claimed the fence, so with the horizon at least twice the refresh (the defaults) a
+    /// takeover of a stale fence comes before the window runs out.
+    pub fn lazy_fence_ttl_ms(&self) -> u64 {
+        (2 * self.lazy_refresh_ms() as u64).max(self.fence_stale_after.as_millis() as u64)
+    }
 }
+
+/// Names per `SADD` of the task registry.
+const REGISTER_BATCH: usize = 10_000;
+
+/// The longest refresh period of a lazy task (ms): see [`RollConfig::lazy_refresh_ms`].
+pub const LAZY_REFRESH_MAX_MS: i64 = 30_000;
 
 /// The effective threshold of the slice starting at `start_ms`: base → schedule → dynamic.
 pub fn effective_threshold(entry: &TaskEntry, dynamic: Option<u64>, start_ms: i64) -> u64 {
@@ -168,6 +207,34 @@ pub struct TaskRollState {
     pub refreshed_ms: i64,
     /// Caps written for slices that have not ended.
     pub caps: BTreeMap<i64, u64>,
+    /// The lazy window last written into the meta (`--lazy-after`): the task is lazy, its
+    /// slices are made by workers ([`scripts::LAZY_LUA`]). `None`: rolled ahead.
+    pub lazy: Option<LazyWindow>,
+    /// When (leader clock, ms) the task was last rolled ahead because it was new to this
+    /// leadership or had traffic again: it is not left lazy before `--lazy-after` from then.
+    pub eager_ms: i64,
+    /// When (leader clock, ms) the task was left lazy: traffic the harvester finds after it
+    /// wakes it.
+    pub lazy_since: i64,
+    /// A lazy task just woken: its window, cut by [`plan`] at the first slice the next write
+    /// rolls ahead and sent once with that write so a worker whose clock is behind still finds (or makes) the
+    /// slices before it, as it would those an eager task had written earlier.
+    pub tail: Option<LazyWindow>,
+    /// When (leader clock, ms) a lazy task was last probed for slices workers made.
+    pub probed_ms: i64,
+}
+
+impl TaskRollState {
+    /// Rolls a lazy task ahead again from `now_ms` on: its window is kept as the tail that
+    /// [`plan`] cuts at the first slice it writes. False when it was not lazy.
+    fn wake(&mut self, now_ms: i64) -> bool {
+        let Some(l) = self.lazy.take() else {
+            return false;
+        };
+        self.tail = Some(l);
+        self.eager_ms = now_ms;
+        true
+    }
 }
 
 /// One planned script call for a task (a whole window may take several).
@@ -189,6 +256,31 @@ pub struct Plan {
     pub next: TaskRollState,
     /// Nothing planned ([`quiet`]): `next` is not filled in and the state stays as it is.
     pub unchanged: bool,
+    /// The task is lazy: the window written into its meta (with `refresh`), or for an
+    /// `unchanged` plan the one the probe checks is still there.
+    pub lazy: Option<LazyWindow>,
+    /// For an `unchanged` lazy plan: when the task was last probed (leader clock, ms); the
+    /// probe looks for slices workers made since.
+    pub probe_from: i64,
+}
+
+impl Plan {
+    /// Nothing to write ([`quiet`]): the task is only probed, from what `state` says was
+    /// written (`next` is not filled in).
+    pub fn probe(state: &TaskRollState) -> Self {
+        Self {
+            full: false,
+            write_meta: false,
+            refresh: false,
+            slices: Vec::new(),
+            expect_rolled_to: state.rolled_to,
+            new_rolled_to: state.rolled_to,
+            next: TaskRollState::default(),
+            unchanged: true,
+            lazy: state.lazy,
+            probe_from: state.probed_ms,
+        }
+    }
 }
 
 /// Whether [`plan`] would plan nothing for this task at `now_ms` (no new slice, no cap to
@@ -206,8 +298,274 @@ pub fn quiet(
         && state.created == entry.created
         && state.version == entry.version
         && state.dynamic == dynamic
-        && state.rolled_to >= now_ms + cfg.ahead_ms(slice_ms)
-        && !refresh_due(state.refreshed_ms, now_ms, cfg.refresh_every_ms())
+        && reach(state) >= now_ms + cfg.ahead_ms(slice_ms)
+        && !refresh_due(state.refreshed_ms, now_ms, refresh_every(state, cfg))
+}
+
+/// How often this task's fence is refreshed: [`RollConfig::lazy_refresh_ms`] while lazy.
+fn refresh_every(state: &TaskRollState, cfg: &RollConfig) -> i64 {
+    if state.lazy.is_some() {
+        cfg.lazy_refresh_ms()
+    } else {
+        cfg.refresh_every_ms()
+    }
+}
+
+/// Whether a quiet lazy task is probed this tick: a fresh host reports using it (`in_use`), or
+/// [`RollConfig::lazy_refresh_ms`] passed since its last probe (a worker that has not reported
+/// yet, or does not report: its traffic wakes the task within that), or the leader's clock
+/// stepped back past it.
+pub fn lazy_probe_due(state: &TaskRollState, in_use: bool, now_ms: i64, cfg: &RollConfig) -> bool {
+    in_use || refresh_due(state.probed_ms, now_ms, cfg.lazy_refresh_ms())
+}
+
+/// How far ahead the task is decidable: its last slice written, or a lazy window's end.
+fn reach(state: &TaskRollState) -> i64 {
+    state
+        .lazy
+        .map_or(state.rolled_to, |l| l.until_ms.max(state.rolled_to))
+}
+
+/// How far before the leader's clock a lazy window starts at least (ms; else a horizon back):
+/// slices a worker whose clock is behind may still ask for. The cap is checked constant over
+/// it too.
+pub const LAZY_BACK_MS: i64 = 5_000;
+
+/// How long a new leadership's read of which tasks were lazy may take in all.
+const READ_LAZY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The first protocol whose workers make a lazy task's slices.
+pub const LAZY_PROTOCOL: u32 = 5;
+
+/// Workers of a protocol before [`LAZY_PROTOCOL`], as one read of `NS:hosts` found them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct OldHosts {
+    /// Fresh hosts (seen within [`crate::skew::HOST_FRESH_MS`] by the leader's clock) that
+    /// report no `proto`, or one below 5, sorted.
+    pub hosts: Vec<String>,
+    /// The tasks those hosts report using.
+    pub tasks: HashSet<String>,
+    /// The tasks any fresh host reports using (of any protocol): a quiet lazy task among them
+    /// is probed every tick, the others every [`RollConfig::lazy_refresh_ms`].
+    pub used: HashSet<String>,
+    /// When it was read (leader clock, ms).
+    pub read_ms: i64,
+}
+
+/// Which fresh hosts of `NS:hosts` (raw entries) speak a protocol before 5, and the tasks they
+/// use (pure). Freshness is on the leader's clock: the host's `seen_ms` less its offset.
+/// Entries that do not parse are left out (the leader prunes them).
+///
+/// ```
+/// use sluice_manager::roller::old_workers;
+/// let now = 1_000_000;
+/// let e = |seen: i64, offset: f64, proto: &str| format!(
+///     r#"{{"offset_ms": {offset}, "rtt_ms": 1, "seen_ms": {seen}, "sdk": "x", "tasks": {{"t": "normal"}}{proto}}}"#);
+/// let o = old_workers(vec![
+///     ("new".into(), e(now, 0.0, r#", "proto": 5"#)),
+///     ("old".into(), e(now, 0.0, "")),
+///     // 90 s behind, reporting now: fresh by the leader's clock.
+///     ("behind".into(), e(now - 90_000, -90_000.0, r#", "proto": 4"#)),
+///     ("gone".into(), e(now - 120_000, 0.0, "")),
+///     ("garbage".into(), "{".into()),
+/// ], now);
+/// assert_eq!(o.hosts, ["behind", "old"]);
+/// assert!(o.tasks.contains("t") && o.used.contains("t"));
+/// ```
+pub fn old_workers(raw: Vec<(String, String)>, now_ms: i64) -> OldHosts {
+    let mut out = OldHosts {
+        read_ms: now_ms,
+        ..OldHosts::default()
+    };
+    for (h, r) in crate::skew::split_hosts(raw, now_ms).reports {
+        let seen = r.seen_ms.saturating_sub(r.offset_ms as i64);
+        let fresh = now_ms.saturating_sub(seen).saturating_abs() <= crate::skew::HOST_FRESH_MS;
+        if !fresh {
+            continue;
+        }
+        if r.proto.unwrap_or(0) < LAZY_PROTOCOL {
+            out.tasks.extend(r.tasks.keys().cloned());
+            out.hosts.push(h);
+        }
+        out.used.extend(r.tasks.into_keys());
+    }
+    out.hosts.sort();
+    out
+}
+
+/// Whether workers of `mode` make a lazy task's slices (PULL, TAKE, SLIDE do; keyed tasks'
+/// KPULL does not yet, and mode `local` counts traffic only through flushes, which never
+/// make a slice: both are always rolled ahead, as `concurrency` has no slices at all).
+pub fn may_be_lazy(entry: &TaskEntry) -> bool {
+    !entry.spec.keyed
+        && matches!(
+            entry.spec.mode,
+            Mode::Pooled | Mode::ExactFixed | Mode::ExactSliding
+        )
+}
+
+/// Plans leaving the task lazy (pure; `--lazy-after`, issue 27): no slice written, its meta
+/// vouches for every slice from a horizon back (at least [`LAZY_BACK_MS`]) to the window's end
+/// (the reach an eager write would have), with the fence refreshed. `None` when it may not be
+/// lazy now: its mode cannot ([`may_be_lazy`]); not lazy yet, it had traffic (or was rolled
+/// ahead) less than `lazy_after_ms` before `now_ms` (`seen`: the harvester's, `None` = not yet
+/// harvested); lazy already, the harvester found traffic since it went lazy (it skips lazy
+/// tasks, so this is only its catch-up from before the task went lazy: the roller's probe of
+/// the slices workers made is what wakes a lazy task); what was written is not this spec version with this
+/// dynamic override (a change is written ahead first, the whole window); or the cap is not the
+/// same for every slice of the window (a schedule changes it: the task stays rolled ahead
+/// around the change).
+pub fn plan_lazy(
+    state: &TaskRollState,
+    entry: &TaskEntry,
+    dynamic: Option<u64>,
+    now_ms: i64,
+    cfg: &RollConfig,
+    seen: Option<Seen>,
+    lazy_after_ms: i64,
+) -> Option<Plan> {
+    let idle = match state.lazy {
+        // Not harvested yet (a new leadership's first pass over many tasks): no traffic known.
+        Some(_) => seen
+            .and_then(|s| s.traffic_ms)
+            .is_none_or(|t| t <= state.lazy_since),
+        None => seen.is_some_and(|s| now_ms - s.busy_ms.max(state.eager_ms) >= lazy_after_ms),
+    };
+    if lazy_after_ms <= 0
+        || !idle
+        || state.version != entry.version
+        || state.created != entry.created
+        || state.slice_ms != entry.spec.slice_ms.max(1)
+        || state.dynamic != dynamic
+    {
+        return None;
+    }
+    let lazy = lazy_window(state.lazy, entry, dynamic, now_ms, cfg)?;
+    let mut next = state.clone();
+    let len = entry.spec.slice_ms.max(1) as i64;
+    next.caps.retain(|s, _| *s + len > now_ms);
+    next.refreshed_ms = now_ms;
+    if state.lazy.is_none() {
+        next.lazy_since = now_ms;
+        // Tasks that went idle together (created together, a load test's end) refresh and are
+        // probed spread over the period rather than all in one tick (earlier is always safe).
+        let spread = refresh_spread(&entry.name, cfg.lazy_refresh_ms());
+        next.refreshed_ms = now_ms - spread;
+        next.probed_ms = now_ms - spread;
+    }
+    next.lazy = Some(lazy);
+    Some(Plan {
+        full: false,
+        write_meta: false,
+        refresh: true,
+        slices: Vec::new(),
+        expect_rolled_to: state.rolled_to,
+        new_rolled_to: state.rolled_to,
+        next,
+        unchanged: false,
+        lazy: Some(lazy),
+        probe_from: now_ms,
+    })
+}
+
+/// Plans a new leadership's first write of a task the previous leader had left lazy (pure): in
+/// full (meta, fence) but lazy, instead of writing every idle task's whole window at once (at
+/// 100,000 tasks, millions of slices in one tick). `rolled_to` becomes the current slice's
+/// start, so the probe watches the current and next slice: a task with traffic is woken within
+/// a tick (and its slices' caps then rewritten, as a full write would have). `None` when the
+/// task may not be lazy (mode, or a cap that changes inside the window).
+pub fn plan_lazy_full(
+    entry: &TaskEntry,
+    dynamic: Option<u64>,
+    now_ms: i64,
+    cfg: &RollConfig,
+) -> Option<Plan> {
+    let lazy = lazy_window(None, entry, dynamic, now_ms, cfg)?;
+    let slice_ms = entry.spec.slice_ms.max(1);
+    let rolled_to = slice::start(now_ms, slice_ms);
+    Some(Plan {
+        full: true,
+        write_meta: true,
+        refresh: true,
+        slices: Vec::new(),
+        expect_rolled_to: 0,
+        new_rolled_to: rolled_to,
+        next: TaskRollState {
+            version: entry.version,
+            created: entry.created,
+            slice_ms,
+            dynamic,
+            rolled_to,
+            refreshed_ms: now_ms - refresh_spread(&entry.name, cfg.lazy_refresh_ms()),
+            caps: BTreeMap::new(),
+            lazy: Some(lazy),
+            lazy_since: now_ms,
+            eager_ms: 0,
+            tail: None,
+            probed_ms: now_ms - refresh_spread(&entry.name, cfg.lazy_refresh_ms()),
+        },
+        unchanged: false,
+        lazy: Some(lazy),
+        probe_from: now_ms,
+    })
+}
+
+/// The lazy window of `entry` at `now_ms` (see [`plan_lazy`]); `prev` is the window written
+/// last for the same version and override, whose cap check is not repeated. `None` when the
+/// task's mode cannot be lazy or its cap is not the same over the whole window.
+fn lazy_window(
+    prev: Option<LazyWindow>,
+    entry: &TaskEntry,
+    dynamic: Option<u64>,
+    now_ms: i64,
+    cfg: &RollConfig,
+) -> Option<LazyWindow> {
+    if !may_be_lazy(entry) {
+        return None;
+    }
+    let slice_ms = entry.spec.slice_ms.max(1);
+    let len = slice_ms as i64;
+    // From a horizon back (at least a slice and [`LAZY_BACK_MS`]): a worker names its slice by
+    // its clock (or Redis's), which may be behind this leader's, and an eager task would have
+    // the slices written earlier for it.
+    let back = cfg.ahead_ms(slice_ms).max(len).max(LAZY_BACK_MS);
+    let from = slice::start(now_ms - back, slice_ms);
+    // As far as an eager write reaches (at least a slice past the horizon, so a task whose
+    // step is 0 is not rewritten every tick).
+    // A lazy window is refreshed every [`RollConfig::lazy_refresh_ms`]: it reaches that much
+    // past the horizon.
+    let step = roll_step_ms(cfg.horizon, slice_ms)
+        .max(len)
+        .max(cfg.lazy_refresh_ms());
+    // Not capped at MAX_SLICES_AHEAD slices as an eager write is (no key is written ahead, and
+    // workers make only slices near Redis's now): capped, a horizon of 3,600 slices or more
+    // would leave no refresh period past it, and every lazy task would be refreshed every tick.
+    let until = now_ms + cfg.ahead_ms(slice_ms) + step;
+    let cap = effective_threshold(entry, dynamic, from);
+    // Only what the last window (same version, override and cap) did not cover is checked:
+    // a schedule's cron is evaluated for a few slices per refresh, not the whole window.
+    let checked_to = prev
+        .filter(|p| p.cap == cap && p.from_ms <= from)
+        .map_or(from, |p| p.until_ms.max(from));
+    let constant = dynamic.is_some()
+        || entry.schedule.is_empty()
+        || slice::starts(checked_to, until, slice_ms)
+            .all(|s| effective_threshold(entry, dynamic, s) == cap);
+    if !constant {
+        return None;
+    }
+    // The end of the last slice starting before `until` (not a walk over the window).
+    if until <= from {
+        return None;
+    }
+    let end = slice::start(until - 1, slice_ms) + len;
+    Some(LazyWindow {
+        cap,
+        from_ms: from,
+        until_ms: end,
+        expire_after_ms: cfg.retention.as_millis() as u64,
+        fence_ttl_ms: cfg.lazy_fence_ttl_ms(),
+    })
 }
 
 /// Whether the fence is due for a refresh: `refresh_every` since the last, or the leader's
@@ -347,8 +705,31 @@ pub fn plan(
                 state.refreshed_ms
             },
             caps,
+            lazy: None,
+            eager_ms: if full || state.lazy.is_some() {
+                now_ms
+            } else {
+                state.eager_ms
+            },
+            lazy_since: 0,
+            tail: None,
+            probed_ms: 0,
         },
         unchanged: false,
+        // A lazy (or just woken) task's window before the slices written now, unless its cap
+        // may have changed (a new version or dynamic threshold) or the write is in full: a
+        // worker whose clock is behind still makes the slices before the current one.
+        lazy: state
+            .tail
+            .or(state.lazy)
+            .map(|l| LazyWindow {
+                until_ms: current.clamp(l.from_ms, l.until_ms),
+                // Rolled ahead: the fence is refreshed as any eager task's again.
+                fence_ttl_ms: 0,
+                ..l
+            })
+            .filter(|t| !recompute && t.until_ms > t.from_ms && t.until_ms <= current),
+        probe_from: now_ms,
     }
 }
 
@@ -368,6 +749,8 @@ pub struct TickStats {
     pub healed: u64,
     /// Tasks skipped because another epoch (or etcd history) holds their fence.
     pub conflicts: u64,
+    /// Lazy tasks rolled ahead again because a worker made one of their slices.
+    pub woken: u64,
 }
 
 /// A task whose fence another writer holds.
@@ -396,6 +779,55 @@ pub struct Roller {
     registered: HashSet<String>,
     /// Where the registry stands this leadership.
     reconcile: Reconcile,
+    /// `--lazy-after` (ms; 0 = never) and when each task last had traffic.
+    lazy_after_ms: i64,
+    activity: crate::history::Activity,
+    /// Tasks the previous leadership left lazy (read once, before this one's first writes):
+    /// their first write is lazy too ([`plan_lazy_full`]).
+    was_lazy: HashSet<String>,
+    /// Whether `was_lazy` was read this leadership.
+    lazy_read: bool,
+    /// The etcd revision of the snapshot `was_lazy` was read for: a task created after it is
+    /// new, and starts lazy too (nothing has asked for it yet).
+    lazy_new_after: Option<i64>,
+    /// What the last read of `NS:hosts` found of workers that speak a protocol before 5 (they
+    /// cannot make a lazy task's slices). `None`: not read yet (no task is left lazy).
+    old_hosts: Option<Arc<OldHosts>>,
+    /// When `NS:hosts` was last read (leader clock, ms).
+    hosts_read_ms: i64,
+    /// The lazy tasks published to the harvester and the skew detector (through `activity`).
+    published_lazy: HashSet<String>,
+    /// Which walks over every task a tick must redo.
+    dirty: Dirty,
+    /// The snapshot (revision, tasks, invalid specs) the walks were last redone for: a new one
+    /// redoes them all.
+    walked: Option<(i64, usize, usize)>,
+    /// When every lazy task was last probed because the task registry was missing or a task
+    /// was healed (leader clock, ms).
+    probed_all_ms: i64,
+    /// The last tick healed a task Redis had lost.
+    healed_last_tick: bool,
+}
+
+/// Which of a tick's walks over every task must be redone: each only when the snapshot
+/// changed or what it depends on did (issue 27: at 100,000 tasks, walking them all every tick
+/// was most of the leader's CPU).
+#[derive(Debug, Clone, Copy)]
+struct Dirty {
+    /// Tasks in the state but not in the snapshot (to retire) may exist.
+    gone: bool,
+    /// Tasks of the snapshot may be missing from the registry.
+    register: bool,
+    /// A task became lazy or stopped being lazy since the last publication.
+    lazy: bool,
+}
+
+impl Dirty {
+    const ALL: Self = Self {
+        gone: true,
+        register: true,
+        lazy: true,
+    };
 }
 
 /// The registry's state in a leadership.
@@ -417,6 +849,8 @@ enum Reconcile {
 struct Attempt {
     full: bool,
     force: bool,
+    /// Written ahead even if it may be lazy: Redis refused a lazy full write (`NotLazy`).
+    eager: bool,
 }
 
 impl Attempt {
@@ -424,6 +858,7 @@ impl Attempt {
     const FORCED: Self = Self {
         full: true,
         force: true,
+        eager: true,
     };
 }
 
@@ -448,7 +883,31 @@ impl Roller {
             key_secret: None,
             registered: HashSet::new(),
             reconcile: Reconcile::Unknown,
+            lazy_after_ms: 0,
+            activity: crate::history::Activity::default(),
+            was_lazy: HashSet::new(),
+            lazy_read: false,
+            lazy_new_after: None,
+            old_hosts: None,
+            hosts_read_ms: i64::MIN,
+            published_lazy: HashSet::new(),
+            dirty: Dirty::ALL,
+            walked: None,
+            probed_all_ms: i64::MIN,
+            healed_last_tick: false,
         }
+    }
+
+    /// Leaves tasks without traffic for `after` lazy ([`plan_lazy`]), by the traffic the
+    /// harvester publishes into `activity`. `None`: never.
+    pub fn with_lazy(
+        mut self,
+        after: Option<Duration>,
+        activity: crate::history::Activity,
+    ) -> Self {
+        self.lazy_after_ms = after.map_or(0, |d| d.as_millis() as i64);
+        self.activity = activity;
+        self
     }
 
     /// The namespace's key-label secret (see [`sluice_protocol::key_label`]).
@@ -467,7 +926,8 @@ impl Roller {
                 _ = ctx.token().cancelled() => return,
                 _ = interval.tick() => {}
                 // Roll at once when a spec changes, so a new threshold is live within
-                // milliseconds, not a tick.
+                // milliseconds, not a tick (within 100 ms in a burst of changes, which the
+                // task watch publishes together).
                 r = tasks.changed() => if r.is_err() { return },
             }
             let snap = store.snapshot();
@@ -530,6 +990,7 @@ impl Roller {
         }
         if forget {
             self.state.remove(task);
+            self.dirty.lazy = true;
         }
         self.conflicts.push(Conflict {
             task: task.to_string(),
@@ -549,6 +1010,11 @@ impl Roller {
     ) -> Result<TickStats> {
         let mut stats = TickStats::default();
         self.conflicts.clear();
+        let seen = (snap.revision, snap.tasks.len(), snap.invalid.len());
+        if self.walked != Some(seen) {
+            self.dirty = Dirty::ALL;
+            self.walked = Some(seen);
+        }
         let conn = self.redis.conn().await.map_err(redis_err("connect"))?;
         let now = unix_ms();
         let fence = ctx.fence();
@@ -579,13 +1045,21 @@ impl Roller {
 
         // Tasks gone from etcd: retire their meta (keeps the fence) and state, forget them.
         // A stored spec that fails validation is not gone: it is neither rolled nor retired.
-        let gone: Vec<String> = self
-            .state
-            .keys()
-            .filter(|n| !snap.contains(n))
-            .cloned()
-            .collect();
+        let gone: Vec<String> = if self.dirty.gone {
+            self.state
+                .keys()
+                .filter(|n| !snap.contains(n))
+                .cloned()
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if !gone.is_empty() {
+            self.dirty.lazy = true;
+        }
         let ttl = (self.cfg.horizon + self.cfg.retention).as_millis() as u64;
+        // Looked for again next tick (those not retired now: refused, failed), until none.
+        self.dirty.gone = !gone.is_empty();
         for name in gone {
             let mut force = false;
             for _attempt in 0..2 {
@@ -628,10 +1102,81 @@ impl Roller {
             }
         }
 
+        // A Redis that lost everything (a restart without persistence, FLUSHALL: `NS:hosts`
+        // gone too) is noticed by the task registry, which lives as long as a task does (one
+        // command a tick): every task is registered again, and every lazy task (probed rarely
+        // otherwise) is probed and healed this tick — at most every few seconds while the
+        // registry stays missing (a Redis refusing the SADD).
+        // A task healed last tick says the same (the registry may have been written again by
+        // that heal before this check).
+        let mut probe_all = false;
+        if !snap.tasks.is_empty() {
+            let mut c = conn.clone();
+            let mut cmd = redis::cmd("EXISTS");
+            cmd.arg(self.keys.task_registry());
+            let lost = matches!(
+                bounded("check the task registry", cmd.query_async::<i64>(&mut c)).await,
+                Ok(0)
+            );
+            // At most every few seconds (Redis evicting keys would heal tasks every tick).
+            if (lost || std::mem::take(&mut self.healed_last_tick))
+                && (now.saturating_sub(self.probed_all_ms) >= crate::skew::HOSTS_READ_MS
+                    || now < self.probed_all_ms)
+            {
+                self.probed_all_ms = now;
+                self.registered.clear();
+                self.dirty.register = true;
+                probe_all = !self.published_lazy.is_empty();
+            }
+        }
         // Every task is in the registry before its meta can be written (a failure is retried
         // next tick; rolling goes on).
-        self.register(&conn, snap).await;
+        if self.dirty.register {
+            self.register(&conn, snap).await;
+        }
+        if self.lazy_after_ms > 0 {
+            // Also when the clock stepped back past the last read.
+            if now < self.hosts_read_ms
+                || now.saturating_sub(self.hosts_read_ms) >= crate::skew::HOSTS_READ_MS
+            {
+                self.hosts_read_ms = now;
+                self.check_hosts(&conn, now).await;
+            }
+            if !self.lazy_read {
+                self.read_lazy(&conn, snap).await;
+            }
+            // Tasks that workers of a protocol before 5 use are rolled ahead (they cannot
+            // make a lazy task's slices); the others stay lazy.
+            if let Some(old) = self.old_hosts.clone() {
+                for name in &old.tasks {
+                    if let Some(st) = self.state.get_mut(name)
+                        && st.wake(now)
+                    {
+                        stats.woken += 1;
+                        self.dirty.lazy = true;
+                        debug!(task = name, "lazy task rolled ahead: old workers use it");
+                    }
+                }
+            }
+        }
+        // Whether a task may stay lazy (it is, or was under the previous leadership): the
+        // setting is on, the hosts were read once, and no worker of a protocol before 5
+        // reports using it (a verdict gone stale keeps what is lazy lazy). Whether a task may
+        // become lazy: besides, the verdict is fresh and no worker of a protocol before 5
+        // reports at all (one may start using any task before its next report).
+        let lazy_on = self.lazy_after_ms > 0;
+        let verdict = self.old_hosts.clone();
+        let fresh = verdict
+            .as_ref()
+            .is_some_and(|o| now >= o.read_ms && now - o.read_ms <= 3 * crate::skew::HOSTS_READ_MS);
+        let keep_ok =
+            |name: &str| lazy_on && verdict.as_ref().is_some_and(|o| !o.tasks.contains(name));
+        let new_ok = |name: &str| {
+            keep_ok(name) && fresh && verdict.as_ref().is_some_and(|o| o.hosts.is_empty())
+        };
 
+        let in_use =
+            |name: &str| probe_all || verdict.as_ref().is_none_or(|o| o.used.contains(name));
         let mut pending: Vec<(Arc<TaskEntry>, Attempt)> = snap
             .tasks
             .values()
@@ -639,13 +1184,17 @@ impl Roller {
             .collect();
         // Three rounds at most: the second resends in full what Redis had lost (or a fence
         // being taken over), the third forces numbers of another etcd history.
-        for _round in 0..3 {
+        for round in 0..3 {
             if pending.is_empty() {
                 break;
             }
+            // A task healed last round is registered again before its full write.
+            if round > 0 && self.dirty.register {
+                self.register(&conn, snap).await;
+            }
             let jobs: Vec<(Arc<TaskEntry>, Attempt, Plan)> = pending
                 .drain(..)
-                .map(|(entry, attempt)| {
+                .filter_map(|(entry, attempt)| {
                     let over = dynamic
                         .get(&entry.name)
                         .filter(|(inc, _)| *inc == entry.created)
@@ -656,22 +1205,49 @@ impl Roller {
                         && !attempt.force
                         && quiet(st, &entry, over, now, &self.cfg)
                     {
-                        let p = Plan {
-                            full: false,
-                            write_meta: false,
-                            refresh: false,
-                            slices: Vec::new(),
-                            expect_rolled_to: st.rolled_to,
-                            new_rolled_to: st.rolled_to,
-                            next: TaskRollState::default(),
-                            unchanged: true,
-                        };
-                        return (entry, attempt, p);
+                        // A quiet lazy task is probed only when a host reports using it, or
+                        // now and then (issue 27: a probe of 100,000 idle tasks every tick).
+                        if st.lazy.is_some()
+                            && !lazy_probe_due(st, in_use(&entry.name), now, &self.cfg)
+                        {
+                            return None;
+                        }
+                        return Some((entry, attempt, Plan::probe(st)));
+                    }
+                    if known.is_none()
+                        && !attempt.eager
+                        && !attempt.force
+                        && ((self.was_lazy.contains(&entry.name) && keep_ok(&entry.name))
+                            || (self.lazy_new_after.is_some_and(|r| entry.created > r)
+                                && new_ok(&entry.name)))
+                        && let Some(p) = plan_lazy_full(&entry, over, now, &self.cfg)
+                    {
+                        return Some((entry, attempt, p));
                     }
                     let st = known.cloned().unwrap_or_default();
                     let full = attempt.full || known.is_none();
+                    let may_be_lazy_now = if st.lazy.is_some() {
+                        keep_ok(&entry.name)
+                    } else {
+                        new_ok(&entry.name)
+                    };
+                    if !full
+                        && !attempt.force
+                        && may_be_lazy_now
+                        && let Some(p) = plan_lazy(
+                            &st,
+                            &entry,
+                            over,
+                            now,
+                            &self.cfg,
+                            self.activity.seen(&entry.name),
+                            self.lazy_after_ms,
+                        )
+                    {
+                        return Some((entry, attempt, p));
+                    }
                     let p = plan(&st, &entry, over, now, &self.cfg, full);
-                    (entry, attempt, p)
+                    Some((entry, attempt, p))
                 })
                 .collect();
             let keys = &self.keys;
@@ -708,6 +1284,7 @@ impl Roller {
                         Sent {
                             probe: false,
                             script: true,
+                            made: false,
                         },
                     ),
                 };
@@ -721,15 +1298,46 @@ impl Roller {
                 match r {
                     Ok(RollOutcome::Written(n)) => {
                         stats.written += n;
+                        self.was_lazy.remove(name);
                         if !plan.unchanged {
-                            self.state.insert(name.clone(), plan.next);
+                            let lazy = plan.next.lazy.is_some();
+                            if self
+                                .state
+                                .insert(name.clone(), plan.next)
+                                .map(|o| o.lazy.is_some())
+                                != Some(lazy)
+                            {
+                                self.dirty.lazy = true;
+                            }
+                        } else if plan.lazy.is_some()
+                            && let Some(st) = self.state.get_mut(name)
+                        {
+                            st.probed_ms = now;
+                        }
+                        if sent.made
+                            && let Some(st) = self.state.get_mut(name)
+                            && st.wake(now)
+                        {
+                            // A worker made a slice: the task has traffic again, roll it
+                            // ahead (this round if one is left, else next tick).
+                            stats.woken += 1;
+                            self.dirty.lazy = true;
+                            pending.push((entry, Attempt::default()));
                         }
                     }
                     Ok(RollOutcome::NeedFull) if !attempt.full => {
                         stats.healed += 1;
+                        // A lazy task Redis lost is written lazy again (its meta is gone, and
+                        // the script refuses a lazy write over anything but a live lazy meta
+                        // or none): healing a FLUSHALL does not write every window at once.
+                        if self.state.get(name).is_some_and(|s| s.lazy.is_some()) {
+                            self.was_lazy.insert(name.clone());
+                        }
                         self.state.remove(name);
+                        self.dirty.lazy = true;
                         // Redis lost the task, maybe the registry too: add it again.
                         self.registered.remove(name);
+                        self.dirty.register = true;
                         pending.push((
                             entry,
                             Attempt {
@@ -740,6 +1348,19 @@ impl Roller {
                     }
                     Ok(RollOutcome::NeedFull) => {
                         debug!(task = name, "a full write was answered NeedFull; next tick");
+                    }
+                    Ok(RollOutcome::NotLazy) => {
+                        // Slices there may hold other caps (a re-created task, a spec changed
+                        // while no leader ran): written ahead, in full, this round.
+                        self.was_lazy.remove(name);
+                        pending.push((
+                            entry,
+                            Attempt {
+                                full: true,
+                                eager: true,
+                                ..attempt
+                            },
+                        ));
                     }
                     Ok(RollOutcome::Retired { revision }) => {
                         if !attempt.force && other_history(revision).await {
@@ -754,6 +1375,7 @@ impl Roller {
                         // has not delivered the deletion yet. Never resurrect it.
                         debug!(task = name, revision, "task was deleted; skipping");
                         self.state.remove(name);
+                        self.dirty.lazy = true;
                     }
                     Ok(RollOutcome::StaleSpec { stored_version }) => {
                         self.metrics.stale_specs.inc();
@@ -774,6 +1396,7 @@ impl Roller {
                             "stale spec: a newer version is in Redis; skipping this tick"
                         );
                         self.state.remove(name);
+                        self.dirty.lazy = true;
                     }
                     Ok(RollOutcome::Refused(refusal)) => {
                         // A term above this etcd's revision belongs to another etcd history
@@ -793,6 +1416,7 @@ impl Roller {
             }
         }
         stats.conflicts = self.conflicts.len() as u64;
+        self.healed_last_tick = stats.healed > 0;
         self.report(ctx, snap);
 
         self.metrics.roll_calls.inc_by(stats.calls);
@@ -800,16 +1424,154 @@ impl Roller {
         self.metrics.slices_written.inc_by(stats.written);
         self.metrics.roll_errors.inc_by(stats.errors);
         self.metrics.tasks.set(snap.tasks.len() as i64);
+        self.metrics.lazy_woken.inc_by(stats.woken);
+        if self.dirty.lazy {
+            self.dirty.lazy = false;
+            self.publish_lazy(snap);
+        }
+        self.metrics
+            .lazy_tasks
+            .set(self.published_lazy.len() as i64);
         let ahead = snap
             .tasks
             .keys()
             .filter_map(|n| self.state.get(n))
-            .map(|s| s.rolled_to - now)
+            .map(|s| reach(s) - now)
             .min();
         self.metrics
             .horizon_ahead
             .set(ahead.map_or(0.0, |ms| ms as f64 / 1000.0));
         Ok(stats)
+    }
+
+    /// Tells the harvester and the skew detector which tasks are lazy now (only the changes).
+    fn publish_lazy(&mut self, snap: &TaskSnapshot) {
+        let mut added = Vec::new();
+        let mut removed: Vec<String> = self
+            .published_lazy
+            .iter()
+            .filter(|n| !snap.tasks.contains_key(*n))
+            .cloned()
+            .collect();
+        for name in snap.tasks.keys() {
+            let lazy = self.state.get(name).is_some_and(|s| s.lazy.is_some());
+            if lazy != self.published_lazy.contains(name) {
+                if lazy {
+                    added.push(name.clone());
+                } else {
+                    removed.push(name.clone());
+                }
+            }
+        }
+        if added.is_empty() && removed.is_empty() {
+            return;
+        }
+        for n in &removed {
+            self.published_lazy.remove(n);
+        }
+        self.published_lazy.extend(added.iter().cloned());
+        self.activity.set_lazy(added, removed);
+    }
+
+    /// Reads `NS:hosts`: the tasks that fresh hosts whose workers speak a protocol before 5 use
+    /// are held rolled ahead (`sluice_lazy_held_back_hosts`, logged when the set of such hosts
+    /// changes). Freshness is judged on the leader's clock (`seen_ms` less the host's offset).
+    /// An entry that does not parse is ignored (the leader prunes it). A failed read keeps the
+    /// last verdict, which goes stale after a few reads (no more tasks are left lazy then).
+    async fn check_hosts(&mut self, conn: &sluice_protocol::conn::RedisConn, now: i64) {
+        let mut c = conn.clone();
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(self.keys.hosts());
+        let raw: Vec<(String, String)> = match bounded("read hosts", cmd.query_async(&mut c)).await
+        {
+            Ok(v) => v,
+            Err(e) => {
+                debug!(%e, "reading the hosts' protocol versions failed");
+                return;
+            }
+        };
+        let found = old_workers(raw, now);
+        self.metrics
+            .lazy_held_back_hosts
+            .set(found.hosts.len() as i64);
+        let before = self.old_hosts.as_ref().map(|o| &o.hosts);
+        if before != Some(&found.hosts) && !found.hosts.is_empty() {
+            warn!(
+                hosts = found.hosts.len(),
+                first = ?found.hosts.iter().take(5).collect::<Vec<_>>(),
+                tasks = found.tasks.len(),
+                "hosts whose workers speak a protocol before {LAZY_PROTOCOL} report to this namespace: the tasks they use are not left lazy (--lazy-after) until they are upgraded"
+            );
+        } else if before.is_some_and(|b| !b.is_empty()) && found.hosts.is_empty() {
+            info!("every host speaks protocol {LAZY_PROTOCOL}: idle tasks may be left lazy again");
+        }
+        self.old_hosts = Some(Arc::new(found));
+    }
+
+    /// Learns which tasks the previous leadership left lazy (or never wrote: created while no
+    /// leader ran, or lost by Redis), one `HMGET` of `lz_until` and `term` per task that may
+    /// be lazy, many in flight, once per leadership; tasks created from then on
+    /// start lazy too. On failure the tasks are written ahead as usual (correct, only
+    /// costlier).
+    async fn read_lazy(&mut self, conn: &sluice_protocol::conn::RedisConn, snap: &TaskSnapshot) {
+        self.lazy_read = true;
+        let names: Vec<&String> = snap
+            .tasks
+            .values()
+            .filter(|e| may_be_lazy(e) && !self.state.contains_key(&e.name))
+            .map(|e| &e.name)
+            .collect();
+        // One command per task, many in flight: a pipeline of many tasks' keys is refused by
+        // a Redis Cluster (they lie in different slots).
+        let keys = &self.keys;
+        type Read = (String, Result<(Option<String>, Option<String>)>);
+        let reads = futures::stream::iter(names.into_iter().cloned())
+            .map(|name| {
+                let mut c = conn.clone();
+                async move {
+                    let mut cmd = redis::cmd("HMGET");
+                    cmd.arg(keys.meta(&name))
+                        .arg(sluice_protocol::meta_field::LZ_UNTIL)
+                        .arg(sluice_protocol::meta_field::TERM);
+                    let r = bounded("read lazy windows", cmd.query_async(&mut c)).await;
+                    (name, r)
+                }
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect::<Vec<Read>>();
+        // Bounded as a whole: a Redis that hangs must not hold the first tick for each task's
+        // own timeout in turn (the tasks are then written ahead, as without the read).
+        let Ok(read) = tokio::time::timeout(READ_LAZY_TIMEOUT, reads).await else {
+            warn!("reading which tasks were lazy timed out; writing them ahead");
+            return;
+        };
+        let mut found = 0usize;
+        let mut failed = 0usize;
+        for (name, r) in read {
+            match r {
+                Ok((lz_until, term)) => {
+                    if lz_until.is_some_and(|v| v.parse::<i64>().is_ok()) || term.is_none() {
+                        self.was_lazy.insert(name);
+                        found += 1;
+                    }
+                }
+                // Written ahead (correct, only costlier).
+                Err(_) => failed += 1,
+            }
+        }
+        if failed > 0 {
+            warn!(
+                tasks = failed,
+                "cannot read whether these tasks were lazy; writing them ahead"
+            );
+        }
+        self.lazy_new_after = Some(snap.revision);
+        if found > 0 {
+            info!(
+                tasks = found,
+                "tasks left lazy by the previous leadership (or never written) start lazy"
+            );
+        }
     }
 
     /// Adds the tasks of `snap` not yet known to be registered to the registry (one `SADD`).
@@ -820,16 +1582,32 @@ impl Roller {
             .filter(|n| !self.registered.contains(*n))
             .collect();
         if new.is_empty() {
+            self.dirty.register = false;
             return;
         }
-        let mut c = conn.clone();
-        let mut cmd = redis::cmd("SADD");
-        cmd.arg(self.keys.task_registry()).arg(&new);
-        let call = cmd.query_async::<i64>(&mut c);
-        match tokio::time::timeout(CALL_TIMEOUT, call).await {
-            Ok(Ok(_)) => self.registered.extend(new.into_iter().cloned()),
-            Ok(Err(e)) => warn!(%e, "adding tasks to the registry failed; will retry"),
-            Err(_) => warn!("adding tasks to the registry timed out; will retry"),
+        // In batches (every task again after Redis lost the registry: 100,000 names).
+        let mut added: Vec<String> = Vec::with_capacity(new.len());
+        for batch in new.chunks(REGISTER_BATCH) {
+            let mut c = conn.clone();
+            let mut cmd = redis::cmd("SADD");
+            cmd.arg(self.keys.task_registry()).arg(batch);
+            let call = cmd.query_async::<i64>(&mut c);
+            match tokio::time::timeout(CALL_TIMEOUT, call).await {
+                Ok(Ok(_)) => added.extend(batch.iter().map(|n| (*n).clone())),
+                Ok(Err(e)) => {
+                    warn!(%e, "adding tasks to the registry failed; will retry");
+                    break;
+                }
+                Err(_) => {
+                    warn!("adding tasks to the registry timed out; will retry");
+                    break;
+                }
+            }
+        }
+        let done = added.len() == new.len();
+        self.registered.extend(added);
+        if done {
+            self.dirty.register = false;
         }
     }
 
@@ -1010,6 +1788,7 @@ impl Roller {
                         "task in Redis but not in etcd (deleted while no leader ran): retiring it"
                     );
                     self.state.insert(name, TaskRollState::default());
+                    self.dirty.gone = true;
                 }
                 Orphan::Gone => self.unregister(conn, &name).await,
                 Orphan::Foreign => {
@@ -1163,6 +1942,35 @@ enum Orphan {
     Foreign,
 }
 
+/// How many slices one probe of a lazy task looks at, at most (one `EXISTS` of that many keys,
+/// all in the task's slot): those nearest the leader's clock. A task of short slices probed
+/// rarely can miss older ones; traffic that goes on is seen in the latest.
+pub const MAX_PROBE_SLICES: usize = 128;
+
+/// The slices whose existence says a worker made them: for a lazy task, those from the one of
+/// its last probe (`plan.probe_from`) to the current one by the leader's clock, widened by
+/// [`LAZY_BACK_MS`] (at least a slice) on both sides — workers name slices by Redis's clock,
+/// which may be that far from the leader's — where they lie past what the leader wrote
+/// (`expect_rolled_to`); at most [`MAX_PROBE_SLICES`]: at most a quarter of them ahead of the
+/// current slice, the rest the latest behind it (short slices look back less than the margin).
+fn made_by_workers(plan: &Plan, slice_ms: u64, now_ms: i64) -> Vec<i64> {
+    if plan.lazy.is_none() {
+        return Vec::new();
+    }
+    let slice_ms = slice_ms.max(1);
+    let len = slice_ms as i64;
+    let margin = LAZY_BACK_MS.max(len);
+    let current = slice::start(now_ms, slice_ms);
+    let ahead = (margin / len).clamp(1, MAX_PROBE_SLICES as i64 / 4);
+    let last = current + ahead * len;
+    let first = slice::start(plan.probe_from.min(now_ms) - margin, slice_ms)
+        .max(last - (MAX_PROBE_SLICES as i64 - 1) * len)
+        .min(current);
+    slice::starts(first, last + 1, slice_ms)
+        .filter(|s| *s >= plan.expect_rolled_to)
+        .collect()
+}
+
 /// Sends one plan (in chunks of at most [`MAX_SLICES_PER_CALL`] slices).
 #[allow(clippy::too_many_arguments)]
 async fn execute(
@@ -1184,9 +1992,11 @@ async fn execute(
         && !force
         && plan.new_rolled_to <= plan.expect_rolled_to;
     let mut probed = false;
+    let mut made = false;
     if quiet {
         // Nothing to write: one HMGET tells whether the script would write nothing either
         // (the common case, answered without a script); anything else goes to the script.
+        let watch = made_by_workers(plan, entry.spec.slice_ms, unix_ms());
         let probe = scripts::roll_probe(
             conn,
             keys,
@@ -1194,15 +2004,20 @@ async fn execute(
             fence,
             plan.expect_rolled_to,
             entry.version,
+            plan.lazy.map(|l| l.until_ms),
+            &watch,
         );
         match tokio::time::timeout(CALL_TIMEOUT, probe).await {
             Ok(r) => {
-                if r.map_err(redis_err("roll probe"))? {
+                let p = r.map_err(redis_err("roll probe"))?;
+                made = p.made;
+                if p.vouch {
                     return Ok((
                         RollOutcome::Written(0),
                         Sent {
                             probe: true,
                             script: false,
+                            made,
                         },
                     ));
                 }
@@ -1250,6 +2065,7 @@ async fn execute(
             meta: (plan.write_meta && first).then_some(&meta),
             meta_extra: &extra,
             slices: chunk,
+            lazy: plan.lazy.as_ref(),
         };
         let call = scripts::roll(conn, keys, &req);
         let out = match tokio::time::timeout(CALL_TIMEOUT, call).await {
@@ -1269,6 +2085,7 @@ async fn execute(
                     Sent {
                         probe: probed,
                         script: true,
+                        made,
                     },
                 ));
             }
@@ -1284,6 +2101,7 @@ async fn execute(
         Sent {
             probe: probed,
             script: true,
+            made,
         },
     ))
 }
@@ -1298,6 +2116,8 @@ struct Sent {
     probe: bool,
     /// The roll script (after a probe that could not vouch, or instead of one).
     script: bool,
+    /// The probe found a slice of the lazy task that only a worker can have made.
+    made: bool,
 }
 
 /// Dynamic threshold overrides by task, set by the dynamic controller, read by the roller.
@@ -1435,6 +2255,327 @@ mod tests {
             assert_eq!(s.cap, effective_threshold(&e, None, s.start_ms));
         }
         assert!(p.slices.iter().any(|s| s.cap == 100) && p.slices.iter().any(|s| s.cap == 300));
+    }
+
+    /// What the harvester says of a task idle since `busy_ms`, without traffic seen.
+    fn idle(busy_ms: i64) -> Option<Seen> {
+        Some(Seen {
+            busy_ms,
+            traffic_ms: None,
+        })
+    }
+
+    /// Issue 27: a lazy task costs its leader one refresh every `lazy_refresh_ms` (not every
+    /// quarter of `fence_stale_after`), its window reaching a horizon and that refresh past the
+    /// write, its fence holding two refreshes; a quiet lazy task is probed every tick only
+    /// while a host reports using it. Woken, its fence is an eager task's again.
+    #[test]
+    fn a_lazy_task_is_refreshed_and_probed_at_its_own_pace() {
+        let c = RollConfig {
+            horizon: Duration::from_secs(60),
+            ..cfg()
+        };
+        let e = entry(r#"{"threshold": 100}"#, 1);
+        let st = plan(&TaskRollState::default(), &e, None, 1_000, &c, true).next;
+        let p = plan_lazy(&st, &e, None, 100_000, &c, idle(0), 60_000).expect("lazy");
+        let r = c.lazy_refresh_ms();
+        assert!(r > c.refresh_every_ms(), "{r}");
+        let w = p.lazy.expect("window");
+        assert!(w.until_ms >= 100_000 + c.ahead_ms(1_000) + r, "{w:?}");
+        assert_eq!(w.fence_ttl_ms, c.lazy_fence_ttl_ms());
+        assert!(w.fence_ttl_ms as i64 >= 2 * r);
+        // Its first refresh comes within a period (spread by name), never later.
+        let first = p.next.refreshed_ms + r;
+        assert!((100_000..=100_000 + r).contains(&first), "{first}");
+        assert!(
+            quiet(&p.next, &e, None, first - 1, &c),
+            "quiet until its refresh"
+        );
+        assert!(
+            !quiet(&p.next, &e, None, first, &c),
+            "refreshed at its period"
+        );
+        // The window still reaches the horizon when the refresh is due.
+        assert!(w.until_ms >= first + c.ahead_ms(1_000));
+        // Probed every tick while in use, else once a period (and after a clock step back).
+        let probed = p.next.probed_ms;
+        assert!(lazy_probe_due(&p.next, true, probed + 1, &c));
+        assert!(!lazy_probe_due(&p.next, false, probed + r - 1, &c));
+        assert!(lazy_probe_due(&p.next, false, probed + r, &c));
+        assert!(lazy_probe_due(&p.next, false, probed - 1, &c));
+        // A probe looks at every slice since the last one, widened by LAZY_BACK_MS on both
+        // sides (workers go by Redis's clock), past what the leader wrote: a single decision
+        // between two rare probes is seen.
+        let mut quiet_plan = Plan::probe(&p.next);
+        quiet_plan.probe_from = 110_400;
+        let made = made_by_workers(&quiet_plan, 1_000, 120_100);
+        assert_eq!(made.first(), Some(&105_000));
+        assert_eq!(made.last(), Some(&125_000));
+        assert_eq!(made.len(), 21);
+        quiet_plan.probe_from = 0;
+        quiet_plan.expect_rolled_to = 0;
+        let made = made_by_workers(&quiet_plan, 1_000, 300_100);
+        assert_eq!(made.len(), MAX_PROBE_SLICES);
+        assert_eq!(
+            made.last(),
+            Some(&305_000),
+            "the slices ahead are kept whole"
+        );
+        quiet_plan.expect_rolled_to = 119_000;
+        assert_eq!(
+            made_by_workers(&quiet_plan, 1_000, 120_100),
+            (119_000..=125_000).step_by(1_000).collect::<Vec<_>>()
+        );
+        // The leader's clock a second ahead of Redis's, 100 ms slices, probed every tick: the
+        // slice a worker made by Redis's clock a second back is looked at (the reviewer's case).
+        quiet_plan.expect_rolled_to = 0;
+        quiet_plan.probe_from = 500_000 - 500;
+        let made = made_by_workers(&quiet_plan, 100, 500_000);
+        assert!(
+            made.contains(&499_000) && made.contains(&499_100),
+            "{made:?}"
+        );
+        // ... and one a second ahead (the leader's clock behind).
+        assert!(made.contains(&501_000), "{made:?}");
+        assert!(made.len() <= MAX_PROBE_SLICES);
+        // Short slices: never more than MAX_PROBE_SLICES, at most a quarter of them ahead, so
+        // some look-back is always left (the second review: 10 ms slices probed 501 slices,
+        // all ahead of the current one).
+        for len in [1_u64, 10, 20, 40, 50] {
+            let made = made_by_workers(&quiet_plan, len, 500_000);
+            assert_eq!(made.len(), MAX_PROBE_SLICES, "{len} ms");
+            let behind = made.iter().filter(|s| **s < 500_000).count();
+            assert!(
+                behind >= MAX_PROBE_SLICES * 3 / 4 - 1,
+                "{len} ms: {behind} behind"
+            );
+        }
+        assert!(made_by_workers(&quiet_plan, 10, 500_000).contains(&499_500));
+        quiet_plan.lazy = None;
+        assert!(made_by_workers(&quiet_plan, 1_000, 120_100).is_empty());
+        // Woken: the window kept before the first slice written again carries no lifetime.
+        let mut woken = p.next.clone();
+        assert!(woken.wake(101_200));
+        let q = plan(&woken, &e, None, 101_200, &c, false);
+        assert!(q.lazy.is_some_and(|l| l.fence_ttl_ms == 0), "{:?}", q.lazy);
+        assert!(q.refresh || q.new_rolled_to > q.expect_rolled_to);
+        // A takeover's lazy write carries the lifetime, its refresh and probe spread likewise.
+        let f = plan_lazy_full(&e, None, 200_300, &c).expect("lazy");
+        assert_eq!(f.lazy.map(|l| l.fence_ttl_ms), Some(c.lazy_fence_ttl_ms()));
+        assert!(f.next.refreshed_ms > 200_300 - r && f.next.probed_ms > 200_300 - r);
+    }
+
+    /// A lazy task stays lazy at each refresh while the harvester finds no traffic since it
+    /// went lazy; traffic wakes it. A new leadership's first write of a task left lazy is lazy.
+    #[test]
+    fn a_lazy_task_stays_lazy_until_traffic_and_across_a_takeover() {
+        let e = entry(r#"{"threshold": 100}"#, 1);
+        let st = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true).next;
+        let p = plan_lazy(&st, &e, None, 100_000, &cfg(), idle(0), 60_000).expect("lazy");
+        assert_eq!(p.next.lazy_since, 100_000);
+        // Refreshes: the harvester's busy_ms moved (a new leadership's harvest began), no
+        // traffic: still lazy, lazy_since kept.
+        let seen = Some(Seen {
+            busy_ms: 101_000,
+            traffic_ms: None,
+        });
+        let q = plan_lazy(&p.next, &e, None, 102_500, &cfg(), seen, 60_000).expect("lazy");
+        assert_eq!(q.next.lazy_since, 100_000);
+        // Traffic found before it went lazy: still lazy; after: not.
+        let before = Some(Seen {
+            busy_ms: 99_000,
+            traffic_ms: Some(99_000),
+        });
+        assert!(plan_lazy(&q.next, &e, None, 105_000, &cfg(), before, 60_000).is_some());
+        let after = Some(Seen {
+            busy_ms: 104_000,
+            traffic_ms: Some(104_000),
+        });
+        assert!(plan_lazy(&q.next, &e, None, 105_000, &cfg(), after, 60_000).is_none());
+
+        // A takeover: in full (meta, fence) but lazy, rolled_to at the current slice.
+        let f = plan_lazy_full(&e, None, 200_300, &cfg()).expect("lazy");
+        assert!(f.full && f.write_meta && f.refresh && f.slices.is_empty());
+        assert_eq!(f.new_rolled_to, 200_000);
+        assert_eq!(f.lazy.map(|l| l.cap), Some(100));
+        assert_eq!(f.next.lazy, f.lazy);
+        assert!(
+            reach(&f.next) >= 200_300 + 5_000,
+            "decidable a horizon ahead"
+        );
+        // Not harvested yet: stays lazy.
+        assert!(plan_lazy(&f.next, &e, None, 202_800, &cfg(), None, 60_000).is_some());
+        // It stays lazy without waiting for --lazy-after (no traffic seen yet).
+        let seen = Some(Seen {
+            busy_ms: 200_500,
+            traffic_ms: None,
+        });
+        assert!(plan_lazy(&f.next, &e, None, 203_000, &cfg(), seen, 60_000).is_some());
+        // Never for a task whose mode cannot be lazy.
+        let k = entry(r#"{"threshold": 5, "keyed": true}"#, 1);
+        assert!(plan_lazy_full(&k, None, 200_300, &cfg()).is_none());
+    }
+
+    /// `--lazy-after`: an idle task is left lazy only once nothing has happened to it for the
+    /// setting, only in the modes whose worker scripts make slices, only for what was written
+    /// of this version, and only while its cap is constant over the window.
+    #[test]
+    fn an_idle_task_is_left_lazy_only_when_nothing_can_tell() {
+        let after = 60_000;
+        let e = entry(r#"{"threshold": 100}"#, 1);
+        let eager = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true).next;
+        assert_eq!(
+            eager.eager_ms, 1_000,
+            "a first write counts as rolled ahead now"
+        );
+        // Never seen by the harvester, busy recently, or rolled ahead recently: not lazy.
+        let now = 100_000;
+        assert!(plan_lazy(&eager, &e, None, now, &cfg(), None, after).is_none());
+        assert!(plan_lazy(&eager, &e, None, now, &cfg(), idle(50_000), after).is_none());
+        assert!(plan_lazy(&eager, &e, None, 60_999, &cfg(), idle(0), after).is_none());
+        // Idle for the setting: lazy, no slice, the fence refreshed, rolled_to unchanged.
+        let p = plan_lazy(&eager, &e, None, now, &cfg(), idle(0), after).expect("lazy");
+        let l = p.lazy.expect("window");
+        assert!(p.slices.is_empty() && p.refresh && !p.write_meta && !p.full);
+        assert_eq!(p.new_rolled_to, eager.rolled_to);
+        assert_eq!(l.cap, 100);
+        assert_eq!(
+            l.from_ms, 95_000,
+            "from 5 s back: a worker's clock may be behind"
+        );
+        assert!(
+            l.until_ms >= now + 5_000,
+            "at least a horizon ahead: {}",
+            l.until_ms
+        );
+        assert_eq!(l.until_ms % 1_000, 0);
+        assert_eq!(l.expire_after_ms, 60_000);
+        assert_eq!(p.next.lazy, Some(l));
+        assert!(
+            quiet(&p.next, &e, None, now + 500, &cfg()),
+            "lazy and fresh: only probed"
+        );
+        assert!(
+            !quiet(&p.next, &e, None, now + 2_500, &cfg()),
+            "the fence refresh is due"
+        );
+        // A new version or dynamic override is rolled ahead first.
+        let v2 = entry(r#"{"threshold": 200}"#, 2);
+        assert!(plan_lazy(&p.next, &v2, None, now + 3_000, &cfg(), idle(0), after).is_none());
+        assert!(plan_lazy(&p.next, &e, Some(7), now + 3_000, &cfg(), idle(0), after).is_none());
+        let back = plan(&p.next, &v2, None, now + 3_000, &cfg(), false);
+        assert!(back.lazy.is_none() && back.next.lazy.is_none());
+        assert_eq!(
+            back.next.eager_ms,
+            now + 3_000,
+            "not lazy again before --lazy-after"
+        );
+        assert!(
+            back.slices
+                .iter()
+                .any(|s| s.start_ms == 103_000 && s.cap == 200)
+        );
+        // Modes whose workers do not make slices.
+        for body in [
+            r#"{"threshold": 5, "keyed": true}"#,
+            r#"{"threshold": 5, "mode": "local"}"#,
+            r#"{"threshold": 5, "mode": "concurrency", "lease_ms": 2000}"#,
+        ] {
+            let e = entry(body, 1);
+            let st = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true).next;
+            assert!(
+                plan_lazy(&st, &e, None, now, &cfg(), idle(0), after).is_none(),
+                "{body}"
+            );
+        }
+        for body in [
+            r#"{"threshold": 5, "mode": "exact_fixed"}"#,
+            r#"{"threshold": 5, "mode": "exact_sliding"}"#,
+        ] {
+            let e = entry(body, 1);
+            let st = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true).next;
+            assert!(
+                plan_lazy(&st, &e, None, now, &cfg(), idle(0), after).is_some(),
+                "{body}"
+            );
+        }
+        // Off.
+        assert!(plan_lazy(&eager, &e, None, now, &cfg(), idle(0), 0).is_none());
+    }
+
+    /// A lazy task woken by a worker's slice is rolled ahead from the current slice, and the
+    /// write keeps its window before that slice (a worker whose clock is behind still finds
+    /// what an eager task would have had), unless its cap may have changed.
+    #[test]
+    fn a_woken_task_keeps_its_window_before_the_slices_written_again() {
+        let e = entry(r#"{"threshold": 100}"#, 1);
+        let st = plan(&TaskRollState::default(), &e, None, 1_000, &cfg(), true).next;
+        let lazy = plan_lazy(&st, &e, None, 100_000, &cfg(), idle(0), 60_000)
+            .expect("lazy")
+            .next;
+        let mut woken = lazy.clone();
+        woken.tail = woken.lazy.take().map(|l| LazyWindow {
+            until_ms: 101_000,
+            ..l
+        });
+        woken.eager_ms = 101_200;
+        assert!(!quiet(&woken, &e, None, 101_200, &cfg()));
+        let p = plan(&woken, &e, None, 101_200, &cfg(), false);
+        assert_eq!(
+            p.lazy.map(|l| (l.cap, l.from_ms, l.until_ms)),
+            Some((100, 95_000, 101_000))
+        );
+        assert_eq!(p.slices.first().map(|s| s.start_ms), Some(101_000));
+        assert!(p.slices.iter().all(|s| s.cap == 100));
+        assert!(p.next.tail.is_none() && p.next.lazy.is_none());
+        // Rolled ahead for a while: the next write drops the window.
+        let q = plan(&p.next, &e, None, 104_000, &cfg(), false);
+        assert!(q.lazy.is_none());
+        // A new version (its cap may differ) or a full write: no window kept.
+        let v2 = entry(r#"{"threshold": 200}"#, 2);
+        assert!(
+            plan(&woken, &v2, None, 101_200, &cfg(), false)
+                .lazy
+                .is_none()
+        );
+        assert!(plan(&woken, &e, None, 101_200, &cfg(), true).lazy.is_none());
+    }
+
+    /// A schedule that changes the cap within the window keeps the task rolled ahead; once
+    /// the window holds one cap again it may be lazy.
+    #[test]
+    fn a_schedule_change_in_the_window_keeps_the_task_rolled_ahead() {
+        let e = entry(
+            r#"{"threshold": 100, "schedules": [
+                {"cron": "* * 3 * * *", "threshold": 300, "timezone": "UTC"}]}"#,
+            1,
+        );
+        let three = chrono::DateTime::parse_from_rfc3339("2026-03-29T03:00:00Z")
+            .unwrap()
+            .timestamp_millis();
+        let st = plan(&TaskRollState::default(), &e, None, 0, &cfg(), true).next;
+        assert!(plan_lazy(&st, &e, None, three - 3_000, &cfg(), idle(0), 1).is_none());
+        let p = plan_lazy(&st, &e, None, three + 30_000, &cfg(), idle(0), 1).expect("lazy");
+        assert_eq!(p.lazy.map(|l| l.cap), Some(300));
+        let p = plan_lazy(&st, &e, None, three - 60_000, &cfg(), idle(0), 1).expect("lazy");
+        assert_eq!(p.lazy.map(|l| l.cap), Some(100));
+        // Refreshed while the change approaches (only the new part of the window is checked):
+        // lazy until the change enters the window, then rolled ahead.
+        let mut st = p.next;
+        let mut t = three - 60_000;
+        let mut lazy_until = 0;
+        while let Some(q) = plan_lazy(&st, &e, None, t + 2_500, &cfg(), idle(0), 1) {
+            let l = q.lazy.expect("window");
+            assert_eq!(l.cap, 100);
+            assert!(l.until_ms <= three, "the window never reaches the change");
+            lazy_until = l.until_ms;
+            st = q.next;
+            t += 2_500;
+        }
+        assert!(
+            three - lazy_until < 2_500 + 1_000,
+            "lazy until close to the change"
+        );
     }
 
     #[test]

@@ -320,6 +320,8 @@ pub fn poll_period_ms(slice_ms: u64, idle_for_ms: i64, dormant_for_ms: i64) -> i
 }
 
 /// The detector's leader loop: sends what it finds to the alert loop as [`Signal::Seen`].
+/// Tasks the roller left lazy (`activity`) are not read until they wake.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     ctx: LeaderContext,
     keys: Keys,
@@ -328,6 +330,7 @@ pub async fn run(
     metrics: Arc<Metrics>,
     settings: watch::Receiver<Settings>,
     alerts: AlertTx,
+    activity: crate::history::Activity,
 ) {
     let mut watches: HashMap<String, TaskWatch> = HashMap::new();
     // When each task is polled next, and the same as a queue ordered by that time (an entry
@@ -414,6 +417,16 @@ pub async fn run(
             };
             // A stale entry (the task was polled at another time since, or is gone).
             if next_poll.get(&name) != Some(&at) {
+                continue;
+            }
+            // A lazy task has no slices but what workers make, and the roller wakes it when
+            // they do: looked at again later, without a read (issue 27). It is in the snapshot:
+            // `next_poll` is pruned to it whenever it changes (no lookup of 100,000 names in
+            // the snapshot's map every 5 s).
+            if activity.is_lazy(&name) {
+                let at = now + DORMANT_POLL_MS;
+                next_poll.insert(name.clone(), at);
+                queue.push(std::cmp::Reverse((at, name)));
                 continue;
             }
             match snap.tasks.get(&name) {
@@ -648,6 +661,7 @@ mod tests {
             rtt_ms: rtt,
             seen_ms: seen,
             sdk: "x".into(),
+            proto: None,
             tasks: Default::default(),
             permits: Default::default(),
         };

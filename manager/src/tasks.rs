@@ -119,6 +119,9 @@ impl Stored {
     }
 }
 
+/// How often at most the task watch publishes a new snapshot while changes keep coming.
+const PUBLISH_EVERY: Duration = Duration::from_millis(100);
+
 /// All tasks at one etcd revision.
 #[derive(Debug, Clone, Default)]
 pub struct TaskSnapshot {
@@ -635,20 +638,38 @@ impl TaskStore {
             };
             backoff = Duration::from_millis(100);
             self.set_watching(true);
+            // Changes are published at once, but at most every PUBLISH_EVERY while they keep
+            // coming: each publication copies the task map (100,000 tasks created at 500 a
+            // second copied it 500 times a second, starving the runtime until etcd calls timed
+            // out), and wakes every leader loop.
+            let mut last_pub = tokio::time::Instant::now() - PUBLISH_EVERY;
+            let mut dirty = false;
             loop {
                 let msg = tokio::select! {
                     _ = shutdown.cancelled() => return,
+                    _ = tokio::time::sleep_until(last_pub + PUBLISH_EVERY), if dirty => {
+                        self.snapshot.send_replace(Arc::new(current.clone()));
+                        last_pub = tokio::time::Instant::now();
+                        dirty = false;
+                        continue;
+                    }
                     m = stream.message() => m,
                 };
                 let resp = match msg {
                     Ok(Some(r)) => r,
                     Ok(None) => {
                         warn!(revision = current.revision, "task watch closed; resuming");
+                        if dirty {
+                            self.snapshot.send_replace(Arc::new(current.clone()));
+                        }
                         snap = Some(current);
                         break;
                     }
                     Err(e) => {
                         warn!(%e, revision = current.revision, "task watch broke; resuming");
+                        if dirty {
+                            self.snapshot.send_replace(Arc::new(current.clone()));
+                        }
                         snap = Some(current);
                         break;
                     }
@@ -659,6 +680,10 @@ impl TaskStore {
                         reason = resp.cancel_reason(),
                         "task watch cancelled (history compacted?); reloading"
                     );
+                    // What was applied is published (the reload may fail for a while).
+                    if dirty {
+                        self.snapshot.send_replace(Arc::new(current.clone()));
+                    }
                     break; // snap stays None: full reload
                 }
                 let mut changed = false;
@@ -692,7 +717,13 @@ impl TaskStore {
                     current.revision = current.revision.max(h.revision());
                 }
                 if changed {
-                    self.snapshot.send_replace(Arc::new(current.clone()));
+                    if last_pub.elapsed() >= PUBLISH_EVERY {
+                        self.snapshot.send_replace(Arc::new(current.clone()));
+                        last_pub = tokio::time::Instant::now();
+                        dirty = false;
+                    } else {
+                        dirty = true;
+                    }
                 }
             }
             self.set_watching(false);

@@ -62,7 +62,13 @@ use serde::{Deserialize, Serialize};
 ///   changed ([`scripts::KPULL_LUA`]); the meta gained `ko_n`. **Not additive for workers of
 ///   keyed tasks**: v3 and v4 workers count a key's quota in different places (a key may admit
 ///   its limit once per version while both run); other tasks are unaffected.
-pub const PROTOCOL_VERSION: u32 = 4;
+/// * 5: **lazy tasks** (issue 27): a leader may leave an idle task without slices ahead and
+///   write a lazy window into its meta instead (`lz_cap`, `lz_from`, `lz_until`, `lz_exp`);
+///   PULL, TAKE and SLIDE then make a missing slice from it ([`scripts::LAZY_LUA`]); their
+///   arguments gained the meta's name (read only: workers still never write it). The manager does this only with
+///   `--lazy-after` (off by default): a v4 worker sees no slice of a lazy task (FAILED, its
+///   fallback), so every worker of the namespace must speak 5 before it is turned on.
+pub const PROTOCOL_VERSION: u32 = 5;
 
 /// The default namespace.
 pub const DEFAULT_NAMESPACE: &str = "sluice";
@@ -710,11 +716,28 @@ pub mod meta_field {
     /// Redis time (Unix ms) of the last fenced write; a fence not refreshed for the manager's
     /// `--fence-stale-after` may be taken over.
     pub const FENCED_MS: &str = "fenced_ms";
+    /// How long the fence holds (ms; protocol 5, a lazy task's, whose leader refreshes it less
+    /// often): a writer of another term or epoch takes it over only once `fenced_ms` is older
+    /// than the longer of this (counted up to 10 minutes) and its own `--fence-stale-after`.
+    /// Absent: the writer's.
+    pub const FENCE_TTL: &str = "fence_ttl";
     /// End (exclusive, ms) of the last slice the leader has written.
     pub const ROLLED_TO: &str = "rolled_to";
     /// Present when the task was deleted: the etcd revision of the deletion (the hash then
     /// keeps only this and the fence: `term`, `epoch`, `fenced_ms`).
     pub const RETIRED: &str = "retired";
+    /// Lazy task (protocol 5, [`crate::scripts::LAZY_LUA`]): the cap of every slice a worker
+    /// may make within [`LZ_FROM`, `LZ_UNTIL`).
+    pub const LZ_CAP: &str = "lz_cap";
+    /// Lazy task: start of the first slice a worker may make (Unix ms).
+    pub const LZ_FROM: &str = "lz_from";
+    /// Lazy task: end of the last slice a worker may make (Unix ms).
+    pub const LZ_UNTIL: &str = "lz_until";
+    /// Lazy task: how long (ms) a slice a worker made is kept after its end.
+    pub const LZ_EXP: &str = "lz_exp";
+    /// Lazy task: `<term> <epoch>` of the leader that wrote the window; workers use it only
+    /// while the meta's fence (`term`, `epoch`) is still that leader's.
+    pub const LZ_FENCE: &str = "lz_fence";
 }
 
 /// Slice hash field names.
@@ -911,6 +934,10 @@ pub struct HostReport {
     pub seen_ms: i64,
     /// SDK version.
     pub sdk: String,
+    /// The worker's protocol version ([`PROTOCOL_VERSION`]; absent in reports of workers
+    /// before protocol 5): a leader leaves no task lazy while a fresh host reports less than 5.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub proto: Option<u32>,
     /// Tasks this host uses, with the host's state for each (`normal`/`limited`/`failed`).
     #[serde(default)]
     pub tasks: std::collections::BTreeMap<String, String>,

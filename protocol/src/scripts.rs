@@ -72,6 +72,25 @@ use super::{Keys, TaskMeta};
 /// permit.
 pub const PACE_LUA: &str = include_str!("../scripts/parts/pace.lua");
 
+/// The lazy slice (protocol 5), shared by PULL, TAKE and SLIDE: defines
+/// `lazy_slice(slice, start, len, time)`, which makes a missing task slice from the task's
+/// meta (named from the slice's key: `NS:{T}:s:<start>` → `NS:{T}:meta`, read only) when the
+/// leader left the task **lazy** (idle: no slices written ahead, issue 27). It returns 1 when
+/// it made the slice, -2 when the meta vouches for the slice but Redis time is outside the
+/// caller's window (PULL and TAKE answer -2, as for an existing slice), 0 otherwise. The meta
+/// vouches with `lz_cap` (the cap of every slice of length `slice_ms` lying within
+/// [`lz_from`, `lz_until`): the leader writes them only while that cap is the same for every
+/// such slice), `lz_exp` (the slice is kept that long after its end) and `lz_fence` (`<term>
+/// <epoch>` of the writer: the window counts only while the meta's fence is still that).
+/// A slice is made only when the four numbers are whole and non-negative, the fence matches,
+/// the task is not retired, `len` is the meta's `slice_ms`, `start` is on its grid, the slice
+/// lies within the window, and Redis time is within the caller's window of the slice (PULL's:
+/// from one slice before its start to `end + grace`). It gets `cap`, `rem = cap`, `term` (the
+/// meta's), `len`, the pacing ROLL would give it, and expires at `end + lz_exp`. Nothing else
+/// is written (the worker ACL reads the meta only): the leader, probing the slices past what
+/// it wrote, sees the slice and rolls the task ahead again.
+pub const LAZY_LUA: &str = include_str!("../scripts/parts/lazy.lua");
+
 /// The fence shared by every leader script (`scripts/parts/fence.lua`, the first part of each; see
 /// the module docs). `ARGV[1..3]`: term, epoch (the etcd cluster id, a decimal string: it does
 /// not fit a Lua number), stale_after (ms). Defines `now` (Redis `TIME`, ms), `fence(meta)` and
@@ -82,7 +101,11 @@ pub const FENCE_LUA: &str = include_str!("../scripts/parts/fence.lua");
 ///
 /// `KEYS[1]` meta, `KEYS[2..]` slices. `ARGV`: the fence (3), full (0/1), expected `rolled_to`,
 /// new `rolled_to`, spec version, force (0/1), refresh (0/1), number of meta pairs `n`, `2n`
-/// meta field/values, then per slice: cap, expire-at (Unix ms). When `n > 0`, every existing
+/// meta field/values, then per slice: cap, expire-at (Unix ms), then optionally the lazy
+/// window (protocol 5): `lz_cap`, `lz_from`, `lz_until`, `lz_exp` (see [`LAZY_LUA`]), written
+/// into the meta, and the fence's lifetime `fence_ttl` (ms, 0 = none; see
+/// [`LazyWindow::fence_ttl_ms`]); without them the meta's `lz_*` fields and `fence_ttl` are
+/// deleted (a task rolled ahead is not lazy). A call that changes `fence_ttl` claims the fence. When `n > 0`, every existing
 /// key override field (`ko:*`) is deleted before the pairs are written (overrides are always
 /// sent whole with the meta).
 ///
@@ -97,6 +120,9 @@ pub const FENCE_LUA: &str = include_str!("../scripts/parts/fence.lua");
 ///   the task;
 /// * `{5, stored_version}`: the stored spec version is newer than the writer's (a lagging
 ///   snapshot): nothing written.
+/// * `{6, 0}`: a full write with a lazy window and no slices over a meta that is not a live
+///   lazy meta of this version written under its own fence (nor absent): nothing written
+///   (slices already there may hold other caps: write the window ahead).
 ///
 /// The version and deletion checks apply only within one epoch and without a takeover, and
 /// `force = 1` skips them (the writer found the stored numbers to come from another etcd
@@ -136,12 +162,14 @@ pub const RETIRE_LUA: &str = concat!(
 
 /// Pulls up to `ARGV[1]` permits from one slice; optionally adds counters to it.
 ///
-/// `KEYS[1]` slice. `ARGV`: want, slice start (Unix ms), slice length (ms), host id, request id,
-/// then optionally six counter deltas (adm, rej, ok, err, lat_sum_us, lat_n) added to this slice.
+/// `KEYS[1]` slice (protocol 5: a missing slice of a lazy task is made from the task's meta,
+/// named from it, [`LAZY_LUA`]). `ARGV`: want, slice start (Unix ms), slice length (ms), host
+/// id, request id, then optionally six counter deltas (adm, rej, ok, err, lat_sum_us, lat_n) added to this slice.
 ///
 /// Returns `{granted, remaining, cap, time_s, time_us, replayed}` with Redis `TIME`:
 ///
-/// * `granted = -1`: the slice does not exist (a worker never creates one);
+/// * `granted = -1`: the slice does not exist and the meta does not vouch for it (see
+///   [`LAZY_LUA`]);
 /// * `granted = -2`: **outside the window**: Redis time is before `start − slice_ms` (the
 ///   slice has not started, beyond the one-slice prefetch allowance) or after
 ///   `end + grace` with `grace = min(slice_ms / 4, 250 ms)` (the slice is over); nothing is
@@ -159,6 +187,7 @@ pub const RETIRE_LUA: &str = concat!(
 /// exclusive (its pull lock), so the last one is the only one a retry can repeat.
 pub const PULL_LUA: &str = concat!(
     include_str!("../scripts/parts/pace.lua"),
+    include_str!("../scripts/parts/lazy.lua"),
     include_str!("../scripts/parts/pull.lua"),
 );
 
@@ -247,10 +276,11 @@ pub const ADJUST_LUA: &str = concat!(
 
 /// `exact_fixed`: takes exactly `n` permits from one slice, or none.
 ///
-/// `KEYS[1]` slice. `ARGV`: n, slice start (Unix ms), slice length (ms), request id (may be
-/// empty). Counts the decision in the slice (`adm` or `rej`), so exact decisions need no
+/// `KEYS[1]` slice (a missing slice of a lazy task is made from the meta, as PULL's). `ARGV`:
+/// n, slice start (Unix ms), slice length (ms), request id (may be empty). Counts the decision in the slice (`adm` or `rej`), so exact decisions need no
 /// flush. Returns `{status, remaining, cap, time_s, time_us, 0}` with status 1 = taken, 0 =
-/// refused (fewer than `n` left), -1 = the slice does not exist (never created), -2 = outside
+/// refused (fewer than `n` left), -1 = the slice does not exist (and the meta does not vouch
+/// for it), -2 = outside
 /// the slice's window (the same window as [`PULL_LUA`]; nothing taken or counted).
 ///
 /// **Idempotent by request id**: an admission records `r:<request id> = n` in the slice hash
@@ -258,7 +288,10 @@ pub const ADJUST_LUA: &str = concat!(
 /// "taken" again and changes nothing, even after the window closed. One field per admitted
 /// decision: the exact modes are for low rates. A refusal records nothing (a retry is decided
 /// afresh, and counted in `rej` again).
-pub const TAKE_LUA: &str = include_str!("../scripts/take.lua");
+pub const TAKE_LUA: &str = concat!(
+    include_str!("../scripts/parts/lazy.lua"),
+    include_str!("../scripts/parts/take.lua"),
+);
 
 /// `exact_sliding`: admits `n` when fewer than the current slice's `cap` minus `n` admissions
 /// lie in the window (one slice long) ending at Redis `TIME`, and the current slice still has
@@ -271,7 +304,7 @@ pub const TAKE_LUA: &str = include_str!("../scripts/take.lua");
 /// threshold included; the decision is counted there), `KEYS[3]` the log's sequence
 /// (`NS:{T}:log:seq`). `ARGV`: n (≤ 1,000), window (ms), the caller's nonce (random per
 /// client), the slice's start (Unix ms; a refusal by `rem` retries at the slice's end), request
-/// id (may be empty). Members are `<nonce>:<seq>:<i>` with `seq` from `INCR` of `KEYS[3]`, so
+/// id (may be empty); a missing slice of a lazy task is made from the meta, as PULL's. Members are `<nonce>:<seq>:<i>` with `seq` from `INCR` of `KEYS[3]`, so
 /// they are unique by construction (across clients, processes and restarts); the sequence
 /// expires with the log. Returns `{status, remaining, cap, time_s, time_us, retry_after_us}`
 /// with status 1 = admitted, 0 = refused, -1 = the slice does not exist.
@@ -279,7 +312,10 @@ pub const TAKE_LUA: &str = include_str!("../scripts/take.lua");
 /// **Idempotent by request id**, as [`TAKE_LUA`]: an admission records `r:<request id> = n` in
 /// the slice hash; a call whose request id is recorded is answered "admitted" again and adds
 /// nothing to the log or the slice.
-pub const SLIDE_LUA: &str = include_str!("../scripts/slide.lua");
+pub const SLIDE_LUA: &str = concat!(
+    include_str!("../scripts/parts/lazy.lua"),
+    include_str!("../scripts/parts/slide.lua"),
+);
 
 /// Reads `cap` and `rem` of several slices of one task in one call (the leader's clock-skew
 /// detector). `KEYS` slices. Returns `cap, rem` per key, `-1, 0` for a missing slice.
@@ -429,6 +465,32 @@ pub struct RollRequest<'a> {
     pub meta_extra: &'a [(&'static str, String)],
     /// Slices to create or change.
     pub slices: &'a [SliceWrite],
+    /// The task is lazy (protocol 5): the window workers may make slices in; `None` deletes
+    /// the meta's lazy fields.
+    pub lazy: Option<&'a LazyWindow>,
+}
+
+/// What the meta of a lazy task vouches for (see [`LAZY_LUA`]): workers make any missing
+/// slice lying within [`from_ms`, `until_ms`) with cap `cap`, kept `expire_after_ms` after
+/// its end.
+///
+/// [`from_ms`]: LazyWindow::from_ms
+/// [`until_ms`]: LazyWindow::until_ms
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LazyWindow {
+    /// The cap of every slice in the window.
+    pub cap: u64,
+    /// Start of the first slice (Unix ms).
+    pub from_ms: i64,
+    /// End of the last slice (Unix ms).
+    pub until_ms: i64,
+    /// How long a slice is kept after its end (ms): the leader's retention.
+    pub expire_after_ms: u64,
+    /// How long the fence this write claims holds (ms, the meta's `fence_ttl`): a lazy task's
+    /// fence is refreshed less often than `stale_after / 4`, so it says so, and a writer of
+    /// another term or epoch takes it over only past the longer of this and its own
+    /// `stale_after` (counted up to 10 minutes). 0: none (the callers' `stale_after`).
+    pub fence_ttl_ms: u64,
 }
 
 /// What [`roll`] did.
@@ -441,6 +503,11 @@ pub enum RollOutcome {
     /// The meta hash is missing, retired or behind, or a fence is being taken over: resend
     /// with `full = true`.
     NeedFull,
+    /// A full write leaving the task lazy (no slices, a lazy window) was refused: the stored
+    /// meta is not a live lazy meta of this spec version (a tombstone, another version, a
+    /// window of another fence), so slices there may hold other caps: nothing written; write
+    /// the window ahead instead.
+    NotLazy,
     /// The task was deleted (at this etcd revision) after the spec being written: skip it.
     Retired {
         /// Revision of the deletion.
@@ -454,15 +521,18 @@ pub enum RollOutcome {
 }
 
 /// The leader's cheap probe of a task it has nothing to write for: one `HMGET` of the meta
-/// (`term`, `epoch`, `rolled_to`, `retired`, `version`), no script, nothing written.
+/// (`term`, `epoch`, `rolled_to`, `retired`, `version`, `lz_until`), and for a lazy task an
+/// `EXISTS` of the slices in `made` in the same round trip; no script, nothing written.
 ///
-/// `true` when [`roll`] with no slices, no meta and no refresh would answer `Written(0)`
-/// without writing anything: the meta holds this fence's term and epoch (so no other writer
-/// has claimed it since), is not retired, is rolled to at least `expect_rolled_to` (Redis has
-/// not lost or rewound it) and holds no spec version above `spec_version`. `false` for
-/// anything else, including a field that does not parse: the caller then makes the real call,
-/// whose answer is authoritative. Issue 27: the probe every tick is most of an idle task's
-/// cost, and a script call costs Redis several times this one command.
+/// [`RollProbe::vouch`] when [`roll`] with no slices, no meta and no refresh would answer
+/// `Written(0)` without writing anything: the meta holds this fence's term and epoch (so no
+/// other writer has claimed it since), is not retired, is rolled to at least
+/// `expect_rolled_to` (Redis has not lost or rewound it), holds no spec version above
+/// `spec_version` and, for a lazy task (`expect_lazy_until`), still holds its lazy window to
+/// at least that. `false` for anything else, including a field that does not parse: the caller
+/// then makes the real call, whose answer is authoritative. Issue 27: the probe every tick is
+/// most of an idle task's cost, and a script call costs Redis several times this one command.
+#[allow(clippy::too_many_arguments)]
 pub async fn roll_probe<C>(
     conn: &mut C,
     keys: &Keys,
@@ -470,28 +540,58 @@ pub async fn roll_probe<C>(
     fence: &Fence,
     expect_rolled_to: i64,
     spec_version: i64,
-) -> RedisResult<bool>
+    expect_lazy_until: Option<i64>,
+    made: &[i64],
+) -> RedisResult<RollProbe>
 where
     C: redis::aio::ConnectionLike,
 {
-    let [term, epoch, rolled_to, retired, version]: [Option<String>; 5] = redis::cmd("HMGET")
+    let mut pipe = redis::pipe();
+    pipe.cmd("HMGET")
         .arg(keys.meta(task))
         .arg(crate::meta_field::TERM)
         .arg(crate::meta_field::EPOCH)
         .arg(crate::meta_field::ROLLED_TO)
         .arg(crate::meta_field::RETIRED)
         .arg(crate::meta_field::VERSION)
-        .query_async(conn)
-        .await?;
+        .arg(crate::meta_field::LZ_UNTIL);
+    if !made.is_empty() {
+        let exists = pipe.cmd("EXISTS");
+        for s in made {
+            exists.arg(keys.slice(task, *s));
+        }
+    }
+    type Fields = [Option<String>; 6];
+    let ([term, epoch, rolled_to, retired, version, lz_until], made): (Fields, i64) =
+        if made.is_empty() {
+            let (f,): (Fields,) = pipe.query_async(conn).await?;
+            (f, 0)
+        } else {
+            pipe.query_async(conn).await?
+        };
     let num = |v: &Option<String>| v.as_deref().and_then(|v| v.parse::<i64>().ok());
-    Ok(num(&term) == Some(fence.term)
+    let vouch = num(&term) == Some(fence.term)
         && epoch.as_deref() == Some(fence.epoch.to_string().as_str())
         && retired.is_none()
         && num(&rolled_to).is_some_and(|r| r >= expect_rolled_to)
         && match &version {
             None => true,
             Some(_) => num(&version).is_some_and(|v| v <= spec_version),
-        })
+        }
+        && expect_lazy_until.is_none_or(|u| num(&lz_until).is_some_and(|l| l >= u));
+    Ok(RollProbe {
+        vouch,
+        made: made > 0,
+    })
+}
+
+/// What [`roll_probe`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RollProbe {
+    /// The roll script would write nothing: no call needed.
+    pub vouch: bool,
+    /// One of the slices asked about exists: a worker made it (the task has traffic).
+    pub made: bool,
 }
 
 /// Outcome of [`retire`].
@@ -547,6 +647,13 @@ where
     for s in req.slices {
         inv.arg(s.cap).arg(s.expire_at_ms);
     }
+    if let Some(l) = req.lazy {
+        inv.arg(l.cap)
+            .arg(l.from_ms)
+            .arg(l.until_ms)
+            .arg(l.expire_after_ms)
+            .arg(l.fence_ttl_ms);
+    }
     let r = Reply::parse(inv.invoke_async(conn).await?)?;
     if let Some(refusal) = r.refusal()? {
         return Ok(RollOutcome::Refused(refusal));
@@ -559,6 +666,7 @@ where
         5 => RollOutcome::StaleSpec {
             stored_version: r.int(1)?,
         },
+        6 => RollOutcome::NotLazy,
         _ => RollOutcome::NeedFull,
     })
 }

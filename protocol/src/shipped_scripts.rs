@@ -23,11 +23,15 @@ use crate::lease::{LEASE_LUA, LOCK_ACQUIRE_LUA, LOCK_RELEASE_LUA, LOCK_RENEW_LUA
 /// Every script the SDK sends (workers) or the manager sends through this crate (leader), by
 /// the name SHA1SUMS lists it under, with the files (without `.lua`) it is the concatenation of.
 const SHIPPED: &[(&str, &str, &[&str])] = &[
-    ("pull", PULL_LUA, &["parts/pace", "parts/pull"]),
+    (
+        "pull",
+        PULL_LUA,
+        &["parts/pace", "parts/lazy", "parts/pull"],
+    ),
     ("kpull", KPULL_LUA, &["kpull"]),
     ("flush", FLUSH_LUA, &["flush"]),
-    ("take", TAKE_LUA, &["take"]),
-    ("slide", SLIDE_LUA, &["slide"]),
+    ("take", TAKE_LUA, &["parts/lazy", "parts/take"]),
+    ("slide", SLIDE_LUA, &["parts/lazy", "parts/slide"]),
     ("lease", LEASE_LUA, &["lease"]),
     ("lock_acquire", LOCK_ACQUIRE_LUA, &["lock_acquire"]),
     ("lock_renew", LOCK_RENEW_LUA, &["lock_renew"]),

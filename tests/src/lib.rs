@@ -1065,7 +1065,14 @@ impl RedisCluster {
     /// and waits until every node reports `cluster_state:ok`.
     pub fn start(n: usize) -> Self {
         let nodes: Vec<RedisServer> = (0..n)
-            .map(|_| RedisServer::start_with(&CLUSTER_ARGS))
+            .map(|_| {
+                // The bus port named (free, on loopback): Redis's default, port + 10,000, may
+                // be taken by another test's server or lie past 65,535.
+                let bus = free_port().to_string();
+                let mut args = CLUSTER_ARGS.to_vec();
+                args.extend(["--cluster-port", &bus]);
+                RedisServer::start_with(&args)
+            })
             .collect();
         Self::join(nodes, &[], &[])
     }
@@ -1079,10 +1086,11 @@ impl RedisCluster {
         acl_file: Option<PathBuf>,
         admin: Option<(String, String)>,
     ) -> Self {
-        let mut args: Vec<&str> = CLUSTER_ARGS.to_vec();
-        args.extend(["--tls-cluster", "yes"]);
         let nodes: Vec<RedisServer> = (0..n)
             .map(|_| {
+                let bus = free_port().to_string();
+                let mut args: Vec<&str> = CLUSTER_ARGS.to_vec();
+                args.extend(["--tls-cluster", "yes", "--cluster-port", &bus]);
                 RedisServer::start_tls_with(pki.clone(), acl_file.clone(), admin.clone(), &args)
             })
             .collect();
@@ -1815,6 +1823,7 @@ pub fn host_report_json(seen_ms: i64, offset_ms: f64) -> String {
         rtt_ms: 1.0,
         seen_ms,
         sdk: "test".into(),
+        proto: Some(sluice_protocol::PROTOCOL_VERSION),
         tasks: Default::default(),
         permits: Default::default(),
     })
@@ -2022,6 +2031,7 @@ pub async fn write_meta(
         meta: Some(m),
         meta_extra: &[],
         slices: &[],
+        lazy: None,
     };
     assert_eq!(
         scripts::roll(c, keys, &req).await.expect("roll"),
@@ -2066,6 +2076,7 @@ pub async fn roll_task(
         meta: Some(m),
         meta_extra: &[],
         slices: &slices,
+        lazy: None,
     };
     let out = scripts::roll(&mut c, keys, &req).await.expect("roll");
     assert!(matches!(out, RollOutcome::Written(_)), "{out:?}");

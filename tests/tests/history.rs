@@ -297,6 +297,7 @@ async fn hosts_and_traffic_show_what_workers_report() {
             rtt_ms: 0.4,
             seen_ms,
             sdk: "sluice-rs/test".into(),
+            proto: None,
             tasks: [("web".to_string(), state.to_string())].into(),
             permits: Default::default(),
         })

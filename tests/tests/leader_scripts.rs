@@ -83,6 +83,7 @@ async fn roll(
         meta: Some(&m),
         meta_extra: &[],
         slices: &s,
+        lazy: None,
     };
     scripts::roll(c, keys, &req).await.expect("roll")
 }
@@ -267,6 +268,7 @@ async fn an_existing_slice_key_gets_the_later_expiry_never_an_earlier_one() {
             meta: Some(&m),
             meta_extra: &[],
             slices: &s,
+            lazy: None,
         };
         let out = scripts::roll(&mut c, &keys, &req).await.unwrap();
         assert_eq!(out, RollOutcome::Written(u64::from(i == 0)));
@@ -416,6 +418,7 @@ async fn script_probe(
         meta: None,
         meta_extra: &[],
         slices: &[],
+        lazy: None,
     };
     scripts::roll(c, keys, &req)
         .await
@@ -529,9 +532,10 @@ async fn the_cheap_probe_answers_only_where_the_script_would_write_nothing() {
                     .unwrap();
             }
         }
-        let got = scripts::roll_probe(&mut c, &keys, "t", &pf, expect, version)
+        let got = scripts::roll_probe(&mut c, &keys, "t", &pf, expect, version, None, &[])
             .await
-            .expect("probe");
+            .expect("probe")
+            .vouch;
         assert_eq!(got, says, "{what}");
         if got {
             // The script agrees: nothing written, nothing to do.

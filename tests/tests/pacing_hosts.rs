@@ -20,9 +20,12 @@ use sluice_tests::*;
 const THRESHOLD: u64 = 1_000;
 const SLICE_MS: i64 = 1_000;
 
+/// Admitted and rejected per bucket (all hosts), by the bucket's start (ms).
+type Counts = BTreeMap<i64, (u64, u64)>;
+
 /// `hosts` simulated hosts (one process each) asking `rate`/s for 5 s, started together:
-/// admitted and rejected per slice, all hosts.
-async fn per_slice(redis: &str, ns: &str, hosts: usize, rate: u64) -> BTreeMap<i64, (u64, u64)> {
+/// admitted and rejected per slice and per 100 ms bucket, all hosts.
+async fn per_slice(redis: &str, ns: &str, hosts: usize, rate: u64) -> (Counts, Counts) {
     let ids: Vec<String> = (0..hosts).map(|i| format!("{ns}-{hosts}h{i}")).collect();
     let _seg = SegmentGuard(ids.iter().map(|h| (ns.to_string(), h.clone())).collect());
     let start_at = (now_ms() + 1_500).to_string();
@@ -48,16 +51,34 @@ async fn per_slice(redis: &str, ns: &str, hosts: usize, rate: u64) -> BTreeMap<i
             ))
         })
         .collect();
-    let mut total: BTreeMap<i64, (u64, u64)> = BTreeMap::new();
+    let mut total = Counts::new();
+    let mut buckets = Counts::new();
     for lg in &mut runs {
         let r = lg.wait_json(Duration::from_secs(60)).await;
         for (b, (a, rj)) in loadgen_buckets(&r) {
             let e = total.entry(b - b.rem_euclid(SLICE_MS)).or_default();
             e.0 += a;
             e.1 += rj;
+            let e = buckets.entry(b).or_default();
+            e.0 += a;
+            e.1 += rj;
         }
     }
-    total
+    (total, buckets)
+}
+
+/// What the hosts left unasked in the slice starting at `s`: per 100 ms, the part of the
+/// pace's release (a tenth of the threshold) they did not ask for. The pace does not save up
+/// what nobody asked for (protocol.md, PULL), so a host stalled on a loaded machine costs the
+/// slice that much, and the liveness bound below is lowered by it (the model's, not a margin).
+fn unasked(buckets: &Counts, s: i64) -> u64 {
+    let per_bucket = THRESHOLD / 10;
+    (0..10)
+        .map(|i| {
+            let (a, r) = buckets.get(&(s + i * 100)).copied().unwrap_or_default();
+            per_bucket.saturating_sub(a + r)
+        })
+        .sum()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -71,9 +92,9 @@ async fn paced_hosts_each_slower_than_the_pace_still_use_the_slice() {
     assert!(status == 200 || status == 201, "{status} {v}");
     m.wait_rolled("paced").await;
     // The control: one host asking all of it (1,200/s) uses ≥ 90 % of every slice.
-    let control = per_slice(&redis, &ns, 1, 1_200).await;
+    let (control, _) = per_slice(&redis, &ns, 1, 1_200).await;
     eprintln!("admitted, rejected per slice (1 host at 1,200/s): {control:?}");
-    let total = per_slice(&redis, &ns, 3, 400).await;
+    let (total, buckets) = per_slice(&redis, &ns, 3, 400).await;
     eprintln!("admitted, rejected per slice (3 hosts): {total:?}");
     let slices: Vec<i64> = total.keys().copied().collect();
     let full = &slices[1..slices.len().saturating_sub(1)];
@@ -81,9 +102,10 @@ async fn paced_hosts_each_slower_than_the_pace_still_use_the_slice() {
     for s in full {
         let (a, r) = total[s];
         assert!(a <= THRESHOLD, "slice {s} over-admitted {a}");
+        let gap = unasked(&buckets, *s);
         assert!(
-            a >= THRESHOLD * 9 / 10,
-            "slice {s} admitted only {a} of {THRESHOLD} with {} asked",
+            a + gap >= THRESHOLD * 9 / 10,
+            "slice {s} admitted only {a} of {THRESHOLD} with {} asked ({gap} of the pace unasked)",
             a + r
         );
     }

@@ -187,6 +187,7 @@ async fn status(s: &AppState, t: &TaskEntry) -> Value {
     }
     let now = unix_ms();
     let current = slice::start(now, t.spec.slice_ms);
+    let len = t.spec.slice_ms as i64;
     let read = async {
         let mut c = s.redis.conn().await?;
         let (cap, rem): (Option<i64>, Option<i64>) = redis::cmd("HMGET")
@@ -203,16 +204,39 @@ async fn status(s: &AppState, t: &TaskEntry) -> Value {
             .arg(slice_field::WOULD_REJECT)
             .query_async(&mut c)
             .await?;
-        let rolled: Option<i64> = c.hget(s.keys.meta(&t.name), meta_field::ROLLED_TO).await?;
-        Ok::<_, redis::RedisError>((cap, rem, last, last_slice, rolled))
+        let m: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(s.keys.meta(&t.name))
+            .arg(meta_field::ROLLED_TO)
+            .arg(meta_field::LZ_CAP)
+            .arg(meta_field::LZ_FROM)
+            .arg(meta_field::LZ_UNTIL)
+            .arg(meta_field::RETIRED)
+            .query_async(&mut c)
+            .await?;
+        // Read back like input: a field that does not parse is absent, not an error.
+        let num = |i: usize| m.get(i)?.as_deref()?.parse::<i64>().ok();
+        let rolled = num(0);
+        // A lazy task (`--lazy-after`): the meta vouches for the slices workers will make.
+        let retired = m.get(4).is_some_and(|v| v.is_some());
+        let lazy = match (num(1), num(2), num(3)) {
+            (Some(c), Some(f), Some(u))
+                if c >= 0 && !retired && f <= current && current + len <= u =>
+            {
+                Some((c, u))
+            }
+            _ => None,
+        };
+        Ok::<_, redis::RedisError>((cap, rem, last, last_slice, rolled, lazy))
     };
     let n = |v: Option<i64>| v.unwrap_or(0).max(0);
     match tokio::time::timeout(std::time::Duration::from_secs(1), read).await {
-        Ok(Ok((cap, rem, last, (adm, rej, wrej), rolled))) => json!({
-            "effective_threshold": cap,
+        Ok(Ok((cap, rem, last, (adm, rej, wrej), rolled, lazy))) => json!({
+            // The current slice's, or (no slice made yet) the one a lazy task's meta vouches for.
+            "effective_threshold": cap.or(lazy.map(|(c, _)| c)),
             "current_slice_ms": current,
-            "remaining": rem,
-            "horizon_until_ms": rolled,
+            "remaining": if cap.is_some() { rem } else { lazy.map(|(c, _)| c) },
+            "horizon_until_ms": rolled.max(lazy.map(|(_, u)| u)),
+            "lazy": lazy.is_some(),
             // The slice before the current one, as its workers flushed it (about a second
             // after it ended they all have): `would_reject` is the part of `rejected` that
             // shadow mode admitted.

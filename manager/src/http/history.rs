@@ -279,6 +279,7 @@ fn host_json(host_id: &str, raw: &str, now_ms: i64) -> Value {
                 "rtt_ms": h.rtt_ms,
                 "seen_ms": h.seen_ms,
                 "sdk": h.sdk,
+                "proto": h.proto,
                 "tasks": h.tasks,
                 "permits": h.permits,
                 "age_ms": age.round() as i64,
@@ -402,15 +403,30 @@ async fn task_traffic(
 ) -> CrateResult<Value> {
     let from = slice::start(now - TRAFFIC_WINDOW_MS - FLUSH_LAG_MS, slice_ms);
     let mut c2 = conn.clone();
-    let mut rolled = redis::cmd("HGET");
-    rolled.arg(s.keys.meta(name)).arg(meta_field::ROLLED_TO);
+    let mut rolled = redis::cmd("HMGET");
+    rolled
+        .arg(s.keys.meta(name))
+        .arg(meta_field::ROLLED_TO)
+        .arg(meta_field::LZ_UNTIL)
+        .arg(meta_field::LZ_CAP)
+        .arg(meta_field::LZ_FROM);
+    type Reach = Vec<Option<String>>;
     let (samples, rolled_to) = tokio::join!(
         history::read_live(&mut conn, &s.keys, name, slice_ms, from, now),
-        tokio::time::timeout(HOSTS_TIMEOUT, rolled.query_async::<Option<i64>>(&mut c2)),
+        tokio::time::timeout(HOSTS_TIMEOUT, rolled.query_async::<Reach>(&mut c2)),
     );
     let samples = samples?;
-    let horizon_until_ms = match rolled_to {
-        Ok(r) => r.map_err(redis_err("read rolled_to"))?,
+    // A lazy task (`--lazy-after`) is decidable to its lazy window's end, at its `lz_cap`.
+    let (horizon_until_ms, lazy_cap) = match rolled_to {
+        Ok(r) => {
+            let m = r.map_err(redis_err("read rolled_to"))?;
+            // Read back like input: a field that does not parse is absent.
+            let num = |i: usize| m.get(i)?.as_deref()?.parse::<i64>().ok();
+            let (rolled, lz_until, lz_cap, lz_from) = (num(0), num(1), num(2), num(3));
+            let lazy_now = lz_from.is_some_and(|f| f <= now) && lz_until > Some(now);
+            let cap = lz_cap.filter(|c| *c >= 0 && lazy_now);
+            (rolled.max(lz_until), cap.map(|c| c as u64))
+        }
         Err(_) => {
             return Err(Error::Timeout {
                 op: "read rolled_to",
@@ -422,7 +438,8 @@ async fn task_traffic(
     let threshold = samples
         .iter()
         .find(|x| x.start_ms == current)
-        .map(|x| x.cap);
+        .map(|x| x.cap)
+        .or(lazy_cap);
     let (adm, rej, window) = rates(&samples, slice_ms, now);
     let would_reject_per_s = would_reject_rate(&samples, slice_ms, now);
     Ok(json!({

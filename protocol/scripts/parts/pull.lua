@@ -2,7 +2,11 @@
 local t = redis.call('TIME')
 local pf = 'p:' .. ARGV[4]
 local h = redis.call('HMGET', KEYS[1], 'rem', 'cap', pf, 'pace', 'burst')
-if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
+if not h[1] then
+  local z = lazy_slice(KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3]), t)
+  if z ~= 1 then return {z == -2 and -2 or -1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
+  h = redis.call('HMGET', KEYS[1], 'rem', 'cap', pf, 'pace', 'burst')
+end
 local rem = tonumber(h[1])
 local cap = tonumber(h[2])
 if h[3] then

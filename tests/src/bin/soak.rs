@@ -3,7 +3,7 @@
 //!
 //! ```text
 //! soak [--seed S] (--minutes N | --seconds N) [--tasks N] [--hosts N] [--weights k=w,…]
-//!      [--fixed-slices] [--logs DIR] [--keep-going] [--keep-logs]
+//!      [--fixed-slices] [--logs DIR] [--keep-going] [--keep-logs] [--lazy-after D|off]
 //! ```
 //!
 //! Exit status: 0 every invariant held, 1 a violation, 2 bad usage.
@@ -17,7 +17,7 @@ use sluice_tests::soak::run::{Options, run};
 
 const USAGE: &str = "usage: soak [--seed S] (--minutes N | --seconds N) [--tasks N] [--hosts N] \
 [--weights name=w,…] [--fixed-slices] [--logs DIR] [--keep-going] [--keep-logs] \
-[--agents rls,http|none]";
+[--agents rls,http|none] [--lazy-after D|off]";
 
 fn parse() -> Result<Options, String> {
     let mut seed = None;
@@ -30,6 +30,7 @@ fn parse() -> Result<Options, String> {
     let mut keep_logs = false;
     let mut fixed_slices = false;
     let mut agents = None;
+    let mut lazy_after: Option<Option<String>> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| args.next().ok_or(format!("{name} needs a value"));
@@ -49,6 +50,10 @@ fn parse() -> Result<Options, String> {
             "--keep-logs" => keep_logs = true,
             "--fixed-slices" => fixed_slices = true,
             "--agents" => agents = Some(AgentApi::parse_list(&value("--agents")?)?),
+            "--lazy-after" => {
+                let v = value("--lazy-after")?;
+                lazy_after = Some((v != "off").then_some(v));
+            }
             "-h" | "--help" => {
                 let kinds: Vec<String> = DEFAULT_WEIGHTS
                     .iter()
@@ -97,6 +102,8 @@ fn parse() -> Result<Options, String> {
         keep_logs,
         fixed_slices,
         agents: agents.unwrap_or_else(|| AgentApi::default_for(seed)),
+        // Every other seed runs the managers with lazy idle tasks (protocol 5).
+        lazy_after: lazy_after.unwrap_or_else(|| (seed % 2 == 0).then(|| "3s".to_string())),
     })
 }
 

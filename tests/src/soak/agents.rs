@@ -285,7 +285,7 @@ mod tests {
             10_000,
             11_000,
             &[true, true],
-            true,
+            Some(0),
             &mut Caps(38),
             &mut cov,
         );
@@ -302,7 +302,7 @@ mod tests {
             10_000,
             11_000,
             &[true, true],
-            true,
+            Some(0),
             &mut Caps(38),
             &mut cov,
         );

@@ -46,7 +46,8 @@
 //! average); the window's sum is not. A host is eligible unless its
 //! clock lags by more than a tenth of a slice or leads by more than half a slice (a lagging
 //! host arrives at each slice after the others drained it; that is the skew the alert is for).
-//! While a host leads by more than half a slice no host is checked for zero admissions: the
+//! While a host leads by more than half a slice, or by a lead over which its offered rate
+//! reaches the lowest cap read in the window, no host is checked for zero admissions: the
 //! leading host reaches every slice first and may take all of it (the others admit nothing —
 //! see docs/soak.md, "what it found"); the total is still checked. While any host is not
 //! eligible, the total's floor is lowered by one host's share (`cap / hosts`): a host whose
@@ -830,7 +831,10 @@ pub fn eligible_demand(cells: &[Cell], eligible: &[bool]) -> u64 {
 }
 
 /// Liveness of `task` over the observation window `[w0, w1)` (real time). `eligible[h]`:
-/// host `h`'s demand counts, and (with `per_host`) it must admit something. Slices are summed
+/// host `h`'s demand counts, and (with `per_host`) it must admit something — unless a host
+/// leading the others may drain every slice before they reach it: `per_host` is what it can
+/// take over its lead (its rate × its lead), and the check is skipped when that reaches the
+/// lowest cap read in the window (seed 31337000: 300 ms at 150/s drained a cap of 44). Slices are summed
 /// by key (each host's own clock) in the per-slice modes, and by real time for
 /// `exact_sliding`, whose window runs on Redis time.
 #[allow(clippy::too_many_arguments)]
@@ -840,7 +844,7 @@ pub fn check_liveness(
     w0: i64,
     w1: i64,
     eligible: &[bool],
-    per_host: bool,
+    per_host: Option<u64>,
     slices: &mut dyn Slices,
     cov: &mut Coverage,
 ) -> Vec<Violation> {
@@ -881,6 +885,7 @@ pub fn check_liveness(
     let floor = |cap: u64| (0.9 - skew_share) * cap as f64;
     // exact_sliding: the whole window's total (see the module doc).
     let mut window = (0u64, 0u64);
+    let mut lowest_cap = u64::MAX;
     for (s, read) in starts.iter().zip(reads) {
         cov.live_slices += 1;
         let Some(read) = read else {
@@ -895,6 +900,7 @@ pub fn check_liveness(
             });
             continue;
         };
+        lowest_cap = lowest_cap.min(read.cap);
         // A machine starved for longer than a tenth of the slice (at least 25 ms, what the
         // SDK's pull policy absorbs) around it — the slice before included, where its first
         // chunk is prefetched — can lose more than the 10 % margin by itself: no limiter
@@ -964,7 +970,10 @@ pub fn check_liveness(
     // Every eligible host that asked admitted something over the window — unless the machine
     // stalled in it (as above: its pulls may all have come too late).
     let (a, b) = (starts[0], starts[starts.len() - 1] + l);
-    if !per_host {
+    let Some(lead_drain) = per_host else {
+        return out;
+    };
+    if lead_drain > 0 && lead_drain >= lowest_cap {
         return out;
     }
     if ledger.longest_stall(a - l - off, b + off) >= (l / 10).max(25) {
@@ -1387,7 +1396,16 @@ mod tests {
             );
         }
         let mut cov = Coverage::default();
-        let v = check_liveness(&l, 0, 0, 10_000, &[true, true], true, &mut Map(m), &mut cov);
+        let v = check_liveness(
+            &l,
+            0,
+            0,
+            10_000,
+            &[true, true],
+            Some(0),
+            &mut Map(m),
+            &mut cov,
+        );
         assert!(v.is_empty(), "{v:?}");
     }
 
@@ -1407,7 +1425,7 @@ mod tests {
                 },
             );
         }
-        let live = |l: &Ledger, eligible: &[bool], per_host: bool| {
+        let live = |l: &Ledger, eligible: &[bool], per_host: Option<u64>| {
             let mut cov = Coverage::default();
             check_liveness(
                 l,
@@ -1420,29 +1438,33 @@ mod tests {
                 &mut cov,
             )
         };
-        let v = live(&l, &[true, true], true);
+        let v = live(&l, &[true, true], Some(0));
         assert_eq!(v.len(), 1, "{v:?}");
+        // A leading host that can take a whole slice (cap 100) over its lead may leave the
+        // others nothing: not judged per host; one that cannot, is.
+        assert!(live(&l, &[true, true], Some(100)).is_empty());
+        assert_eq!(live(&l, &[true, true], Some(99)).len(), 1);
         assert_eq!(v[0].invariant, "liveness.host");
         assert!(
-            live(&l, &[true, false], true).is_empty(),
+            live(&l, &[true, false], Some(0)).is_empty(),
             "host 1 not eligible"
         );
         assert!(
-            live(&l, &[true, true], false).is_empty(),
+            live(&l, &[true, true], None).is_empty(),
             "no per-host check"
         );
         // With a host off (not eligible), one host's share may be missing: 90 − 50 = 40 %.
         let mut l3 = ledger(spec(100, 1_000, "pooled"));
         fill(&mut l3, 0, 10_000, [6, 0], 0); // 60 % of the cap; host 0 asks 110 a slice
-        assert!(live(&l3, &[true, false], false).is_empty());
+        assert!(live(&l3, &[true, false], None).is_empty());
         assert!(
-            !live(&l3, &[true, true], false).is_empty(),
+            !live(&l3, &[true, true], None).is_empty(),
             "60 % with every host eligible"
         );
         // 80 % of the cap with enough demand: too little.
         let mut l2 = ledger(spec(100, 1_000, "pooled"));
         fill(&mut l2, 0, 10_000, [4, 4], 0);
-        let v = live(&l2, &[true, true], true);
+        let v = live(&l2, &[true, true], Some(0));
         assert!(
             !v.is_empty() && v.iter().all(|v| v.invariant == "liveness.total"),
             "{v:?}"
@@ -1453,16 +1475,19 @@ mod tests {
         for b in (0..10_000).step_by(100) {
             l2.count_given_back(0, 0, b, 3);
         }
-        assert!(!live(&l2, &[true, true], true).is_empty(), "gb 30 < adm 40");
+        assert!(
+            !live(&l2, &[true, true], Some(0)).is_empty(),
+            "gb 30 < adm 40"
+        );
         for b in (0..10_000).step_by(100) {
             l2.count_given_back(0, 0, b, 2);
         }
-        let v = live(&l2, &[true, true], true);
+        let v = live(&l2, &[true, true], Some(0));
         assert!(!v.is_empty(), "80 % < 84 %: {v:?}");
         for b in (0..10_000).step_by(100) {
             l2.count_given_back(0, 1, b, 5);
         }
-        let v = live(&l2, &[true, true], true);
+        let v = live(&l2, &[true, true], Some(0));
         assert!(v.is_empty(), "80 % ≥ 78 %: {v:?}");
     }
 
@@ -1493,7 +1518,7 @@ mod tests {
                 0,
                 10_000,
                 &[true, true],
-                false,
+                None,
                 &mut Map(m.clone()),
                 &mut cov,
             );
@@ -1519,7 +1544,7 @@ mod tests {
                 0,
                 10_000,
                 &[true, true],
-                true,
+                Some(0),
                 &mut Map(m.clone()),
                 &mut Coverage::default(),
             )

@@ -35,6 +35,8 @@ pub struct Options {
     pub fixed_slices: bool,
     /// Agent hosts (after the `hosts` SDK hosts), each asking its own `sluice-agent`.
     pub agents: Vec<super::agents::AgentApi>,
+    /// The managers' `--lazy-after` (`None`: off).
+    pub lazy_after: Option<String>,
 }
 
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
@@ -143,6 +145,7 @@ pub async fn run(o: Options) -> bool {
         shape: planner.shape.clone(),
         seed: o.seed,
         agents: o.agents.clone(),
+        lazy_after: o.lazy_after.clone(),
     })
     .await;
     w.say(&format!(
@@ -168,6 +171,10 @@ pub async fn run(o: Options) -> bool {
             a.join(", ")
         ));
     }
+    w.say(&format!(
+        "managers' --lazy-after: {} (by default every other seed: seed % 2 = 0)",
+        o.lazy_after.as_deref().unwrap_or("off")
+    ));
     w.say(&format!(
         "mode focus: {} (seed % 5 = {}; heavier in put.mode and new specs, t0 starts in it)",
         planner.focus,

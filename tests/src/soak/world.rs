@@ -228,6 +228,8 @@ pub struct Settings {
     pub seed: u64,
     /// Agent hosts: the last `agents.len()` of `shape.hosts` (after the faketime host).
     pub agents: Vec<super::agents::AgentApi>,
+    /// The managers' `--lazy-after` (`None`: off).
+    pub lazy_after: Option<String>,
 }
 
 /// Everything a soak runs, and what it has seen.
@@ -262,6 +264,8 @@ pub struct World {
     /// Liveness checks made (tasks × quiet periods).
     pub liveness_checks: u64,
     checked_until: Vec<i64>,
+    /// The managers' `--lazy-after`.
+    lazy_after: Option<String>,
     changes_done: Vec<Vec<i64>>,
     fence: Vec<FenceState>,
     faketime_lib: PathBuf,
@@ -407,6 +411,7 @@ impl World {
             fence_observations: 0,
             liveness_checks: 0,
             checked_until: vec![t0; s.tasks],
+            lazy_after: s.lazy_after,
             changes_done: vec![Vec::new(); s.tasks],
             fence: vec![FenceState::default(); s.tasks],
             faketime_lib,
@@ -453,6 +458,9 @@ impl World {
             .iter()
             .map(|s| s.to_string())
             .collect();
+        if let Some(d) = &self.lazy_after {
+            o.extra.extend(["--lazy-after".to_string(), d.clone()]);
+        }
         // Manager::start panics when the process dies at start-up: that is a finding.
         match tokio::spawn(Manager::start(o)).await {
             Ok(m) => {
@@ -1502,7 +1510,19 @@ impl World {
                 .iter()
                 .map(|h| !h.faketime || (h.offset_ms >= -l / 10 && h.offset_ms <= l / 2))
                 .collect();
-            let per_host = self.hosts.iter().all(|h| h.offset_ms <= l / 2);
+            // Every host is checked for zero admissions while none leads by more than half a
+            // slice; then with what the leading host can take over its lead (its rate × its
+            // lead): the check skips a window where that reaches the lowest cap read
+            // (seed 31337000: 300 ms ahead at 150/s drained an exact_fixed slice of cap 44).
+            let rate = self.shape.host_rate.get(task).copied().unwrap_or(0);
+            let per_host = self.hosts.iter().all(|h| h.offset_ms <= l / 2).then(|| {
+                self.hosts
+                    .iter()
+                    .filter(|h| h.offset_ms > 0)
+                    .map(|h| rate * h.offset_ms as u64 / 1_000)
+                    .max()
+                    .unwrap_or(0)
+            });
             if spec.modes.keyed.is_some() || spec.mode == "concurrency" {
                 let v = if spec.mode == "concurrency" {
                     modes::check_permit_liveness(

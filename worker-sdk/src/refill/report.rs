@@ -54,6 +54,7 @@ pub(crate) async fn report_host(sh: &Shared) {
         rtt_ms: h.clock_rtt_us.load(Ordering::Relaxed) as f64 / 1_000.0,
         seen_ms: now_ms,
         sdk: env!("CARGO_PKG_VERSION").to_string(),
+        proto: Some(crate::protocol::PROTOCOL_VERSION),
         tasks,
         permits,
     };

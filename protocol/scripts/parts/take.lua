@@ -1,7 +1,11 @@
 
 local t = redis.call('TIME')
 local h = redis.call('HMGET', KEYS[1], 'rem', 'cap')
-if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
+if not h[1] then
+  local z = lazy_slice(KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3]), t)
+  if z ~= 1 then return {z == -2 and -2 or -1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
+  h = redis.call('HMGET', KEYS[1], 'rem', 'cap')
+end
 local rem = tonumber(h[1])
 local rf = nil
 if ARGV[4] and ARGV[4] ~= '' then

@@ -2,7 +2,12 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local h = redis.call('HMGET', KEYS[2], 'cap', 'rem')
-if not h[1] then return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0} end
+if not h[1] then
+  if lazy_slice(KEYS[2], tonumber(ARGV[4]), tonumber(ARGV[2]), t) ~= 1 then
+    return {-1, 0, 0, tonumber(t[1]), tonumber(t[2]), 0}
+  end
+  h = redis.call('HMGET', KEYS[2], 'cap', 'rem')
+end
 local cap = tonumber(h[1])
 local rem = tonumber(h[2]) or 0
 local n = tonumber(ARGV[1])
