@@ -10,7 +10,14 @@
 # 70) seconds after the fill: the leader polls and harvests tasks idle for a minute less often.
 #
 # SLUICE_MANAGER_BIN=path runs that manager binary instead of building this checkout's (to
-# measure an older build side by side with this one).
+# measure an older build side by side with this one). SLUICE_LAZY_AFTER=60s runs the manager
+# with `--lazy-after 60s` (lazy idle tasks, protocol 5; it reads the variable itself); choose
+# SLUICE_BENCH_IDLE_S above it plus a horizon, so the window written ahead has passed.
+#
+# SLUICE_BENCH_ACTIVE=N gives the first N tasks traffic after the idle time: one loadgen
+# process (release) deciding SLUICE_BENCH_RATE (default 5) times a second per task, round-robin
+# (`--spread-tasks`), from 20 s before the steady state until its end (issue 27's "100,000
+# tasks, 1,000 of them with traffic").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib.sh
@@ -27,6 +34,11 @@ if [[ -z $MANAGER_BIN ]]; then
   cargo build --release -q -p sluice-manager
   MANAGER_BIN=target/release/sluice-manager
 fi
+ACTIVE=${SLUICE_BENCH_ACTIVE:-0}
+if ((ACTIVE > 0)); then
+  log "building the load generator (release)"
+  cargo build --release -q -p sluice-sdk --example loadgen
+fi
 start_etcd
 start_redis
 dir="$(sluice_tmp)"
@@ -39,11 +51,13 @@ wait_for "manager" 30 curl -sf "http://127.0.0.1:$port/healthz"
 wait_for "leadership" 30 sh -c "curl -sf http://127.0.0.1:$port/metrics | grep -q '^sluice_leader 1'"
 RPORT=${REDIS_URL##*:}
 
-python3 - "$port" "$TASKS" "$SECS" "$MPID" "$RPORT" "${SLUICE_BENCH_IDLE_S:-70}" <<'PY'
-import concurrent.futures, json, os, re, subprocess, sys, time, urllib.request
+python3 - "$port" "$TASKS" "$SECS" "$MPID" "$RPORT" "${SLUICE_BENCH_IDLE_S:-70}" "$ACTIVE" "$REDIS_URL" "$dir" <<'PY'
+import concurrent.futures, json, os, re, subprocess, sys, time, urllib.error, urllib.request
 
 port, tasks, secs, mpid, rport = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 idle_s = float(sys.argv[6])
+active, redis_url, workdir = int(sys.argv[7]), sys.argv[8], sys.argv[9]
+rate_per_task = float(os.environ.get("SLUICE_BENCH_RATE", "5"))
 base = f"http://127.0.0.1:{port}"
 tick = os.sysconf("SC_CLK_TCK")
 
@@ -74,12 +88,25 @@ def redis_info():
             d[k] = v.strip()
     return d
 
+import threading
+retries, retries_lock = [0], threading.Lock()
 def put(i):
     body = json.dumps({"threshold": 1000 + i % 100, "slice_ms": 1000}).encode()
     req = urllib.request.Request(f"{base}/api/v1/tasks/bench{i}", data=body, method="PUT",
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=10) as r:
-        return r.status
+    # A 503 (etcd busy: its write took too long) is retried with a backoff, as a client should;
+    # the retries are reported.
+    for attempt in range(6):
+        try:
+            with urllib.request.urlopen(req, timeout=10) as r:
+                return r.status
+        except urllib.error.HTTPError as e:
+            e.close()
+            if e.code != 503 or attempt == 5:
+                raise
+            with retries_lock:
+                retries[0] += 1
+            time.sleep(0.2 * 2 ** attempt)
 
 print(f"creating {tasks} tasks through the API ...", file=sys.stderr)
 t0 = time.time()
@@ -87,7 +114,7 @@ with concurrent.futures.ThreadPoolExecutor(16) as ex:
     statuses = list(ex.map(put, range(tasks)))
 assert all(s in (200, 201) for s in statuses), "some PUTs failed"
 t_created = time.time() - t0
-print(f"  {tasks} PUTs in {t_created:.1f}s ({tasks / t_created:.0f}/s)", file=sys.stderr)
+print(f"  {tasks} PUTs in {t_created:.1f}s ({tasks / t_created:.0f}/s, {retries[0]} retried after a 503)", file=sys.stderr)
 
 print("waiting for the initial fill (every task 60 s ahead) ...", file=sys.stderr)
 while True:
@@ -102,11 +129,60 @@ print(f"  filled {t_fill:.1f}s after the first PUT", file=sys.stderr)
 
 print(f"  letting every task idle for {idle_s:.0f}s ...", file=sys.stderr)
 time.sleep(idle_s)
+load = None
+if active > 0:
+    warm = 20
+    print(f"traffic on {active} tasks ({rate_per_task:g} decisions/s each), {warm}s before measuring ...", file=sys.stderr)
+    load_out = open(os.path.join(workdir, "loadgen.json"), "w")
+    # A host of its own (its shared segment is sized for the tasks), removed at the end.
+    load_host = f"bench-host-{os.getpid()}"
+    load = subprocess.Popen(
+        ["target/release/examples/loadgen", "--redis", redis_url, "--namespace", "sluice",
+         "--task", "bench", "--spread-tasks", str(active), "--host-id", load_host,
+         "--duration-ms", str(int((warm + secs + 2) * 1000)), "--rate", str(active * rate_per_task)],
+        stdout=load_out, stderr=open(os.path.join(workdir, "loadgen.log"), "w"))
+    time.sleep(warm)
+    if load.poll() is not None:
+        sys.exit(f"the load generator exited early ({load.returncode}): " + open(os.path.join(workdir, "loadgen.log")).read()[-2000:])
+    woken = metrics().get("sluice_lazy_woken_total", 0)
+    print(f"  {woken:.0f} tasks woken by the traffic so far", file=sys.stderr)
 m0, c0, r0, w0 = metrics(), cpu_seconds(mpid), redis_info(), time.time()
 print(f"measuring steady state for {secs}s ...", file=sys.stderr)
-time.sleep(secs)
+if os.environ.get("SLUICE_BENCH_PERF"):
+    # The manager's profile over the steady state (SLUICE_BENCH_PERF=1; needs perf).
+    subprocess.run(["perf", "record", "-g", "-p", str(mpid), "-o", os.path.join(workdir, "perf.data"),
+                    "--", "sleep", str(secs)], capture_output=True)
+    rest = secs - (time.time() - w0)
+    if rest > 0:
+        time.sleep(rest)
+else:
+    time.sleep(secs)
 m1, c1, r1, w1 = metrics(), cpu_seconds(mpid), redis_info(), time.time()
 el = w1 - w0
+decided = "–"
+if load is not None:
+    # It ends by itself two seconds after the steady state (and reports); else stopped.
+    try:
+        load.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        load.terminate()
+        try:
+            load.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            load.kill()
+            load.wait()
+    try:
+        rep_ = [json.loads(l) for l in open(os.path.join(workdir, "loadgen.json")) if l.strip().startswith("{")][-1]
+        decided = f"{rep_.get('admitted', 0):,} admitted, {rep_.get('rejected', 0):,} rejected, {rep_.get('redis_calls', 0):,} Redis calls"
+    except (IndexError, ValueError, OSError) as e:
+        decided = f"no report ({e})"
+        tail = open(os.path.join(workdir, "loadgen.log")).read()[-2000:]
+        print(f"the load generator reported nothing; its log ends:\n{tail}", file=sys.stderr)
+    try:
+        os.remove(f"/dev/shm/sluice.sluice.{load_host}")
+    except OSError:
+        pass
+
 def rate(k): return (m1.get(k, 0) - m0.get(k, 0)) / el
 cmds = (int(r1["total_commands_processed"]) - int(r0["total_commands_processed"])) / el
 rcpu = (float(r1["used_cpu_sys"]) + float(r1["used_cpu_user"]) - float(r0["used_cpu_sys"]) - float(r0["used_cpu_user"])) / el
@@ -137,10 +213,12 @@ sha = subprocess.run(["redis-cli", "-p", rport, "script", "load", evalsha_script
 evalsha = bench(["-n", "200000", "evalsha", sha, "1", "bench:{x}:s"])
 
 print(f"""
-| measure ({tasks:,} tasks, 1 s slices, horizon 60 s, tick 500 ms) | value |
+| measure ({tasks:,} tasks, {active:,} with traffic, 1 s slices, horizon 60 s, tick 500 ms, lazy after {os.environ.get('SLUICE_LAZY_AFTER') or 'off'}) | value |
 |---|---|
+| traffic (one loadgen, {rate_per_task:g}/s on each of {active:,} tasks; whole run) | {decided} |
 | initial fill (create {tasks:,} tasks through the API, then every task 60 s ahead) | {t_fill:.1f} s ({tasks / t_created:.0f} PUT/s) |
 | slice writes per second (steady) | {rate('sluice_slices_written_total'):,.0f} |
+| tasks left lazy (and woken) | {m1.get('sluice_lazy_tasks', 0):,.0f} ({m1.get('sluice_lazy_woken_total', 0):,.0f}) |
 | roll script calls per second | {rate('sluice_roll_calls_total'):,.0f} |
 | roll probes (one HMGET) per second | {rate('sluice_roll_probes_total'):,.0f} |
 | skew detector readings per second | {rate('sluice_skew_polls_total'):,.0f} |
@@ -161,6 +239,16 @@ for name, calls, usec in breakdown:
     if calls >= 1:
         print(f"| {name} | {calls:,.0f} | {usec:,.0f} |")
 PY
+if [[ -n ${SLUICE_BENCH_PERF:-} && -f $dir/perf.data && ${SLUICE_BENCH_PERF} != 1 ]]; then
+  # SLUICE_BENCH_PERF=<path>: the profile is kept there too.
+  cp "$dir/perf.data" "$SLUICE_BENCH_PERF"
+fi
+if [[ -n ${SLUICE_BENCH_PERF:-} && -f $dir/perf.data ]]; then
+  echo
+  echo "The manager's profile over the steady state (perf, self time, top symbols):"
+  perf report -i "$dir/perf.data" --no-children --percent-limit 1.5 --stdio 2>/dev/null \
+    | grep -E '^ +[0-9]' | head -30
+fi
 if grep -q "WARN" "$dir/manager.log"; then
   echo
   echo "The manager's warnings during the run (most frequent first):"

@@ -170,6 +170,11 @@ struct Args {
     /// Task name.
     #[arg(long)]
     task: String,
+    /// Spread decisions round-robin over N tasks named `<task>0` … `<task>{N-1}` instead of
+    /// `--task` itself (pooled and exact modes; extra: the manager benchmark's tasks with
+    /// traffic). Counts are of all of them together. 0 = the task itself; at most 4,095.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u32).range(0..=4095))]
+    spread_tasks: u32,
     /// Simulated host id (one segment per host id).
     #[arg(long)]
     host_id: String,
@@ -1049,6 +1054,10 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     if let Some(n) = args.key_slots {
         cfg.key_slots = n;
     }
+    if args.spread_tasks > 0 {
+        // One slot of the host segment per task (and `--task` itself).
+        cfg.max_tasks = cfg.max_tasks.max(args.spread_tasks.saturating_add(1));
+    }
     cfg.caller_pulls = args.caller_pulls;
     cfg.clock = match args.clock.as_str() {
         "redis" => ClockSource::Redis,
@@ -1062,8 +1071,28 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     let client = Client::new(cfg).map_err(|e| e.to_string())?;
     let calls = client.redis_calls_counter();
     let task = client.task(&args.task).map_err(|e| e.to_string())?;
+    // `--spread-tasks N`: the tasks decided in turn (the first is `task`'s stand-in below).
+    let spread: Vec<sluice::Task> = (0..args.spread_tasks)
+        .map(|i| {
+            let name = format!("{}{i}", args.task);
+            client
+                .task(&name)
+                .map_err(|e| format!("--spread-tasks: task {name}: {e}"))
+        })
+        .collect::<Result<_, _>>()?;
+    // All opened first, so their metas are fetched together; one deadline for all of them.
+    let ready_by = Instant::now() + Duration::from_secs(10);
+    for t in &spread {
+        while !t.wait_ready(Duration::from_millis(50))
+            && Instant::now() < ready_by
+            && !signals::stop_requested()
+        {}
+    }
+    if spread.iter().any(|t| t.meta().is_none()) {
+        tracing::warn!("--spread-tasks: some task metas not known after 10 s; starting anyway");
+    }
     let ready_by = Instant::now() + Duration::from_secs(5);
-    while !task.wait_ready(Duration::from_millis(50)) {
+    while spread.is_empty() && !task.wait_ready(Duration::from_millis(50)) {
         if signals::stop_requested() {
             break;
         }
@@ -1097,6 +1126,9 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
         sleep_unless_stopped(Duration::from_millis(wait as u64));
     }
     // The modes with their own loops: keyed tasks, concurrency tasks, several limits.
+    if !spread.is_empty() && (args.keys > 0 || args.all_with.is_some()) {
+        return Err("--spread-tasks cannot be combined with --keys or --all-with".into());
+    }
     let own_loop = if args.keys > 0 {
         Some(keyed_child(args, &task, &mut progress)?)
     } else if task.meta().is_some_and(|m| m.mode == Mode::Concurrency) {
@@ -1169,14 +1201,18 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
             if (interval.is_some() || i % 64 == 63) && started.elapsed() >= duration {
                 break 'outer;
             }
+            let target = match spread.len() {
+                0 => &task,
+                n => &spread[(done % n as u64) as usize],
+            };
             let (d, now_us) = match &mut lat {
                 Some(h) if done.is_multiple_of(every) => {
                     let t0 = Instant::now();
-                    let r = decide(&task);
+                    let r = decide(target);
                     h.record(t0.elapsed());
                     r
                 }
-                _ => decide(&task),
+                _ => decide(target),
             };
             let now_ms = now_us.div_euclid(1_000);
             let bucket = now_ms - now_ms.rem_euclid(bucket_ms);
@@ -1236,6 +1272,7 @@ fn child(args: &Args, index: u32) -> Result<(), String> {
     );
     r.caller_pulls = client.caller_pulls_sent();
     // Drop the client first: its last flush is part of its Redis calls.
+    drop(spread);
     drop(task);
     drop(client);
     r.redis_calls = calls.get();
