@@ -114,6 +114,8 @@ export interface TaskStatus {
   current_slice_ms?: number;
   remaining?: number | null;
   horizon_until_ms?: number | null;
+  /** Left lazy by the leader (`--lazy-after`): slices are made by the first decision of each. */
+  lazy?: boolean;
   mode?: string;
   held?: number | null;
   hosts_holding?: number;

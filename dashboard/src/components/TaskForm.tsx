@@ -2,7 +2,7 @@
 // API's message next to the field it names (`threshold`, `schedules[1].cron`, `dynamic.min`).
 
 import type { ComponentChildren } from 'preact';
-import { useEffect, useRef, useState } from 'preact/hooks';
+import { useEffect, useLayoutEffect, useRef, useState } from 'preact/hooks';
 import { api, ApiError, taskPath, type TaskSpec } from '../api';
 
 const MODES = ['pooled', 'local', 'exact_fixed', 'exact_sliding', 'concurrency'];
@@ -213,7 +213,9 @@ export function TaskForm({ spec, onSaved, onReload }: Props) {
       KNOWN_GROUPS.includes(fieldErr) ||
       overrideRow >= 0);
 
-  useEffect(() => {
+  // Before the browser paints the error: whoever sees the message finds its field focused
+  // (with useEffect the focus came a frame later, and the e2e test's check raced it).
+  useLayoutEffect(() => {
     if (fieldErr === null) return;
     const el =
       (overrideRow >= 0 ? document.getElementById(fieldId(`key_overrides[${overrideRow}].threshold`)) : null) ??

@@ -1,6 +1,6 @@
 // Alerts: the live feed (clock skew and others) and the webhook settings.
 
-import { useEffect, useRef, useState } from 'preact/hooks';
+import { useEffect, useLayoutEffect, useRef, useState } from 'preact/hooks';
 import { api, ApiError, get, getProtected, type Alert, type Settings } from '../api';
 import { fieldId } from '../components/TaskForm';
 import { Badge, ErrorNote, NotAvailable, Section } from '../components/ui';
@@ -83,7 +83,8 @@ function SettingsForm() {
     }
   }, [loaded.data]);
 
-  useEffect(() => {
+  // Before the paint, as the task form does: the message and its focused field together.
+  useLayoutEffect(() => {
     if (error?.field) document.getElementById(fieldId(error.field))?.focus();
   }, [error]);
 

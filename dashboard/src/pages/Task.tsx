@@ -353,7 +353,11 @@ function Summary({ t }: { t: TaskWithStatus }) {
         hint={st.effective_threshold !== null && st.effective_threshold !== t.threshold ? `base ${num(t.threshold)}` : `per ${sliceLen(t.slice_ms)} slice`}
       />
       <Stat label="Remaining in this slice" value={num(st.remaining ?? null)} hint="not yet pulled by hosts" />
-      <Stat label="Written ahead" value={ahead === null ? '—' : duration(ahead)} hint="slices ready in Redis" />
+      <Stat
+        label={st.lazy ? 'Decidable ahead' : 'Written ahead'}
+        value={ahead === null ? '—' : duration(ahead)}
+        hint={st.lazy ? 'idle, lazy: each slice is made by its first decision' : 'slices ready in Redis'}
+      />
       <Stat
         label="Mode"
         value={t.mode}
