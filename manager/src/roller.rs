@@ -50,7 +50,8 @@
 //! [`REGISTRY_COMPLETE`]; a leadership that finds it missing first fills it from a `SCAN` of
 //! the metas ([`REGISTRY_SCAN_PAGE`] keys per tick; a single Redis server only).
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -317,6 +318,31 @@ fn refresh_every(state: &TaskRollState, cfg: &RollConfig) -> i64 {
 /// stepped back past it.
 pub fn lazy_probe_due(state: &TaskRollState, in_use: bool, now_ms: i64, cfg: &RollConfig) -> bool {
     in_use || refresh_due(state.probed_ms, now_ms, cfg.lazy_refresh_ms())
+}
+
+/// Until when (leader clock, ms) a quiet lazy task needs no visit (pure): every tick before it
+/// finds it [`quiet`] and its probe not due ([`lazy_probe_due`] with no host using it), as long
+/// as its spec, its dynamic override and the hosts' use of it stay as they are and the clock
+/// does not step back (the roller visits it at once when one of them changes). `None`: it is
+/// not lazy, or has no such instant ahead of `now_ms` (visited every tick).
+///
+/// Issue 27: the roller keeps these in a due-queue instead of visiting 100,000 idle tasks
+/// every tick to find them not due.
+pub fn lazy_asleep_until(
+    state: &TaskRollState,
+    entry: &TaskEntry,
+    now_ms: i64,
+    cfg: &RollConfig,
+) -> Option<i64> {
+    state.lazy?;
+    if now_ms < state.refreshed_ms || now_ms < state.probed_ms {
+        return None;
+    }
+    let every = cfg.lazy_refresh_ms();
+    let until = (reach(state) - cfg.ahead_ms(entry.spec.slice_ms.max(1)) + 1)
+        .min(state.refreshed_ms.saturating_add(every))
+        .min(state.probed_ms.saturating_add(every));
+    (until > now_ms).then_some(until)
 }
 
 /// How far ahead the task is decidable: its last slice written, or a lazy window's end.
@@ -751,6 +777,8 @@ pub struct TickStats {
     pub conflicts: u64,
     /// Lazy tasks rolled ahead again because a worker made one of their slices.
     pub woken: u64,
+    /// Tasks visited (the others were quiet lazy tasks not due, [`lazy_asleep_until`]).
+    pub visited: u64,
 }
 
 /// A task whose fence another writer holds.
@@ -807,6 +835,45 @@ pub struct Roller {
     probed_all_ms: i64,
     /// The last tick healed a task Redis had lost.
     healed_last_tick: bool,
+    /// Quiet lazy tasks the ticks skip until something is due ([`lazy_asleep_until`]).
+    sleep: Sleep,
+}
+
+/// The roller's due-queue of quiet lazy tasks (issue 27: at 100,000 idle tasks, visiting each
+/// every tick to find it not due was most of the leader's CPU). A tick visits the tasks awake,
+/// the sleepers whose time came, and those woken early: a host reports using it, its dynamic
+/// override changed, workers of an old protocol use it. Anything else that could make a
+/// sleeper due (a new snapshot, Redis losing the tasks, the clock stepping back, a tick cut
+/// short) makes the next tick visit every task and rebuild the queue.
+#[derive(Debug, Default)]
+struct Sleep {
+    /// Each task asleep: (until, its reach) — the reach for the horizon metric.
+    asleep: HashMap<String, (i64, i64)>,
+    /// The same, ordered by `until`; an entry whose `until` is not `asleep`'s is stale.
+    queue: BinaryHeap<Reverse<(i64, String)>>,
+    /// The snapshot's tasks not asleep, visited every tick (while `valid`).
+    awake: Vec<Arc<TaskEntry>>,
+    /// The dynamic overrides of the last complete tick: a change wakes the task.
+    dynamic: HashMap<String, (i64, u64)>,
+    /// The leader's clock at the last complete tick.
+    last_now: i64,
+    /// The above hold for the snapshot walked; false: the next tick visits every task.
+    valid: bool,
+}
+
+impl Sleep {
+    /// Forgets everything: the next tick visits every task.
+    fn reset(&mut self) {
+        self.asleep.clear();
+        self.queue.clear();
+        self.awake.clear();
+        self.valid = false;
+    }
+
+    /// Takes `name` out of the queue; true when it was asleep.
+    fn wake(&mut self, name: &str) -> bool {
+        self.asleep.remove(name).is_some()
+    }
 }
 
 /// Which of a tick's walks over every task must be redone: each only when the snapshot
@@ -895,6 +962,7 @@ impl Roller {
             walked: None,
             probed_all_ms: i64::MIN,
             healed_last_tick: false,
+            sleep: Sleep::default(),
         }
     }
 
@@ -1014,6 +1082,7 @@ impl Roller {
         if self.walked != Some(seen) {
             self.dirty = Dirty::ALL;
             self.walked = Some(seen);
+            self.sleep.valid = false;
         }
         let conn = self.redis.conn().await.map_err(redis_err("connect"))?;
         let now = unix_ms();
@@ -1177,9 +1246,55 @@ impl Roller {
 
         let in_use =
             |name: &str| probe_all || verdict.as_ref().is_none_or(|o| o.used.contains(name));
-        let mut pending: Vec<(Arc<TaskEntry>, Attempt)> = snap
-            .tasks
-            .values()
+        // The tasks this tick visits: every one, or those awake and those due (see [`Sleep`]).
+        // Until this tick completes, the next one visits every task.
+        let visit_all =
+            !self.sleep.valid || probe_all || now < self.sleep.last_now || self.lazy_after_ms == 0;
+        self.sleep.valid = false;
+        let visited: Vec<Arc<TaskEntry>> = if visit_all {
+            self.sleep.reset();
+            snap.tasks.values().cloned().collect()
+        } else {
+            let sleep = &mut self.sleep;
+            let mut v = std::mem::take(&mut sleep.awake);
+            let mut due: Vec<String> = Vec::new();
+            while let Some(Reverse((at, _))) = sleep.queue.peek()
+                && *at <= now
+            {
+                let Some(Reverse((at, name))) = sleep.queue.pop() else {
+                    break;
+                };
+                if sleep.asleep.get(&name).is_some_and(|(u, _)| *u == at) {
+                    sleep.asleep.remove(&name);
+                    due.push(name);
+                }
+            }
+            // Woken early: a host reports using it (probed every tick then), workers of an
+            // old protocol use it (rolled ahead above), its dynamic override changed.
+            if let Some(o) = &verdict {
+                due.extend(o.used.iter().filter(|n| sleep.wake(n)).cloned());
+            }
+            if *dynamic != sleep.dynamic {
+                let changed: Vec<String> = dynamic
+                    .iter()
+                    .filter(|(n, v)| sleep.dynamic.get(*n) != Some(*v))
+                    .map(|(n, _)| n)
+                    .chain(sleep.dynamic.keys().filter(|n| !dynamic.contains_key(*n)))
+                    .cloned()
+                    .collect();
+                due.extend(changed.into_iter().filter(|n| sleep.wake(n)));
+            }
+            v.extend(due.iter().filter_map(|n| snap.tasks.get(n).cloned()));
+            v
+        };
+        if *dynamic != self.sleep.dynamic {
+            self.sleep.dynamic = dynamic.clone();
+        }
+        stats.visited = visited.len() as u64;
+        // Quiet lazy tasks found not due: (name, until, reach).
+        let mut sleepers: Vec<(String, i64, i64)> = Vec::new();
+        let mut pending: Vec<(Arc<TaskEntry>, Attempt)> = visited
+            .iter()
             .map(|e| (e.clone(), Attempt::default()))
             .collect();
         // Three rounds at most: the second resends in full what Redis had lost (or a fence
@@ -1210,6 +1325,9 @@ impl Roller {
                         if st.lazy.is_some()
                             && !lazy_probe_due(st, in_use(&entry.name), now, &self.cfg)
                         {
+                            if let Some(until) = lazy_asleep_until(st, &entry, now, &self.cfg) {
+                                sleepers.push((entry.name.clone(), until, reach(st)));
+                            }
                             return None;
                         }
                         return Some((entry, attempt, Plan::probe(st)));
@@ -1415,6 +1533,22 @@ impl Roller {
                 }
             }
         }
+        // Those found not due sleep; the others stay awake.
+        if sleepers.is_empty() {
+            self.sleep.awake = visited;
+        } else {
+            let names: HashSet<&str> = sleepers.iter().map(|(n, _, _)| n.as_str()).collect();
+            self.sleep.awake = visited
+                .into_iter()
+                .filter(|e| !names.contains(e.name.as_str()))
+                .collect();
+            for (name, until, reach) in sleepers {
+                self.sleep.queue.push(Reverse((until, name.clone())));
+                self.sleep.asleep.insert(name, (until, reach));
+            }
+        }
+        self.sleep.last_now = now;
+        self.sleep.valid = true;
         stats.conflicts = self.conflicts.len() as u64;
         self.healed_last_tick = stats.healed > 0;
         self.report(ctx, snap);
@@ -1432,12 +1566,15 @@ impl Roller {
         self.metrics
             .lazy_tasks
             .set(self.published_lazy.len() as i64);
-        let ahead = snap
-            .tasks
-            .keys()
-            .filter_map(|n| self.state.get(n))
-            .map(|s| reach(s) - now)
-            .min();
+        let ahead = self
+            .sleep
+            .awake
+            .iter()
+            .filter_map(|e| self.state.get(&e.name))
+            .map(reach)
+            .chain(self.sleep.asleep.values().map(|(_, r)| *r))
+            .min()
+            .map(|r| r - now);
         self.metrics
             .horizon_ahead
             .set(ahead.map_or(0.0, |ms| ms as f64 / 1000.0));
@@ -2363,6 +2500,68 @@ mod tests {
         let f = plan_lazy_full(&e, None, 200_300, &c).expect("lazy");
         assert_eq!(f.lazy.map(|l| l.fence_ttl_ms), Some(c.lazy_fence_ttl_ms()));
         assert!(f.next.refreshed_ms > 200_300 - r && f.next.probed_ms > 200_300 - r);
+    }
+
+    /// The roller's due-queue (issue 27) skips a lazy task until [`lazy_asleep_until`]: every
+    /// instant before it must find the task quiet with its probe not due (safety: a visit
+    /// skipped is one that would have done nothing), and the instant itself must not
+    /// (liveness: it is visited when its refresh, its window's growth or its probe is due, not
+    /// later). Random configurations, slice lengths, times and probe times; the task goes
+    /// through a chain of refreshes, each planned at the instant its sleep ended.
+    #[test]
+    fn a_sleeping_lazy_task_is_visited_exactly_when_something_is_due() {
+        use proptest::prelude::*;
+        let config = sluice_testkit::prop_config("lazy_asleep_until", 2_000);
+        proptest!(config, |(
+            horizon_ms in 1_000_u64..3_600_000,
+            stale_ms in 1_000_u64..120_000,
+            slice_ms in prop_oneof![Just(1_000_u64), 100_u64..120_000],
+            t0 in 1_600_000_000_000_i64..1_900_000_000_000,
+            probe_lag in 0.0_f64..1.0,
+            steps in 1_usize..6,
+            frac in 0.0_f64..1.0,
+        )| {
+            let c = RollConfig {
+                horizon: Duration::from_millis(horizon_ms),
+                retention: Duration::from_secs(60),
+                tick: Duration::from_millis(500),
+                fence_stale_after: Duration::from_millis(stale_ms),
+            };
+            let e = entry(&format!(r#"{{"threshold": 100, "slice_ms": {slice_ms}}}"#), 1);
+            let Some(p) = plan_lazy_full(&e, None, t0, &c) else {
+                return Ok(());
+            };
+            let mut st = p.next;
+            let mut now = t0;
+            for _ in 0..steps {
+                // Probed some time after the write, as a tick in use would.
+                let lag = (probe_lag * c.lazy_refresh_ms() as f64) as i64;
+                st.probed_ms = st.probed_ms.max(now - lag).min(now);
+                let Some(until) = lazy_asleep_until(&st, &e, now, &c) else {
+                    // Only when something is due now.
+                    prop_assert!(
+                        !quiet(&st, &e, None, now, &c)
+                            || lazy_probe_due(&st, false, now, &c)
+                    );
+                    break;
+                };
+                prop_assert!(until > now);
+                for t in [now, now + ((until - now - 1) as f64 * frac) as i64, until - 1] {
+                    prop_assert!(quiet(&st, &e, None, t, &c), "not quiet at {t} (until {until})");
+                    prop_assert!(!lazy_probe_due(&st, false, t, &c), "probe due at {t}");
+                }
+                prop_assert!(
+                    !quiet(&st, &e, None, until, &c) || lazy_probe_due(&st, false, until, &c),
+                    "nothing due at {until}"
+                );
+                now = until;
+                // What the tick does then: refresh (or probe only).
+                match plan_lazy(&st, &e, None, now, &c, idle(0), 1) {
+                    Some(q) if !q.unchanged => st = q.next,
+                    _ => st.probed_ms = now,
+                }
+            }
+        });
     }
 
     /// A lazy task stays lazy at each refresh while the harvester finds no traffic since it
