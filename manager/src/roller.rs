@@ -18,8 +18,11 @@
 //!                 everything when slice_ms changed (the new grid) or the task was re-created
 //! ```
 //!
-//! Every tick looks at every task even when nothing is new: that is the probe that notices a
-//! Redis that lost its data, which is healed within the same tick. A task with nothing to write
+//! Every tick looks at every task rolled ahead even when nothing is new: that is the probe that
+//! notices a Redis that lost its data, which is healed within the same tick (a Redis that lost
+//! everything, the task registry included, makes the tick look at every task, lazy ones too).
+//! A quiet lazy task (`--lazy-after`) sleeps in a due-queue until its refresh or probe is due,
+//! or something wakes it (see `Sleep`). A task with nothing to write
 //! is probed by one `HMGET` of its meta ([`scripts::roll_probe`]); only what that cannot vouch
 //! for (a lost, rewound, retired, re-fenced or newer meta) costs the script call. A new leader has no
 //! memory of what was written, so its first tick sends every task's whole window (the script
@@ -612,6 +615,24 @@ fn refresh_spread(name: &str, refresh_every: i64) -> i64 {
     (h % refresh_every.max(1) as u64) as i64
 }
 
+/// When a lazy task probed at `now_ms` counts as probed: the last instant at or before it on
+/// the task's own grid of `every` (phased by name), so that the probes of tasks probed together
+/// (all of them after Redis lost its keys) spread over the period again instead of coming due
+/// in one tick from then on; in steady state a task is probed every `every` exactly. Earlier
+/// is always safe (the next probe comes sooner, and looks back further).
+///
+/// ```
+/// # use sluice_manager::roller::probe_phase;
+/// let p = probe_phase("t", 1_000_000, 30_000);
+/// assert!(p <= 1_000_000 && p > 1_000_000 - 30_000);
+/// // Probed when due, it is due again a whole period later.
+/// assert_eq!(probe_phase("t", p + 30_000, 30_000), p + 30_000);
+/// ```
+pub fn probe_phase(name: &str, now_ms: i64, every: i64) -> i64 {
+    let every = every.max(1);
+    now_ms - (now_ms - refresh_spread(name, every)).rem_euclid(every)
+}
+
 /// Plans the writes for one task at `now_ms` (pure).
 ///
 /// A task whose `slice_ms` changed (or that was deleted and created again) is planned in full:
@@ -841,10 +862,11 @@ pub struct Roller {
 
 /// The roller's due-queue of quiet lazy tasks (issue 27: at 100,000 idle tasks, visiting each
 /// every tick to find it not due was most of the leader's CPU). A tick visits the tasks awake,
-/// the sleepers whose time came, and those woken early: a host reports using it, its dynamic
-/// override changed, workers of an old protocol use it. Anything else that could make a
-/// sleeper due (a new snapshot, Redis losing the tasks, the clock stepping back, a tick cut
-/// short) makes the next tick visit every task and rebuild the queue.
+/// the sleepers whose time came, and those woken early: a host reports using it (or workers of
+/// an old protocol do), its dynamic override changed, a new snapshot changed its spec. Anything
+/// else that could make a sleeper due (Redis losing the tasks, the clock stepping back, a tick
+/// cut short, a snapshot that changed many tasks) makes the next tick visit every task and
+/// rebuild the queue.
 #[derive(Debug, Default)]
 struct Sleep {
     /// Each task asleep: (until, its reach) — the reach for the horizon metric.
@@ -857,9 +879,17 @@ struct Sleep {
     dynamic: HashMap<String, (i64, u64)>,
     /// The leader's clock at the last complete tick.
     last_now: i64,
-    /// The above hold for the snapshot walked; false: the next tick visits every task.
+    /// The snapshot the above hold for.
+    snap: Option<Arc<TaskSnapshot>>,
+    /// Tasks a new snapshot added, changed or removed: visited (or forgotten) next tick.
+    changed: Vec<String>,
+    /// The above hold for `snap`; false: the next tick visits every task.
     valid: bool,
 }
+
+/// A snapshot that changed more tasks than this (or a tenth of them) is followed by a visit of
+/// every task rather than a diff.
+const SLEEP_DIFF_MAX: usize = 10_000;
 
 impl Sleep {
     /// Forgets everything: the next tick visits every task.
@@ -867,12 +897,81 @@ impl Sleep {
         self.asleep.clear();
         self.queue.clear();
         self.awake.clear();
+        self.changed.clear();
         self.valid = false;
     }
 
     /// Takes `name` out of the queue; true when it was asleep.
     fn wake(&mut self, name: &str) -> bool {
         self.asleep.remove(name).is_some()
+    }
+
+    /// Follows a new snapshot: the tasks it added, changed or removed (entries not shared
+    /// with the last one, compared by pointer in one ordered walk of both) are taken out of
+    /// the queue and visited next tick; `awake` is re-pointed at the new entries. Too many
+    /// changes, or nothing to diff against: the next tick visits every task.
+    fn follow(&mut self, snap: &Arc<TaskSnapshot>) {
+        let Some(prev) = self.snap.as_ref() else {
+            self.valid = false;
+            return;
+        };
+        if Arc::ptr_eq(prev, snap) || !self.valid {
+            return;
+        }
+        let limit = SLEEP_DIFF_MAX.min(snap.tasks.len() / 10 + 1);
+        let mut changed: Vec<String> = Vec::new();
+        let (mut a, mut b) = (prev.tasks.iter().peekable(), snap.tasks.iter().peekable());
+        loop {
+            let step = match (a.peek(), b.peek()) {
+                (None, None) => break,
+                (Some((n, _)), None) => {
+                    changed.push((*n).clone());
+                    a.next();
+                    continue;
+                }
+                (None, Some((n, _))) => {
+                    changed.push((*n).clone());
+                    b.next();
+                    continue;
+                }
+                (Some((na, ea)), Some((nb, eb))) => {
+                    if Arc::ptr_eq(ea, eb) {
+                        std::cmp::Ordering::Equal
+                    } else {
+                        na.cmp(nb)
+                    }
+                }
+            };
+            match step {
+                std::cmp::Ordering::Less => {
+                    changed.extend(a.next().map(|(n, _)| n.clone()));
+                }
+                std::cmp::Ordering::Greater => {
+                    changed.extend(b.next().map(|(n, _)| n.clone()));
+                }
+                std::cmp::Ordering::Equal => {
+                    let (x, y) = (a.next(), b.next());
+                    if let (Some((n, ea)), Some((_, eb))) = (x, y)
+                        && !Arc::ptr_eq(ea, eb)
+                    {
+                        changed.push(n.clone());
+                    }
+                }
+            }
+            if changed.len() > limit {
+                self.valid = false;
+                return;
+            }
+        }
+        for n in &changed {
+            self.wake(n);
+        }
+        self.awake = std::mem::take(&mut self.awake)
+            .into_iter()
+            .filter_map(|e| snap.tasks.get(&e.name).cloned())
+            .collect();
+        self.changed.extend(changed);
+        self.snap = Some(snap.clone());
     }
 }
 
@@ -1067,13 +1166,14 @@ impl Roller {
         Ok(())
     }
 
-    /// One pass over all tasks. Returns `Err(Fenced)` if a newer leader of this etcd history
+    /// One pass over the tasks awake and those due (every task after a change it cannot
+    /// follow, see `Sleep`). Returns `Err(Fenced)` if a newer leader of this etcd history
     /// refused a write.
     pub async fn tick(
         &mut self,
         ctx: &LeaderContext,
         store: &TaskStore,
-        snap: &TaskSnapshot,
+        snap: &Arc<TaskSnapshot>,
         dynamic: &HashMap<String, (i64, u64)>,
     ) -> Result<TickStats> {
         let mut stats = TickStats::default();
@@ -1082,8 +1182,8 @@ impl Roller {
         if self.walked != Some(seen) {
             self.dirty = Dirty::ALL;
             self.walked = Some(seen);
-            self.sleep.valid = false;
         }
+        self.sleep.follow(snap);
         let conn = self.redis.conn().await.map_err(redis_err("connect"))?;
         let now = unix_ms();
         let fence = ctx.fence();
@@ -1223,6 +1323,9 @@ impl Roller {
                     {
                         stats.woken += 1;
                         self.dirty.lazy = true;
+                        if self.sleep.wake(name) {
+                            self.sleep.changed.push(name.clone());
+                        }
                         debug!(task = name, "lazy task rolled ahead: old workers use it");
                     }
                 }
@@ -1257,7 +1360,17 @@ impl Roller {
         } else {
             let sleep = &mut self.sleep;
             let mut v = std::mem::take(&mut sleep.awake);
-            let mut due: Vec<String> = Vec::new();
+            // Changed by the snapshot: those not awake are visited (removed ones are not in it).
+            let awake: HashSet<&str> = if sleep.changed.is_empty() {
+                HashSet::new()
+            } else {
+                v.iter().map(|e| e.name.as_str()).collect()
+            };
+            let mut due: Vec<String> = std::mem::take(&mut sleep.changed)
+                .into_iter()
+                .filter(|n| !awake.contains(n.as_str()))
+                .collect();
+            drop(awake);
             while let Some(Reverse((at, _))) = sleep.queue.peek()
                 && *at <= now
             {
@@ -1430,7 +1543,14 @@ impl Roller {
                         } else if plan.lazy.is_some()
                             && let Some(st) = self.state.get_mut(name)
                         {
-                            st.probed_ms = now;
+                            // Probed every tick while a host uses it: from now on (each
+                            // probe looks back to the last).
+                            st.probed_ms =
+                                if verdict.as_ref().is_some_and(|o| o.used.contains(name)) {
+                                    now
+                                } else {
+                                    probe_phase(name, now, self.cfg.lazy_refresh_ms())
+                                };
                         }
                         if sent.made
                             && let Some(st) = self.state.get_mut(name)
@@ -1548,6 +1668,7 @@ impl Roller {
             }
         }
         self.sleep.last_now = now;
+        self.sleep.snap = Some(snap.clone());
         self.sleep.valid = true;
         stats.conflicts = self.conflicts.len() as u64;
         self.healed_last_tick = stats.healed > 0;
@@ -2500,6 +2621,62 @@ mod tests {
         let f = plan_lazy_full(&e, None, 200_300, &c).expect("lazy");
         assert_eq!(f.lazy.map(|l| l.fence_ttl_ms), Some(c.lazy_fence_ttl_ms()));
         assert!(f.next.refreshed_ms > 200_300 - r && f.next.probed_ms > 200_300 - r);
+    }
+
+    /// A new snapshot wakes exactly the tasks it added, changed or removed (compared by entry
+    /// pointer), re-points the tasks awake at its entries, and gives up (a visit of every
+    /// task) when it changed too many.
+    #[test]
+    fn a_new_snapshot_wakes_only_the_tasks_it_changed() {
+        let mk = |n: &str| {
+            let mut e = entry(r#"{"threshold": 100}"#, 1);
+            e.name = n.to_string();
+            Arc::new(e)
+        };
+        let mut old = TaskSnapshot::default();
+        for i in 0..100 {
+            let n = format!("t{i:03}");
+            old.tasks.insert(n.clone(), mk(&n));
+        }
+        let old = Arc::new(old);
+        let mut sleep = Sleep {
+            snap: Some(old.clone()),
+            valid: true,
+            ..Sleep::default()
+        };
+        for (n, _) in old.tasks.iter().skip(10) {
+            sleep.asleep.insert(n.clone(), (1, 2));
+            sleep.queue.push(Reverse((1, n.clone())));
+        }
+        sleep.awake = old.tasks.values().take(10).cloned().collect();
+        sleep.follow(&old);
+        assert!(sleep.changed.is_empty() && sleep.valid);
+        // t000 (awake) and t050 (asleep) changed, t099 removed, t100 and a0 added.
+        let mut new = (*old).clone();
+        new.tasks.insert("t000".into(), mk("t000"));
+        new.tasks.insert("t050".into(), mk("t050"));
+        new.tasks.remove("t099");
+        new.tasks.insert("t100".into(), mk("t100"));
+        new.tasks.insert("a0".into(), mk("a0"));
+        let new = Arc::new(new);
+        sleep.follow(&new);
+        assert!(sleep.valid);
+        let mut changed = sleep.changed.clone();
+        changed.sort();
+        assert_eq!(changed, ["a0", "t000", "t050", "t099", "t100"]);
+        assert!(!sleep.asleep.contains_key("t050") && !sleep.asleep.contains_key("t099"));
+        assert_eq!(sleep.asleep.len(), 88);
+        assert_eq!(sleep.awake.len(), 10);
+        assert!(Arc::ptr_eq(&sleep.awake[0], &new.tasks["t000"]));
+        assert!(Arc::ptr_eq(sleep.snap.as_ref().unwrap(), &new));
+        // A snapshot that changes a tenth of the tasks or more: every task is visited.
+        let mut many = (*new).clone();
+        for i in 0..20 {
+            let n = format!("t{i:03}");
+            many.tasks.insert(n.clone(), mk(&n));
+        }
+        sleep.follow(&Arc::new(many));
+        assert!(!sleep.valid);
     }
 
     /// The roller's due-queue (issue 27) skips a lazy task until [`lazy_asleep_until`]: every

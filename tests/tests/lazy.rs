@@ -510,3 +510,93 @@ async fn lazy_tasks_lost_by_redis_are_healed_within_seconds() {
         );
     }
 }
+
+/// A quiet lazy task sleeps in the leader's due-queue until its refresh or probe is due (a
+/// refresh period: 30 s with this horizon), and is woken at once by what it cannot sleep
+/// through: a new spec (a decision gets the new threshold within seconds, the other sleepers
+/// stay lazy and untouched) and a host that starts using it (rolled ahead again within seconds
+/// of the host's report being read, not at its next periodic probe).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sleeping_lazy_task_wakes_on_a_spec_change_and_on_use() {
+    let (etcd, redis) = (shared_etcd(), shared_redis());
+    let ns = unique_ns("lazyw");
+    let mut opts = ManagerOpts::new(&etcd, &redis, &ns, "m1");
+    opts.extra = [
+        "--lazy-after",
+        "2s",
+        "--horizon",
+        "60s",
+        "--retention",
+        "10s",
+    ]
+    .map(String::from)
+    .to_vec();
+    let m = Manager::start(opts).await;
+    let tasks = ["s0", "s1", "s2", "s3"];
+    for t in tasks {
+        let (status, b) = m
+            .put(
+                &format!("/api/v1/tasks/{t}"),
+                r#"{"threshold": 40, "slice_ms": 1000}"#,
+            )
+            .await;
+        assert_eq!(status, 201, "{b}");
+    }
+    let mut conn = redis_conn(&redis);
+    for t in tasks {
+        wait_lazy(&mut conn, &ns, t, 40).await;
+    }
+    // Asleep now (the first quiet visit after its lazy write puts a task to sleep).
+    tokio::time::sleep(Duration::from_secs(1)).await;
+
+    let (status, b) = m
+        .put("/api/v1/tasks/s1", r#"{"threshold": 70, "slice_ms": 1000}"#)
+        .await;
+    assert_eq!(status, 200, "{b}");
+    let started = std::time::Instant::now();
+    wait_until(
+        "the changed task's new threshold in force",
+        Duration::from_secs(8),
+        Duration::from_millis(100),
+        || async {
+            let t = m.get_json("/api/v1/tasks/s1").await?;
+            (t["status"]["effective_threshold"] == 70).then_some(())
+        },
+    )
+    .await;
+    eprintln!("new threshold in force after {:?}", started.elapsed());
+    // The others were not touched by the change (still lazy, no slices written ahead).
+    assert_eq!(meta_i64(&mut conn, &ns, "s0", "lz_cap"), Some(40));
+    assert_eq!(slices_ahead(&mut conn, &ns, "s0", 1_000, 6), 0);
+
+    // A host starts deciding on three of them: the leader rolls them ahead once it reads the
+    // host's report. (Each one's periodic probe comes at its own phase of the 30 s period: a
+    // leader that missed the report would still roll all three ahead within 15 s by chance
+    // about one time in eight.)
+    let c = client(&redis, &ns);
+    let used = ["s0", "s2", "s3"];
+    // All opened before the host's first report (it lists the tasks open then; the next one
+    // comes 10 s later), and kept open.
+    let open: Vec<_> = used.iter().map(|t| c.task(t).unwrap()).collect();
+    for (t, h) in used.iter().zip(&open) {
+        assert!(h.wait_ready(Duration::from_secs(10)));
+        assert_eq!(h.acquire(1).await, Decision::Allowed, "{t}");
+    }
+    let started = std::time::Instant::now();
+    wait_until(
+        "the used tasks rolled ahead",
+        Duration::from_secs(15),
+        Duration::from_millis(100),
+        || {
+            let now = redis_ms(&mut conn);
+            let ahead = used.iter().all(|t| {
+                meta_i64(&mut conn, &ns, t, "rolled_to").is_some_and(|r| r >= now + 30_000)
+            });
+            async move { ahead.then_some(()) }
+        },
+    )
+    .await;
+    eprintln!("used tasks rolled ahead after {:?}", started.elapsed());
+    drop(open);
+    drop(c);
+}
