@@ -35,7 +35,7 @@
 //! that re-checks each entry when it runs, so the hash does not grow with every host that
 //! ever ran. The API and the dashboard show the hosts of this hash.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -339,6 +339,11 @@ pub async fn run(
     let mut queue: std::collections::BinaryHeap<std::cmp::Reverse<(i64, String)>> =
         std::collections::BinaryHeap::new();
     let mut seen: Option<Arc<crate::tasks::TaskSnapshot>> = None;
+    // Lazy tasks found due: not polled (their `next_poll` is `i64::MAX`, no queue entry) until
+    // the roller's lazy set changes and they are no longer in it (issue 27: re-queueing 100,000
+    // lazy tasks every 5 s was a tenth of the detector's CPU).
+    let mut parked: HashSet<String> = HashSet::new();
+    let mut lazy_generation = activity.lazy_generation();
     // When each condition was last reported: a condition not reported within the quiet
     // period starts a new episode, for which suspects are named from fresh host reports.
     let mut reported: HashMap<String, i64> = HashMap::new();
@@ -399,6 +404,7 @@ pub async fn run(
         if seen.as_ref().is_none_or(|s| !Arc::ptr_eq(s, &snap)) {
             watches.retain(|t, _| snap.tasks.contains_key(t));
             next_poll.retain(|t, _| snap.tasks.contains_key(t));
+            parked.retain(|t| snap.tasks.contains_key(t));
             for name in snap.tasks.keys() {
                 if !next_poll.contains_key(name) {
                     next_poll.insert(name.clone(), now);
@@ -406,6 +412,25 @@ pub async fn run(
                 }
             }
             seen = Some(snap.clone());
+        }
+        // Parked tasks the roller woke are polled now.
+        let generation = activity.lazy_generation();
+        if generation != lazy_generation && !parked.is_empty() {
+            lazy_generation = generation;
+            let woken: Vec<String> = activity.with_lazy_set(|lazy| {
+                parked
+                    .iter()
+                    .filter(|n| !lazy.contains(*n))
+                    .cloned()
+                    .collect()
+            });
+            for name in woken {
+                parked.remove(&name);
+                next_poll.insert(name.clone(), now);
+                queue.push(std::cmp::Reverse((now, name)));
+            }
+        } else {
+            lazy_generation = generation;
         }
         let mut due: Vec<(String, u64)> = Vec::new();
         while let Some(std::cmp::Reverse((at, _))) = queue.peek() {
@@ -424,9 +449,8 @@ pub async fn run(
             // `next_poll` is pruned to it whenever it changes (no lookup of 100,000 names in
             // the snapshot's map every 5 s).
             if activity.is_lazy(&name) {
-                let at = now + DORMANT_POLL_MS;
-                next_poll.insert(name.clone(), at);
-                queue.push(std::cmp::Reverse((at, name)));
+                next_poll.insert(name.clone(), i64::MAX);
+                parked.insert(name);
                 continue;
             }
             match snap.tasks.get(&name) {
