@@ -881,8 +881,9 @@ struct Sleep {
     last_now: i64,
     /// The snapshot the above hold for.
     snap: Option<Arc<TaskSnapshot>>,
-    /// Tasks a new snapshot added, changed or removed: visited (or forgotten) next tick.
-    changed: Vec<String>,
+    /// Tasks a new snapshot added, changed or removed: visited (or forgotten) at the next
+    /// complete tick (a set: snapshots may follow one another while ticks fail).
+    changed: HashSet<String>,
     /// The above hold for `snap`; false: the next tick visits every task.
     valid: bool,
 }
@@ -958,7 +959,7 @@ impl Sleep {
                     }
                 }
             }
-            if changed.len() > limit {
+            if changed.len() + self.changed.len() > limit {
                 self.valid = false;
                 return;
             }
@@ -1324,7 +1325,7 @@ impl Roller {
                         stats.woken += 1;
                         self.dirty.lazy = true;
                         if self.sleep.wake(name) {
-                            self.sleep.changed.push(name.clone());
+                            self.sleep.changed.insert(name.clone());
                         }
                         debug!(task = name, "lazy task rolled ahead: old workers use it");
                     }
@@ -2661,7 +2662,7 @@ mod tests {
         let new = Arc::new(new);
         sleep.follow(&new);
         assert!(sleep.valid);
-        let mut changed = sleep.changed.clone();
+        let mut changed: Vec<String> = sleep.changed.iter().cloned().collect();
         changed.sort();
         assert_eq!(changed, ["a0", "t000", "t050", "t099", "t100"]);
         assert!(!sleep.asleep.contains_key("t050") && !sleep.asleep.contains_key("t099"));
@@ -2669,6 +2670,29 @@ mod tests {
         assert_eq!(sleep.awake.len(), 10);
         assert!(Arc::ptr_eq(&sleep.awake[0], &new.tasks["t000"]));
         assert!(Arc::ptr_eq(sleep.snap.as_ref().unwrap(), &new));
+        // Snapshots that follow one another with no complete tick between them (Redis
+        // unreachable): a task changed twice is visited once, and what they changed adds up
+        // towards the limit.
+        let mut again = (*new).clone();
+        again.tasks.insert("t050".into(), mk("t050"));
+        let again = Arc::new(again);
+        sleep.follow(&again);
+        assert!(sleep.valid);
+        assert_eq!(sleep.changed.len(), 5, "{:?}", sleep.changed);
+        let mut prev = again;
+        for i in 60..70 {
+            let mut next = (*prev).clone();
+            let n = format!("t{i:03}");
+            next.tasks.insert(n.clone(), mk(&n));
+            let next = Arc::new(next);
+            sleep.follow(&next);
+            prev = next;
+        }
+        assert!(!sleep.valid, "{} changes pending", sleep.changed.len());
+        // Rebuilt by a complete tick (as `tick` does at its end).
+        sleep.reset();
+        sleep.snap = Some(new.clone());
+        sleep.valid = true;
         // A snapshot that changes a tenth of the tasks or more: every task is visited.
         let mut many = (*new).clone();
         for i in 0..20 {

@@ -70,6 +70,9 @@ pub const DORMANT_AFTER_MS: i64 = 60_000;
 /// next poll on (the first has nothing of the same slices to compare with), so skew on a task
 /// that wakes is flagged at most this much plus a slice later than on a busy one.
 pub const DORMANT_POLL_MS: i64 = 5_000;
+
+/// How often at most the detector looks among the lazy tasks it parked for those woken.
+const UNPARK_EVERY_MS: i64 = 1_000;
 /// Host reports older than this are ignored.
 pub const HOST_FRESH_MS: i64 = 60_000;
 /// Host entries not seen for this long are pruned from `NS:hosts` (10 minutes).
@@ -344,6 +347,7 @@ pub async fn run(
     // lazy tasks every 5 s was a tenth of the detector's CPU).
     let mut parked: HashSet<String> = HashSet::new();
     let mut lazy_generation = activity.lazy_generation();
+    let mut unparked_ms = i64::MIN;
     // When each condition was last reported: a condition not reported within the quiet
     // period starts a new episode, for which suspects are named from fresh host reports.
     let mut reported: HashMap<String, i64> = HashMap::new();
@@ -413,10 +417,16 @@ pub async fn run(
             }
             seen = Some(snap.clone());
         }
-        // Parked tasks the roller woke are polled now.
+        // Parked tasks the roller woke are polled now: looked for when the lazy set changed,
+        // at most once a second (tasks waking all the time must not make this a walk of every
+        // parked task every 50 ms).
         let generation = activity.lazy_generation();
-        if generation != lazy_generation && !parked.is_empty() {
+        if generation != lazy_generation
+            && !parked.is_empty()
+            && (now.saturating_sub(unparked_ms) >= UNPARK_EVERY_MS || now < unparked_ms)
+        {
             lazy_generation = generation;
+            unparked_ms = now;
             let woken: Vec<String> = activity.with_lazy_set(|lazy| {
                 parked
                     .iter()
@@ -429,7 +439,7 @@ pub async fn run(
                 next_poll.insert(name.clone(), now);
                 queue.push(std::cmp::Reverse((now, name)));
             }
-        } else {
+        } else if parked.is_empty() {
             lazy_generation = generation;
         }
         let mut due: Vec<(String, u64)> = Vec::new();
