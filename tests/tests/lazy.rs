@@ -76,6 +76,37 @@ async fn lazy_manager(etcd: &str, redis: &str, ns: &str) -> Manager {
     Manager::start(opts).await
 }
 
+/// One manager with a 60 s horizon (a lazy task's refresh period is then 30 s) and `tasks` of
+/// 40 per 1 s slice, each left lazy.
+async fn lazy_tasks_of_40(etcd: &str, redis: &str, ns: &str, tasks: &[&str]) -> Manager {
+    let mut opts = ManagerOpts::new(etcd, redis, ns, "m1");
+    opts.extra = [
+        "--lazy-after",
+        "2s",
+        "--horizon",
+        "60s",
+        "--retention",
+        "10s",
+    ]
+    .map(String::from)
+    .to_vec();
+    let m = Manager::start(opts).await;
+    for t in tasks {
+        let (status, b) = m
+            .put(
+                &format!("/api/v1/tasks/{t}"),
+                r#"{"threshold": 40, "slice_ms": 1000}"#,
+            )
+            .await;
+        assert_eq!(status, 201, "{b}");
+    }
+    let mut conn = redis_conn(redis);
+    for t in tasks {
+        wait_lazy(&mut conn, ns, t, 40).await;
+    }
+    m
+}
+
 fn client(redis: &str, ns: &str) -> Client {
     let mut cfg = Config::new(redis.to_string());
     cfg.namespace = ns.to_string();
@@ -447,32 +478,9 @@ async fn a_recreated_task_is_written_ahead_over_its_old_slices() {
 async fn lazy_tasks_lost_by_redis_are_healed_within_seconds() {
     let (etcd, redis) = (shared_etcd(), shared_redis());
     let ns = unique_ns("lazyh");
-    let mut opts = ManagerOpts::new(&etcd, &redis, &ns, "m1");
-    opts.extra = [
-        "--lazy-after",
-        "2s",
-        "--horizon",
-        "60s",
-        "--retention",
-        "10s",
-    ]
-    .map(String::from)
-    .to_vec();
-    let m = Manager::start(opts).await;
     let tasks = ["h0", "h1", "h2", "h3", "h4"];
-    for t in tasks {
-        let (status, b) = m
-            .put(
-                &format!("/api/v1/tasks/{t}"),
-                r#"{"threshold": 40, "slice_ms": 1000}"#,
-            )
-            .await;
-        assert_eq!(status, 201, "{b}");
-    }
+    let m = lazy_tasks_of_40(&etcd, &redis, &ns, &tasks).await;
     let mut conn = redis_conn(&redis);
-    for t in tasks {
-        wait_lazy(&mut conn, &ns, t, 40).await;
-    }
     // Every key of the namespace, gone.
     let keys: Vec<String> = redis::cmd("KEYS")
         .arg(format!("{ns}:*"))
@@ -520,32 +528,9 @@ async fn lazy_tasks_lost_by_redis_are_healed_within_seconds() {
 async fn a_sleeping_lazy_task_wakes_on_a_spec_change_and_on_use() {
     let (etcd, redis) = (shared_etcd(), shared_redis());
     let ns = unique_ns("lazyw");
-    let mut opts = ManagerOpts::new(&etcd, &redis, &ns, "m1");
-    opts.extra = [
-        "--lazy-after",
-        "2s",
-        "--horizon",
-        "60s",
-        "--retention",
-        "10s",
-    ]
-    .map(String::from)
-    .to_vec();
-    let m = Manager::start(opts).await;
     let tasks = ["s0", "s1", "s2", "s3"];
-    for t in tasks {
-        let (status, b) = m
-            .put(
-                &format!("/api/v1/tasks/{t}"),
-                r#"{"threshold": 40, "slice_ms": 1000}"#,
-            )
-            .await;
-        assert_eq!(status, 201, "{b}");
-    }
+    let m = lazy_tasks_of_40(&etcd, &redis, &ns, &tasks).await;
     let mut conn = redis_conn(&redis);
-    for t in tasks {
-        wait_lazy(&mut conn, &ns, t, 40).await;
-    }
     // Asleep now (the first quiet visit after its lazy write puts a task to sleep).
     tokio::time::sleep(Duration::from_secs(1)).await;
 
