@@ -923,6 +923,11 @@ impl Sleep {
         let mut changed: Vec<String> = Vec::new();
         let (mut a, mut b) = (prev.tasks.iter().peekable(), snap.tasks.iter().peekable());
         loop {
+            // Checked at every step: tasks added or removed at the end count too.
+            if changed.len() + self.changed.len() > limit {
+                self.valid = false;
+                return;
+            }
             let step = match (a.peek(), b.peek()) {
                 (None, None) => break,
                 (Some((n, _)), None) => {
@@ -959,10 +964,10 @@ impl Sleep {
                     }
                 }
             }
-            if changed.len() + self.changed.len() > limit {
-                self.valid = false;
-                return;
-            }
+        }
+        if changed.len() + self.changed.len() > limit {
+            self.valid = false;
+            return;
         }
         for n in &changed {
             self.wake(n);
@@ -2690,6 +2695,14 @@ mod tests {
         }
         assert!(!sleep.valid, "{} changes pending", sleep.changed.len());
         // Rebuilt by a complete tick (as `tick` does at its end).
+        sleep.reset();
+        sleep.snap = Some(new.clone());
+        sleep.valid = true;
+        // Many tasks removed from the end of the map (the diff's tail) count as well.
+        let mut cut = (*new).clone();
+        cut.tasks.retain(|n, _| n.as_str() < "t080");
+        sleep.follow(&Arc::new(cut));
+        assert!(!sleep.valid, "21 removed at the end");
         sleep.reset();
         sleep.snap = Some(new.clone());
         sleep.valid = true;
