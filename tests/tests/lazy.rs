@@ -479,7 +479,7 @@ async fn lazy_tasks_lost_by_redis_are_healed_within_seconds() {
     let (etcd, redis) = (shared_etcd(), shared_redis());
     let ns = unique_ns("lazyh");
     let tasks = ["h0", "h1", "h2", "h3", "h4"];
-    let m = lazy_tasks_of_40(&etcd, &redis, &ns, &tasks).await;
+    let _m = lazy_tasks_of_40(&etcd, &redis, &ns, &tasks).await;
     let mut conn = redis_conn(&redis);
     // Every key of the namespace, gone.
     let keys: Vec<String> = redis::cmd("KEYS")
