@@ -856,6 +856,9 @@ pub struct Roller {
     probed_all_ms: i64,
     /// The last tick healed a task Redis had lost.
     healed_last_tick: bool,
+    /// Redis lost tasks (the registry missing, a task healed) since the last probe of every
+    /// task: one is due as soon as the rate limit allows.
+    probe_all_pending: bool,
     /// Quiet lazy tasks the ticks skip until something is due ([`lazy_asleep_until`]).
     sleep: Sleep,
 }
@@ -1067,6 +1070,7 @@ impl Roller {
             walked: None,
             probed_all_ms: i64::MIN,
             healed_last_tick: false,
+            probe_all_pending: false,
             sleep: Sleep::default(),
         }
     }
@@ -1293,11 +1297,18 @@ impl Roller {
                 bounded("check the task registry", cmd.query_async::<i64>(&mut c)).await,
                 Ok(0)
             );
-            // At most every few seconds (Redis evicting keys would heal tasks every tick).
-            if (lost || std::mem::take(&mut self.healed_last_tick))
+            // At most every few seconds (Redis evicting keys would heal tasks every tick); a
+            // loss seen meanwhile is kept until then: one task healed by its own probe writes
+            // the registry again, and the loss must not be forgotten with it (the CI run that
+            // found 4 of 5 lazy tasks waiting for their periodic probe).
+            if lost || std::mem::take(&mut self.healed_last_tick) {
+                self.probe_all_pending = true;
+            }
+            if self.probe_all_pending
                 && (now.saturating_sub(self.probed_all_ms) >= crate::skew::HOSTS_READ_MS
                     || now < self.probed_all_ms)
             {
+                self.probe_all_pending = false;
                 self.probed_all_ms = now;
                 self.registered.clear();
                 self.dirty.register = true;
