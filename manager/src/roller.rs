@@ -18,15 +18,18 @@
 //!                 everything when slice_ms changed (the new grid) or the task was re-created
 //! ```
 //!
-//! Every tick looks at every task rolled ahead even when nothing is new: that is the probe that
-//! notices a Redis that lost its data, which is healed within the same tick (a Redis that lost
-//! everything, the task registry included, makes the tick look at every task, lazy ones too).
-//! A quiet lazy task (`--lazy-after`) sleeps in a due-queue until its refresh or probe is due,
-//! or something wakes it (see `Sleep`). A task with nothing to write
-//! is probed by one `HMGET` of its meta ([`scripts::roll_probe`]); only what that cannot vouch
-//! for (a lost, rewound, retired, re-fenced or newer meta) costs the script call. A new leader has no
-//! memory of what was written, so its first tick sends every task's whole window (the script
-//! skips slices that already hold the right threshold).
+//! A task rolled ahead with nothing new to write is not looked at in Redis: its next roll call
+//! (a step of its window, or its fence refresh every `fence_stale_after / 4`) notices a meta
+//! Redis lost and heals it. A Redis that lost everything (the task registry missing, checked
+//! every tick) or a single server with a new `run_id` (restarted with older data, failed over)
+//! has every task with nothing to write probed in that tick (lazy ones at most every 5 s) and
+//! healed within it; so does the tick after a task was found lost. A quiet lazy task
+//! (`--lazy-after`) sleeps in a due-queue until its refresh (which probes it too,
+//! [`scripts::roll_watching`]) or probe is due, or something wakes it (see `Sleep`). A probe is
+//! one `HMGET` of the meta ([`scripts::roll_probe`]); only what that cannot vouch for (a lost,
+//! rewound, retired, re-fenced or newer meta) costs the script call. A new leader has no memory
+//! of what was written, so its first tick sends every task's whole window (the script skips
+//! slices that already hold the right threshold).
 //!
 //! A refusal by another epoch's fence (another etcd, a second manager cluster on the same
 //! namespace) does not make this leader step down — stepping down and winning again would
@@ -263,8 +266,9 @@ pub struct Plan {
     /// The task is lazy: the window written into its meta (with `refresh`), or for an
     /// `unchanged` plan the one the probe checks is still there.
     pub lazy: Option<LazyWindow>,
-    /// For an `unchanged` lazy plan: when the task was last probed (leader clock, ms); the
-    /// probe looks for slices workers made since.
+    /// For an `unchanged` lazy plan, or a lazy task's refresh (whose call is its probe too):
+    /// when the task was last probed (leader clock, ms); the probe looks for slices workers
+    /// made since.
     pub probe_from: i64,
 }
 
@@ -474,7 +478,13 @@ pub fn plan_lazy(
     let len = entry.spec.slice_ms.max(1) as i64;
     next.caps.retain(|s, _| *s + len > now_ms);
     next.refreshed_ms = now_ms;
+    // Already lazy: the refresh's call is also its probe (`probe_from` the last one; see
+    // [`scripts::roll_watching`]), so from now on the two come due together, one round trip
+    // per period instead of two.
+    next.probed_ms = now_ms;
+    let mut probe_from = state.probed_ms.min(now_ms);
     if state.lazy.is_none() {
+        probe_from = now_ms;
         next.lazy_since = now_ms;
         // Tasks that went idle together (created together, a load test's end) refresh and are
         // probed spread over the period rather than all in one tick (earlier is always safe).
@@ -493,7 +503,7 @@ pub fn plan_lazy(
         next,
         unchanged: false,
         lazy: Some(lazy),
-        probe_from: now_ms,
+        probe_from,
     })
 }
 
@@ -856,6 +866,11 @@ pub struct Roller {
     probed_all_ms: i64,
     /// The last tick healed a task Redis had lost.
     healed_last_tick: bool,
+    /// The single Redis server's `run_id` as last read (a new one: it restarted, or another
+    /// server answers now).
+    redis_run_id: Option<String>,
+    /// Redis's ACL refused `INFO` (see `redis_run_id`).
+    info_refused: bool,
     /// Redis lost tasks (the registry missing, a task healed) since the last probe of every
     /// task: one is due as soon as the rate limit allows.
     probe_all_pending: bool,
@@ -1070,6 +1085,8 @@ impl Roller {
             walked: None,
             probed_all_ms: i64::MIN,
             healed_last_tick: false,
+            redis_run_id: None,
+            info_refused: false,
             probe_all_pending: false,
             sleep: Sleep::default(),
         }
@@ -1289,20 +1306,56 @@ impl Roller {
         // A task healed last tick says the same (the registry may have been written again by
         // that heal before this check).
         let mut probe_all = false;
+        // Eager tasks with nothing to write are probed only then (see below).
+        let mut probe_eager = false;
         if !snap.tasks.is_empty() {
             let mut c = conn.clone();
             let mut cmd = redis::cmd("EXISTS");
             cmd.arg(self.keys.task_registry());
-            let lost = matches!(
-                bounded("check the task registry", cmd.query_async::<i64>(&mut c)).await,
-                Ok(0)
-            );
+            let registry = bounded("check the task registry", cmd.query_async::<i64>(&mut c))
+                .await
+                .ok();
+            // A single server also says which process it is: a restart that kept its data (RDB,
+            // AOF: metas rewound to the snapshot) or a failover to a replica keeps the registry
+            // but changes `run_id`, and tasks rolled ahead are not probed otherwise (their next
+            // roll call would find them, up to a fence refresh later). Unknown when the ACL
+            // refuses `INFO`; a Cluster node's loss is found task by task (both documented).
+            let run_id = if !self.info_refused
+                && matches!(c, sluice_protocol::conn::RedisConn::Single(_))
+            {
+                let mut info = redis::cmd("INFO");
+                info.arg("server");
+                match tokio::time::timeout(CALL_TIMEOUT, info.query_async::<String>(&mut c)).await {
+                    Ok(Ok(i)) => server_run_id(&i),
+                    // An ACL without `INFO` (older deployments of deploy/redis-acl.conf): not
+                    // asked again this leadership (each refusal fills Redis's ACL LOG).
+                    Ok(Err(e))
+                        if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) =>
+                    {
+                        info!(
+                            "Redis refuses INFO: a restart that keeps its data is found task by task"
+                        );
+                        self.info_refused = true;
+                        None
+                    }
+                    _ => None,
+                }
+            } else {
+                None
+            };
+            let restarted =
+                run_id.is_some() && self.redis_run_id.is_some() && run_id != self.redis_run_id;
+            if run_id.is_some() {
+                self.redis_run_id = run_id;
+            }
+            let lost = registry == Some(0) || restarted;
             // At most every few seconds (Redis evicting keys would heal tasks every tick); a
             // loss seen meanwhile is kept until then: one task healed by its own probe writes
             // the registry again, and the loss must not be forgotten with it (the CI run that
             // found 4 of 5 lazy tasks waiting for their periodic probe).
             if lost || std::mem::take(&mut self.healed_last_tick) {
                 self.probe_all_pending = true;
+                probe_eager = true;
             }
             if self.probe_all_pending
                 && (now.saturating_sub(self.probed_all_ms) >= crate::skew::HOSTS_READ_MS
@@ -1460,6 +1513,16 @@ impl Roller {
                             }
                             return None;
                         }
+                        // An eager task is not probed between its roll calls (issue 27: most
+                        // of an eager task's round trips): its next one — a step of its window
+                        // or its fence refresh, at most `--fence-stale-after / 4` away — finds
+                        // what a probe would (a lost, rewound, retired or re-fenced meta) and
+                        // heals it. A Redis that lost the task registry (everything) or
+                        // answers with a new `run_id`, or a task healed last tick, has them
+                        // probed, and healed, in the tick that sees it.
+                        if st.lazy.is_none() && !probe_eager && !probe_all {
+                            return None;
+                        }
                         return Some((entry, attempt, Plan::probe(st)));
                     }
                     if known.is_none()
@@ -1584,8 +1647,10 @@ impl Roller {
                         stats.healed += 1;
                         // A lazy task Redis lost is written lazy again (its meta is gone, and
                         // the script refuses a lazy write over anything but a live lazy meta
-                        // or none): healing a FLUSHALL does not write every window at once.
-                        if self.state.get(name).is_some_and(|s| s.lazy.is_some()) {
+                        // or none): healing a FLUSHALL does not write every window at once —
+                        // unless the same round trip found a slice a worker made (its refresh
+                        // watches them): it has traffic, and is written ahead.
+                        if !sent.made && self.state.get(name).is_some_and(|s| s.lazy.is_some()) {
                             self.was_lazy.insert(name.clone());
                         }
                         self.state.remove(name);
@@ -1597,6 +1662,7 @@ impl Roller {
                             entry,
                             Attempt {
                                 full: true,
+                                eager: attempt.eager || sent.made,
                                 ..attempt
                             },
                         ));
@@ -2193,6 +2259,14 @@ fn key_fields(
     v
 }
 
+/// The `run_id` field of an `INFO server` reply.
+fn server_run_id(info: &str) -> Option<String> {
+    info.lines()
+        .find_map(|l| l.strip_prefix("run_id:"))
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
 /// `fut` bounded by [`CALL_TIMEOUT`], its error named `op`.
 async fn bounded<T>(
     op: &'static str,
@@ -2342,9 +2416,20 @@ async fn execute(
             slices: chunk,
             lazy: plan.lazy.as_ref(),
         };
-        let call = scripts::roll(conn, keys, &req);
+        // A lazy task's refresh probes it too, in the same round trip (no slice is written
+        // with it; what the leader wrote lies before `expect_rolled_to`, which the watch skips).
+        let watch = if first && !probed && !plan.full && plan.slices.is_empty() {
+            made_by_workers(plan, entry.spec.slice_ms, unix_ms())
+        } else {
+            Vec::new()
+        };
+        let call = scripts::roll_watching(conn, keys, &req, &watch);
         let out = match tokio::time::timeout(CALL_TIMEOUT, call).await {
-            Ok(r) => r.map_err(redis_err("roll"))?,
+            Ok(r) => {
+                let (out, m) = r.map_err(redis_err("roll"))?;
+                made |= m;
+                out
+            }
             Err(_) => {
                 return Err(Error::Timeout {
                     op: "roll",
@@ -2572,6 +2657,21 @@ mod tests {
         );
         // The window still reaches the horizon when the refresh is due.
         assert!(w.until_ms >= first + c.ahead_ms(1_000));
+        // That refresh is its probe too (one round trip, issue 27): it watches the slices
+        // since the last probe, and the next refresh and probe come due together.
+        let mut before = p.next.clone();
+        before.probed_ms = first - 7_000;
+        let rp = plan_lazy(&before, &e, None, first, &c, idle(0), 60_000).expect("refresh");
+        assert!(rp.refresh && !rp.full && rp.slices.is_empty());
+        assert_eq!(rp.probe_from, first - 7_000);
+        assert_eq!((rp.next.refreshed_ms, rp.next.probed_ms), (first, first));
+        let watched = made_by_workers(&rp, 1_000, first);
+        assert_eq!(watched.first(), Some(&slice::start(first - 12_000, 1_000)));
+        assert_eq!(
+            lazy_asleep_until(&rp.next, &e, first, &c),
+            Some(first + r),
+            "one visit per period"
+        );
         // Probed every tick while in use, else once a period (and after a clock step back).
         let probed = p.next.probed_ms;
         assert!(lazy_probe_due(&p.next, true, probed + 1, &c));

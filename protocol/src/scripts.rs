@@ -354,10 +354,18 @@ pub struct Fence {
 }
 
 impl Fence {
+    /// The fence's three script arguments, in [`FENCE_LUA`]'s order.
+    fn args(&self) -> (i64, String, u64) {
+        (
+            self.term,
+            self.epoch.to_string(),
+            self.stale_after_ms.max(1),
+        )
+    }
+
     fn push(&self, inv: &mut redis::ScriptInvocation<'_>) {
-        inv.arg(self.term)
-            .arg(self.epoch.to_string())
-            .arg(self.stale_after_ms.max(1));
+        let (term, epoch, stale) = self.args();
+        inv.arg(term).arg(epoch).arg(stale);
     }
 }
 
@@ -613,13 +621,64 @@ pub async fn roll<C>(conn: &mut C, keys: &Keys, req: &RollRequest<'_>) -> RedisR
 where
     C: redis::aio::ConnectionLike,
 {
-    let mut inv = ROLL.prepare_invoke();
-    inv.key(keys.meta(req.task));
-    for s in req.slices {
-        inv.key(keys.slice(req.task, s.start_ms));
+    let cmd = roll_cmd(keys, req);
+    let v = match cmd.query_async(conn).await {
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            ROLL.load_async(conn).await?;
+            cmd.query_async(conn).await?
+        }
+        r => r?,
+    };
+    roll_outcome(v)
+}
+
+/// Runs [`ROLL_LUA`] and, in the same round trip just before it, asks whether any of the
+/// task's slices starting at `made` exists (as [`roll_probe`] does: for a lazy task, a slice
+/// only a worker can have made). Issue 27: a lazy task's fence refresh and its probe for
+/// traffic were two round trips per refresh period; now they are one. With `made` empty this
+/// is [`roll`].
+pub async fn roll_watching<C>(
+    conn: &mut C,
+    keys: &Keys,
+    req: &RollRequest<'_>,
+    made: &[i64],
+) -> RedisResult<(RollOutcome, bool)>
+where
+    C: redis::aio::ConnectionLike,
+{
+    if made.is_empty() {
+        return Ok((roll(conn, keys, req).await?, false));
     }
-    req.fence.push(&mut inv);
-    inv.arg(if req.full { 1 } else { 0 })
+    let mut pipe = redis::pipe();
+    let exists = pipe.cmd("EXISTS");
+    for s in made {
+        exists.arg(keys.slice(req.task, *s));
+    }
+    pipe.add_command(roll_cmd(keys, req));
+    let (found, v): (i64, Value) = match pipe.query_async(conn).await {
+        // A Redis that lost its scripts (a restart): EXISTS is only a read, so the pipeline is
+        // sent again as a whole once the script is loaded.
+        Err(e) if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoScript) => {
+            ROLL.load_async(conn).await?;
+            pipe.query_async(conn).await?
+        }
+        r => r?,
+    };
+    Ok((roll_outcome(v)?, found > 0))
+}
+
+/// The `EVALSHA` of [`ROLL_LUA`] for `req` (callers load the script on `NOSCRIPT`).
+fn roll_cmd(keys: &Keys, req: &RollRequest<'_>) -> redis::Cmd {
+    let mut c = redis::cmd("EVALSHA");
+    c.arg(ROLL.get_hash())
+        .arg(1 + req.slices.len())
+        .arg(keys.meta(req.task));
+    for s in req.slices {
+        c.arg(keys.slice(req.task, s.start_ms));
+    }
+    let (term, epoch, stale) = req.fence.args();
+    c.arg(term).arg(epoch).arg(stale);
+    c.arg(if req.full { 1 } else { 0 })
         .arg(req.expect_rolled_to)
         .arg(req.new_rolled_to)
         .arg(req.spec_version)
@@ -629,32 +688,37 @@ where
         Some(meta) => {
             let pairs = meta.to_pairs();
             let overrides = meta.override_pairs();
-            inv.arg(pairs.len() + req.meta_extra.len() + overrides.len());
+            c.arg(pairs.len() + req.meta_extra.len() + overrides.len());
             for (k, v) in pairs {
-                inv.arg(k).arg(v);
+                c.arg(k).arg(v);
             }
             for (k, v) in req.meta_extra {
-                inv.arg(*k).arg(v);
+                c.arg(*k).arg(v);
             }
             for (k, v) in overrides {
-                inv.arg(k).arg(v);
+                c.arg(k).arg(v);
             }
         }
         None => {
-            inv.arg(0);
+            c.arg(0);
         }
     }
     for s in req.slices {
-        inv.arg(s.cap).arg(s.expire_at_ms);
+        c.arg(s.cap).arg(s.expire_at_ms);
     }
     if let Some(l) = req.lazy {
-        inv.arg(l.cap)
+        c.arg(l.cap)
             .arg(l.from_ms)
             .arg(l.until_ms)
             .arg(l.expire_after_ms)
             .arg(l.fence_ttl_ms);
     }
-    let r = Reply::parse(inv.invoke_async(conn).await?)?;
+    c
+}
+
+/// What a [`ROLL_LUA`] reply says.
+fn roll_outcome(v: Value) -> RedisResult<RollOutcome> {
+    let r = Reply::parse(v)?;
     if let Some(refusal) = r.refusal()? {
         return Ok(RollOutcome::Refused(refusal));
     }

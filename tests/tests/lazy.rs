@@ -414,7 +414,10 @@ async fn a_recreated_task_is_written_ahead_over_its_old_slices() {
     assert_eq!(status, 201, "{b}");
     let mut conn = redis_conn(&redis);
     wait_lazy(&mut conn, &ns, "r", 100_000).await;
-    // Traffic: a pull makes the current slice, the leader rolls the task ahead at 100,000.
+    let probes = m.metric("sluice_roll_probes_total").await;
+    // Traffic: a pull makes the current slice, the leader rolls the task ahead at 100,000 —
+    // seen by its fence refresh, which watches the slices a worker may have made in the same
+    // round trip (no host reports it, so no probe of its own: issue 27).
     let r = Redis::new(RedisTarget::parse(&redis).unwrap(), ConnOptions::default());
     let mut c = r.conn().await.unwrap();
     let keys = sluice_protocol::Keys::new(&ns).unwrap();
@@ -432,6 +435,11 @@ async fn a_recreated_task_is_written_ahead_over_its_old_slices() {
     .await;
     let woken = m.metric("sluice_lazy_woken_total").await;
     assert_eq!(woken, Some(1.0), "the pull woke it");
+    assert_eq!(
+        m.metric("sluice_roll_probes_total").await,
+        probes,
+        "woken by its refresh, not probed"
+    );
     assert_eq!(m.delete("/api/v1/tasks/r").await, 204);
     let (status, b) = m
         .put("/api/v1/tasks/r", r#"{"threshold": 10, "slice_ms": 1000}"#)

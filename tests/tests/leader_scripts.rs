@@ -550,3 +550,96 @@ async fn the_cheap_probe_answers_only_where_the_script_would_write_nothing() {
         }
     }
 }
+
+/// A lazy task's refresh is its probe too (issue 27): `roll_watching` sends the `EXISTS` of
+/// the watched slices and the roll in one round trip, the `EXISTS` first (a slice the roll
+/// itself writes is not "made by a worker"), and recovers from a Redis that lost its scripts.
+/// Its own Redis: `SCRIPT FLUSH` would disturb the other tests on the shared one.
+#[tokio::test]
+async fn a_roll_that_watches_sees_only_slices_that_were_there_before_it() {
+    let server = RedisServer::start();
+    let keys = Keys::new(&unique_ns("watch")).unwrap();
+    let target = RedisTarget::parse(&server.url()).expect("redis url");
+    let mut c = Redis::new(target, ConnOptions::default())
+        .conn()
+        .await
+        .expect("connect");
+    let mut admin = server.admin_conn();
+    let f = fence(100, 7, 10_000);
+    assert_eq!(
+        roll(&mut c, &keys, "t", &f, 10, 100, false).await,
+        RollOutcome::Written(5)
+    );
+    // What the roll stored (read back: a second boundary may pass between its clock and ours).
+    let rolled_to: i64 = redis::cmd("HGET")
+        .arg(keys.meta("t"))
+        .arg(meta_field::ROLLED_TO)
+        .query(&mut admin)
+        .unwrap();
+    let start = rolled_to - 5_000;
+    let refresh = |new_rolled_to: i64, s: &'static [SliceWrite]| RollRequest {
+        task: "t",
+        fence: &f,
+        full: false,
+        expect_rolled_to: rolled_to,
+        spec_version: 10,
+        new_rolled_to,
+        force: false,
+        refresh: true,
+        meta: None,
+        meta_extra: &[],
+        slices: s,
+        lazy: None,
+    };
+    let watched = [start + 8_000, start + 9_000];
+    let run = async |c: &mut RedisConn, req: &RollRequest<'_>, made: &[i64]| {
+        scripts::roll_watching(c, &keys, req, made)
+            .await
+            .expect("roll_watching")
+    };
+    assert_eq!(
+        run(&mut c, &refresh(rolled_to, &[]), &watched).await,
+        (RollOutcome::Written(0), false),
+        "nothing made"
+    );
+    // A worker made one of them.
+    let _: () = redis::cmd("HSET")
+        .arg(keys.slice("t", start + 9_000))
+        .arg("cap")
+        .arg(100)
+        .arg("rem")
+        .arg(99)
+        .query(&mut admin)
+        .unwrap();
+    assert_eq!(
+        run(&mut c, &refresh(rolled_to, &[]), &watched).await,
+        (RollOutcome::Written(0), true)
+    );
+    // Redis lost its scripts: loaded again, the whole round trip resent.
+    let _: () = redis::cmd("SCRIPT").arg("FLUSH").query(&mut admin).unwrap();
+    assert_eq!(
+        run(&mut c, &refresh(rolled_to, &[]), &watched).await,
+        (RollOutcome::Written(0), true),
+        "after SCRIPT FLUSH"
+    );
+    // A slice the roll itself writes is not one a worker made: the EXISTS goes first.
+    let s = slices(rolled_to, 1, 100, 60_000);
+    let writes = RollRequest {
+        new_rolled_to: rolled_to + 1_000,
+        slices: &s,
+        ..refresh(rolled_to, &[])
+    };
+    assert_eq!(
+        run(&mut c, &writes, &[rolled_to]).await,
+        (RollOutcome::Written(1), false)
+    );
+    // Nothing watched: the plain roll (no EXISTS sent), refused as any roll would be.
+    let rewound = RollRequest {
+        expect_rolled_to: rolled_to + 2_000,
+        ..refresh(rolled_to + 2_000, &[])
+    };
+    assert_eq!(
+        run(&mut c, &rewound, &[]).await,
+        (RollOutcome::NeedFull, false),
+    );
+}

@@ -80,6 +80,65 @@ async fn flushall_and_redis_restart_are_healed_within_one_tick() {
     );
 }
 
+/// A Redis that restarts with its data (AOF here; RDB the same) keeps the task registry, so
+/// the leader would find a meta missing from it only at the task's next roll call — its fence
+/// refresh, 15 s apart with `--fence-stale-after 60s`. The server's new `run_id` makes the next
+/// tick probe every task instead, and heal what is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_restarted_with_its_data_has_every_task_probed() {
+    let ns = unique_ns("runid");
+    let keys = Keys::new(&ns).unwrap();
+    let mut redis_srv =
+        RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
+    let mut opts = ManagerOpts::new(&shared_etcd(), &redis_srv.url(), &ns, "n0");
+    opts.extra = ["--fence-stale-after", "60s"].map(String::from).to_vec();
+    let m = Manager::start(opts).await;
+    m.wait_leader().await;
+    let (s, v) = m
+        .put("/api/v1/tasks/r", r#"{"threshold": 10, "slice_ms": 60000}"#)
+        .await;
+    assert_eq!(s, 201, "{v}");
+    let mut conn = redis_conn(&redis_srv.url());
+    let meta_back = async |conn: &mut redis::Connection, what: &str| {
+        wait_until(
+            what,
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || {
+                let t: Option<String> = redis::cmd("HGET")
+                    .arg(keys.meta("r"))
+                    .arg(meta_field::ROLLED_TO)
+                    .query(conn)
+                    .unwrap_or(None);
+                async move { t.map(|_| ()) }
+            },
+        )
+        .await
+    };
+    meta_back(&mut conn, "the meta written").await;
+    tokio::time::sleep(TICK * 3).await;
+    let probes = m.metric("sluice_roll_probes_total").await.unwrap_or(0.0);
+    // The meta goes (kept so by the AOF), then the server restarts with the rest.
+    let _: () = redis::cmd("DEL")
+        .arg(keys.meta("r"))
+        .query(&mut conn)
+        .unwrap();
+    redis_srv.kill();
+    redis_srv.restart();
+    let mut conn = redis_conn(&redis_srv.url());
+    let registry: bool = redis::cmd("EXISTS")
+        .arg(keys.task_registry())
+        .query(&mut conn)
+        .unwrap();
+    assert!(registry, "the registry survived the restart");
+    meta_back(&mut conn, "the meta healed after the restart").await;
+    let after = m.metric("sluice_roll_probes_total").await.unwrap_or(0.0);
+    assert!(
+        after > probes,
+        "no probe after the restart: {probes} -> {after}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_threshold_change_applies_by_difference_and_keeps_consumption() {
     let ns = unique_ns("diff");
@@ -415,13 +474,17 @@ async fn deleting_a_task_retires_its_meta_but_keeps_the_fence() {
     .await;
 }
 
-/// Issue 27's cheap probe: a task with nothing new to write is checked by one HMGET, and a task
-/// whose window moves without slices (mode `concurrency`) is not mistaken for one — before the
-/// review's fix its `rolled_to` was skipped by the probe and the task was "healed" (rewritten
-/// whole) every slice.
+/// Issue 27: an eager task with nothing new to write is not probed at all between its roll
+/// calls (a step of its window, its fence refresh every `--fence-stale-after / 4`), and a task
+/// whose window moves without slices (mode `concurrency`) is not mistaken for a lost one —
+/// before an earlier review's fix its `rolled_to` was skipped by the probe and the task was
+/// "healed" (rewritten whole) every slice. What a probe would have found (here: a meta
+/// deleted behind the leader's back while the registry stays) is healed by the next roll call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn idle_tasks_are_probed_and_never_rewritten_as_lost() {
+async fn idle_eager_tasks_are_not_probed_never_rewritten_and_healed_by_their_refresh() {
     let ns = unique_ns("probe");
+    let keys = Keys::new(&ns).unwrap();
+    let mut conn = redis_conn(&shared_redis());
     let m = Manager::start(ManagerOpts::new(&shared_etcd(), &shared_redis(), &ns, "n0")).await;
     m.wait_leader().await;
     for (name, body) in [
@@ -432,6 +495,24 @@ async fn idle_tasks_are_probed_and_never_rewritten_as_lost() {
         let (s, v) = m.put(&format!("/api/v1/tasks/{name}"), body).await;
         assert_eq!(s, 201, "{name}: {v}");
     }
+    // Written, and the tick that registered them (the registry was missing then) past.
+    for name in ["short", "long", "permits"] {
+        wait_until(
+            "the meta written",
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || {
+                let t: Option<String> = redis::cmd("HGET")
+                    .arg(keys.meta(name))
+                    .arg(meta_field::ROLLED_TO)
+                    .query(&mut conn)
+                    .unwrap();
+                async move { t.map(|_| ()) }
+            },
+        )
+        .await;
+    }
+    tokio::time::sleep(TICK * 3).await;
     let probes = m.metric("sluice_roll_probes_total").await.unwrap_or(0.0);
     // Several ticks (500 ms), slice boundaries of the 1 s grid, and at least two fence
     // refreshes (every 2.5 s), each of which moves the concurrency task's window.
@@ -442,5 +523,39 @@ async fn idle_tasks_are_probed_and_never_rewritten_as_lost() {
         "a task with nothing lost was rewritten whole"
     );
     let after = m.metric("sluice_roll_probes_total").await.unwrap_or(0.0);
-    assert!(after > probes, "no probe in 4 s: {probes} -> {after}");
+    assert_eq!(after, probes, "eager tasks were probed");
+
+    // A meta lost while the registry stays: rewritten by the task's next roll call, within a
+    // fence refresh period (2.5 s) and a tick.
+    let t0 = Instant::now();
+    let _: () = redis::cmd("DEL")
+        .arg(keys.meta("long"))
+        .query(&mut conn)
+        .unwrap();
+    wait_until(
+        "the lost meta rewritten",
+        Duration::from_secs(10),
+        Duration::from_millis(20),
+        || {
+            let t: Option<String> = redis::cmd("HGET")
+                .arg(keys.meta("long"))
+                .arg(meta_field::ROLLED_TO)
+                .query(&mut conn)
+                .unwrap();
+            async move { t.map(|_| ()) }
+        },
+    )
+    .await;
+    eprintln!("a lost meta healed in {:?}", t0.elapsed());
+    // Logged once the tick that healed it ends.
+    wait_until(
+        "the heal logged",
+        Duration::from_secs(10),
+        Duration::from_millis(50),
+        || {
+            let n = m.log_count("rewrote tasks that Redis had lost");
+            async move { (n >= 1).then_some(()) }
+        },
+    )
+    .await;
 }
