@@ -869,8 +869,14 @@ pub struct Roller {
     /// The single Redis server's `run_id` as last read (a new one: it restarted, or another
     /// server answers now).
     redis_run_id: Option<String>,
-    /// Redis's ACL refused `INFO` (see `redis_run_id`).
-    info_refused: bool,
+    /// When Redis's ACL last refused `INFO server` (see `redis_run_id`; asked again after
+    /// [`INFO_RETRY_MS`]).
+    info_refused_ms: Option<i64>,
+    /// A reply of `INFO server` without `run_id` was logged.
+    run_id_missing_logged: bool,
+    /// Redis lost data (the registry missing, a new `run_id`, a task healed): the tasks rolled
+    /// ahead are probed every tick until one ends without an error.
+    probe_eager_pending: bool,
     /// Redis lost tasks (the registry missing, a task healed) since the last probe of every
     /// task: one is due as soon as the rate limit allows.
     probe_all_pending: bool,
@@ -1086,7 +1092,9 @@ impl Roller {
             probed_all_ms: i64::MIN,
             healed_last_tick: false,
             redis_run_id: None,
-            info_refused: false,
+            info_refused_ms: None,
+            run_id_missing_logged: false,
+            probe_eager_pending: false,
             probe_all_pending: false,
             sleep: Sleep::default(),
         }
@@ -1312,39 +1320,63 @@ impl Roller {
             let mut c = conn.clone();
             let mut cmd = redis::cmd("EXISTS");
             cmd.arg(self.keys.task_registry());
-            let registry = bounded("check the task registry", cmd.query_async::<i64>(&mut c))
-                .await
-                .ok();
             // A single server also says which process it is: a restart that kept its data (RDB,
             // AOF: metas rewound to the snapshot) or a failover to a replica keeps the registry
             // but changes `run_id`, and tasks rolled ahead are not probed otherwise (their next
             // roll call would find them, up to a fence refresh later). Unknown when the ACL
-            // refuses `INFO`; a Cluster node's loss is found task by task (both documented).
-            let run_id = if !self.info_refused
-                && matches!(c, sluice_protocol::conn::RedisConn::Single(_))
-            {
+            // refuses `INFO server` (asked again every few minutes); a Cluster node's loss, or
+            // a failover back to the same process, is found task by task (documented). Sent
+            // together with the registry's check (one round trip on the multiplexed link).
+            let ask_info = matches!(c, sluice_protocol::conn::RedisConn::Single(_))
+                && self
+                    .info_refused_ms
+                    .is_none_or(|at| now < at || now - at >= INFO_RETRY_MS);
+            let mut ci = conn.clone();
+            let info = async {
+                if !ask_info {
+                    return None;
+                }
                 let mut info = redis::cmd("INFO");
                 info.arg("server");
-                match tokio::time::timeout(CALL_TIMEOUT, info.query_async::<String>(&mut c)).await {
-                    Ok(Ok(i)) => server_run_id(&i),
-                    // An ACL without `INFO` (older deployments of deploy/redis-acl.conf): not
-                    // asked again this leadership (each refusal fills Redis's ACL LOG).
-                    Ok(Err(e))
-                        if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) =>
-                    {
-                        info!(
-                            "Redis refuses INFO: a restart that keeps its data is found task by task"
+                Some(tokio::time::timeout(CALL_TIMEOUT, info.query_async::<String>(&mut ci)).await)
+            };
+            let (registry, info) = tokio::join!(
+                bounded("check the task registry", cmd.query_async::<i64>(&mut c)),
+                info
+            );
+            let registry = registry.ok();
+            let run_id = match info {
+                Some(Ok(Ok(i))) => {
+                    self.info_refused_ms = None;
+                    let id = server_run_id(&i);
+                    if id.is_none() && !self.run_id_missing_logged {
+                        self.run_id_missing_logged = true;
+                        warn!(
+                            "Redis's INFO server has no run_id: a restart that keeps its data is found task by task"
                         );
-                        self.info_refused = true;
-                        None
                     }
-                    _ => None,
+                    id
                 }
-            } else {
-                None
+                Some(Ok(Err(e)))
+                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) =>
+                {
+                    if self.info_refused_ms.is_none() {
+                        warn!(
+                            "Redis's ACL refuses INFO server (see docs/security.md): a restart that keeps its data is found task by task"
+                        );
+                    }
+                    self.info_refused_ms = Some(now);
+                    None
+                }
+                _ => None,
             };
             let restarted =
                 run_id.is_some() && self.redis_run_id.is_some() && run_id != self.redis_run_id;
+            if restarted {
+                warn!(
+                    "Redis answers with a new run_id (a restart or a failover): checking every task"
+                );
+            }
             if run_id.is_some() {
                 self.redis_run_id = run_id;
             }
@@ -1353,10 +1385,13 @@ impl Roller {
             // loss seen meanwhile is kept until then: one task healed by its own probe writes
             // the registry again, and the loss must not be forgotten with it (the CI run that
             // found 4 of 5 lazy tasks waiting for their periodic probe).
+            // The tasks rolled ahead are probed until a tick ends without an error (the one that
+            // saw the loss may fail: a Redis still loading its data answers INFO, not the probes).
             if lost || std::mem::take(&mut self.healed_last_tick) {
                 self.probe_all_pending = true;
-                probe_eager = true;
+                self.probe_eager_pending = true;
             }
+            probe_eager = self.probe_eager_pending;
             if self.probe_all_pending
                 && (now.saturating_sub(self.probed_all_ms) >= crate::skew::HOSTS_READ_MS
                     || now < self.probed_all_ms)
@@ -1755,6 +1790,14 @@ impl Roller {
         self.sleep.valid = true;
         stats.conflicts = self.conflicts.len() as u64;
         self.healed_last_tick = stats.healed > 0;
+        if stats.errors == 0 {
+            if probe_eager {
+                self.probe_eager_pending = false;
+            }
+        } else if probe_all {
+            // Some of that probe of every task failed: it is owed still.
+            self.probe_all_pending = true;
+        }
         self.report(ctx, snap);
 
         self.metrics.roll_calls.inc_by(stats.calls);
@@ -2259,6 +2302,10 @@ fn key_fields(
     v
 }
 
+/// How long after Redis's ACL refused `INFO server` the leader asks again (an ACL fixed
+/// meanwhile takes effect without a leader change).
+const INFO_RETRY_MS: i64 = 300_000;
+
 /// The `run_id` field of an `INFO server` reply.
 fn server_run_id(info: &str) -> Option<String> {
     info.lines()
@@ -2738,6 +2785,15 @@ mod tests {
         let f = plan_lazy_full(&e, None, 200_300, &c).expect("lazy");
         assert_eq!(f.lazy.map(|l| l.fence_ttl_ms), Some(c.lazy_fence_ttl_ms()));
         assert!(f.next.refreshed_ms > 200_300 - r && f.next.probed_ms > 200_300 - r);
+    }
+
+    #[test]
+    fn the_run_id_is_read_from_an_info_server_reply() {
+        let info = "# Server\r\nredis_version:7.0.15\r\nrun_id:60d8e3d076a2\r\ntcp_port:6379\r\n";
+        assert_eq!(server_run_id(info).as_deref(), Some("60d8e3d076a2"));
+        assert_eq!(server_run_id("# Server\r\nredis_version:7.0.15\r\n"), None);
+        assert_eq!(server_run_id("run_id:\r\n"), None);
+        assert_eq!(server_run_id(""), None);
     }
 
     /// A new snapshot wakes exactly the tasks it added, changed or removed (compared by entry

@@ -82,8 +82,9 @@ async fn flushall_and_redis_restart_are_healed_within_one_tick() {
 
 /// A Redis that restarts with its data (AOF here; RDB the same) keeps the task registry, so
 /// the leader would find a meta missing from it only at the task's next roll call — its fence
-/// refresh, 15 s apart with `--fence-stale-after 60s`. The server's new `run_id` makes the next
-/// tick probe every task instead, and heal what is missing.
+/// refresh, 150 s apart with `--fence-stale-after 10m`, or its window's step (one-hour
+/// slices). The server's new `run_id` makes the next tick probe every task instead, and heal
+/// what is missing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redis_restarted_with_its_data_has_every_task_probed() {
     let ns = unique_ns("runid");
@@ -91,11 +92,14 @@ async fn a_redis_restarted_with_its_data_has_every_task_probed() {
     let mut redis_srv =
         RedisServer::start_with(&["--appendonly", "yes", "--appendfsync", "always"]);
     let mut opts = ManagerOpts::new(&shared_etcd(), &redis_srv.url(), &ns, "n0");
-    opts.extra = ["--fence-stale-after", "60s"].map(String::from).to_vec();
+    opts.extra = ["--fence-stale-after", "10m"].map(String::from).to_vec();
     let m = Manager::start(opts).await;
     m.wait_leader().await;
     let (s, v) = m
-        .put("/api/v1/tasks/r", r#"{"threshold": 10, "slice_ms": 60000}"#)
+        .put(
+            "/api/v1/tasks/r",
+            r#"{"threshold": 10, "slice_ms": 3600000}"#,
+        )
         .await;
     assert_eq!(s, 201, "{v}");
     let mut conn = redis_conn(&redis_srv.url());
@@ -137,6 +141,64 @@ async fn a_redis_restarted_with_its_data_has_every_task_probed() {
         after > probes,
         "no probe after the restart: {probes} -> {after}"
     );
+}
+
+/// The documented manager ACL (deploy/redis-acl.conf) grants `INFO server`, which the leader
+/// reads for the server's `run_id`; an older ACL without it is logged once (a restart that
+/// keeps its data is then found task by task) and rolling goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_acl_without_info_is_logged_once_and_rolling_goes_on() {
+    let redis_srv = RedisServer::start();
+    let mut admin = redis_conn(&redis_srv.url());
+    let doc = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/redis-acl.conf");
+    let text = std::fs::read_to_string(&doc).expect("deploy/redis-acl.conf");
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("user sluice-manager "))
+        .expect("the manager's user");
+    assert!(line.contains(" +info|server "), "{line}");
+    for (user, ns, with_info) in [
+        ("documented", "aclinfo", true),
+        ("older", "aclnoinfo", false),
+    ] {
+        let ns = unique_ns(ns);
+        let mut cmd = redis::cmd("ACL");
+        cmd.arg("SETUSER").arg(user);
+        for w in line
+            .replace("sluice:", &format!("{ns}:"))
+            .split_whitespace()
+            .skip(2)
+        {
+            match w {
+                ">CHANGE-ME" => {
+                    cmd.arg(">pw-acl-info");
+                }
+                "+info|server" if !with_info => {}
+                w => {
+                    cmd.arg(w);
+                }
+            }
+        }
+        let () = cmd.query(&mut admin).expect("ACL SETUSER");
+        let url = redis_srv
+            .url()
+            .replacen("redis://", &format!("redis://{user}:pw-acl-info@"), 1);
+        let m = Manager::start(ManagerOpts::new(&shared_etcd(), &url, &ns, "n0")).await;
+        m.wait_leader().await;
+        let (s, v) = m.put("/api/v1/tasks/a", r#"{"threshold": 10}"#).await;
+        assert_eq!(s, 201, "{v}");
+        let mut conn = redis_conn(&redis_srv.url());
+        wait_all_present(&mut conn, &ns, "a", "rolled", Duration::from_secs(10)).await;
+        // Several ticks, each of which would ask.
+        tokio::time::sleep(TICK * 6).await;
+        let refused = m.log_count("refuses INFO server");
+        assert_eq!(
+            refused,
+            usize::from(!with_info),
+            "{user}: logged {refused} times"
+        );
+        assert_eq!(m.log_count("roll failed"), 0, "{user}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -532,9 +594,10 @@ async fn idle_eager_tasks_are_not_probed_never_rewritten_and_healed_by_their_ref
         .arg(keys.meta("long"))
         .query(&mut conn)
         .unwrap();
+    // A fence refresh period, a tick and the tick's work, with room for a loaded machine.
     wait_until(
         "the lost meta rewritten",
-        Duration::from_secs(10),
+        Duration::from_secs(6),
         Duration::from_millis(20),
         || {
             let t: Option<String> = redis::cmd("HGET")
