@@ -5,7 +5,7 @@
 //! one. A host whose clock is off by more than a fraction of a slice consumes from a slice the
 //! others are not in, and steals quota from the future (or spends the past).
 //!
-//! **Key movement (the seed's rule).** Every poll (≤ slice/4, 250 ms for 1 s slices) the leader
+//! **Key movement (the seed's rule).** Every poll (≤ slice/2, 500 ms for 1 s slices) the leader
 //! reads the slices around its current one and counts those whose *consumption* (`cap − rem`,
 //! so its own threshold changes don't count) changed since the previous poll. More than two at
 //! once means hosts are spread over more slices than clock agreement allows: a `clock_skew`
@@ -85,7 +85,7 @@ pub type Reading = (i64, Option<(i64, i64)>);
 
 /// How many slices hosts with agreeing clocks can move between two polls: every slice that
 /// overlaps the time from the start of the previous poll to the end of this one, and at least
-/// [`MAX_MOVING`]. With 1 s slices and polls 250 ms apart that is the seed's two; with 100 ms
+/// [`MAX_MOVING`]. With 1 s slices and polls up to 500 ms apart that is the seed's two; with 100 ms
 /// slices, or a poll delayed on a loaded leader, it grows with the time actually covered.
 ///
 /// ```
@@ -307,7 +307,7 @@ async fn read_slices(
     Some(starts.into_iter().zip(rows).collect())
 }
 
-/// How long until a task is polled again: a quarter of a slice (at most 250 ms) while its
+/// How long until a task is polled again: half a slice (at most 500 ms) while its
 /// slices move, one slice (at most 1 s) once nothing has moved for [`IDLE_AFTER_MS`], and
 /// [`DORMANT_POLL_MS`] once no slice read has moved or been consumed for [`DORMANT_AFTER_MS`].
 /// The allowance of [`allowed_moving`] follows the time actually covered, so the slower polls
@@ -318,7 +318,9 @@ pub fn poll_period_ms(slice_ms: u64, idle_for_ms: i64, dormant_for_ms: i64) -> i
     } else if idle_for_ms >= IDLE_AFTER_MS {
         (slice_ms as i64).clamp(50, 1_000)
     } else {
-        (slice_ms as i64 / 4).clamp(50, 250)
+        // Half a slice: polls that far apart span at most two slices, the seed's allowance,
+        // as a quarter did (issue 27: the readings were most of an active task's round trips).
+        (slice_ms as i64 / 2).clamp(50, 500)
     }
 }
 
@@ -401,7 +403,7 @@ pub async fn run(
             }
         }
 
-        // Key movement, per task at ≤ slice/4. The tasks due are popped from a queue ordered
+        // Key movement, per task at ≤ slice/2. The tasks due are popped from a queue ordered
         // by due time; the task list is walked only when the snapshot changes (issue 27: a
         // walk of every task every 50 ms was most of an idle leader's CPU at 10,000 tasks).
         let snap = store.snapshot();
@@ -635,13 +637,13 @@ mod tests {
         w.observe(&r, 0, 1, 1000);
         let period =
             |w: &TaskWatch, slice, now| poll_period_ms(slice, w.idle_for(now), w.dormant_for(now));
-        assert_eq!(period(&w, 1000, 500), 250);
-        w.observe(&r, 250, 251, 1000);
+        assert_eq!(period(&w, 1000, 500), 500);
+        w.observe(&r, 500, 501, 1000);
         assert_eq!(period(&w, 1000, 2_500), 1_000);
         assert_eq!(period(&w, 100, 2_500), 100);
         // Movement brings the fast polls back.
         w.observe(&rd(&[(0, 10, 9), (1000, 10, 10)]), 2_500, 2_501, 1000);
-        assert_eq!(period(&w, 1000, 2_600), 250);
+        assert_eq!(period(&w, 1000, 2_600), 500);
     }
 
     #[test]
@@ -672,7 +674,7 @@ mod tests {
             1000,
         );
         assert_eq!(m.moved, [65_000]);
-        assert_eq!(period(&w, 66_200), 250);
+        assert_eq!(period(&w, 66_200), 500);
     }
 
     #[test]
