@@ -33,6 +33,25 @@ async fn wait_all_present(
     .await
 }
 
+/// Polls every 20 ms until the meta of `task` holds `rolled_to` (written, or written again).
+async fn wait_meta(
+    conn: &mut redis::Connection,
+    keys: &Keys,
+    task: &str,
+    what: &str,
+    timeout: Duration,
+) {
+    wait_until(what, timeout, Duration::from_millis(20), || {
+        let t: Option<String> = redis::cmd("HGET")
+            .arg(keys.meta(task))
+            .arg(meta_field::ROLLED_TO)
+            .query(conn)
+            .unwrap_or(None);
+        async move { t.map(|_| ()) }
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn flushall_and_redis_restart_are_healed_within_one_tick() {
     let ns = unique_ns("heal");
@@ -103,23 +122,14 @@ async fn a_redis_restarted_with_its_data_has_every_task_probed() {
         .await;
     assert_eq!(s, 201, "{v}");
     let mut conn = redis_conn(&redis_srv.url());
-    let meta_back = async |conn: &mut redis::Connection, what: &str| {
-        wait_until(
-            what,
-            Duration::from_secs(10),
-            Duration::from_millis(20),
-            || {
-                let t: Option<String> = redis::cmd("HGET")
-                    .arg(keys.meta("r"))
-                    .arg(meta_field::ROLLED_TO)
-                    .query(conn)
-                    .unwrap_or(None);
-                async move { t.map(|_| ()) }
-            },
-        )
-        .await
-    };
-    meta_back(&mut conn, "the meta written").await;
+    wait_meta(
+        &mut conn,
+        &keys,
+        "r",
+        "the meta written",
+        Duration::from_secs(10),
+    )
+    .await;
     tokio::time::sleep(TICK * 3).await;
     let probes = m.metric("sluice_roll_probes_total").await.unwrap_or(0.0);
     // The meta goes (kept so by the AOF), then the server restarts with the rest.
@@ -135,7 +145,14 @@ async fn a_redis_restarted_with_its_data_has_every_task_probed() {
         .query(&mut conn)
         .unwrap();
     assert!(registry, "the registry survived the restart");
-    meta_back(&mut conn, "the meta healed after the restart").await;
+    wait_meta(
+        &mut conn,
+        &keys,
+        "r",
+        "the meta healed after the restart",
+        Duration::from_secs(10),
+    )
+    .await;
     let after = m.metric("sluice_roll_probes_total").await.unwrap_or(0.0);
     assert!(
         after > probes,
@@ -559,18 +576,12 @@ async fn idle_eager_tasks_are_not_probed_never_rewritten_and_healed_by_their_ref
     }
     // Written, and the tick that registered them (the registry was missing then) past.
     for name in ["short", "long", "permits"] {
-        wait_until(
+        wait_meta(
+            &mut conn,
+            &keys,
+            name,
             "the meta written",
             Duration::from_secs(10),
-            Duration::from_millis(20),
-            || {
-                let t: Option<String> = redis::cmd("HGET")
-                    .arg(keys.meta(name))
-                    .arg(meta_field::ROLLED_TO)
-                    .query(&mut conn)
-                    .unwrap();
-                async move { t.map(|_| ()) }
-            },
         )
         .await;
     }
@@ -595,18 +606,12 @@ async fn idle_eager_tasks_are_not_probed_never_rewritten_and_healed_by_their_ref
         .query(&mut conn)
         .unwrap();
     // A fence refresh period, a tick and the tick's work, with room for a loaded machine.
-    wait_until(
+    wait_meta(
+        &mut conn,
+        &keys,
+        "long",
         "the lost meta rewritten",
         Duration::from_secs(6),
-        Duration::from_millis(20),
-        || {
-            let t: Option<String> = redis::cmd("HGET")
-                .arg(keys.meta("long"))
-                .arg(meta_field::ROLLED_TO)
-                .query(&mut conn)
-                .unwrap();
-            async move { t.map(|_| ()) }
-        },
     )
     .await;
     eprintln!("a lost meta healed in {:?}", t0.elapsed());
