@@ -4,8 +4,9 @@
 #   cargo fmt --check → the SDK's import layers (sdk-imports.py) → dashboard build → clippy -D warnings → the deployment kit's validators
 #   (check-deploy.sh) → the crates as published (check-crates.sh: rustdoc -D warnings, each
 #   feature alone, the MSRV build, cargo package) → build → cargo test (unit, doc,
-#   end-to-end) → schemathesis against a live manager and agent (scripts/check-openapi.sh) →
-#   a 60 s slice of the soak (random seed, printed; seed % 5 picks the modes it drives most:
+#   end-to-end; the simulated Redis against the real one) → schemathesis against a live manager
+#   and agent (scripts/check-openapi.sh) → the deterministic simulation (scripts/sim.sh: 20
+#   random seeds of 2 simulated minutes, one seed run twice for its trace hash) → a 60 s slice of the soak (random seed, printed; seed % 5 picks the modes it drives most:
 #   pooled/exact, paced, shadow, keyed, concurrency) → the side-by-side benchmark's smoke test
 #   (scripts/bench.sh --quick) → browser tests of the dashboard.
 # Everything started here is stopped by PID on exit, failure or Ctrl-C.
@@ -57,6 +58,12 @@ log "cargo test"
 cargo test --workspace --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-2}" ${SLUICE_TEST_FILTER:-}
 
 [ -n "${SLUICE_TEST_FILTER:-}${SLUICE_SKIP_OPENAPI:-}" ] || scripts/check-openapi.sh
+
+if [ -z "${SLUICE_TEST_FILTER:-}" ]; then
+  log "simulation: 20 random seeds of 2 simulated minutes and one seed's determinism (replay: scripts/sim.sh --seed S)"
+  SLUICE_SIM_BIN=target/debug/sluice-sim scripts/sim.sh --seeds 20 --minutes 2
+  SLUICE_SIM_BIN=target/debug/sluice-sim scripts/sim.sh --determinism 1 --minutes 2
+fi
 
 if [ -z "${SLUICE_TEST_FILTER:-}" ] && [ -z "${SLUICE_SKIP_SOAK:-}" ]; then
   log "soak: a ${SLUICE_SOAK_SECONDS:-60} s slice with a random seed, its mode focus seed % 5 (replay: scripts/soak.sh --seed S)"

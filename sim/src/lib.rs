@@ -10,3 +10,4 @@
 
 pub mod redis;
 pub mod rng;
+pub mod world;

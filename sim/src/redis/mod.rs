@@ -62,6 +62,52 @@ impl Clock for ManualClock {
     }
 }
 
+/// Tokio's clock (paused in a simulation, so it moves only when every task waits) from a
+/// starting Unix time: `TIME`, expiry and sleeps all read the same time.
+#[derive(Debug)]
+pub struct TokioClock {
+    base_us: i64,
+    start: tokio::time::Instant,
+}
+
+impl TokioClock {
+    /// A clock reading `base_us` now. Call it inside the runtime.
+    pub fn new(base_us: i64) -> Arc<Self> {
+        Arc::new(Self {
+            base_us,
+            start: tokio::time::Instant::now(),
+        })
+    }
+}
+
+impl Clock for TokioClock {
+    fn now_us(&self) -> i64 {
+        self.base_us + self.start.elapsed().as_micros() as i64
+    }
+}
+
+/// One command as the server ran it, shown to an [`Observer`] while the server is locked: the
+/// checker of a simulation reads the reply and the keys right after the command.
+#[derive(Debug)]
+pub struct Event<'a> {
+    /// The server's time (Unix µs).
+    pub now_us: i64,
+    /// Restarts and failovers so far: data of one generation is one history.
+    pub generation: u64,
+    /// The command (`args[0]` is its name).
+    pub args: &'a [Vec<u8>],
+    /// What it answered (also when the client never sees it: a lost reply).
+    pub reply: &'a Reply,
+    /// The keys after the command.
+    pub keyspace: &'a Keyspace,
+}
+
+/// Sees every command a server runs, in order.
+pub trait Observer: Send {
+    /// Called after each command, under the server's lock.
+    fn on_command(&mut self, event: &Event<'_>);
+}
+
 /// What happens to one command sent over a [`SimConn`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
@@ -121,6 +167,9 @@ struct Server {
     up: bool,
     sleep_until_us: i64,
     stats: Stats,
+    /// Restarts and failovers so far.
+    data_generation: u64,
+    observer: Option<Box<dyn Observer>>,
 }
 
 /// One simulated Redis server. Cloning it gives another handle to the same server.
@@ -158,6 +207,8 @@ impl SimRedis {
                 up: true,
                 sleep_until_us: i64::MIN,
                 stats: Stats::default(),
+                data_generation: 0,
+                observer: None,
             })),
             clock,
             name: name.into(),
@@ -177,6 +228,11 @@ impl SimRedis {
             redis: self.clone(),
             faults: None,
         }
+    }
+
+    /// Shows every command from now on to `observer`.
+    pub fn set_observer(&self, observer: impl Observer + 'static) {
+        self.lock().observer = Some(Box::new(observer));
     }
 
     /// The current time of this server's clock (Unix µs).
@@ -290,6 +346,7 @@ impl SimRedis {
 
 impl Server {
     fn new_run(&mut self, name: &str) {
+        self.data_generation += 1;
         self.run_seq += 1;
         self.run_id = run_id(name, self.run_seq);
         self.generation += 1;
@@ -298,6 +355,20 @@ impl Server {
     }
 
     fn exec(&mut self, args: &[Vec<u8>], now_us: i64) -> Reply {
+        let reply = self.exec_inner(args, now_us);
+        if let Some(obs) = &mut self.observer {
+            obs.on_command(&Event {
+                now_us,
+                generation: self.data_generation,
+                args,
+                reply: &reply,
+                keyspace: &self.ks,
+            });
+        }
+        reply
+    }
+
+    fn exec_inner(&mut self, args: &[Vec<u8>], now_us: i64) -> Reply {
         self.stats.commands += 1;
         let Some(first) = args.first() else {
             return Reply::err("ERR empty command");

@@ -1,0 +1,1059 @@
+//! A seeded world at the protocol level: leaders, workers and lock holders calling the
+//! protocol's own functions (`sluice_protocol::scripts::roll`, `pull`, the lock scripts) over
+//! [`SimConn`]s to one [`SimRedis`], on tokio's paused clock, under faults; a checker watches
+//! every command the server runs.
+//!
+//! What is production code here: the Lua scripts (the whole decision and fencing core on the
+//! Redis side) and the Rust functions that build their calls and read their replies. What is
+//! not: the drivers — a leader that rolls a window ahead each tick and steps down when
+//! refused, workers that pull with a request id and resend it after an I/O error, lock
+//! holders. They follow the manager's and the SDK's documented behaviour but are not their
+//! code; running the manager's roller and the SDK's background here needs the seams of the
+//! next part (docs/simulation.md).
+//!
+//! Invariants (checked on every command, against the server's own state):
+//! * **grants ≤ cap**: within one Redis data generation, the permits PULL granted from a slice
+//!   (resends answered `replayed` not counted again) never exceed the largest cap the slice
+//!   held. Data lost to a restart or failover starts a new generation: what that can cost is
+//!   reported, not judged (the documented allowance).
+//! * **fencing**: within one generation and epoch, a task's stored term never goes down while
+//!   the stored fence is fresh (younger than `stale_after`): a deposed leader writes nothing
+//!   after its successor.
+//! * **fencing tokens**: every lock token handed out is above every token handed out before
+//!   for that lock, across restarts and failovers (the protocol's floor at Redis `TIME`).
+//! * **liveness**: after the last fault, every task is rolled by the last leader at its
+//!   current spec (meta version, cap of the current slice) and grants again.
+//! * no panic anywhere (a panic fails the run with its seed).
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use sluice_protocol::lease;
+use sluice_protocol::scripts::{
+    self, Fence, KeyPullBatch, KeyWant, PullRequest, RollOutcome, RollRequest, SliceWrite,
+};
+use sluice_protocol::{Fallback, Keys, Mode, OnFailure, Pacing, TaskMeta};
+
+use crate::redis::{
+    Clock, Event, Fault, FaultPlan, Observer, Reply, SimConn, SimRedis, TokioClock, sha1_hex,
+};
+use crate::rng::Rng;
+
+/// What a run simulates.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Seeds every choice of the run.
+    pub seed: u64,
+    /// Simulated time (ms).
+    pub duration_ms: u64,
+    /// Tasks (pooled, 1 s slices unless the seed picks another length).
+    pub tasks: usize,
+    /// Worker hosts.
+    pub hosts: usize,
+    /// Manager replicas taking turns as leader.
+    pub leaders: usize,
+    /// Inject faults (the last 30 % of the run is always quiet).
+    pub faults: bool,
+    /// A trace line per event on stderr (long).
+    pub verbose: bool,
+}
+
+impl Config {
+    /// The defaults for `seed`: 5 simulated minutes, 3 tasks, 3 hosts, 2 leaders, faults on.
+    pub fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            duration_ms: 300_000,
+            tasks: 3,
+            hosts: 3,
+            leaders: 2,
+            faults: true,
+            verbose: false,
+        }
+    }
+}
+
+/// What a run saw.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// The seed.
+    pub seed: u64,
+    /// FNV-1a of every command, reply and time the server saw: equal for equal runs.
+    pub trace_hash: u64,
+    /// Commands the server ran.
+    pub commands: u64,
+    /// Permits granted by PULL (all generations).
+    pub granted: u64,
+    /// Grants above a slice's cap summed over generations of the same slice: the cost of lost
+    /// Redis data (reported, allowed).
+    pub lost_data_overgrant: u64,
+    /// Lock tokens handed out.
+    pub tokens: u64,
+    /// Faults injected: restarts, failovers, sleeps, per-command faults.
+    pub faults: BTreeMap<&'static str, u64>,
+    /// Leader terms that ran.
+    pub terms: i64,
+    /// Broken invariants (empty: the run passed).
+    pub violations: Vec<String>,
+}
+
+/// The shared "etcd": spec versions and the election's state, as every replica sees them.
+#[derive(Debug)]
+struct Control {
+    /// Per task: (version, threshold).
+    specs: Vec<(i64, u64)>,
+    /// The current term and the replica it belongs to (`None`: no leader).
+    term: i64,
+    holder: Option<usize>,
+    /// Epoch (etcd cluster id) of the current term.
+    epoch: u64,
+}
+
+const SLICE_MS: u64 = 1000;
+const HORIZON_MS: i64 = 3000;
+const RETENTION_MS: i64 = 2000;
+const STALE_AFTER_MS: u64 = 2000;
+const TICK_MS: u64 = 500;
+const NS: &str = "sim";
+
+fn task_name(i: usize) -> String {
+    format!("t{i}")
+}
+
+/// Task `i`'s kind: keyed (KPULL), pooled (PULL), concurrency (LEASE), in turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Keyed,
+    Pooled,
+    Concurrency,
+}
+
+fn kind(i: usize) -> Kind {
+    match i % 3 {
+        0 => Kind::Keyed,
+        1 => Kind::Pooled,
+        _ => Kind::Concurrency,
+    }
+}
+
+const LEASE_MS: u64 = 1000;
+
+fn meta(i: usize, slice_ms: u64, version: i64, threshold: u64) -> TaskMeta {
+    TaskMeta {
+        slice_ms,
+        threshold,
+        pull: 0,
+        local_limit: 0,
+        on_failure: OnFailure::Local,
+        mode: if kind(i) == Kind::Concurrency {
+            Mode::Concurrency
+        } else {
+            Mode::Pooled
+        },
+        fallback: Fallback::default(),
+        version,
+        lease_ms: if kind(i) == Kind::Concurrency {
+            LEASE_MS
+        } else {
+            0
+        },
+        keyed: kind(i) == Kind::Keyed,
+        key_overrides: BTreeMap::new(),
+        shadow: false,
+        pacing: Pacing::None,
+        pace_burst: 0,
+    }
+}
+
+/// Per-command faults of one connection, from its own seeded generator.
+struct Faults {
+    rng: Rng,
+    on: Arc<Mutex<bool>>,
+    counts: Arc<Mutex<BTreeMap<&'static str, u64>>>,
+}
+
+impl FaultPlan for Faults {
+    fn on_command(&mut self, _args: &[Vec<u8>]) -> Fault {
+        if !*self.on.lock().unwrap_or_else(|e| e.into_inner()) {
+            return Fault::Deliver;
+        }
+        let x = self.rng.below(1000);
+        let (name, f) = match x {
+            0..=9 => ("drop request", Fault::DropRequest),
+            10..=19 => ("lose reply", Fault::LoseReply),
+            20..=39 => (
+                "delay reply",
+                Fault::DelayReply(Duration::from_millis(self.rng.range(1, 400) as u64)),
+            ),
+            40..=49 => (
+                "delay request",
+                Fault::DelayRequest(Duration::from_millis(self.rng.range(1, 400) as u64)),
+            ),
+            _ => return Fault::Deliver,
+        };
+        *self
+            .counts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(name)
+            .or_default() += 1;
+        f
+    }
+}
+
+/// (generation, key-slice hash, key digest).
+type KeySlot = (u64, Vec<u8>, Vec<u8>);
+/// Per host: (permits held, until when in Redis ms).
+type Holdings = BTreeMap<Vec<u8>, (i64, i64)>;
+
+/// The checker: sees every command the server runs.
+struct Checker {
+    pull_sha: String,
+    kpull_sha: String,
+    lease_sha: String,
+    /// (generation, key-slice hash, digest) → (granted, largest cap).
+    key_ledger: BTreeMap<KeySlot, (u64, u64)>,
+    /// (generation, lease hash) → per host (holding, until ms) after the last LEASE.
+    leases: BTreeMap<(u64, Vec<u8>), Holdings>,
+    key_granted: u64,
+    roll_shas: Vec<String>,
+    lock_sha: String,
+    hash: u64,
+    commands: u64,
+    /// (generation, slice key) → (granted, largest cap).
+    ledger: BTreeMap<(u64, Vec<u8>), (u64, u64)>,
+    /// Slice key → granted summed over generations (for the data-loss report).
+    across: BTreeMap<Vec<u8>, (u64, u64)>,
+    /// Meta key → (generation, epoch, term, fenced_ms) last seen.
+    fences: BTreeMap<Vec<u8>, (u64, String, i64, i64)>,
+    /// Lock key → the highest token handed out and the owner it went to (a retry of the same
+    /// acquisition, same owner, is answered with the same token).
+    tokens: BTreeMap<Vec<u8>, (i64, Vec<u8>)>,
+    tokens_issued: u64,
+    granted: u64,
+    /// Slice key → Redis time (ms) of its last grant > 0.
+    last_grant_ms: BTreeMap<Vec<u8>, i64>,
+    violations: Vec<String>,
+    verbose: bool,
+}
+
+fn fnv(hash: &mut u64, bytes: &[u8]) {
+    for b in bytes {
+        *hash ^= u64::from(*b);
+        *hash = hash.wrapping_mul(0x100_0000_01b3);
+    }
+}
+
+fn int_at(r: &Reply, i: usize) -> Option<i64> {
+    match r {
+        Reply::Array(items) => match items.get(i) {
+            Some(Reply::Int(n)) => Some(*n),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+fn field(ks: &crate::redis::Keyspace, key: &[u8], f: &str, now_ms: i64) -> Option<String> {
+    match ks.get(key, now_ms).map(|e| &e.val) {
+        Some(crate::redis::Val::Hash(h)) => h
+            .get(f.as_bytes())
+            .map(|v| String::from_utf8_lossy(v).into_owned()),
+        _ => None,
+    }
+}
+
+impl Observer for Arc<Mutex<Checker>> {
+    fn on_command(&mut self, e: &Event<'_>) {
+        let mut c = self.lock().unwrap_or_else(|p| p.into_inner());
+        c.observe(e);
+    }
+}
+
+impl Checker {
+    fn observe(&mut self, e: &Event<'_>) {
+        self.commands += 1;
+        let mut h = self.hash;
+        fnv(&mut h, &e.now_us.to_le_bytes());
+        for a in e.args {
+            fnv(&mut h, a);
+            fnv(&mut h, b"\x00");
+        }
+        let mut enc = Vec::new();
+        e.reply.encode(&mut enc);
+        fnv(&mut h, &enc);
+        self.hash = h;
+        if self.verbose {
+            let args: Vec<String> = e
+                .args
+                .iter()
+                .map(|a| {
+                    let s = String::from_utf8_lossy(a);
+                    if s.len() > 48 {
+                        format!("{}…", &s[..40])
+                    } else {
+                        s.into_owned()
+                    }
+                })
+                .collect();
+            eprintln!(
+                "{} g{} {} → {:?}",
+                e.now_us,
+                e.generation,
+                args.join(" "),
+                e.reply
+            );
+        }
+        let name = e.args.first().map(|a| a.to_ascii_uppercase());
+        if name.as_deref() != Some(b"EVALSHA") || e.args.len() < 4 {
+            return;
+        }
+        let sha = String::from_utf8_lossy(&e.args[1]).to_ascii_lowercase();
+        let key = e.args[3].clone();
+        let now_ms = e.now_us.div_euclid(1000);
+        if sha == self.pull_sha {
+            let (Some(granted), Some(cap), Some(replayed)) =
+                (int_at(e.reply, 0), int_at(e.reply, 2), int_at(e.reply, 5))
+            else {
+                return;
+            };
+            if granted <= 0 || replayed == 1 {
+                return;
+            }
+            self.granted += granted as u64;
+            self.last_grant_ms.insert(key.clone(), now_ms);
+            let l = self.ledger.entry((e.generation, key.clone())).or_default();
+            l.0 += granted as u64;
+            l.1 = l.1.max(cap.max(0) as u64);
+            if l.0 > l.1 {
+                self.violations.push(format!(
+                    "grants over the cap: slice {} granted {} of cap {} (generation {}, at {} µs)",
+                    String::from_utf8_lossy(&key),
+                    l.0,
+                    l.1,
+                    e.generation,
+                    e.now_us
+                ));
+            }
+            let a = self.across.entry(key).or_default();
+            a.0 += granted as u64;
+            a.1 = a.1.max(cap.max(0) as u64);
+        } else if sha == self.kpull_sha {
+            self.observe_kpull(e, key);
+        } else if sha == self.lease_sha {
+            self.observe_lease(e, now_ms);
+        } else if self.roll_shas.contains(&sha) {
+            let term = field(e.keyspace, &key, "term", now_ms).and_then(|t| t.parse::<i64>().ok());
+            let epoch = field(e.keyspace, &key, "epoch", now_ms).unwrap_or_default();
+            let fenced = field(e.keyspace, &key, "fenced_ms", now_ms)
+                .and_then(|t| t.parse::<i64>().ok())
+                .unwrap_or(0);
+            let Some(term) = term else { return };
+            if let Some((g, ep, t, f)) = self.fences.get(&key)
+                && *g == e.generation
+                && *ep == epoch
+                && term < *t
+                && now_ms - f < STALE_AFTER_MS as i64
+            {
+                self.violations.push(format!(
+                    "fencing: {} went from term {t} to {term} while term {t}'s fence was {} ms old (generation {}, at {} µs)",
+                    String::from_utf8_lossy(&key),
+                    now_ms - f,
+                    e.generation,
+                    e.now_us
+                ));
+            }
+            self.fences.insert(key, (e.generation, epoch, term, fenced));
+        } else if sha == self.lock_sha {
+            if int_at(e.reply, 0) != Some(1) {
+                return;
+            }
+            let Some(token) = int_at(e.reply, 1) else {
+                return;
+            };
+            // EVALSHA sha 2 lock token_counter owner ttl
+            let owner = e.args.get(5).cloned().unwrap_or_default();
+            let prev = self
+                .tokens
+                .entry(key.clone())
+                .or_insert((i64::MIN, Vec::new()));
+            if token == prev.0 && owner == prev.1 {
+                return;
+            }
+            self.tokens_issued += 1;
+            if token <= prev.0 {
+                self.violations.push(format!(
+                    "fencing token {token} of {} (owner {}) is not above {} handed out before to {} (generation {}, at {} µs)",
+                    String::from_utf8_lossy(&key),
+                    String::from_utf8_lossy(&owner),
+                    prev.0,
+                    String::from_utf8_lossy(&prev.1),
+                    e.generation,
+                    e.now_us
+                ));
+            }
+            if token > prev.0 {
+                *prev = (token, owner);
+            }
+        }
+    }
+}
+
+impl Checker {
+    /// KPULL: per key of a slice, the grants never exceed the key's cap (within a generation).
+    fn observe_kpull(&mut self, e: &Event<'_>, key: Vec<u8>) {
+        let Reply::Array(items) = e.reply else { return };
+        if int_at(e.reply, 0) != Some(1) {
+            return;
+        }
+        // EVALSHA sha 2 kslices slice start len record rid ver aon meta (want digest)*
+        let pairs = e.args.get(12..).unwrap_or_default();
+        let grants = items.get(4..).unwrap_or_default();
+        let mut seen = Vec::new();
+        for (k, pair) in pairs.chunks(2).enumerate() {
+            let Some(digest) = pair.get(1) else { break };
+            // The same key twice in one call is one key (its first answer counts).
+            if seen.contains(digest) {
+                continue;
+            }
+            seen.push(digest.clone());
+            let g = |j: usize| match grants.get(4 * k + j) {
+                Some(Reply::Int(n)) => *n,
+                _ => 0,
+            };
+            let (granted, cap, replayed) = (g(0), g(2), g(3));
+            if granted <= 0 || replayed == 1 {
+                continue;
+            }
+            self.key_granted += granted as u64;
+            self.last_grant_ms
+                .insert(key.clone(), e.now_us.div_euclid(1000));
+            let l = self
+                .key_ledger
+                .entry((e.generation, key.clone(), digest.clone()))
+                .or_default();
+            l.0 += granted as u64;
+            l.1 = l.1.max(cap.max(0) as u64);
+            if l.0 > l.1 {
+                self.violations.push(format!(
+                    "key grants over the key's cap: {} key {} granted {} of cap {} (generation {}, at {} µs)",
+                    String::from_utf8_lossy(&key),
+                    String::from_utf8_lossy(digest),
+                    l.0,
+                    l.1,
+                    e.generation,
+                    e.now_us
+                ));
+            }
+        }
+    }
+
+    /// LEASE: a host's holding grows only while every live holding together stays within the
+    /// task's threshold (read from the stored hashes, not from the script's reply).
+    fn observe_lease(&mut self, e: &Event<'_>, now_ms: i64) {
+        // EVALSHA sha 2 meta lease host want seq
+        let (Some(meta_key), Some(lease_key), Some(host)) =
+            (e.args.get(3), e.args.get(4), e.args.get(5))
+        else {
+            return;
+        };
+        let cap = field(e.keyspace, meta_key, "threshold", now_ms)
+            .and_then(|t| t.parse::<i64>().ok())
+            .unwrap_or(0);
+        let mut now_held = BTreeMap::new();
+        if let Some(crate::redis::Val::Hash(h)) = e.keyspace.get(lease_key, now_ms).map(|x| &x.val)
+        {
+            for (f, v) in h {
+                let v = String::from_utf8_lossy(v);
+                let mut parts = v.split(':').map(|p| p.parse::<i64>().ok());
+                if let (Some(Some(p)), Some(Some(until))) = (parts.next(), parts.next()) {
+                    now_held.insert(f.clone(), (p, until));
+                }
+            }
+        }
+        let slot = (e.generation, lease_key.clone());
+        let before = self
+            .leases
+            .get(&slot)
+            .and_then(|m| m.get(host))
+            .filter(|(_, until)| *until > now_ms)
+            .map_or(0, |(p, _)| *p);
+        let after = now_held.get(host).map_or(0, |(p, _)| *p);
+        if after > 0 {
+            self.last_grant_ms.insert(lease_key.clone(), now_ms);
+        }
+        if after > before {
+            let live: i64 = now_held
+                .values()
+                .filter(|(_, until)| *until > now_ms)
+                .map(|(p, _)| *p)
+                .sum();
+            if live > cap {
+                self.violations.push(format!(
+                    "permits in flight over the threshold: {} holds {live} of {cap} after {} grew {before} → {after} (generation {}, at {} µs)",
+                    String::from_utf8_lossy(lease_key),
+                    String::from_utf8_lossy(host),
+                    e.generation,
+                    e.now_us
+                ));
+            }
+        }
+        self.leases.insert(slot, now_held);
+    }
+}
+
+/// A connection that comes back after the server broke it (a restart, a failover).
+struct Link {
+    redis: SimRedis,
+    conn: SimConn,
+    rng: Rng,
+    faults_on: Arc<Mutex<bool>>,
+    counts: Arc<Mutex<BTreeMap<&'static str, u64>>>,
+}
+
+impl Link {
+    fn new(
+        redis: &SimRedis,
+        seed: u64,
+        faults_on: &Arc<Mutex<bool>>,
+        counts: &Arc<Mutex<BTreeMap<&'static str, u64>>>,
+    ) -> Self {
+        let mut rng = Rng::new(seed);
+        let conn = redis.conn().with_faults(Faults {
+            rng: Rng::new(rng.next_u64()),
+            on: faults_on.clone(),
+            counts: counts.clone(),
+        });
+        Self {
+            redis: redis.clone(),
+            conn,
+            rng,
+            faults_on: faults_on.clone(),
+            counts: counts.clone(),
+        }
+    }
+
+    /// After an error: a new connection (the old one may be broken for good).
+    fn reconnect(&mut self) {
+        let seed = self.rng.next_u64();
+        self.conn = self.redis.conn().with_faults(Faults {
+            rng: Rng::new(seed),
+            on: self.faults_on.clone(),
+            counts: self.counts.clone(),
+        });
+    }
+}
+
+async fn sleep_ms(ms: u64) {
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+/// A manager replica: rolls every task's window ahead while it believes it leads.
+async fn leader(
+    id: usize,
+    mut link: Link,
+    clock: Arc<TokioClock>,
+    skew_ms: i64,
+    control: Arc<Mutex<Control>>,
+    end_ms: i64,
+    tasks: usize,
+) {
+    let keys = Keys::new(NS).expect("namespace");
+    // What this replica believes: its term (None: not leading), per task rolled_to and
+    // whether the next write must be full.
+    let mut mine: Option<(i64, u64)> = None;
+    let mut rolled: Vec<(i64, bool, i64, i64)> = vec![(0, true, 0, 0); tasks];
+    // How long this replica goes on believing it leads after it lost the election (a paused
+    // process, a slow lease expiry): its writes meanwhile meet the fence.
+    let notice_ms = link.rng.range(0, 3000);
+    let mut lost_since: Option<i64> = None;
+    loop {
+        let now = clock.now_us() / 1000 + skew_ms;
+        if now >= end_ms {
+            return;
+        }
+        let (term, epoch, holder, specs) = {
+            let c = control.lock().unwrap_or_else(|e| e.into_inner());
+            (c.term, c.epoch, c.holder, c.specs.clone())
+        };
+        // Learning of an election result is not instant: a deposed replica keeps writing with
+        // its old term until it hears (the chaos actor delays `holder` changes for it).
+        if holder == Some(id) && mine != Some((term, epoch)) {
+            mine = Some((term, epoch));
+            lost_since = None;
+            for r in rolled.iter_mut() {
+                *r = (0, true, 0, 0);
+            }
+        }
+        if holder != Some(id) && mine.is_some() {
+            let since = *lost_since.get_or_insert(now);
+            if now - since >= notice_ms {
+                mine = None;
+            }
+        }
+        let Some((my_term, my_epoch)) = mine else {
+            sleep_ms(TICK_MS).await;
+            continue;
+        };
+        let fence = Fence {
+            term: my_term,
+            epoch: my_epoch,
+            stale_after_ms: STALE_AFTER_MS,
+        };
+        for (i, (version, threshold)) in specs.iter().enumerate() {
+            let task = task_name(i);
+            let (rolled_to, full, written_version, claimed) = rolled[i];
+            let now = clock.now_us() / 1000 + skew_ms;
+            let cur = now - now.rem_euclid(SLICE_MS as i64);
+            let target = cur + HORIZON_MS;
+            let full = full || written_version != *version;
+            let first = if full { cur } else { rolled_to.max(cur) };
+            let slices: Vec<SliceWrite> = (0..)
+                .map(|k| first + k * SLICE_MS as i64)
+                .take_while(|s| *s < target)
+                .map(|s| SliceWrite {
+                    start_ms: s,
+                    cap: *threshold,
+                    expire_at_ms: s + SLICE_MS as i64 + RETENTION_MS,
+                })
+                .collect();
+            let refresh = now - claimed >= STALE_AFTER_MS as i64 / 4;
+            if slices.is_empty() && !refresh && !full {
+                continue;
+            }
+            let new_rolled_to = slices
+                .last()
+                .map_or(rolled_to, |s| s.start_ms + SLICE_MS as i64);
+            let m = meta(i, SLICE_MS, *version, *threshold);
+            let req = RollRequest {
+                task: &task,
+                fence: &fence,
+                full,
+                expect_rolled_to: rolled_to,
+                spec_version: *version,
+                new_rolled_to,
+                force: false,
+                refresh,
+                meta: full.then_some(&m),
+                meta_extra: &[],
+                slices: &slices,
+                lazy: None,
+            };
+            match scripts::roll(&mut link.conn, &keys, &req).await {
+                Ok(RollOutcome::Written(_)) => {
+                    rolled[i] = (new_rolled_to, false, *version, now);
+                }
+                Ok(RollOutcome::NeedFull) => rolled[i].1 = true,
+                Ok(RollOutcome::Refused(_)) => {
+                    // A newer term holds the task: step down until elected again.
+                    mine = None;
+                    break;
+                }
+                Ok(_) => rolled[i].1 = true,
+                Err(_) => {
+                    rolled[i].1 = true;
+                    link.reconnect();
+                }
+            }
+        }
+        sleep_ms(TICK_MS).await;
+    }
+}
+
+/// A worker host: asks for permits of the current slice of a random task — PULL for a pooled
+/// task, KPULL for a few keys of a keyed one, LEASE (absolute holdings, a sequence number) for
+/// a concurrency task — and resends a call whose reply was lost with the same request id (or
+/// sequence number), as the SDK does.
+#[allow(clippy::too_many_arguments)]
+async fn worker(
+    host: usize,
+    mut link: Link,
+    clock: Arc<TokioClock>,
+    skew_ms: i64,
+    control: Arc<Mutex<Control>>,
+    end_ms: i64,
+    tasks: usize,
+) {
+    let keys = Keys::new(NS).expect("namespace");
+    let host_id = format!("h{host}");
+    let mut seq = 0u64;
+    loop {
+        let now = clock.now_us() / 1000 + skew_ms;
+        if now >= end_ms {
+            return;
+        }
+        let i = link.rng.below(tasks as u64) as usize;
+        let task = task_name(i);
+        let start = now - now.rem_euclid(SLICE_MS as i64);
+        seq += 1;
+        let rid = format!("{seq}");
+        let want = link.rng.range(1, 4) as u64;
+        let version = control.lock().unwrap_or_else(|e| e.into_inner()).specs[i].0;
+        let digests: Vec<String> = (0..link.rng.range(1, 3))
+            .map(|_| format!("d{}", link.rng.below(8)))
+            .collect();
+        let wants: Vec<KeyWant<'_>> = digests
+            .iter()
+            .map(|d| KeyWant { digest: d, want })
+            .collect();
+        let all_or_nothing = link.rng.chance(0.2);
+        for _attempt in 0..3 {
+            let r = match kind(i) {
+                Kind::Pooled => {
+                    let req = PullRequest {
+                        task: &task,
+                        start_ms: start,
+                        slice_ms: SLICE_MS,
+                        want,
+                        host_id: &host_id,
+                        request_id: &rid,
+                        counters: None,
+                    };
+                    scripts::pull(&mut link.conn, &keys, &req).await.map(drop)
+                }
+                Kind::Keyed => {
+                    let req = KeyPullBatch {
+                        task: &task,
+                        start_ms: start,
+                        slice_ms: SLICE_MS,
+                        host_id: &host_id,
+                        request_id: &rid,
+                        meta_version: version,
+                        all_or_nothing,
+                        keys: &wants,
+                    };
+                    scripts::key_pull_batch(&mut link.conn, &keys, &req)
+                        .await
+                        .map(drop)
+                }
+                Kind::Concurrency => {
+                    lease::lease(&mut link.conn, &keys, &task, &host_id, want, seq)
+                        .await
+                        .map(drop)
+                }
+            };
+            match r {
+                Ok(()) => break,
+                Err(_) => {
+                    link.reconnect();
+                    sleep_ms(20).await;
+                }
+            }
+        }
+        let pause = link.rng.range(5, 60) as u64;
+        sleep_ms(pause).await;
+    }
+}
+
+/// A lock holder: acquires (an owner name unique per attempt, resent after an error, as the
+/// SDK does), holds (renewing now and then), releases.
+async fn locker(host: usize, mut link: Link, clock: Arc<TokioClock>, end_ms: i64) {
+    let keys = Keys::new(NS).expect("namespace");
+    let mut attempt = 0u64;
+    let mut resend: Option<String> = None;
+    loop {
+        if clock.now_us() / 1000 >= end_ms {
+            return;
+        }
+        let owner = resend.take().unwrap_or_else(|| {
+            attempt += 1;
+            format!("h{host}:{attempt}")
+        });
+        let ttl = link.rng.range(200, 1500) as u64;
+        match lease::lock_acquire(&mut link.conn, &keys, "lk", &owner, ttl).await {
+            Ok(lease::LockReply::Acquired { token }) => {
+                let hold = link.rng.range(10, ttl as i64 * 2) as u64;
+                sleep_ms(hold / 2).await;
+                if link.rng.chance(0.5) {
+                    let _ = lease::lock_renew(&mut link.conn, &keys, "lk", token, ttl).await;
+                }
+                sleep_ms(hold / 2).await;
+                let _ = lease::lock_release(&mut link.conn, &keys, "lk", token).await;
+            }
+            Ok(lease::LockReply::Busy { .. }) => {}
+            Err(_) => {
+                link.reconnect();
+                resend = Some(owner);
+            }
+        }
+        let pause = link.rng.range(5, 300) as u64;
+        sleep_ms(pause).await;
+    }
+}
+
+/// The world's schedule: elections, spec changes and server faults, until 70 % of the run.
+#[allow(clippy::too_many_arguments)]
+async fn chaos(
+    mut rng: Rng,
+    redis: SimRedis,
+    control: Arc<Mutex<Control>>,
+    faults_on: Arc<Mutex<bool>>,
+    counts: Arc<Mutex<BTreeMap<&'static str, u64>>>,
+    clock: Arc<TokioClock>,
+    cfg: Config,
+    start_ms: i64,
+) {
+    let quiet_from = start_ms + cfg.duration_ms as i64 * 7 / 10;
+    let mut snapshots: Vec<(i64, crate::redis::Snapshot)> = Vec::new();
+    let count = |name: &'static str| {
+        *counts
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(name)
+            .or_default() += 1;
+    };
+    loop {
+        let now = clock.now_us() / 1000;
+        if now >= quiet_from {
+            *faults_on.lock().unwrap_or_else(|e| e.into_inner()) = false;
+            // The last election is settled: the first replica leads a fresh term.
+            let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+            if c.holder.is_none() {
+                c.term += 1;
+                c.holder = Some(0);
+            }
+            return;
+        }
+        // A snapshot every step: what a lagging replica or an old dump holds.
+        snapshots.push((now, redis.snapshot()));
+        if snapshots.len() > 20 {
+            snapshots.remove(0);
+        }
+        let wait = rng.range(200, 4000) as u64;
+        sleep_ms(wait).await;
+        match rng.below(100) {
+            // Elections: leadership moves (a new term), sometimes through a gap.
+            0..=11 => {
+                count("election");
+                let gap = rng.chance(0.4).then(|| rng.range(100, 6000) as u64);
+                let next = rng.below(cfg.leaders as u64) as usize;
+                {
+                    let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+                    c.holder = None;
+                }
+                if let Some(g) = gap {
+                    sleep_ms(g).await;
+                }
+                let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+                c.term += 1;
+                c.holder = Some(next);
+            }
+            // Another etcd cluster (a rebuilt one): a new epoch, terms start low again.
+            12 if cfg.faults && rng.chance(0.3) => {
+                count("new epoch");
+                let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+                c.epoch += 1;
+                c.term = rng.range(1, 3);
+                c.holder = Some(rng.below(cfg.leaders as u64) as usize);
+            }
+            // A spec change: a new version with another threshold.
+            13..=22 => {
+                count("spec change");
+                let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+                let i = rng.below(c.specs.len() as u64) as usize;
+                c.specs[i].0 += 1;
+                c.specs[i].1 = rng.range(5, 60) as u64;
+            }
+            23..=25 if cfg.faults => {
+                count("restart empty");
+                redis.restart(None);
+            }
+            26..=28 if cfg.faults => {
+                count("restart from an older dump");
+                let i = rng.below(snapshots.len() as u64) as usize;
+                redis.restart(Some(&snapshots[i].1));
+            }
+            29..=31 if cfg.faults => {
+                count("failover to a lagging replica");
+                let i = snapshots.len().saturating_sub(1 + rng.below(3) as usize);
+                redis.failover(&snapshots[i].1);
+            }
+            32..=35 if cfg.faults => {
+                count("DEBUG SLEEP");
+                redis.sleep_for(rng.range(50, 3000) * 1000);
+            }
+            36..=37 if cfg.faults => {
+                count("stopped");
+                redis.stop();
+                sleep_ms(rng.range(100, 3000) as u64).await;
+                redis.start();
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Runs one seeded world to its end and checks it.
+pub fn run(cfg: &Config) -> Outcome {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a tokio runtime");
+    rt.block_on(run_in(cfg.clone()))
+}
+
+async fn run_in(cfg: Config) -> Outcome {
+    // A fixed start (2026-01-01): the same seed gives the same times.
+    let start_us = 1_767_225_600_000_000i64;
+    let clock = TokioClock::new(start_us);
+    let redis = SimRedis::new("redis", clock.clone() as Arc<dyn Clock>);
+    let mut rng = Rng::new(cfg.seed);
+    let checker = Arc::new(Mutex::new(Checker {
+        pull_sha: sha1_hex(scripts::PULL_LUA),
+        kpull_sha: sha1_hex(scripts::KPULL_LUA),
+        lease_sha: sha1_hex(lease::LEASE_LUA),
+        key_ledger: BTreeMap::new(),
+        leases: BTreeMap::new(),
+        key_granted: 0,
+        roll_shas: [
+            scripts::ROLL_LUA,
+            scripts::RETIRE_LUA,
+            scripts::ADJUST_LUA,
+            scripts::RECORD_HISTORY_LUA,
+        ]
+        .iter()
+        .map(|t| sha1_hex(t))
+        .collect(),
+        lock_sha: sha1_hex(lease::LOCK_ACQUIRE_LUA),
+        hash: 0xcbf2_9ce4_8422_2325,
+        commands: 0,
+        ledger: BTreeMap::new(),
+        across: BTreeMap::new(),
+        fences: BTreeMap::new(),
+        tokens: BTreeMap::new(),
+        tokens_issued: 0,
+        granted: 0,
+        last_grant_ms: BTreeMap::new(),
+        violations: Vec::new(),
+        verbose: cfg.verbose,
+    }));
+    redis.set_observer(checker.clone());
+    let specs = (0..cfg.tasks)
+        .map(|_| (1, rng.range(5, 60) as u64))
+        .collect();
+    let control = Arc::new(Mutex::new(Control {
+        specs,
+        term: 1,
+        holder: Some(0),
+        epoch: 1,
+    }));
+    let faults_on = Arc::new(Mutex::new(cfg.faults));
+    let counts = Arc::new(Mutex::new(BTreeMap::new()));
+    let start_ms = start_us / 1000;
+    let end_ms = start_ms + cfg.duration_ms as i64;
+    let mut handles = Vec::new();
+    for id in 0..cfg.leaders {
+        let link = Link::new(&redis, rng.next_u64(), &faults_on, &counts);
+        let skew = if cfg.faults { rng.range(-200, 200) } else { 0 };
+        handles.push(tokio::spawn(leader(
+            id,
+            link,
+            clock.clone(),
+            skew,
+            control.clone(),
+            end_ms,
+            cfg.tasks,
+        )));
+    }
+    for host in 0..cfg.hosts {
+        let link = Link::new(&redis, rng.next_u64(), &faults_on, &counts);
+        let skew = if cfg.faults { rng.range(-150, 150) } else { 0 };
+        handles.push(tokio::spawn(worker(
+            host,
+            link,
+            clock.clone(),
+            skew,
+            control.clone(),
+            end_ms,
+            cfg.tasks,
+        )));
+        let link = Link::new(&redis, rng.next_u64(), &faults_on, &counts);
+        handles.push(tokio::spawn(locker(host, link, clock.clone(), end_ms)));
+    }
+    handles.push(tokio::spawn(chaos(
+        Rng::new(rng.next_u64()),
+        redis.clone(),
+        control.clone(),
+        faults_on.clone(),
+        counts.clone(),
+        clock.clone(),
+        cfg.clone(),
+        start_ms,
+    )));
+    let mut outcome = Outcome {
+        seed: cfg.seed,
+        ..Outcome::default()
+    };
+    for h in handles {
+        if let Err(e) = h.await {
+            outcome.violations.push(format!("an actor panicked: {e}"));
+        }
+    }
+    // Liveness: the quiet tail had a leader at the latest specs, and grants.
+    let keys = Keys::new(NS).expect("namespace");
+    let now_ms = clock.now_us() / 1000;
+    let ks = redis.keyspace();
+    let specs = control
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .specs
+        .clone();
+    let c = checker.lock().unwrap_or_else(|e| e.into_inner());
+    for (i, (version, threshold)) in specs.iter().enumerate() {
+        let task = task_name(i);
+        let meta_key = keys.meta(&task);
+        let stored = field(&ks, meta_key.as_bytes(), "version", now_ms);
+        if stored.as_deref() != Some(&version.to_string()) {
+            outcome.violations.push(format!(
+                "liveness: {task}'s meta holds version {stored:?} at the end, the spec is {version}"
+            ));
+        }
+        let last = now_ms - 1500;
+        let slice = keys.slice(&task, last - last.rem_euclid(SLICE_MS as i64));
+        let cap = field(&ks, slice.as_bytes(), "cap", now_ms);
+        if cap.as_deref() != Some(&threshold.to_string()) {
+            outcome.violations.push(format!(
+                "liveness: {task}'s slice {slice} holds cap {cap:?} at the end, the spec says {threshold}"
+            ));
+        }
+        let granted_late = c.last_grant_ms.iter().any(|(k, t)| {
+            k.starts_with(format!("{NS}:{{{task}}}:").as_bytes()) && *t >= now_ms - 3000
+        });
+        if !granted_late {
+            outcome.violations.push(format!(
+                "liveness: {task} granted nothing in the last 3 s of a quiet tail"
+            ));
+        }
+    }
+    outcome.trace_hash = c.hash;
+    outcome.commands = c.commands;
+    outcome.granted = c.granted + c.key_granted;
+    outcome.tokens = c.tokens_issued;
+    outcome.lost_data_overgrant = c
+        .across
+        .values()
+        .map(|(g, cap)| g.saturating_sub(*cap))
+        .sum();
+    outcome.violations.extend(c.violations.iter().cloned());
+    outcome.faults = counts.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    outcome.terms = control.lock().unwrap_or_else(|e| e.into_inner()).term;
+    outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_seed_replays_bit_for_bit() {
+        let mut cfg = Config::new(7);
+        cfg.duration_ms = 20_000;
+        let a = run(&cfg);
+        let b = run(&cfg);
+        assert_eq!(a.trace_hash, b.trace_hash, "{a:?}\n{b:?}");
+        assert!(a.commands > 1000, "{a:?}");
+        assert!(a.violations.is_empty(), "{:?}", a.violations);
+    }
+}
