@@ -6,9 +6,11 @@
 //!                                                   N worlds (S0, S0+1, …; random S0 if absent),
 //!                                                   J at a time (default: the cores)
 //! sluice-sim --determinism S                        runs S twice, compares the trace hashes
+//!   --only-faults 3,17   apply only these faults (the numbers a shrunk failure prints)
+//!   --no-shrink          on a failure, do not look for the fewest faults that still fail
 //! ```
-//! Exit status 1 when a world breaks an invariant (its seed and what broke are printed), 2 on
-//! bad flags.
+//! Exit status 1 when a world breaks an invariant (its seed, what broke, the fewest faults
+//! that still break it and the command that replays that are printed), 2 on bad flags.
 
 use std::process::ExitCode;
 use std::time::Instant;
@@ -24,6 +26,8 @@ struct Args {
     verbose: bool,
     no_faults: bool,
     jobs: usize,
+    only_faults: Option<std::collections::BTreeSet<u64>>,
+    shrink: bool,
 }
 
 fn usage(msg: &str) -> ExitCode {
@@ -44,6 +48,8 @@ fn parse() -> Result<Args, String> {
         verbose: false,
         no_faults: false,
         jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        only_faults: None,
+        shrink: true,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -75,6 +81,20 @@ fn parse() -> Result<Args, String> {
                     .filter(|j| (1..=256).contains(j))
                     .ok_or_else(|| format!("--jobs: {v:?} is not a number in 1..=256"))?;
             }
+            "--only-faults" => {
+                let v = value("--only-faults")?;
+                let set = v
+                    .split(',')
+                    .filter(|x| !x.trim().is_empty())
+                    .map(|x| {
+                        x.trim()
+                            .parse::<u64>()
+                            .map_err(|_| format!("--only-faults: {x:?} is not a fault number"))
+                    })
+                    .collect::<Result<_, _>>()?;
+                a.only_faults = Some(set);
+            }
+            "--no-shrink" => a.shrink = false,
             "--verbose" => a.verbose = true,
             "--no-faults" => a.no_faults = true,
             other => return Err(format!("unknown flag {other:?}")),
@@ -95,7 +115,42 @@ fn config(a: &Args, seed: u64) -> Config {
     c.duration_ms = (a.minutes * 60_000.0) as u64;
     c.verbose = a.verbose;
     c.faults = !a.no_faults;
+    c.only_faults = a.only_faults.clone();
     c
+}
+
+/// The fewest faults that still break `seed`'s world, and how to replay that.
+fn shrink_and_report(a: &Args, seed: u64, failing: &Outcome) {
+    let c = config(a, seed);
+    eprintln!(
+        "shrinking seed {seed}: {} faults applied; looking for the fewest that still fail (at most 200 runs)",
+        failing.fault_events.len()
+    );
+    let (mask, o) = world::shrink(&c, failing, 200, |runs, left| {
+        eprintln!("  {runs} runs: {left} faults still needed");
+    });
+    let list: Vec<String> = mask.iter().map(u64::to_string).collect();
+    println!(
+        "seed {seed} still fails with {} of its {} faults:",
+        o.fault_events.len(),
+        failing.fault_events.len()
+    );
+    for e in &o.fault_events {
+        println!(
+            "  #{} at +{:.3} s: {}",
+            e.index,
+            e.at_ms as f64 / 1000.0,
+            e.what
+        );
+    }
+    for v in &o.violations {
+        println!("  ✘ {v}");
+    }
+    println!(
+        "replay: scripts/sim.sh --seed {seed} --minutes {} --only-faults '{}' --verbose",
+        a.minutes,
+        list.join(",")
+    );
 }
 
 fn report(o: &Outcome, wall_s: f64, sim_ms: u64) {
@@ -194,6 +249,12 @@ fn main() -> ExitCode {
     failed.sort_unstable();
     let sim_ms = n.saturating_mul(config(&a, first).duration_ms);
     let wall = started.elapsed().as_secs_f64();
+    if let Some(&seed) = failed.first()
+        && a.shrink
+    {
+        let o = world::run(&config(&a, seed));
+        shrink_and_report(&a, seed, &o);
+    }
     println!(
         "{n} seeds from {first} in {wall:.1} s ({jobs} at a time): {:.0} simulated s per wall s, {:.1} seeds per minute; {} failed{}",
         sim_ms as f64 / 1000.0 / wall.max(1e-9),

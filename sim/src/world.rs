@@ -57,6 +57,10 @@ pub struct Config {
     pub faults: bool,
     /// A trace line per event on stderr (long).
     pub verbose: bool,
+    /// Apply only the faults with these numbers ([`FaultEvent::index`]); `None`: all. The
+    /// schedule is decided the same either way (a masked fault is decided and skipped), so a
+    /// mask replays bit for bit.
+    pub only_faults: Option<std::collections::BTreeSet<u64>>,
 }
 
 impl Config {
@@ -70,6 +74,7 @@ impl Config {
             leaders: 2,
             faults: true,
             verbose: false,
+            only_faults: None,
         }
     }
 }
@@ -96,6 +101,8 @@ pub struct Outcome {
     pub terms: i64,
     /// Broken invariants (empty: the run passed).
     pub violations: Vec<String>,
+    /// The faults applied, in order.
+    pub fault_events: Vec<FaultEvent>,
 }
 
 /// The shared "etcd": spec versions and the election's state, as every replica sees them.
@@ -167,14 +174,57 @@ fn meta(i: usize, slice_ms: u64, version: i64, threshold: u64) -> TaskMeta {
 }
 
 /// Per-command faults of one connection, from its own seeded generator.
+/// Every fault the world decides, numbered in the order it was decided: what a run applied,
+/// and (with [`Config::only_faults`]) which ones it may apply — the handle shrinking turns.
+#[derive(Debug, Default)]
+struct FaultLog {
+    next: u64,
+    only: Option<std::collections::BTreeSet<u64>>,
+    applied: Vec<FaultEvent>,
+    counts: BTreeMap<&'static str, u64>,
+}
+
+/// One fault a run applied.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FaultEvent {
+    /// Its number (in the order faults were decided).
+    pub index: u64,
+    /// Simulated time since the start (ms).
+    pub at_ms: i64,
+    /// What it was.
+    pub what: String,
+}
+
+impl FaultLog {
+    /// Numbers a decided fault; whether it is applied (then logged and counted).
+    fn admit(&mut self, at_ms: i64, name: &'static str, detail: impl FnOnce() -> String) -> bool {
+        let index = self.next;
+        self.next += 1;
+        if self.only.as_ref().is_some_and(|o| !o.contains(&index)) {
+            return false;
+        }
+        *self.counts.entry(name).or_default() += 1;
+        self.applied.push(FaultEvent {
+            index,
+            at_ms,
+            what: detail(),
+        });
+        true
+    }
+}
+
+type SharedLog = Arc<Mutex<FaultLog>>;
+
 struct Faults {
     rng: Rng,
     on: Arc<Mutex<bool>>,
-    counts: Arc<Mutex<BTreeMap<&'static str, u64>>>,
+    log: SharedLog,
+    clock: Arc<TokioClock>,
+    start_ms: i64,
 }
 
 impl FaultPlan for Faults {
-    fn on_command(&mut self, _args: &[Vec<u8>]) -> Fault {
+    fn on_command(&mut self, args: &[Vec<u8>]) -> Fault {
         if !*self.on.lock().unwrap_or_else(|e| e.into_inner()) {
             return Fault::Deliver;
         }
@@ -192,13 +242,27 @@ impl FaultPlan for Faults {
             ),
             _ => return Fault::Deliver,
         };
-        *self
-            .counts
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .entry(name)
-            .or_default() += 1;
-        f
+        let at_ms = self.clock.now_us() / 1000 - self.start_ms;
+        let admitted =
+            self.log
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .admit(at_ms, name, || {
+                    let cmd: Vec<String> = args
+                        .iter()
+                        .take(4)
+                        .map(|a| {
+                            let a = String::from_utf8_lossy(a);
+                            if a.len() > 24 {
+                                format!("{}…", &a[..12])
+                            } else {
+                                a.into_owned()
+                            }
+                        })
+                        .collect();
+                    format!("{name} {:?} of `{}`", f, cmd.join(" "))
+                });
+        if admitted { f } else { Fault::Deliver }
     }
 }
 
@@ -509,28 +573,29 @@ struct Link {
     conn: SimConn,
     rng: Rng,
     faults_on: Arc<Mutex<bool>>,
-    counts: Arc<Mutex<BTreeMap<&'static str, u64>>>,
+    log: SharedLog,
+    clock: Arc<TokioClock>,
+    start_ms: i64,
 }
 
 impl Link {
-    fn new(
-        redis: &SimRedis,
-        seed: u64,
-        faults_on: &Arc<Mutex<bool>>,
-        counts: &Arc<Mutex<BTreeMap<&'static str, u64>>>,
-    ) -> Self {
+    fn new(w: &Shared, seed: u64) -> Self {
         let mut rng = Rng::new(seed);
-        let conn = redis.conn().with_faults(Faults {
+        let conn = w.redis.conn().with_faults(Faults {
             rng: Rng::new(rng.next_u64()),
-            on: faults_on.clone(),
-            counts: counts.clone(),
+            on: w.faults_on.clone(),
+            log: w.log.clone(),
+            clock: w.clock.clone(),
+            start_ms: w.start_ms,
         });
         Self {
-            redis: redis.clone(),
+            redis: w.redis.clone(),
             conn,
             rng,
-            faults_on: faults_on.clone(),
-            counts: counts.clone(),
+            faults_on: w.faults_on.clone(),
+            log: w.log.clone(),
+            clock: w.clock.clone(),
+            start_ms: w.start_ms,
         }
     }
 
@@ -540,9 +605,20 @@ impl Link {
         self.conn = self.redis.conn().with_faults(Faults {
             rng: Rng::new(seed),
             on: self.faults_on.clone(),
-            counts: self.counts.clone(),
+            log: self.log.clone(),
+            clock: self.clock.clone(),
+            start_ms: self.start_ms,
         });
     }
+}
+
+/// What every actor's connections share.
+struct Shared {
+    redis: SimRedis,
+    faults_on: Arc<Mutex<bool>>,
+    log: SharedLog,
+    clock: Arc<TokioClock>,
+    start_ms: i64,
 }
 
 async fn sleep_ms(ms: u64) {
@@ -789,19 +865,26 @@ async fn chaos(
     redis: SimRedis,
     control: Arc<Mutex<Control>>,
     faults_on: Arc<Mutex<bool>>,
-    counts: Arc<Mutex<BTreeMap<&'static str, u64>>>,
+    log: SharedLog,
     clock: Arc<TokioClock>,
     cfg: Config,
     start_ms: i64,
 ) {
     let quiet_from = start_ms + cfg.duration_ms as i64 * 7 / 10;
     let mut snapshots: Vec<(i64, crate::redis::Snapshot)> = Vec::new();
+    // Workload events are counted; faults go through the log (numbered, maybe masked).
     let count = |name: &'static str| {
-        *counts
-            .lock()
+        *log.lock()
             .unwrap_or_else(|e| e.into_inner())
+            .counts
             .entry(name)
             .or_default() += 1;
+    };
+    let admit = |name: &'static str, detail: String| {
+        let at = clock.now_us() / 1000 - start_ms;
+        log.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admit(at, name, || detail)
     };
     loop {
         let now = clock.now_us() / 1000;
@@ -841,11 +924,17 @@ async fn chaos(
             }
             // Another etcd cluster (a rebuilt one): a new epoch, terms start low again.
             12 if cfg.faults && rng.chance(0.3) => {
-                count("new epoch");
-                let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
-                c.epoch += 1;
-                c.term = rng.range(1, 3);
-                c.holder = Some(rng.below(cfg.leaders as u64) as usize);
+                let term = rng.range(1, 3);
+                let holder = rng.below(cfg.leaders as u64) as usize;
+                if admit(
+                    "new epoch",
+                    format!("new epoch (term {term}, replica {holder})"),
+                ) {
+                    let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+                    c.epoch += 1;
+                    c.term = term;
+                    c.holder = Some(holder);
+                }
             }
             // A spec change: a new version with another threshold.
             13..=22 => {
@@ -855,29 +944,44 @@ async fn chaos(
                 c.specs[i].0 += 1;
                 c.specs[i].1 = rng.range(5, 60) as u64;
             }
-            23..=25 if cfg.faults => {
-                count("restart empty");
+            // (A fault's arm asks the log whether it may apply; when not, the `_` arm does
+            // nothing, and nothing else differs.)
+            23..=25 if cfg.faults && admit("restart empty", "restart empty".into()) => {
                 redis.restart(None);
             }
             26..=28 if cfg.faults => {
-                count("restart from an older dump");
                 let i = rng.below(snapshots.len() as u64) as usize;
-                redis.restart(Some(&snapshots[i].1));
+                let age = now - snapshots[i].0;
+                if admit(
+                    "restart from an older dump",
+                    format!("restart from a dump {age} ms old"),
+                ) {
+                    redis.restart(Some(&snapshots[i].1));
+                }
             }
             29..=31 if cfg.faults => {
-                count("failover to a lagging replica");
                 let i = snapshots.len().saturating_sub(1 + rng.below(3) as usize);
-                redis.failover(&snapshots[i].1);
+                let age = now - snapshots[i].0;
+                if admit(
+                    "failover to a lagging replica",
+                    format!("failover to a replica {age} ms behind"),
+                ) {
+                    redis.failover(&snapshots[i].1);
+                }
             }
             32..=35 if cfg.faults => {
-                count("DEBUG SLEEP");
-                redis.sleep_for(rng.range(50, 3000) * 1000);
+                let ms = rng.range(50, 3000);
+                if admit("DEBUG SLEEP", format!("DEBUG SLEEP {ms} ms")) {
+                    redis.sleep_for(ms * 1000);
+                }
             }
             36..=37 if cfg.faults => {
-                count("stopped");
-                redis.stop();
-                sleep_ms(rng.range(100, 3000) as u64).await;
-                redis.start();
+                let ms = rng.range(100, 3000) as u64;
+                if admit("stopped", format!("stopped for {ms} ms")) {
+                    redis.stop();
+                    sleep_ms(ms).await;
+                    redis.start();
+                }
             }
             _ => {}
         }
@@ -940,12 +1044,22 @@ async fn run_in(cfg: Config) -> Outcome {
         epoch: 1,
     }));
     let faults_on = Arc::new(Mutex::new(cfg.faults));
-    let counts = Arc::new(Mutex::new(BTreeMap::new()));
+    let log = Arc::new(Mutex::new(FaultLog {
+        only: cfg.only_faults.clone(),
+        ..FaultLog::default()
+    }));
     let start_ms = start_us / 1000;
+    let shared = Shared {
+        redis: redis.clone(),
+        faults_on: faults_on.clone(),
+        log: log.clone(),
+        clock: clock.clone(),
+        start_ms,
+    };
     let end_ms = start_ms + cfg.duration_ms as i64;
     let mut handles = Vec::new();
     for id in 0..cfg.leaders {
-        let link = Link::new(&redis, rng.next_u64(), &faults_on, &counts);
+        let link = Link::new(&shared, rng.next_u64());
         let skew = if cfg.faults { rng.range(-200, 200) } else { 0 };
         handles.push(tokio::spawn(leader(
             id,
@@ -958,7 +1072,7 @@ async fn run_in(cfg: Config) -> Outcome {
         )));
     }
     for host in 0..cfg.hosts {
-        let link = Link::new(&redis, rng.next_u64(), &faults_on, &counts);
+        let link = Link::new(&shared, rng.next_u64());
         let skew = if cfg.faults { rng.range(-150, 150) } else { 0 };
         handles.push(tokio::spawn(worker(
             host,
@@ -969,7 +1083,7 @@ async fn run_in(cfg: Config) -> Outcome {
             end_ms,
             cfg.tasks,
         )));
-        let link = Link::new(&redis, rng.next_u64(), &faults_on, &counts);
+        let link = Link::new(&shared, rng.next_u64());
         handles.push(tokio::spawn(locker(host, link, clock.clone(), end_ms)));
     }
     handles.push(tokio::spawn(chaos(
@@ -977,7 +1091,7 @@ async fn run_in(cfg: Config) -> Outcome {
         redis.clone(),
         control.clone(),
         faults_on.clone(),
-        counts.clone(),
+        log.clone(),
         clock.clone(),
         cfg.clone(),
         start_ms,
@@ -1037,9 +1151,67 @@ async fn run_in(cfg: Config) -> Outcome {
         .map(|(g, cap)| g.saturating_sub(*cap))
         .sum();
     outcome.violations.extend(c.violations.iter().cloned());
-    outcome.faults = counts.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    {
+        let l = log.lock().unwrap_or_else(|e| e.into_inner());
+        outcome.faults = l.counts.clone();
+        outcome.fault_events = l.applied.clone();
+    }
     outcome.terms = control.lock().unwrap_or_else(|e| e.into_inner()).term;
     outcome
+}
+
+/// Looks for the fewest faults of a failing run that still make it fail (ddmin over the fault
+/// numbers, at most `budget` runs): the mask to replay with, and that run's outcome. The
+/// workload (elections, spec changes, requests) is never removed, only faults.
+pub fn shrink(
+    cfg: &Config,
+    failing: &Outcome,
+    budget: usize,
+    mut progress: impl FnMut(usize, usize),
+) -> (std::collections::BTreeSet<u64>, Outcome) {
+    let mut keep: Vec<u64> = failing.fault_events.iter().map(|e| e.index).collect();
+    let mut best = failing.clone();
+    let mut runs = 0;
+    let try_set = |set: &[u64], runs: &mut usize| {
+        *runs += 1;
+        let mut c = cfg.clone();
+        c.only_faults = Some(set.iter().copied().collect());
+        let o = run(&c);
+        (!o.violations.is_empty()).then_some(o)
+    };
+    // No fault at all first: a failure of the workload alone is the shortest story.
+    if let Some(o) = try_set(&[], &mut runs) {
+        return (Default::default(), o);
+    }
+    let mut n = 2usize;
+    while !keep.is_empty() && runs < budget {
+        let chunk = keep.len().div_ceil(n);
+        let mut reduced = false;
+        let mut start = 0;
+        while start < keep.len() && runs < budget {
+            let candidate: Vec<u64> = keep[..start]
+                .iter()
+                .chain(keep[(start + chunk).min(keep.len())..].iter())
+                .copied()
+                .collect();
+            if let Some(o) = try_set(&candidate, &mut runs) {
+                keep = candidate;
+                best = o;
+                n = (n - 1).max(2);
+                reduced = true;
+                break;
+            }
+            start += chunk;
+        }
+        progress(runs, keep.len());
+        if !reduced {
+            if n >= keep.len() {
+                break;
+            }
+            n = (n * 2).min(keep.len());
+        }
+    }
+    (keep.into_iter().collect(), best)
 }
 
 #[cfg(test)]
@@ -1055,5 +1227,24 @@ mod tests {
         assert_eq!(a.trace_hash, b.trace_hash, "{a:?}\n{b:?}");
         assert!(a.commands > 1000, "{a:?}");
         assert!(a.violations.is_empty(), "{:?}", a.violations);
+        assert!(!a.fault_events.is_empty(), "{a:?}");
+    }
+
+    #[test]
+    fn a_mask_replays_and_masks_only_faults() {
+        let mut cfg = Config::new(11);
+        cfg.duration_ms = 20_000;
+        let all = run(&cfg);
+        let first: std::collections::BTreeSet<u64> =
+            all.fault_events.iter().take(3).map(|e| e.index).collect();
+        cfg.only_faults = Some(first.clone());
+        let a = run(&cfg);
+        let b = run(&cfg);
+        assert_eq!(a.trace_hash, b.trace_hash);
+        let applied: std::collections::BTreeSet<u64> =
+            a.fault_events.iter().map(|e| e.index).collect();
+        assert!(applied.is_subset(&first), "{applied:?} ⊄ {first:?}");
+        cfg.only_faults = Some(Default::default());
+        assert!(run(&cfg).fault_events.is_empty());
     }
 }
