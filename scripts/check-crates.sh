@@ -23,7 +23,7 @@ RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --quiet
 
 # Each optional part alone, so a feature never silently depends on another.
 log "crates: features one at a time (clippy -D warnings)"
-for spec in "sluice-protocol:" "sluice-protocol:tls" "sluice-protocol:cluster" "sluice-protocol:flags" \
+for spec in "sluice-protocol:" "sluice-protocol:tls" "sluice-protocol:cluster" "sluice-protocol:flags" "sluice-protocol:sim" \
             "sluice-sdk:" "sluice-sdk:tower" "sluice-sdk:axum" "sluice-sdk:tls" "sluice-sdk:cluster"; do
   crate=${spec%%:*} feature=${spec#*:}
   log "  $crate --no-default-features ${feature:+--features $feature}"

@@ -61,8 +61,9 @@ cargo test --workspace --no-fail-fast -- --test-threads="${SLUICE_TEST_THREADS:-
 
 if [ -z "${SLUICE_TEST_FILTER:-}" ]; then
   log "simulation: 20 random seeds of 2 simulated minutes and one seed's determinism (replay: scripts/sim.sh --seed S)"
-  SLUICE_SIM_BIN=target/debug/sluice-sim scripts/sim.sh --seeds 20 --minutes 2
-  SLUICE_SIM_BIN=target/debug/sluice-sim scripts/sim.sh --determinism 1 --minutes 2
+  sim_bin=${CARGO_TARGET_DIR:-target}/debug/sluice-sim
+  SLUICE_SIM_BIN=$sim_bin scripts/sim.sh --seeds 20 --minutes 2
+  SLUICE_SIM_BIN=$sim_bin scripts/sim.sh --determinism "$(( RANDOM % 1000 ))" --minutes 1
 fi
 
 if [ -z "${SLUICE_TEST_FILTER:-}" ] && [ -z "${SLUICE_SKIP_SOAK:-}" ]; then

@@ -836,6 +836,11 @@ pub struct Roller {
     key_secret: Option<sluice_protocol::KeySecret>,
     /// Names known to be in the registry (`NS:tasks`) this leadership.
     registered: HashSet<String>,
+    /// Tasks whose state this leadership dropped while they were still in etcd (refused by a
+    /// fence, a newer spec stored, healed): should one leave etcd before it is written again,
+    /// it is retired all the same (the deterministic simulation found a task deleted while
+    /// a foreign fence refused it, never retired).
+    forgotten: HashSet<String>,
     /// Where the registry stands this leadership.
     reconcile: Reconcile,
     /// `--lazy-after` (ms; 0 = never) and when each task last had traffic.
@@ -882,6 +887,19 @@ pub struct Roller {
     probe_all_pending: bool,
     /// Quiet lazy tasks the ticks skip until something is due ([`lazy_asleep_until`]).
     sleep: Sleep,
+}
+
+/// Where [`Roller::tick`] reads etcd's current revision (only when a stored number may come
+/// from another etcd history): the task store, or a simulated etcd.
+pub trait CurrentRevision {
+    /// etcd's revision now.
+    fn current_revision(&self) -> impl std::future::Future<Output = Result<i64>> + Send;
+}
+
+impl CurrentRevision for TaskStore {
+    async fn current_revision(&self) -> Result<i64> {
+        TaskStore::current_revision(self).await
+    }
 }
 
 /// The roller's due-queue of quiet lazy tasks (issue 27: at 100,000 idle tasks, visiting each
@@ -1078,6 +1096,7 @@ impl Roller {
             last_conflict_log: None,
             key_secret: None,
             registered: HashSet::new(),
+            forgotten: HashSet::new(),
             reconcile: Reconcile::Unknown,
             lazy_after_ms: 0,
             activity: crate::history::Activity::default(),
@@ -1192,6 +1211,7 @@ impl Roller {
         }
         if forget {
             self.state.remove(task);
+            self.forgotten.insert(task.to_string());
             self.dirty.lazy = true;
         }
         self.conflicts.push(Conflict {
@@ -1207,7 +1227,7 @@ impl Roller {
     pub async fn tick(
         &mut self,
         ctx: &LeaderContext,
-        store: &TaskStore,
+        store: &impl CurrentRevision,
         snap: &Arc<TaskSnapshot>,
         dynamic: &HashMap<String, (i64, u64)>,
     ) -> Result<TickStats> {
@@ -1250,6 +1270,18 @@ impl Roller {
         // Tasks gone from etcd: retire their meta (keeps the fence) and state, forget them.
         // A stored spec that fails validation is not gone: it is neither rolled nor retired.
         let gone: Vec<String> = if self.dirty.gone {
+            // Forgotten tasks gone from etcd are retired as known ones are; those still there
+            // are kept in mind until they leave or this leadership ends.
+            let left: Vec<String> = self
+                .forgotten
+                .iter()
+                .filter(|n| !snap.contains(n))
+                .cloned()
+                .collect();
+            for n in left {
+                self.forgotten.remove(&n);
+                self.state.entry(n).or_default();
+            }
             self.state
                 .keys()
                 .filter(|n| !snap.contains(n))
@@ -1327,7 +1359,7 @@ impl Roller {
             // refuses `INFO server` (asked again every few minutes); a Cluster node's loss, or
             // a failover back to the same process, is found task by task (documented). Sent
             // together with the registry's check (one round trip on the multiplexed link).
-            let ask_info = matches!(c, sluice_protocol::conn::RedisConn::Single(_))
+            let ask_info = c.is_single_server()
                 && self
                     .info_refused_ms
                     .is_none_or(|at| now < at || now - at >= INFO_RETRY_MS);
@@ -1381,6 +1413,14 @@ impl Roller {
                 self.redis_run_id = run_id;
             }
             let lost = registry == Some(0) || restarted;
+            if lost {
+                // Redis came back with other data: a restart from an older dump or a failover
+                // to a lagging replica can hold the live meta of a task retired since (the
+                // deterministic simulation found one, still granting leases to a deleted
+                // task a minute later). Walk the registry again, as a new leadership does, so
+                // every task etcd no longer has is retired again.
+                self.reconcile = Reconcile::Unknown;
+            }
             // At most every few seconds (Redis evicting keys would heal tasks every tick); a
             // loss seen meanwhile is kept until then: one task healed by its own probe writes
             // the registry again, and the loss must not be forgotten with it (the CI run that
@@ -1689,6 +1729,7 @@ impl Roller {
                             self.was_lazy.insert(name.clone());
                         }
                         self.state.remove(name);
+                        self.forgotten.insert(name.clone());
                         self.dirty.lazy = true;
                         // Redis lost the task, maybe the registry too: add it again.
                         self.registered.remove(name);
@@ -1752,6 +1793,7 @@ impl Roller {
                             "stale spec: a newer version is in Redis; skipping this tick"
                         );
                         self.state.remove(name);
+                        self.forgotten.insert(name.clone());
                         self.dirty.lazy = true;
                     }
                     Ok(RollOutcome::Refused(refusal)) => {
@@ -2029,7 +2071,7 @@ impl Roller {
                 let mut cmd = redis::cmd("SISMEMBER");
                 cmd.arg(&registry).arg(REGISTRY_COMPLETE);
                 let complete: bool = bounded("read registry", cmd.query_async(&mut c)).await?;
-                let single = matches!(conn, sluice_protocol::conn::RedisConn::Single(_));
+                let single = conn.is_single_server();
                 Ok(match (complete, single) {
                     (true, _) => Reconcile::Walking(0),
                     (false, true) => {

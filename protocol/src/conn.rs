@@ -549,13 +549,48 @@ impl Default for ConnOptions {
 }
 
 /// A connected, multiplexed handle (cheap to clone).
-#[derive(Clone)]
 pub enum RedisConn {
     /// A single server, reconnected automatically.
     Single(ConnectionManager),
     /// A cluster, routed by slot (feature `cluster`).
     #[cfg(feature = "cluster")]
     Cluster(ClusterConnection),
+    /// An in-process server's connection (feature `sim`: the deterministic simulation).
+    #[cfg(feature = "sim")]
+    Shared(Box<dyn SharedConn>),
+}
+
+/// A connection to an in-process server (feature `sim`), cloned as a [`ConnectionManager`] is:
+/// the clones share one connection, which comes back by itself after the server broke it.
+#[cfg(feature = "sim")]
+pub trait SharedConn: ConnectionLike + Send + Sync {
+    /// Another handle to the same connection.
+    fn clone_conn(&self) -> Box<dyn SharedConn>;
+}
+
+impl Clone for RedisConn {
+    fn clone(&self) -> Self {
+        match self {
+            Self::Single(c) => Self::Single(c.clone()),
+            #[cfg(feature = "cluster")]
+            Self::Cluster(c) => Self::Cluster(c.clone()),
+            #[cfg(feature = "sim")]
+            Self::Shared(c) => Self::Shared(c.clone_conn()),
+        }
+    }
+}
+
+impl RedisConn {
+    /// Whether one server answers (not a Cluster): `INFO server` names it.
+    pub fn is_single_server(&self) -> bool {
+        match self {
+            Self::Single(_) => true,
+            #[cfg(feature = "cluster")]
+            Self::Cluster(_) => false,
+            #[cfg(feature = "sim")]
+            Self::Shared(_) => true,
+        }
+    }
 }
 
 impl ConnectionLike for RedisConn {
@@ -564,6 +599,8 @@ impl ConnectionLike for RedisConn {
             Self::Single(c) => c.req_packed_command(cmd),
             #[cfg(feature = "cluster")]
             Self::Cluster(c) => c.req_packed_command(cmd),
+            #[cfg(feature = "sim")]
+            Self::Shared(c) => c.req_packed_command(cmd),
         }
     }
 
@@ -577,6 +614,8 @@ impl ConnectionLike for RedisConn {
             Self::Single(c) => c.req_packed_commands(pipeline, offset, count),
             #[cfg(feature = "cluster")]
             Self::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            #[cfg(feature = "sim")]
+            Self::Shared(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
 
@@ -585,6 +624,8 @@ impl ConnectionLike for RedisConn {
             Self::Single(c) => c.get_db(),
             #[cfg(feature = "cluster")]
             Self::Cluster(c) => c.get_db(),
+            #[cfg(feature = "sim")]
+            Self::Shared(c) => c.get_db(),
         }
     }
 }
@@ -596,6 +637,9 @@ pub struct Redis {
     options: ConnOptions,
     link: Link,
     conn: Mutex<Option<RedisConn>>,
+    /// An in-process server's connection, handed out instead of connecting (feature `sim`).
+    #[cfg(feature = "sim")]
+    shared: Option<RedisConn>,
 }
 
 impl fmt::Debug for Redis {
@@ -621,6 +665,21 @@ impl Redis {
             options,
             link,
             conn: Mutex::new(None),
+            #[cfg(feature = "sim")]
+            shared: None,
+        }
+    }
+
+    /// A handle that hands out clones of `conn` (feature `sim`: a simulated server), never
+    /// connecting anywhere. Its target reads `redis://sim`.
+    #[cfg(feature = "sim")]
+    pub fn shared(conn: impl SharedConn + 'static) -> Self {
+        Self {
+            target: RedisTarget::Single("redis://sim".into()),
+            options: ConnOptions::default(),
+            link: Link::default(),
+            conn: Mutex::new(None),
+            shared: Some(RedisConn::Shared(Box::new(conn))),
         }
     }
 
@@ -637,6 +696,8 @@ impl Redis {
             options,
             link,
             conn: Mutex::new(None),
+            #[cfg(feature = "sim")]
+            shared: None,
         })
     }
 
@@ -712,6 +773,10 @@ impl Redis {
     }
 
     async fn connect(&self) -> RedisResult<RedisConn> {
+        #[cfg(feature = "sim")]
+        if let Some(c) = &self.shared {
+            return Ok(c.clone());
+        }
         let o = self.options;
         let connect = async {
             match &self.target {

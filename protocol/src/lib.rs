@@ -511,12 +511,39 @@ pub mod slice {
     }
 }
 
-/// The current Unix time in milliseconds from the host clock.
+/// The current Unix time in milliseconds from the host clock (with the `sim` feature, from
+/// the simulation's clock on a thread that set one: [`sim_clock`]).
 pub fn unix_ms() -> i64 {
+    #[cfg(feature = "sim")]
+    if let Some(ms) = sim_clock::now_ms() {
+        return ms;
+    }
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
+}
+
+/// The simulation's clock (feature `sim`): a thread that sets one reads it from [`unix_ms`]
+/// instead of the host clock. Each simulated world runs on its own thread, so worlds in
+/// parallel do not share a clock.
+#[cfg(feature = "sim")]
+pub mod sim_clock {
+    use std::cell::RefCell;
+    use std::sync::Arc;
+
+    thread_local! {
+        static CLOCK: RefCell<Option<Arc<dyn Fn() -> i64 + Send + Sync>>> = const { RefCell::new(None) };
+    }
+
+    /// Makes [`super::unix_ms`] on this thread read `clock` (Unix ms); `None`: the host clock.
+    pub fn set(clock: Option<Arc<dyn Fn() -> i64 + Send + Sync>>) {
+        CLOCK.with(|c| *c.borrow_mut() = clock);
+    }
+
+    pub(crate) fn now_ms() -> Option<i64> {
+        CLOCK.with(|c| c.borrow().as_ref().map(|f| f()))
+    }
 }
 
 macro_rules! string_enum {

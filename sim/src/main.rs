@@ -12,6 +12,7 @@
 //! Exit status 1 when a world breaks an invariant (its seed, what broke, the fewest faults
 //! that still break it and the command that replays that are printed), 2 on bad flags.
 
+use std::io::Write as _;
 use std::process::ExitCode;
 use std::time::Instant;
 
@@ -255,7 +256,8 @@ fn main() -> ExitCode {
         let o = world::run(&config(&a, seed));
         shrink_and_report(&a, seed, &o);
     }
-    println!(
+    let _ = writeln!(
+        std::io::stdout(),
         "{n} seeds from {first} in {wall:.1} s ({jobs} at a time): {:.0} simulated s per wall s, {:.1} seeds per minute; {} failed{}",
         sim_ms as f64 / 1000.0 / wall.max(1e-9),
         n as f64 / wall.max(1e-9) * 60.0,

@@ -57,6 +57,9 @@ pub struct Config {
     pub faults: bool,
     /// A trace line per event on stderr (long).
     pub verbose: bool,
+    /// The leaders are the manager's own roller (`sluice_manager::roller::Roller`, default);
+    /// `false`: the protocol-level driver of part 1 (a simpler leader, clocks skewed).
+    pub manager_roller: bool,
     /// Apply only the faults with these numbers ([`FaultEvent::index`]); `None`: all. The
     /// schedule is decided the same either way (a masked fault is decided and skipped), so a
     /// mask replays bit for bit.
@@ -75,6 +78,7 @@ impl Config {
             faults: true,
             verbose: false,
             only_faults: None,
+            manager_roller: true,
         }
     }
 }
@@ -110,6 +114,12 @@ pub struct Outcome {
 struct Control {
     /// Per task: (version, threshold).
     specs: Vec<(i64, u64)>,
+    /// Per task: deleted (not in etcd) — the manager's roller must retire it.
+    deleted: Vec<bool>,
+    /// Per task: its incarnation (the create revision of its current spec).
+    created: Vec<i64>,
+    /// etcd's revision: every spec change, deletion and creation takes the next one.
+    revision: i64,
     /// The current term and the replica it belongs to (`None`: no leader).
     term: i64,
     holder: Option<usize>,
@@ -121,6 +131,8 @@ const SLICE_MS: u64 = 1000;
 const HORIZON_MS: i64 = 3000;
 const RETENTION_MS: i64 = 2000;
 const STALE_AFTER_MS: u64 = 2000;
+/// The manager's roller in the world: `LeaderContext::for_test` fences go stale after 10 s.
+const MANAGER_STALE_AFTER_MS: u64 = 10_000;
 const TICK_MS: u64 = 500;
 const NS: &str = "sim";
 
@@ -266,6 +278,18 @@ impl FaultPlan for Faults {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum LockOp {
+    Acquire,
+    Renew,
+    Release,
+}
+
+/// (generation, lock) → (owner, token, held until ms) as the checker counts it.
+type Holders = BTreeMap<(u64, Vec<u8>), (Vec<u8>, i64, i64)>;
+
+/// (generation, slice, host, request id).
+type PullId = (u64, Vec<u8>, Vec<u8>, Vec<u8>);
 /// (generation, key-slice hash, key digest).
 type KeySlot = (u64, Vec<u8>, Vec<u8>);
 /// Per host: (permits held, until when in Redis ms).
@@ -285,10 +309,22 @@ struct Checker {
     lock_sha: String,
     hash: u64,
     commands: u64,
+    /// A stored fence younger than this may not be taken over.
+    stale_after_ms: u64,
+    /// (generation, slice, host, request id) → what that pull was granted.
+    pulls: BTreeMap<PullId, i64>,
+    /// (generation, key slice, host record, request id) → that KPULL's grants.
+    key_calls: BTreeMap<PullId, Vec<i64>>,
+    /// Who holds each lock, by the checker's count.
+    holders: Holders,
+    lock_renew_sha: String,
+    lock_release_sha: String,
     /// (generation, slice key) → (granted, largest cap).
     ledger: BTreeMap<(u64, Vec<u8>), (u64, u64)>,
     /// Slice key → granted summed over generations (for the data-loss report).
     across: BTreeMap<Vec<u8>, (u64, u64)>,
+    /// What lost data cost the slices already forgotten by [`Checker::prune`].
+    overgrant_pruned: u64,
     /// Meta key → (generation, epoch, term, fenced_ms) last seen.
     fences: BTreeMap<Vec<u8>, (u64, String, i64, i64)>,
     /// Lock key → the highest token handed out and the owner it went to (a retry of the same
@@ -335,9 +371,36 @@ impl Observer for Arc<Mutex<Checker>> {
     }
 }
 
+/// The slice start a slice or key-slice key ends with (`…:s:<start>`, `…:k:<start>`).
+fn slice_start(key: &[u8]) -> Option<i64> {
+    let s = std::str::from_utf8(key).ok()?;
+    s.rsplit(':').next()?.parse().ok()
+}
+
 impl Checker {
+    /// Forgets slices that ended more than a minute ago (their grants are final), so a long
+    /// run's memory stays flat; what lost data cost them is kept as a sum.
+    fn prune(&mut self, now_ms: i64) {
+        let old = |k: &[u8]| slice_start(k).is_some_and(|s| s < now_ms - 60_000);
+        self.ledger.retain(|(_, k), _| !old(k));
+        self.key_ledger.retain(|(_, k, _), _| !old(k));
+        self.pulls.retain(|(_, k, _, _), _| !old(k));
+        self.key_calls.retain(|(_, k, _, _), _| !old(k));
+        self.last_grant_ms
+            .retain(|k, t| !old(k) || *t >= now_ms - 60_000);
+        let gone: Vec<Vec<u8>> = self.across.keys().filter(|k| old(k)).cloned().collect();
+        for k in gone {
+            if let Some((g, cap)) = self.across.remove(&k) {
+                self.overgrant_pruned += g.saturating_sub(cap);
+            }
+        }
+    }
+
     fn observe(&mut self, e: &Event<'_>) {
         self.commands += 1;
+        if self.commands.is_multiple_of(10_000) {
+            self.prune(e.now_us.div_euclid(1000));
+        }
         let mut h = self.hash;
         fnv(&mut h, &e.now_us.to_le_bytes());
         for a in e.args {
@@ -382,14 +445,41 @@ impl Checker {
             else {
                 return;
             };
-            if granted <= 0 || replayed == 1 {
+            // EVALSHA sha 1 slice want start len host rid …
+            let pull_id = (
+                e.generation,
+                key.clone(),
+                e.args.get(7).cloned().unwrap_or_default(),
+                e.args.get(8).cloned().unwrap_or_default(),
+            );
+            if replayed == 1 {
+                // A resend's answer must be a grant this pull really got.
+                if granted > 0 && self.pulls.get(&pull_id) != Some(&granted) {
+                    self.violations.push(format!(
+                        "a resend of pull {} of {} was answered {granted} permits the pull never got ({:?}; generation {}, at {} µs)",
+                        String::from_utf8_lossy(&pull_id.3),
+                        String::from_utf8_lossy(&key),
+                        self.pulls.get(&pull_id),
+                        e.generation,
+                        e.now_us
+                    ));
+                }
                 return;
             }
+            if granted <= 0 {
+                return;
+            }
+            self.pulls.insert(pull_id, granted);
             self.granted += granted as u64;
             self.last_grant_ms.insert(key.clone(), now_ms);
+            // The cap as the slice stores it (not as the script answered it).
+            let stored_cap = field(e.keyspace, &key, "cap", now_ms)
+                .and_then(|c| c.parse::<u64>().ok())
+                .unwrap_or(0);
+            let _ = cap;
             let l = self.ledger.entry((e.generation, key.clone())).or_default();
             l.0 += granted as u64;
-            l.1 = l.1.max(cap.max(0) as u64);
+            l.1 = l.1.max(stored_cap);
             if l.0 > l.1 {
                 self.violations.push(format!(
                     "grants over the cap: slice {} granted {} of cap {} (generation {}, at {} µs)",
@@ -402,23 +492,56 @@ impl Checker {
             }
             let a = self.across.entry(key).or_default();
             a.0 += granted as u64;
-            a.1 = a.1.max(cap.max(0) as u64);
+            a.1 = a.1.max(stored_cap);
         } else if sha == self.kpull_sha {
             self.observe_kpull(e, key);
         } else if sha == self.lease_sha {
             self.observe_lease(e, now_ms);
+        } else if sha == self.lock_renew_sha {
+            self.observe_lock(e, now_ms, LockOp::Renew);
+        } else if sha == self.lock_release_sha {
+            self.observe_lock(e, now_ms, LockOp::Release);
         } else if self.roll_shas.contains(&sha) {
             let term = field(e.keyspace, &key, "term", now_ms).and_then(|t| t.parse::<i64>().ok());
             let epoch = field(e.keyspace, &key, "epoch", now_ms).unwrap_or_default();
             let fenced = field(e.keyspace, &key, "fenced_ms", now_ms)
                 .and_then(|t| t.parse::<i64>().ok())
                 .unwrap_or(0);
+            // A write accepted (status 1) from a fence the stored one should have refused: a
+            // fresh newer term of the same epoch, or a fresh fence of another epoch.
+            if int_at(e.reply, 0) == Some(1)
+                && let Some((g, ep, t, f)) = self.fences.get(&key)
+                && *g == e.generation
+                && now_ms - f < self.stale_after_ms as i64
+            {
+                let numkeys = std::str::from_utf8(&e.args[2])
+                    .ok()
+                    .and_then(|n| n.parse::<usize>().ok())
+                    .unwrap_or(0);
+                let arg = |i: usize| {
+                    e.args
+                        .get(3 + numkeys + i)
+                        .map(|a| String::from_utf8_lossy(a).into_owned())
+                };
+                let (w_term, w_epoch) = (arg(0).and_then(|t| t.parse::<i64>().ok()), arg(1));
+                if let (Some(wt), Some(we)) = (w_term, w_epoch)
+                    && (we != *ep || wt < *t)
+                {
+                    self.violations.push(format!(
+                        "fencing: a write of term {wt} epoch {we} to {} was accepted over the fresh fence of term {t} epoch {ep} ({} ms old; generation {}, at {} µs)",
+                        String::from_utf8_lossy(&key),
+                        now_ms - f,
+                        e.generation,
+                        e.now_us
+                    ));
+                }
+            }
             let Some(term) = term else { return };
             if let Some((g, ep, t, f)) = self.fences.get(&key)
                 && *g == e.generation
                 && *ep == epoch
                 && term < *t
-                && now_ms - f < STALE_AFTER_MS as i64
+                && now_ms - f < self.stale_after_ms as i64
             {
                 self.violations.push(format!(
                     "fencing: {} went from term {t} to {term} while term {t}'s fence was {} ms old (generation {}, at {} µs)",
@@ -430,6 +553,7 @@ impl Checker {
             }
             self.fences.insert(key, (e.generation, epoch, term, fenced));
         } else if sha == self.lock_sha {
+            self.observe_lock(e, now_ms, LockOp::Acquire);
             if int_at(e.reply, 0) != Some(1) {
                 return;
             }
@@ -465,40 +589,75 @@ impl Checker {
 }
 
 impl Checker {
-    /// KPULL: per key of a slice, the grants never exceed the key's cap (within a generation).
+    /// KPULL: per key of a slice, the grants never exceed the key's cap (within a generation),
+    /// the cap read from the task's slice as stored (the world sets no per-key override), not
+    /// from the script's answer. A key twice in one call shares its quota: every occurrence's
+    /// grant counts. A resend's answer must be the first call's grants.
     fn observe_kpull(&mut self, e: &Event<'_>, key: Vec<u8>) {
         let Reply::Array(items) = e.reply else { return };
         if int_at(e.reply, 0) != Some(1) {
             return;
         }
         // EVALSHA sha 2 kslices slice start len record rid ver aon meta (want digest)*
+        let now_ms = e.now_us.div_euclid(1000);
+        // A key's quota of a slice is fixed when the slice's key hash is made (a cap changed
+        // mid-slice applies from the next slice: docs/protocol.md, KPULL): the hash's `cap`
+        // as stored, or the task slice's own cap, whichever is larger.
+        let slice = e.args.get(4).cloned().unwrap_or_default();
+        let stored = |k: &[u8]| {
+            field(e.keyspace, k, "cap", now_ms)
+                .and_then(|c| c.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let slice_cap = stored(&slice).max(stored(&key));
         let pairs = e.args.get(12..).unwrap_or_default();
-        let grants = items.get(4..).unwrap_or_default();
-        let mut seen = Vec::new();
+        let grants: Vec<i64> = items
+            .get(4..)
+            .unwrap_or_default()
+            .iter()
+            .map(|r| match r {
+                Reply::Int(n) => *n,
+                _ => 0,
+            })
+            .collect();
+        let call = (
+            e.generation,
+            key.clone(),
+            e.args.get(7).cloned().unwrap_or_default(),
+            e.args.get(8).cloned().unwrap_or_default(),
+        );
+        let replayed = grants.get(3) == Some(&1);
+        let given: Vec<i64> = grants.chunks(4).map(|c| c[0]).collect();
+        if replayed {
+            if self.key_calls.get(&call) != Some(&given) {
+                self.violations.push(format!(
+                    "a resend of key pull {} of {} was answered {given:?}, the call got {:?} (generation {}, at {} µs)",
+                    String::from_utf8_lossy(&call.3),
+                    String::from_utf8_lossy(&key),
+                    self.key_calls.get(&call),
+                    e.generation,
+                    e.now_us
+                ));
+            }
+            return;
+        }
+        if given.iter().any(|g| *g > 0) {
+            self.key_calls.insert(call, given.clone());
+        }
         for (k, pair) in pairs.chunks(2).enumerate() {
             let Some(digest) = pair.get(1) else { break };
-            // The same key twice in one call is one key (its first answer counts).
-            if seen.contains(digest) {
-                continue;
-            }
-            seen.push(digest.clone());
-            let g = |j: usize| match grants.get(4 * k + j) {
-                Some(Reply::Int(n)) => *n,
-                _ => 0,
-            };
-            let (granted, cap, replayed) = (g(0), g(2), g(3));
-            if granted <= 0 || replayed == 1 {
+            let granted = given.get(k).copied().unwrap_or(0);
+            if granted <= 0 {
                 continue;
             }
             self.key_granted += granted as u64;
-            self.last_grant_ms
-                .insert(key.clone(), e.now_us.div_euclid(1000));
+            self.last_grant_ms.insert(key.clone(), now_ms);
             let l = self
                 .key_ledger
                 .entry((e.generation, key.clone(), digest.clone()))
                 .or_default();
             l.0 += granted as u64;
-            l.1 = l.1.max(cap.max(0) as u64);
+            l.1 = l.1.max(slice_cap);
             if l.0 > l.1 {
                 self.violations.push(format!(
                     "key grants over the key's cap: {} key {} granted {} of cap {} (generation {}, at {} µs)",
@@ -513,8 +672,9 @@ impl Checker {
         }
     }
 
-    /// LEASE: a host's holding grows only while every live holding together stays within the
-    /// task's threshold (read from the stored hashes, not from the script's reply).
+    /// LEASE: a host's holding grows only while the holdings alive — each from the call that
+    /// set it until `lease_ms` later, as the checker itself counts it, not as the script stored
+    /// it — add up to at most the task's threshold (read from the meta).
     fn observe_lease(&mut self, e: &Event<'_>, now_ms: i64) {
         // EVALSHA sha 2 meta lease host want seq
         let (Some(meta_key), Some(lease_key), Some(host)) =
@@ -522,40 +682,36 @@ impl Checker {
         else {
             return;
         };
+        if int_at(e.reply, 0) != Some(1) {
+            return;
+        }
         let cap = field(e.keyspace, meta_key, "threshold", now_ms)
             .and_then(|t| t.parse::<i64>().ok())
             .unwrap_or(0);
-        let mut now_held = BTreeMap::new();
-        if let Some(crate::redis::Val::Hash(h)) = e.keyspace.get(lease_key, now_ms).map(|x| &x.val)
-        {
-            for (f, v) in h {
-                let v = String::from_utf8_lossy(v);
-                let mut parts = v.split(':').map(|p| p.parse::<i64>().ok());
-                if let (Some(Some(p)), Some(Some(until))) = (parts.next(), parts.next()) {
-                    now_held.insert(f.clone(), (p, until));
-                }
-            }
-        }
+        let lease_ms = field(e.keyspace, meta_key, "lease_ms", now_ms)
+            .and_then(|t| t.parse::<i64>().ok())
+            .filter(|t| *t > 0)
+            .unwrap_or(10_000);
+        let held = int_at(e.reply, 1).unwrap_or(0);
         let slot = (e.generation, lease_key.clone());
-        let before = self
-            .leases
-            .get(&slot)
-            .and_then(|m| m.get(host))
+        let hosts = self.leases.entry(slot).or_default();
+        let before = hosts
+            .get(host)
             .filter(|(_, until)| *until > now_ms)
             .map_or(0, |(p, _)| *p);
-        let after = now_held.get(host).map_or(0, |(p, _)| *p);
-        if after > 0 {
+        hosts.insert(host.clone(), (held, now_ms + lease_ms));
+        if held > 0 {
             self.last_grant_ms.insert(lease_key.clone(), now_ms);
         }
-        if after > before {
-            let live: i64 = now_held
+        if held > before {
+            let live: i64 = hosts
                 .values()
                 .filter(|(_, until)| *until > now_ms)
                 .map(|(p, _)| *p)
                 .sum();
             if live > cap {
                 self.violations.push(format!(
-                    "permits in flight over the threshold: {} holds {live} of {cap} after {} grew {before} → {after} (generation {}, at {} µs)",
+                    "permits in flight over the threshold: {} holds {live} of {cap} after {} grew {before} → {held} (generation {}, at {} µs)",
                     String::from_utf8_lossy(lease_key),
                     String::from_utf8_lossy(host),
                     e.generation,
@@ -563,7 +719,77 @@ impl Checker {
                 ));
             }
         }
-        self.leases.insert(slot, now_held);
+    }
+
+    /// Locks: at most one holder at a time — a holder holds from its acquisition until its TTL
+    /// (renewals extend it) or its release, as the checker counts it.
+    fn observe_lock(&mut self, e: &Event<'_>, now_ms: i64, op: LockOp) {
+        let key = e.args.get(3).cloned().unwrap_or_default();
+        let holder = self.holders.get(&(e.generation, key.clone())).cloned();
+        match op {
+            LockOp::Acquire => {
+                // EVALSHA sha 2 lock counter owner ttl
+                if int_at(e.reply, 0) != Some(1) {
+                    return;
+                }
+                let owner = e.args.get(5).cloned().unwrap_or_default();
+                let ttl = e
+                    .args
+                    .get(6)
+                    .and_then(|t| std::str::from_utf8(t).ok()?.parse::<i64>().ok())
+                    .unwrap_or(0);
+                let token = int_at(e.reply, 1).unwrap_or(0);
+                if let Some((o, t, until)) = &holder
+                    && *o != owner
+                    && *until >= now_ms
+                {
+                    self.violations.push(format!(
+                        "lock {} acquired by {} (token {token}) while {} (token {t}) held it until {until} (generation {}, at {} µs)",
+                        String::from_utf8_lossy(&key),
+                        String::from_utf8_lossy(&owner),
+                        String::from_utf8_lossy(o),
+                        e.generation,
+                        e.now_us
+                    ));
+                }
+                self.holders
+                    .insert((e.generation, key), (owner, token, now_ms + ttl));
+            }
+            LockOp::Renew | LockOp::Release => {
+                // EVALSHA sha 1 lock token [ttl]
+                if e.reply != &Reply::Int(1) {
+                    return;
+                }
+                let token = e
+                    .args
+                    .get(4)
+                    .and_then(|t| std::str::from_utf8(t).ok()?.parse::<i64>().ok())
+                    .unwrap_or(-1);
+                match &holder {
+                    Some((o, t, until)) if *t == token && *until >= now_ms => {
+                        let slot = (e.generation, key);
+                        if op == LockOp::Release {
+                            self.holders.remove(&slot);
+                        } else {
+                            let ttl = e
+                                .args
+                                .get(5)
+                                .and_then(|t| std::str::from_utf8(t).ok()?.parse::<i64>().ok())
+                                .unwrap_or(0);
+                            self.holders.insert(slot, (o.clone(), *t, now_ms + ttl));
+                        }
+                    }
+                    other => self.violations.push(format!(
+                        "lock {} {:?} with token {token} succeeded; the holder was {:?} (generation {}, at {} µs)",
+                        String::from_utf8_lossy(&key),
+                        op,
+                        other.as_ref().map(|(o, t, u)| (String::from_utf8_lossy(o).into_owned(), *t, *u)),
+                        e.generation,
+                        e.now_us
+                    )),
+                }
+            }
+        }
     }
 }
 
@@ -611,6 +837,8 @@ impl Link {
         });
     }
 }
+
+type SharedRef = Arc<Shared>;
 
 /// What every actor's connections share.
 struct Shared {
@@ -737,6 +965,139 @@ async fn leader(
     }
 }
 
+/// etcd's current revision as the roller asks for it: above every spec version and term of
+/// the world (one etcd history per epoch).
+struct Revisions(Arc<Mutex<Control>>);
+
+impl sluice_manager::roller::CurrentRevision for Revisions {
+    async fn current_revision(&self) -> sluice_manager::error::Result<i64> {
+        let c = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(c.revision.max(c.term))
+    }
+}
+
+fn spec_json(i: usize, threshold: u64) -> String {
+    match kind(i) {
+        Kind::Keyed => format!(r#"{{"threshold":{threshold},"slice_ms":{SLICE_MS},"keyed":true}}"#),
+        Kind::Pooled => format!(r#"{{"threshold":{threshold},"slice_ms":{SLICE_MS}}}"#),
+        Kind::Concurrency => {
+            format!(r#"{{"threshold":{threshold},"mode":"concurrency","lease_ms":{LEASE_MS}}}"#)
+        }
+    }
+}
+
+/// The task snapshot a leader rolls: what etcd holds now.
+fn snapshot(c: &Control) -> Arc<sluice_manager::tasks::TaskSnapshot> {
+    use sluice_manager::tasks::{TaskEntry, TaskSnapshot};
+    let mut tasks = BTreeMap::new();
+    for (i, (version, threshold)) in c.specs.iter().enumerate() {
+        if c.deleted[i] {
+            continue;
+        }
+        let name = task_name(i);
+        let spec = sluice_manager::spec::parse_stored(&name, spec_json(i, *threshold).as_bytes())
+            .unwrap_or_else(|e| panic!("the world's spec of {name} is invalid: {e:?}"));
+        let schedule = Arc::new(sluice_manager::schedule::CompiledSchedule::new(
+            &spec.schedules,
+        ));
+        tasks.insert(
+            name.clone(),
+            Arc::new(TaskEntry {
+                name,
+                spec,
+                version: *version,
+                created: c.created[i],
+                schedule,
+            }),
+        );
+    }
+    Arc::new(TaskSnapshot {
+        tasks,
+        invalid: BTreeMap::new(),
+        revision: c.revision,
+        loaded: true,
+    })
+}
+
+/// A manager replica running the manager's own roller (`Roller::tick`, unchanged) over a
+/// simulated connection: a new `Roller` per leadership, as the manager makes one; a tick every
+/// 500 ms; stepping down when fenced. Its clock is the world's (`unix_ms` reads it on this
+/// thread), without skew.
+async fn manager_leader(
+    id: usize,
+    w: SharedRef,
+    control: Arc<Mutex<Control>>,
+    end_ms: i64,
+    seed: u64,
+) {
+    use sluice_manager::roller::{RollConfig, Roller};
+    let keys = Keys::new(NS).expect("namespace");
+    let metrics = Arc::new(sluice_manager::metrics::Metrics::new());
+    let (alerts, _alert_rx) = sluice_manager::alerts::channel(metrics.clone());
+    let mut rng = Rng::new(seed);
+    let conn = w.redis.conn().reconnecting().with_faults(Faults {
+        rng: Rng::new(rng.next_u64()),
+        on: w.faults_on.clone(),
+        log: w.log.clone(),
+        clock: w.clock.clone(),
+        start_ms: w.start_ms,
+    });
+    let redis = Arc::new(sluice_protocol::conn::Redis::shared(conn));
+    let cfg = RollConfig {
+        horizon: Duration::from_millis(HORIZON_MS as u64),
+        retention: Duration::from_millis(RETENTION_MS as u64),
+        tick: Duration::from_millis(TICK_MS),
+        fence_stale_after: Duration::from_millis(MANAGER_STALE_AFTER_MS),
+    };
+    let notice_ms = rng.range(0, 3000);
+    let mut lost_since: Option<i64> = None;
+    let mut leading: Option<(Roller, sluice_manager::election::LeaderContext, i64, u64)> = None;
+    let revisions = Revisions(control.clone());
+    loop {
+        let now = w.clock.now_us() / 1000;
+        if now >= end_ms {
+            return;
+        }
+        let (term, epoch, holder, snap) = {
+            let c = control.lock().unwrap_or_else(|e| e.into_inner());
+            (c.term, c.epoch, c.holder, snapshot(&c))
+        };
+        if holder == Some(id) && leading.as_ref().map(|l| (l.2, l.3)) != Some((term, epoch)) {
+            let (ctx, _) = sluice_manager::election::LeaderContext::for_test(
+                term,
+                epoch,
+                Duration::from_secs(86_400),
+            );
+            let roller = Roller::new(
+                keys.clone(),
+                redis.clone(),
+                cfg,
+                metrics.clone(),
+                alerts.clone(),
+            );
+            leading = Some((roller, ctx, term, epoch));
+            lost_since = None;
+        }
+        if holder != Some(id) && leading.is_some() {
+            let since = *lost_since.get_or_insert(now);
+            if now - since >= notice_ms {
+                leading = None;
+            }
+        }
+        if let Some((roller, ctx, _, _)) = &mut leading {
+            // Fenced: a newer leader of this history holds a task — step down (the manager's
+            // `Roller::run` does the same). Other errors end the tick; the next one retries.
+            if let Err(sluice_manager::error::Error::Fenced { .. }) = roller
+                .tick(ctx, &revisions, &snap, &std::collections::HashMap::new())
+                .await
+            {
+                leading = None;
+            }
+        }
+        sleep_ms(TICK_MS).await;
+    }
+}
+
 /// A worker host: asks for permits of the current slice of a random task — PULL for a pooled
 /// task, KPULL for a few keys of a keyed one, LEASE (absolute holdings, a sequence number) for
 /// a concurrency task — and resends a call whose reply was lost with the same request id (or
@@ -840,6 +1201,9 @@ async fn locker(host: usize, mut link: Link, clock: Arc<TokioClock>, end_ms: i64
         match lease::lock_acquire(&mut link.conn, &keys, "lk", &owner, ttl).await {
             Ok(lease::LockReply::Acquired { token }) => {
                 let hold = link.rng.range(10, ttl as i64 * 2) as u64;
+                // Not past the run's end (the liveness checks read the last seconds).
+                let left = (end_ms - clock.now_us() / 1000).max(0) as u64;
+                let hold = hold.min(left);
                 sleep_ms(hold / 2).await;
                 if link.rng.chance(0.5) {
                     let _ = lease::lock_renew(&mut link.conn, &keys, "lk", token, ttl).await;
@@ -899,6 +1263,9 @@ async fn chaos(
             return;
         }
         // A snapshot every step: what a lagging replica or an old dump holds.
+        // (Expired keys dropped first, as Redis's active expiry does: a long run's memory stays
+        // flat and a snapshot copies only live keys.)
+        redis.purge_expired();
         snapshots.push((now, redis.snapshot()));
         if snapshots.len() > 20 {
             snapshots.remove(0);
@@ -916,11 +1283,21 @@ async fn chaos(
                     c.holder = None;
                 }
                 if let Some(g) = gap {
-                    sleep_ms(g).await;
+                    // A gap ends by the quiet tail (whose liveness checks need a leader).
+                    let left = (quiet_from - clock.now_us() / 1000).max(0) as u64;
+                    sleep_ms(g.min(left)).await;
                 }
                 let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
                 c.term += 1;
                 c.holder = Some(next);
+                if cfg.verbose {
+                    eprintln!(
+                        "{} world: election: term {} epoch {} replica {next}",
+                        clock.now_us(),
+                        c.term,
+                        c.epoch
+                    );
+                }
             }
             // Another etcd cluster (a rebuilt one): a new epoch, terms start low again.
             12 if cfg.faults && rng.chance(0.3) => {
@@ -941,8 +1318,37 @@ async fn chaos(
                 count("spec change");
                 let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
                 let i = rng.below(c.specs.len() as u64) as usize;
-                c.specs[i].0 += 1;
-                c.specs[i].1 = rng.range(5, 60) as u64;
+                c.revision += 1;
+                let rev = c.revision;
+                // With the manager's roller: a task deleted now and then (a retire is owed,
+                // also when no leader runs), and created again later (a new incarnation).
+                if cfg.manager_roller && rng.chance(0.25) {
+                    if c.deleted[i] {
+                        c.deleted[i] = false;
+                        c.created[i] = rev;
+                        c.specs[i].0 = rev;
+                    } else {
+                        c.deleted[i] = true;
+                    }
+                } else {
+                    // A spec written for a deleted name creates it again (a new incarnation).
+                    if c.deleted[i] {
+                        c.deleted[i] = false;
+                        c.created[i] = rev;
+                    }
+                    c.specs[i].0 = rev;
+                    c.specs[i].1 = rng.range(5, 60) as u64;
+                }
+                if cfg.verbose {
+                    eprintln!(
+                        "{} world: t{i} {} at revision {rev} (term {}, epoch {}, holder {:?})",
+                        clock.now_us(),
+                        if c.deleted[i] { "deleted" } else { "spec" },
+                        c.term,
+                        c.epoch,
+                        c.holder
+                    );
+                }
             }
             // (A fault's arm asks the log whether it may apply; when not, the `_` arm does
             // nothing, and nothing else differs.)
@@ -1023,8 +1429,19 @@ async fn run_in(cfg: Config) -> Outcome {
         lock_sha: sha1_hex(lease::LOCK_ACQUIRE_LUA),
         hash: 0xcbf2_9ce4_8422_2325,
         commands: 0,
+        stale_after_ms: if cfg.manager_roller {
+            MANAGER_STALE_AFTER_MS
+        } else {
+            STALE_AFTER_MS
+        },
+        pulls: BTreeMap::new(),
+        key_calls: BTreeMap::new(),
+        holders: BTreeMap::new(),
+        lock_renew_sha: sha1_hex(lease::LOCK_RENEW_LUA),
+        lock_release_sha: sha1_hex(lease::LOCK_RELEASE_LUA),
         ledger: BTreeMap::new(),
         across: BTreeMap::new(),
+        overgrant_pruned: 0,
         fences: BTreeMap::new(),
         tokens: BTreeMap::new(),
         tokens_issued: 0,
@@ -1037,8 +1454,13 @@ async fn run_in(cfg: Config) -> Outcome {
     let specs = (0..cfg.tasks)
         .map(|_| (1, rng.range(5, 60) as u64))
         .collect();
+    let deleted = vec![false; cfg.tasks];
+    let created = vec![1; cfg.tasks];
     let control = Arc::new(Mutex::new(Control {
         specs,
+        deleted,
+        created,
+        revision: 1,
         term: 1,
         holder: Some(0),
         epoch: 1,
@@ -1049,18 +1471,32 @@ async fn run_in(cfg: Config) -> Outcome {
         ..FaultLog::default()
     }));
     let start_ms = start_us / 1000;
-    let shared = Shared {
+    let shared = Arc::new(Shared {
         redis: redis.clone(),
         faults_on: faults_on.clone(),
         log: log.clone(),
         clock: clock.clone(),
         start_ms,
-    };
+    });
+    // The manager's code reads `unix_ms()`: on this thread, the world's clock.
+    let world_clock = clock.clone();
+    sluice_protocol::sim_clock::set(Some(Arc::new(move || world_clock.now_us() / 1000)));
     let end_ms = start_ms + cfg.duration_ms as i64;
     let mut handles = Vec::new();
     for id in 0..cfg.leaders {
         let link = Link::new(&shared, rng.next_u64());
         let skew = if cfg.faults { rng.range(-200, 200) } else { 0 };
+        if cfg.manager_roller {
+            let seed = link.rng.clone().next_u64();
+            handles.push(tokio::spawn(manager_leader(
+                id,
+                shared.clone(),
+                control.clone(),
+                end_ms,
+                seed,
+            )));
+            continue;
+        }
         handles.push(tokio::spawn(leader(
             id,
             link,
@@ -1105,19 +1541,36 @@ async fn run_in(cfg: Config) -> Outcome {
             outcome.violations.push(format!("an actor panicked: {e}"));
         }
     }
+    sluice_protocol::sim_clock::set(None);
     // Liveness: the quiet tail had a leader at the latest specs, and grants.
     let keys = Keys::new(NS).expect("namespace");
     let now_ms = clock.now_us() / 1000;
     let ks = redis.keyspace();
-    let specs = control
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .specs
-        .clone();
+    let (specs, deleted, epoch) = {
+        let c = control.lock().unwrap_or_else(|e| e.into_inner());
+        (c.specs.clone(), c.deleted.clone(), c.epoch)
+    };
     let c = checker.lock().unwrap_or_else(|e| e.into_inner());
     for (i, (version, threshold)) in specs.iter().enumerate() {
         let task = task_name(i);
         let meta_key = keys.meta(&task);
+        if deleted[i] {
+            // Every deleted task eventually retired: its meta a tombstone (or gone), and no
+            // slice of it alive that a leader wrote after the deletion.
+            let retired = field(&ks, meta_key.as_bytes(), "retired", now_ms);
+            let has_meta = ks.get(meta_key.as_bytes(), now_ms).is_some();
+            // A live meta of an earlier epoch (it came back from before the etcd was
+            // rebuilt) is left alone by design (docs/operations.md: a task another etcd
+            // cluster wrote is not this one's to judge).
+            let stored_epoch = field(&ks, meta_key.as_bytes(), "epoch", now_ms);
+            let foreign = stored_epoch.is_some_and(|e| e != epoch.to_string());
+            if has_meta && retired.is_none() && !foreign {
+                outcome.violations.push(format!(
+                    "retire: {task} was deleted, and its meta is not a tombstone at the end"
+                ));
+            }
+            continue;
+        }
         let stored = field(&ks, meta_key.as_bytes(), "version", now_ms);
         if stored.as_deref() != Some(&version.to_string()) {
             outcome.violations.push(format!(
@@ -1126,14 +1579,24 @@ async fn run_in(cfg: Config) -> Outcome {
         }
         let last = now_ms - 1500;
         let slice = keys.slice(&task, last - last.rem_euclid(SLICE_MS as i64));
-        let cap = field(&ks, slice.as_bytes(), "cap", now_ms);
+        // A concurrency task has no slices (the manager writes none): its meta's threshold.
+        let (what, cap) = if kind(i) == Kind::Concurrency {
+            (
+                meta_key.clone(),
+                field(&ks, meta_key.as_bytes(), "threshold", now_ms),
+            )
+        } else {
+            (slice.clone(), field(&ks, slice.as_bytes(), "cap", now_ms))
+        };
+        let slice = what;
         if cap.as_deref() != Some(&threshold.to_string()) {
             outcome.violations.push(format!(
                 "liveness: {task}'s slice {slice} holds cap {cap:?} at the end, the spec says {threshold}"
             ));
         }
+        // The last 3 s before the run's end (actors finishing a call may run past it).
         let granted_late = c.last_grant_ms.iter().any(|(k, t)| {
-            k.starts_with(format!("{NS}:{{{task}}}:").as_bytes()) && *t >= now_ms - 3000
+            k.starts_with(format!("{NS}:{{{task}}}:").as_bytes()) && *t >= end_ms - 3000
         });
         if !granted_late {
             outcome.violations.push(format!(
@@ -1145,11 +1608,11 @@ async fn run_in(cfg: Config) -> Outcome {
     outcome.commands = c.commands;
     outcome.granted = c.granted + c.key_granted;
     outcome.tokens = c.tokens_issued;
-    outcome.lost_data_overgrant = c
-        .across
-        .values()
-        .map(|(g, cap)| g.saturating_sub(*cap))
-        .sum();
+    outcome.lost_data_overgrant = c.overgrant_pruned
+        + c.across
+            .values()
+            .map(|(g, cap)| g.saturating_sub(*cap))
+            .sum::<u64>();
     outcome.violations.extend(c.violations.iter().cloned());
     {
         let l = log.lock().unwrap_or_else(|e| e.into_inner());

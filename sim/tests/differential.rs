@@ -903,10 +903,11 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
             // Damage, now and then: what a worker must survive reading (a field changed by
             // hand, a key lost or expiring).
             if rng.chance(0.3) {
-                let k = if rng.chance(0.5) {
-                    keys.meta(task)
-                } else {
-                    keys.slice(task, start)
+                let k = match rng.below(5) {
+                    0 | 1 => keys.meta(task),
+                    2 => keys.key_slices(task, start),
+                    3 => keys.lease(task),
+                    _ => keys.slice(task, start),
                 };
                 let v: redis::RedisResult<Value> = match rng.below(3) {
                     0 => redis::cmd("DEL").arg(&k).query_async(c).await,
@@ -917,12 +918,29 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
                                 "cap",
                                 "rem",
                                 "term",
+                                "epoch",
+                                "fenced_ms",
+                                "fence_ttl",
+                                "rolled_to",
                                 "version",
-                                "lazy_until",
+                                "lz_cap",
+                                "lz_from",
+                                "lz_until",
+                                "lz_exp",
                                 "slice_ms",
                                 "mode",
+                                "retired",
                             ]))
-                            .arg(*rng.pick(&["0", "-1", "x", "99999999999999999999", "7"]))
+                            .arg(*rng.pick(&[
+                                "0",
+                                "-1",
+                                "x",
+                                "99999999999999999999",
+                                "7",
+                                "9007199254740993",
+                                "1e3",
+                                "",
+                            ]))
                             .query_async(c)
                             .await
                     }

@@ -224,9 +224,10 @@ impl SimRedis {
     /// A new client connection.
     pub fn conn(&self) -> SimConn {
         SimConn {
-            generation: self.lock().generation,
+            generation: Arc::new(std::sync::atomic::AtomicU64::new(self.lock().generation)),
             redis: self.clone(),
             faults: None,
+            reconnect: false,
         }
     }
 
@@ -275,6 +276,12 @@ impl SimRedis {
     pub fn exec_str(&self, args: &[&str]) -> Reply {
         let args: Vec<Vec<u8>> = args.iter().map(|a| a.as_bytes().to_vec()).collect();
         self.exec(&args)
+    }
+
+    /// Drops every expired key now (Redis's active expiry; nothing a client sees changes).
+    pub fn purge_expired(&self) {
+        let now_ms = self.clock.now_us().div_euclid(1000);
+        self.lock().ks.purge_expired(now_ms);
     }
 
     /// The data now (a copy).
@@ -473,11 +480,16 @@ impl Server {
 /// A client connection to a [`SimRedis`]: a [`redis::aio::ConnectionLike`].
 ///
 /// A connection opened before a restart, failover or stop is broken for good (every command
-/// fails with an I/O error), as a TCP connection to the old process would be.
+/// fails with an I/O error), as a TCP connection to the old process would be — unless it was
+/// made [`SimConn::reconnecting`]: then, as the `redis` crate's `ConnectionManager`, the
+/// command that finds it broken fails and the next one goes to the server as it is now.
+/// Clones share the connection (its state and its faults).
+#[derive(Clone)]
 pub struct SimConn {
     redis: SimRedis,
-    generation: u64,
-    faults: Option<Box<dyn FaultPlan>>,
+    generation: Arc<std::sync::atomic::AtomicU64>,
+    faults: Option<Arc<Mutex<Box<dyn FaultPlan>>>>,
+    reconnect: bool,
 }
 
 impl fmt::Debug for SimConn {
@@ -485,6 +497,7 @@ impl fmt::Debug for SimConn {
         f.debug_struct("SimConn")
             .field("redis", &self.redis)
             .field("generation", &self.generation)
+            .field("reconnect", &self.reconnect)
             .finish()
     }
 }
@@ -509,14 +522,23 @@ fn args_of(cmd: &Cmd) -> Vec<Vec<u8>> {
 impl SimConn {
     /// This connection with `plan` choosing each command's fault.
     pub fn with_faults(mut self, plan: impl FaultPlan + 'static) -> Self {
-        self.faults = Some(Box::new(plan));
+        self.faults = Some(Arc::new(Mutex::new(Box::new(plan))));
+        self
+    }
+
+    /// This connection, coming back by itself after the server broke it (see the type's docs).
+    pub fn reconnecting(mut self) -> Self {
+        self.reconnect = true;
         self
     }
 
     /// Runs one command through the connection's faults.
     async fn run(&mut self, args: Vec<Vec<u8>>) -> Result<Reply, RedisError> {
-        let fault = match &mut self.faults {
-            Some(plan) => plan.on_command(&args),
+        let fault = match &self.faults {
+            Some(plan) => plan
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .on_command(&args),
             None => Fault::Deliver,
         };
         if let Fault::DelayRequest(d) = fault {
@@ -534,7 +556,12 @@ impl SimConn {
         let reply = {
             let now_us = self.redis.now_us();
             let mut s = self.redis.lock();
-            if !s.up || s.generation != self.generation {
+            let mine = self.generation.load(std::sync::atomic::Ordering::SeqCst);
+            if !s.up || s.generation != mine {
+                if self.reconnect && s.up {
+                    self.generation
+                        .store(s.generation, std::sync::atomic::Ordering::SeqCst);
+                }
                 return Err(io_error(
                     "connection broken (the server restarted or stopped)",
                 ));
@@ -552,6 +579,12 @@ impl SimConn {
             }
             _ => Ok(reply),
         }
+    }
+}
+
+impl sluice_protocol::conn::SharedConn for SimConn {
+    fn clone_conn(&self) -> Box<dyn sluice_protocol::conn::SharedConn> {
+        Box::new(self.clone())
     }
 }
 

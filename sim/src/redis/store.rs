@@ -388,12 +388,16 @@ impl Keyspace {
                     if n <= 0 {
                         return Err(Reply::err("ERR invalid expire time in 'set' command"));
                     }
-                    expire_at = Some(match opt.as_str() {
-                        "PX" => now + n,
-                        "EX" => now + n * 1000,
-                        "PXAT" => n,
-                        _ => n * 1000,
-                    });
+                    let at = match opt.as_str() {
+                        "PX" => now.checked_add(n),
+                        "EX" => n.checked_mul(1000).and_then(|ms| now.checked_add(ms)),
+                        "PXAT" => Some(n),
+                        _ => n.checked_mul(1000),
+                    };
+                    expire_at =
+                        Some(at.ok_or_else(|| {
+                            Reply::err("ERR invalid expire time in 'set' command")
+                        })?);
                     i += 1;
                 }
                 _ => return Err(Reply::syntax()),
