@@ -246,11 +246,11 @@ impl FaultPlan for Faults {
             10..=19 => ("lose reply", Fault::LoseReply),
             20..=39 => (
                 "delay reply",
-                Fault::DelayReply(Duration::from_millis(self.rng.range(1, 400) as u64)),
+                Fault::DelayReply(Duration::from_millis(self.rng.range_i(1, 400) as u64)),
             ),
             40..=49 => (
                 "delay request",
-                Fault::DelayRequest(Duration::from_millis(self.rng.range(1, 400) as u64)),
+                Fault::DelayRequest(Duration::from_millis(self.rng.range_i(1, 400) as u64)),
             ),
             _ => return Fault::Deliver,
         };
@@ -870,7 +870,7 @@ async fn leader(
     let mut rolled: Vec<(i64, bool, i64, i64)> = vec![(0, true, 0, 0); tasks];
     // How long this replica goes on believing it leads after it lost the election (a paused
     // process, a slow lease expiry): its writes meanwhile meet the fence.
-    let notice_ms = link.rng.range(0, 3000);
+    let notice_ms = link.rng.range_i(0, 3000);
     let mut lost_since: Option<i64> = None;
     loop {
         let now = clock.now_us() / 1000 + skew_ms;
@@ -1049,7 +1049,7 @@ async fn manager_leader(
         tick: Duration::from_millis(TICK_MS),
         fence_stale_after: Duration::from_millis(MANAGER_STALE_AFTER_MS),
     };
-    let notice_ms = rng.range(0, 3000);
+    let notice_ms = rng.range_i(0, 3000);
     let mut lost_since: Option<i64> = None;
     let mut leading: Option<(Roller, sluice_manager::election::LeaderContext, i64, u64)> = None;
     let revisions = Revisions(control.clone());
@@ -1125,9 +1125,9 @@ async fn worker(
         let start = now - now.rem_euclid(SLICE_MS as i64);
         seq += 1;
         let rid = format!("{seq}");
-        let want = link.rng.range(1, 4) as u64;
+        let want = link.rng.range_i(1, 4) as u64;
         let version = control.lock().unwrap_or_else(|e| e.into_inner()).specs[i].0;
-        let digests: Vec<String> = (0..link.rng.range(1, 3))
+        let digests: Vec<String> = (0..link.rng.range_i(1, 3))
             .map(|_| format!("d{}", link.rng.below(8)))
             .collect();
         let wants: Vec<KeyWant<'_>> = digests
@@ -1178,7 +1178,7 @@ async fn worker(
                 }
             }
         }
-        let pause = link.rng.range(5, 60) as u64;
+        let pause = link.rng.range_i(5, 60) as u64;
         sleep_ms(pause).await;
     }
 }
@@ -1197,10 +1197,10 @@ async fn locker(host: usize, mut link: Link, clock: Arc<TokioClock>, end_ms: i64
             attempt += 1;
             format!("h{host}:{attempt}")
         });
-        let ttl = link.rng.range(200, 1500) as u64;
+        let ttl = link.rng.range_i(200, 1500) as u64;
         match lease::lock_acquire(&mut link.conn, &keys, "lk", &owner, ttl).await {
             Ok(lease::LockReply::Acquired { token }) => {
-                let hold = link.rng.range(10, ttl as i64 * 2) as u64;
+                let hold = link.rng.range_i(10, ttl as i64 * 2) as u64;
                 // Not past the run's end (the liveness checks read the last seconds).
                 let left = (end_ms - clock.now_us() / 1000).max(0) as u64;
                 let hold = hold.min(left);
@@ -1217,7 +1217,7 @@ async fn locker(host: usize, mut link: Link, clock: Arc<TokioClock>, end_ms: i64
                 resend = Some(owner);
             }
         }
-        let pause = link.rng.range(5, 300) as u64;
+        let pause = link.rng.range_i(5, 300) as u64;
         sleep_ms(pause).await;
     }
 }
@@ -1270,13 +1270,13 @@ async fn chaos(
         if snapshots.len() > 20 {
             snapshots.remove(0);
         }
-        let wait = rng.range(200, 4000) as u64;
+        let wait = rng.range_i(200, 4000) as u64;
         sleep_ms(wait).await;
         match rng.below(100) {
             // Elections: leadership moves (a new term), sometimes through a gap.
             0..=11 => {
                 count("election");
-                let gap = rng.chance(0.4).then(|| rng.range(100, 6000) as u64);
+                let gap = rng.chance(0.4).then(|| rng.range_i(100, 6000) as u64);
                 let next = rng.below(cfg.leaders as u64) as usize;
                 {
                     let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
@@ -1301,7 +1301,7 @@ async fn chaos(
             }
             // Another etcd cluster (a rebuilt one): a new epoch, terms start low again.
             12 if cfg.faults && rng.chance(0.3) => {
-                let term = rng.range(1, 3);
+                let term = rng.range_i(1, 3);
                 let holder = rng.below(cfg.leaders as u64) as usize;
                 if admit(
                     "new epoch",
@@ -1337,7 +1337,7 @@ async fn chaos(
                         c.created[i] = rev;
                     }
                     c.specs[i].0 = rev;
-                    c.specs[i].1 = rng.range(5, 60) as u64;
+                    c.specs[i].1 = rng.range_i(5, 60) as u64;
                 }
                 if cfg.verbose {
                     eprintln!(
@@ -1376,13 +1376,13 @@ async fn chaos(
                 }
             }
             32..=35 if cfg.faults => {
-                let ms = rng.range(50, 3000);
+                let ms = rng.range_i(50, 3000);
                 if admit("DEBUG SLEEP", format!("DEBUG SLEEP {ms} ms")) {
                     redis.sleep_for(ms * 1000);
                 }
             }
             36..=37 if cfg.faults => {
-                let ms = rng.range(100, 3000) as u64;
+                let ms = rng.range_i(100, 3000) as u64;
                 if admit("stopped", format!("stopped for {ms} ms")) {
                     redis.stop();
                     sleep_ms(ms).await;
@@ -1452,7 +1452,7 @@ async fn run_in(cfg: Config) -> Outcome {
     }));
     redis.set_observer(checker.clone());
     let specs = (0..cfg.tasks)
-        .map(|_| (1, rng.range(5, 60) as u64))
+        .map(|_| (1, rng.range_i(5, 60) as u64))
         .collect();
     let deleted = vec![false; cfg.tasks];
     let created = vec![1; cfg.tasks];
@@ -1485,7 +1485,11 @@ async fn run_in(cfg: Config) -> Outcome {
     let mut handles = Vec::new();
     for id in 0..cfg.leaders {
         let link = Link::new(&shared, rng.next_u64());
-        let skew = if cfg.faults { rng.range(-200, 200) } else { 0 };
+        let skew = if cfg.faults {
+            rng.range_i(-200, 200)
+        } else {
+            0
+        };
         if cfg.manager_roller {
             let seed = link.rng.clone().next_u64();
             handles.push(tokio::spawn(manager_leader(
@@ -1509,7 +1513,11 @@ async fn run_in(cfg: Config) -> Outcome {
     }
     for host in 0..cfg.hosts {
         let link = Link::new(&shared, rng.next_u64());
-        let skew = if cfg.faults { rng.range(-150, 150) } else { 0 };
+        let skew = if cfg.faults {
+            rng.range_i(-150, 150)
+        } else {
+            0
+        };
         handles.push(tokio::spawn(worker(
             host,
             link,

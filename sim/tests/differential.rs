@@ -531,7 +531,7 @@ impl World {
                 let mut meta = meta(rng, slice_ms, 1);
                 if i == 2 && rng.chance(0.7) {
                     meta.mode = Mode::Concurrency;
-                    meta.lease_ms = rng.range(200, 2000) as u64;
+                    meta.lease_ms = rng.range_i(200, 2000) as u64;
                     meta.keyed = false;
                     meta.key_overrides.clear();
                 }
@@ -552,7 +552,7 @@ impl World {
             tasks,
             term: 1,
             epoch: 1,
-            stale_after_ms: rng.range(300, 3000) as u64,
+            stale_after_ms: rng.range_i(300, 3000) as u64,
         }
     }
 }
@@ -580,7 +580,7 @@ fn meta(rng: &mut Rng, slice_ms: u64, version: i64) -> TaskMeta {
         fallback: Fallback::default(),
         version,
         lease_ms: if mode == Mode::Concurrency {
-            rng.range(100, 2000) as u64
+            rng.range_i(100, 2000) as u64
         } else {
             0
         },
@@ -654,9 +654,9 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
         leader.clone()
     } else {
         Fence {
-            term: rng.range(1, w.term + 1),
-            epoch: rng.range(1, w.epoch as i64 + 1) as u64,
-            stale_after_ms: rng.range(200, 3000) as u64,
+            term: rng.range_i(1, w.term + 1),
+            epoch: rng.range_i(1, w.epoch as i64 + 1) as u64,
+            stale_after_ms: rng.range_i(200, 3000) as u64,
         }
     };
     let t = &mut w.tasks[ti];
@@ -675,7 +675,7 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
         0..=4 => {
             let full = rng.chance(0.3) || t.rolled_to < base;
             let first = if full { base } else { t.rolled_to.max(base) };
-            let n = rng.range(if full { 1 } else { 0 }, 4);
+            let n = rng.range_i(if full { 1 } else { 0 }, 4);
             let cap = if rng.chance(0.8) {
                 t.meta.threshold
             } else {
@@ -687,7 +687,7 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
                     SliceWrite {
                         start_ms: s,
                         cap,
-                        expire_at_ms: s + slice_ms as i64 + rng.range(200, 3000),
+                        expire_at_ms: s + slice_ms as i64 + rng.range_i(200, 3000),
                     }
                 })
                 .collect();
@@ -697,8 +697,8 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
             let lazy = rng.chance(0.2).then(|| LazyWindow {
                 cap,
                 from_ms: base,
-                until_ms: base + rng.range(1, 6) * slice_ms as i64,
-                expire_after_ms: rng.range(100, 3000) as u64,
+                until_ms: base + rng.range_i(1, 6) * slice_ms as i64,
+                expire_after_ms: rng.range_i(100, 3000) as u64,
                 fence_ttl_ms: *rng.pick(&[0u64, 500, 5000]),
             });
             let extra: Vec<(&'static str, String)> = Vec::new();
@@ -709,12 +709,12 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
                 expect_rolled_to: if rng.chance(0.9) {
                     t.rolled_to
                 } else {
-                    rng.range(0, 5)
+                    rng.range_i(0, 5)
                 },
                 spec_version: if rng.chance(0.9) {
                     version
                 } else {
-                    rng.range(1, version + 1)
+                    rng.range_i(1, version + 1)
                 },
                 new_rolled_to,
                 force: rng.chance(0.05),
@@ -763,8 +763,8 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
                     keys,
                     task,
                     &fence,
-                    rng.range(100, 5000) as u64,
-                    version + rng.range(-1, 1),
+                    rng.range_i(100, 5000) as u64,
+                    version + rng.range_i(-1, 1),
                     rng.chance(0.2),
                 )
                 .await;
@@ -785,13 +785,13 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
             let _ = scripts::pull(c, keys, &req).await;
         }
         10 => {
-            let batch: Vec<(i64, SliceCounters)> = (0..rng.range(1, 3))
+            let batch: Vec<(i64, SliceCounters)> = (0..rng.range_i(1, 3))
                 .map(|i| (start - i * slice_ms as i64, counters(rng)))
                 .collect();
             let _ = scripts::flush(c, keys, task, host, rng.below(4), &batch).await;
         }
         11 | 12 => {
-            let digests: Vec<String> = (0..rng.range(1, 3))
+            let digests: Vec<String> = (0..rng.range_i(1, 3))
                 .map(|_| format!("d{}", rng.below(4)))
                 .collect();
             let wants: Vec<KeyWant<'_>> = digests
@@ -804,7 +804,7 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
             let mv = if rng.chance(0.9) {
                 version
             } else {
-                rng.range(0, version + 1)
+                rng.range_i(0, version + 1)
             };
             let req = KeyPullBatch {
                 task,
@@ -834,16 +834,16 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
                 rng.chance(0.3),
                 &state,
                 rng.chance(0.5).then_some("{\"a\":1}"),
-                rng.range(1, 3) as usize,
+                rng.range_i(1, 3) as usize,
             )
             .await;
         }
         16 => {
-            let starts: Vec<i64> = (0..rng.range(1, 3))
+            let starts: Vec<i64> = (0..rng.range_i(1, 3))
                 .map(|i| start + i * slice_ms as i64)
                 .collect();
             let _ = scripts::read_slices(c, keys, task, &starts).await;
-            let writes = vec![(rng.range(0, 8), vec![b'x'; 3])];
+            let writes = vec![(rng.range_i(0, 8), vec![b'x'; 3])];
             let sec = keys.history(task, "s");
             let min = keys.history(task, "m");
             let _ = scripts::record_history(
@@ -869,11 +869,13 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
                 let _ = lease::lease(c, keys, task, host, rng.below(5), rng.below(4)).await;
             }
             2 => {
-                let _ = lease::lock_acquire(c, keys, task, host, rng.range(50, 2000) as u64).await;
+                let _ =
+                    lease::lock_acquire(c, keys, task, host, rng.range_i(50, 2000) as u64).await;
             }
             3 => {
-                let _ = lease::lock_renew(c, keys, task, rng.below(4), rng.range(50, 2000) as u64)
-                    .await;
+                let _ =
+                    lease::lock_renew(c, keys, task, rng.below(4), rng.range_i(50, 2000) as u64)
+                        .await;
             }
             _ => {
                 let _ = lease::lock_release(c, keys, task, rng.below(4)).await;
@@ -881,11 +883,11 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
         },
         18 => {
             // Hosts seen at various times, then pruned.
-            let seen = now_ms - rng.range(0, 5000);
+            let seen = now_ms - rng.range_i(0, 5000);
             let doc = if rng.chance(0.8) {
                 format!(
                     "{{\"seen_ms\":{seen},\"offset_ms\":{}}}",
-                    rng.range(-50, 50)
+                    rng.range_i(-50, 50)
                 )
             } else {
                 "not json".into()
@@ -897,7 +899,7 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
                 .query_async(c)
                 .await;
             let hosts: Vec<String> = HOSTS.iter().map(|h| h.to_string()).collect();
-            let _ = scripts::prune_hosts(c, keys, rng.range(500, 4000) as u64, &hosts).await;
+            let _ = scripts::prune_hosts(c, keys, rng.range_i(500, 4000) as u64, &hosts).await;
         }
         _ => {
             // Damage, now and then: what a worker must survive reading (a field changed by
@@ -947,7 +949,7 @@ async fn step(rng: &mut Rng, c: &mut Recorder, keys: &Keys, now_ms: i64, w: &mut
                     _ => {
                         redis::cmd("PEXPIRE")
                             .arg(&k)
-                            .arg(rng.range(1, 300))
+                            .arg(rng.range_i(1, 300))
                             .query_async(c)
                             .await
                     }
@@ -1019,7 +1021,7 @@ async fn the_simulated_redis_answers_every_protocol_call_as_redis_does() {
         let now_ms = time_us(&mut rec.probe).await / 1000;
         step(&mut rng, &mut rec, &keys, now_ms, &mut world).await;
         if rng.chance(0.05) {
-            tokio::time::sleep(std::time::Duration::from_millis(rng.range(1, 120) as u64)).await;
+            tokio::time::sleep(std::time::Duration::from_millis(rng.range_i(1, 120) as u64)).await;
         }
         if shared.lock().unwrap().failures.len() >= 5 {
             break;

@@ -1,4 +1,4 @@
-//! Test helpers shared by Sluice's crates (dev-dependency only, never published).
+//! Test helpers shared by Sluice's crates, its soak and its simulation (never published).
 //!
 //! # Seeds and budgets of the property tests
 //!
@@ -12,6 +12,8 @@
 //! proptest's minimal failing input), so any failure replays exactly with
 //! `SLUICE_PROP_SEED=<seed> cargo test -p <crate> <test>`. Failure persistence files are off:
 //! a counterexample worth keeping is committed as a named regression test.
+
+pub mod rng;
 
 use proptest::test_runner::{Config, RngSeed};
 

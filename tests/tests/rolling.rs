@@ -160,6 +160,162 @@ async fn a_redis_restarted_with_its_data_has_every_task_probed() {
     );
 }
 
+/// Found by the deterministic simulation (docs/simulation.md, seed 105 of its first worlds): a
+/// Redis restarted from a dump taken before a task was deleted holds the task's live meta
+/// again. The leader, seeing a new `run_id`, walks the task registry again, as a new
+/// leadership does, and retires it again — before, the deleted task was served on (a
+/// concurrency task's leases granted on its old threshold) until a new leader was elected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_deleted_then_restored_from_an_older_dump_is_retired_again() {
+    let ns = unique_ns("redump");
+    let keys = Keys::new(&ns).unwrap();
+    let mut redis_srv = RedisServer::start();
+    let m = Manager::start(ManagerOpts::new(
+        &shared_etcd(),
+        &redis_srv.url(),
+        &ns,
+        "n0",
+    ))
+    .await;
+    m.wait_leader().await;
+    // Another task stays: a leader with no task at all does not look at Redis (documented).
+    for name in ["gone", "kept"] {
+        let (s, v) = m
+            .put(&format!("/api/v1/tasks/{name}"), r#"{"threshold": 10}"#)
+            .await;
+        assert_eq!(s, 201, "{v}");
+    }
+    let mut conn = redis_conn(&redis_srv.url());
+    wait_meta(
+        &mut conn,
+        &keys,
+        "gone",
+        "the meta written",
+        Duration::from_secs(10),
+    )
+    .await;
+    wait_meta(
+        &mut conn,
+        &keys,
+        "kept",
+        "the meta written",
+        Duration::from_secs(10),
+    )
+    .await;
+    // The dump a restart will come back with: the task alive.
+    let _: () = redis::cmd("SAVE").query(&mut conn).unwrap();
+    assert_eq!(m.delete("/api/v1/tasks/gone").await, 204);
+    let retired = |conn: &mut redis::Connection| -> Option<String> {
+        redis::cmd("HGET")
+            .arg(keys.meta("gone"))
+            .arg(meta_field::RETIRED)
+            .query(conn)
+            .unwrap()
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while retired(&mut conn).is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the deleted task was not retired"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The API tombstones the meta itself; the leader's roller forgets the task at its next
+    // tick (its own retire): wait until it has, or the restart below would meet a roller
+    // that still remembers the task (and retires it without walking the registry).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !m.proc.log().contains("task deleted: meta retired") {
+        assert!(
+            Instant::now() < deadline,
+            "the roller never retired the deleted task"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    redis_srv.kill();
+    redis_srv.restart();
+    let mut conn = redis_conn(&redis_srv.url());
+    // Read before the leader's next tick can act (it needs at least two: the new run_id,
+    // then the registry walk).
+    assert_eq!(
+        retired(&mut conn),
+        None,
+        "the restart came back with the live meta of the dump"
+    );
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while retired(&mut conn).is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the task restored from the older dump was never retired again; manager log:\n{}",
+            m.proc.log()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Found by the deterministic simulation (docs/simulation.md, seed 190 of its first worlds): a
+/// task whose writes a fresh fence of another epoch refuses is dropped from the roller's memory
+/// (to be written in full once the fence is ours); deleted meanwhile, it must still be retired
+/// once that fence goes stale — before, it was in no list the roller retires from and stayed
+/// live.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_deleted_while_a_foreign_fence_refuses_it_is_retired_once_it_is_stale() {
+    let ns = unique_ns("foreigndel");
+    let keys = Keys::new(&ns).unwrap();
+    let redis_srv = RedisServer::start();
+    let mut opts = ManagerOpts::new(&shared_etcd(), &redis_srv.url(), &ns, "n0");
+    opts.extra = ["--fence-stale-after", "3s"].map(String::from).to_vec();
+    let m = Manager::start(opts).await;
+    m.wait_leader().await;
+    let (s, v) = m.put("/api/v1/tasks/held", r#"{"threshold": 10}"#).await;
+    assert_eq!(s, 201, "{v}");
+    let mut conn = redis_conn(&redis_srv.url());
+    wait_meta(
+        &mut conn,
+        &keys,
+        "held",
+        "the meta written",
+        Duration::from_secs(10),
+    )
+    .await;
+    // Another cluster's leader claims the task (a fresh fence of another epoch), once.
+    let (secs, micros): (i64, i64) = redis::cmd("TIME").query(&mut conn).unwrap();
+    let now = secs * 1000 + micros / 1000;
+    let _: () = redis::cmd("HSET")
+        .arg(keys.meta("held"))
+        .arg(meta_field::EPOCH)
+        .arg("4242")
+        .arg(meta_field::TERM)
+        .arg(1)
+        .arg(meta_field::FENCED_MS)
+        .arg(now)
+        .query(&mut conn)
+        .unwrap();
+    // The leader's next write is refused: a conflict, and the task is forgotten.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while m.metric("sluice_fence_foreign_tasks").await.unwrap_or(0.0) < 1.0 {
+        assert!(Instant::now() < deadline, "the foreign fence was never met");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(m.delete("/api/v1/tasks/held").await, 204);
+    // Once the foreign fence is 3 s old the leader may take it over: the deleted task is retired.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let retired: Option<String> = redis::cmd("HGET")
+            .arg(keys.meta("held"))
+            .arg(meta_field::RETIRED)
+            .query(&mut conn)
+            .unwrap();
+        if retired.is_some() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the task deleted while a foreign fence refused it was never retired"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// The documented manager ACL (deploy/redis-acl.conf) grants `INFO server`, which the leader
 /// reads for the server's `run_id`; an older ACL without it is logged once (a restart that
 /// keeps its data is then found task by task) and rolling goes on.

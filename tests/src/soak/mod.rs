@@ -28,7 +28,7 @@ pub mod ledger;
 pub mod locks;
 pub mod modes;
 pub mod plan;
-pub mod rng;
+pub use sluice_testkit::rng;
 pub mod run;
 pub mod spec;
 pub mod world;

@@ -1,9 +1,10 @@
-//! A small seeded pseudo-random generator (SplitMix64): the soak's only source of randomness,
-//! so one seed always gives the same sequence of steps. Written out here (30 lines) rather than
-//! taken from a crate so the sequence can never change under a dependency upgrade.
+//! A small seeded pseudo-random generator (SplitMix64): the soak's and the simulation's only
+//! source of randomness, so one seed always gives the same sequence of steps. Written out here
+//! (30 lines) rather than taken from a crate so the sequence can never change under a
+//! dependency upgrade.
 //!
 //! ```
-//! use sluice_tests::soak::rng::Rng;
+//! use sluice_testkit::rng::Rng;
 //! let mut a = Rng::new(42);
 //! let mut b = Rng::new(42);
 //! assert_eq!(a.next_u64(), b.next_u64());
@@ -41,6 +42,14 @@ impl Rng {
     /// Uniform in `[lo, hi]`.
     pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
         lo + self.below(hi.saturating_sub(lo) + 1)
+    }
+
+    /// Uniform in `[lo, hi]` of signed numbers (`lo` when `hi < lo`).
+    pub fn range_i(&mut self, lo: i64, hi: i64) -> i64 {
+        if hi <= lo {
+            return lo;
+        }
+        lo.wrapping_add(self.below(hi.abs_diff(lo).saturating_add(1)) as i64)
     }
 
     /// Uniform in `[0, 1)`.
