@@ -836,10 +836,11 @@ pub struct Roller {
     key_secret: Option<sluice_protocol::KeySecret>,
     /// Names known to be in the registry (`NS:tasks`) this leadership.
     registered: HashSet<String>,
-    /// Tasks whose state this leadership dropped while they were still in etcd (refused by a
-    /// fence, a newer spec stored, healed): should one leave etcd before it is written again,
-    /// it is retired all the same (the deterministic simulation found a task deleted while
-    /// a foreign fence refused it, never retired).
+    /// Tasks whose state this leadership dropped while they were still in etcd (a newer term
+    /// of another etcd history refused them, a newer spec is stored, Redis lost them): should
+    /// one leave etcd before it is written again, it is retired all the same (it was in no
+    /// list the roller retires from). Not those another cluster's fence refused (not ours to
+    /// retire). At most the tasks in etcd; a name leaves on its next write or its retire.
     forgotten: HashSet<String>,
     /// Where the registry stands this leadership.
     reconcile: Reconcile,
@@ -1211,7 +1212,11 @@ impl Roller {
         }
         if forget {
             self.state.remove(task);
-            self.forgotten.insert(task.to_string());
+            // Another cluster's fence: a task it writes is not this cluster's to retire, as
+            // the registry walk leaves it alone (`Orphan::Foreign`); ours otherwise.
+            if !matches!(refusal, FenceRefusal::Foreign { .. }) {
+                self.forgotten.insert(task.to_string());
+            }
             self.dirty.lazy = true;
         }
         self.conflicts.push(Conflict {
@@ -1404,7 +1409,7 @@ impl Roller {
             };
             let restarted =
                 run_id.is_some() && self.redis_run_id.is_some() && run_id != self.redis_run_id;
-            if restarted {
+            if restarted && !matches!(self.reconcile, Reconcile::Unknown | Reconcile::Filling(_)) {
                 warn!(
                     "Redis answers with a new run_id (a restart or a failover): checking every task"
                 );
@@ -1413,13 +1418,15 @@ impl Roller {
                 self.redis_run_id = run_id;
             }
             let lost = registry == Some(0) || restarted;
-            if lost {
-                // Redis came back with other data: a restart from an older dump or a failover
-                // to a lagging replica can hold the live meta of a task retired since (the
-                // deterministic simulation found one, still granting leases to a deleted
-                // task a minute later). Walk the registry again, as a new leadership does, so
-                // every task etcd no longer has is retired again.
-                self.reconcile = Reconcile::Unknown;
+            if restarted {
+                // Another process answers (a restart that kept data from an older dump, a
+                // failover to a lagging replica): it can hold the live meta of a task retired
+                // since (the deterministic simulation found one, still granting leases to a
+                // deleted task a minute later). Walk the registry again from its start, as a
+                // new leadership does, so every task etcd no longer has is retired again. Not
+                // the fill from the metas (a SCAN of every key): a dump holds the registry as
+                // complete as it was; and not after a FLUSHALL alone (nothing survived it).
+                self.reconcile = Reconcile::Walking(0);
             }
             // At most every few seconds (Redis evicting keys would heal tasks every tick); a
             // loss seen meanwhile is kept until then: one task healed by its own probe writes
@@ -1685,6 +1692,8 @@ impl Roller {
                     Ok(RollOutcome::Written(n)) => {
                         stats.written += n;
                         self.was_lazy.remove(name);
+                        // Known again: its state says what to retire should it leave etcd.
+                        self.forgotten.remove(name);
                         if !plan.unchanged {
                             let lazy = plan.next.lazy.is_some();
                             if self

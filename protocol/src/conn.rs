@@ -555,14 +555,17 @@ pub enum RedisConn {
     /// A cluster, routed by slot (feature `cluster`).
     #[cfg(feature = "cluster")]
     Cluster(ClusterConnection),
-    /// An in-process server's connection (feature `sim`: the deterministic simulation).
+    /// An in-process server's connection (feature `sim`: the deterministic simulation; not
+    /// part of the supported API).
     #[cfg(feature = "sim")]
+    #[doc(hidden)]
     Shared(Box<dyn SharedConn>),
 }
 
 /// A connection to an in-process server (feature `sim`), cloned as a [`ConnectionManager`] is:
 /// the clones share one connection, which comes back by itself after the server broke it.
 #[cfg(feature = "sim")]
+#[doc(hidden)]
 pub trait SharedConn: ConnectionLike + Send + Sync {
     /// Another handle to the same connection.
     fn clone_conn(&self) -> Box<dyn SharedConn>;
@@ -673,6 +676,7 @@ impl Redis {
     /// A handle that hands out clones of `conn` (feature `sim`: a simulated server), never
     /// connecting anywhere. Its target reads `redis://sim`.
     #[cfg(feature = "sim")]
+    #[doc(hidden)]
     pub fn shared(conn: impl SharedConn + 'static) -> Self {
         Self {
             target: RedisTarget::Single("redis://sim".into()),

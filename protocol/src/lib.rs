@@ -528,6 +528,7 @@ pub fn unix_ms() -> i64 {
 /// instead of the host clock. Each simulated world runs on its own thread, so worlds in
 /// parallel do not share a clock.
 #[cfg(feature = "sim")]
+#[doc(hidden)]
 pub mod sim_clock {
     use std::cell::RefCell;
     use std::sync::Arc;
