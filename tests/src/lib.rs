@@ -251,15 +251,30 @@ impl RedisServer {
 
     /// Starts `redis-server` with extra arguments (e.g. `["--cluster-enabled", "yes"]`).
     pub fn start_with(extra: &[&str]) -> Self {
-        let mut s = Self {
-            port: free_port(),
-            dir: tempfile::tempdir().expect("tempdir"),
-            proc: None,
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-            tls: None,
-        };
-        s.restart();
-        s
+        Self::launch(None, || extra.iter().map(|s| s.to_string()).collect())
+    }
+
+    /// Starts a server on a free port with the arguments `extra()` makes — again, on another
+    /// port and with `extra()` made again (a cluster bus port it names), when a port was
+    /// taken between being picked and being bound (another process's ephemeral port: a CI run
+    /// once failed so).
+    fn launch(tls: Option<RedisTlsSetup>, extra: impl Fn() -> Vec<String>) -> Self {
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut s = Self {
+                port: free_port(),
+                dir: tempfile::tempdir().expect("tempdir"),
+                proc: None,
+                extra: extra(),
+                tls: tls.clone(),
+            };
+            match s.try_restart() {
+                Ok(()) => return s,
+                Err(log) if attempt < 5 && log.contains("Address already in use") => {}
+                Err(log) => panic!("redis-server did not start:\n{log}"),
+            }
+        }
     }
 
     /// `redis://127.0.0.1:<port>` (`rediss://` for a TLS server).
@@ -272,6 +287,13 @@ impl RedisServer {
 
     /// (Re)starts the server on the same port; waits until it answers PING.
     pub fn restart(&mut self) {
+        if let Err(log) = self.try_restart() {
+            panic!("redis-server did not start:\n{log}");
+        }
+    }
+
+    /// [`Self::restart`], or the server's log when it did not start (stopped again).
+    fn try_restart(&mut self) -> Result<(), String> {
         assert!(self.proc.is_none(), "redis already running");
         let mut cmd = Command::new("redis-server");
         match &self.tls {
@@ -304,16 +326,16 @@ impl RedisServer {
                 .try_admin_conn(Duration::from_millis(200))
                 .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
             {
-                Ok(_) => return,
+                Ok(_) => return Ok(()),
                 // Up, with `--requirepass`: the password goes in the client's URL.
-                Err(e) if e.to_string().contains("NOAUTH") => return,
+                Err(e) if e.to_string().contains("NOAUTH") => return Ok(()),
                 Err(_) => {}
             }
-            assert!(
-                Instant::now() < deadline,
-                "redis-server did not start:\n{}",
-                self.log()
-            );
+            let log = self.log();
+            if Instant::now() >= deadline || log.contains("Address already in use") {
+                self.kill();
+                return Err(log);
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -385,7 +407,7 @@ impl TestPki {
 
 /// How a [`RedisServer::start_tls`] server runs: its certificates, its ACL file and the admin
 /// user of that file the harness logs in as.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 struct RedisTlsSetup {
     pki: std::sync::Arc<TestPki>,
     acl_file: Option<PathBuf>,
@@ -438,19 +460,14 @@ impl RedisServer {
         admin: Option<(String, String)>,
         extra: &[&str],
     ) -> Self {
-        let mut s = Self {
-            port: free_port(),
-            dir: tempfile::tempdir().expect("tempdir"),
-            proc: None,
-            extra: extra.iter().map(|s| s.to_string()).collect(),
-            tls: Some(RedisTlsSetup {
+        Self::launch(
+            Some(RedisTlsSetup {
                 pki,
                 acl_file,
                 admin,
             }),
-        };
-        s.restart();
-        s
+            || extra.iter().map(|s| s.to_string()).collect(),
+        )
     }
 }
 
@@ -1053,6 +1070,19 @@ pub fn now_ms() -> i64 {
 
 const CLUSTER_ARGS: [&str; 4] = ["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"];
 
+/// A cluster node's arguments, each call with a new free bus port.
+fn cluster_args(more: &'static [&'static str]) -> impl Fn() -> Vec<String> {
+    move || {
+        let mut args: Vec<String> = CLUSTER_ARGS
+            .iter()
+            .chain(more)
+            .map(|s| s.to_string())
+            .collect();
+        args.extend(["--cluster-port".to_string(), free_port().to_string()]);
+        args
+    }
+}
+
 /// A private Redis Cluster of `n` primaries (no replicas) on free ports.
 #[derive(Debug)]
 pub struct RedisCluster {
@@ -1067,11 +1097,9 @@ impl RedisCluster {
         let nodes: Vec<RedisServer> = (0..n)
             .map(|_| {
                 // The bus port named (free, on loopback): Redis's default, port + 10,000, may
-                // be taken by another test's server or lie past 65,535.
-                let bus = free_port().to_string();
-                let mut args = CLUSTER_ARGS.to_vec();
-                args.extend(["--cluster-port", &bus]);
-                RedisServer::start_with(&args)
+                // be taken by another test's server or lie past 65,535. Picked again with the
+                // client port when either was taken meanwhile.
+                RedisServer::launch(None, cluster_args(&[]))
             })
             .collect();
         Self::join(nodes, &[], &[])
@@ -1088,10 +1116,14 @@ impl RedisCluster {
     ) -> Self {
         let nodes: Vec<RedisServer> = (0..n)
             .map(|_| {
-                let bus = free_port().to_string();
-                let mut args: Vec<&str> = CLUSTER_ARGS.to_vec();
-                args.extend(["--tls-cluster", "yes", "--cluster-port", &bus]);
-                RedisServer::start_tls_with(pki.clone(), acl_file.clone(), admin.clone(), &args)
+                RedisServer::launch(
+                    Some(RedisTlsSetup {
+                        pki: pki.clone(),
+                        acl_file: acl_file.clone(),
+                        admin: admin.clone(),
+                    }),
+                    cluster_args(&["--tls-cluster", "yes"]),
+                )
             })
             .collect();
         let p = |f: &Path| f.to_str().expect("utf-8 path").to_string();
