@@ -1364,70 +1364,14 @@ impl Roller {
             // refuses `INFO server` (asked again every few minutes); a Cluster node's loss, or
             // a failover back to the same process, is found task by task (documented). Sent
             // together with the registry's check (one round trip on the multiplexed link).
-            let ask_info = c.is_single_server()
-                && self
-                    .info_refused_ms
-                    .is_none_or(|at| now < at || now - at >= INFO_RETRY_MS);
-            let mut ci = conn.clone();
-            let info = async {
-                if !ask_info {
-                    return None;
-                }
-                let mut info = redis::cmd("INFO");
-                info.arg("server");
-                Some(tokio::time::timeout(CALL_TIMEOUT, info.query_async::<String>(&mut ci)).await)
-            };
+            let info = self.ask_run_id(&conn, now);
             let (registry, info) = tokio::join!(
                 bounded("check the task registry", cmd.query_async::<i64>(&mut c)),
                 info
             );
             let registry = registry.ok();
-            let run_id = match info {
-                Some(Ok(Ok(i))) => {
-                    self.info_refused_ms = None;
-                    let id = server_run_id(&i);
-                    if id.is_none() && !self.run_id_missing_logged {
-                        self.run_id_missing_logged = true;
-                        warn!(
-                            "Redis's INFO server has no run_id: a restart that keeps its data is found task by task"
-                        );
-                    }
-                    id
-                }
-                Some(Ok(Err(e)))
-                    if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) =>
-                {
-                    if self.info_refused_ms.is_none() {
-                        warn!(
-                            "Redis's ACL refuses INFO server (see docs/security.md): a restart that keeps its data is found task by task"
-                        );
-                    }
-                    self.info_refused_ms = Some(now);
-                    None
-                }
-                _ => None,
-            };
-            let restarted =
-                run_id.is_some() && self.redis_run_id.is_some() && run_id != self.redis_run_id;
-            if restarted && !matches!(self.reconcile, Reconcile::Unknown | Reconcile::Filling(_)) {
-                warn!(
-                    "Redis answers with a new run_id (a restart or a failover): checking every task"
-                );
-            }
-            if run_id.is_some() {
-                self.redis_run_id = run_id;
-            }
+            let restarted = self.note_run_id(info, now);
             let lost = registry == Some(0) || restarted;
-            if restarted {
-                // Another process answers (a restart that kept data from an older dump, a
-                // failover to a lagging replica): it can hold the live meta of a task retired
-                // since (the deterministic simulation found one, still granting leases to a
-                // deleted task a minute later). Walk the registry again from its start, as a
-                // new leadership does, so every task etcd no longer has is retired again. Not
-                // the fill from the metas (a SCAN of every key): a dump holds the registry as
-                // complete as it was; and not after a FLUSHALL alone (nothing survived it).
-                self.reconcile = Reconcile::Walking(0);
-            }
             // At most every few seconds (Redis evicting keys would heal tasks every tick); a
             // loss seen meanwhile is kept until then: one task healed by its own probe writes
             // the registry again, and the loss must not be forgotten with it (the CI run that
@@ -1449,6 +1393,13 @@ impl Roller {
                 self.dirty.register = true;
                 probe_all = !self.published_lazy.is_empty();
             }
+        } else {
+            // No task to roll: still watch which process answers, so a restart from an older
+            // dump (live metas of tasks retired since, back in the registry) walks the registry
+            // again (the deterministic simulation found a leader with no task that never
+            // learned a run_id, and a deleted task that stayed live after such a restart).
+            let info = self.ask_run_id(&conn, now).await;
+            self.note_run_id(info, now);
         }
         // Every task is in the registry before its meta can be written (a failure is retried
         // next tick; rolling goes on).
@@ -2067,6 +2018,85 @@ impl Roller {
     /// Redis Cluster a `SCAN` sees one node, so the registry is marked complete without it and
     /// tasks only older managers rolled stay unknown, as docs/architecture.md says), then walk
     /// it one page per tick.
+    /// `INFO server` on a single server (not while the ACL refuses it, asked again every
+    /// [`INFO_RETRY_MS`]), for [`Self::note_run_id`]; `None` when not asked.
+    fn ask_run_id(
+        &self,
+        conn: &sluice_protocol::conn::RedisConn,
+        now: i64,
+    ) -> impl std::future::Future<
+        Output = Option<
+            std::result::Result<redis::RedisResult<String>, tokio::time::error::Elapsed>,
+        >,
+    > + use<> {
+        let ask = conn.is_single_server()
+            && self
+                .info_refused_ms
+                .is_none_or(|at| now < at || now - at >= INFO_RETRY_MS);
+        let mut ci = conn.clone();
+        async move {
+            if !ask {
+                return None;
+            }
+            let mut info = redis::cmd("INFO");
+            info.arg("server");
+            Some(tokio::time::timeout(CALL_TIMEOUT, info.query_async::<String>(&mut ci)).await)
+        }
+    }
+
+    /// Reads the answer of [`Self::ask_run_id`]: whether another process answers than the
+    /// last one seen (a restart that kept data from a dump, a failover), remembering this one.
+    ///
+    /// Another process can hold the live meta of a task retired since (the deterministic
+    /// simulation found one, still granting leases to a deleted task a minute later), so the
+    /// registry is walked again from its start, as a new leadership does, and every task etcd
+    /// no longer has is retired again. Not the fill from the metas (a SCAN of every key): a dump
+    /// holds the registry as complete as it was; not after a FLUSHALL alone (nothing survived
+    /// it); and a check or fill under way goes on (a walk follows it).
+    fn note_run_id(
+        &mut self,
+        info: Option<std::result::Result<redis::RedisResult<String>, tokio::time::error::Elapsed>>,
+        now: i64,
+    ) -> bool {
+        let run_id = match info {
+            Some(Ok(Ok(i))) => {
+                self.info_refused_ms = None;
+                let id = server_run_id(&i);
+                if id.is_none() && !self.run_id_missing_logged {
+                    self.run_id_missing_logged = true;
+                    warn!(
+                        "Redis's INFO server has no run_id: a restart that keeps its data is found task by task"
+                    );
+                }
+                id
+            }
+            Some(Ok(Err(e)))
+                if e.kind() == redis::ErrorKind::Server(redis::ServerErrorKind::NoPerm) =>
+            {
+                if self.info_refused_ms.is_none() {
+                    warn!(
+                        "Redis's ACL refuses INFO server (see docs/security.md): a restart that keeps its data is found task by task"
+                    );
+                }
+                self.info_refused_ms = Some(now);
+                None
+            }
+            _ => None,
+        };
+        let restarted =
+            run_id.is_some() && self.redis_run_id.is_some() && run_id != self.redis_run_id;
+        if restarted && !matches!(self.reconcile, Reconcile::Unknown | Reconcile::Filling(_)) {
+            warn!("Redis answers with a new run_id (a restart or a failover): checking every task");
+        }
+        if run_id.is_some() {
+            self.redis_run_id = run_id;
+        }
+        if restarted && matches!(self.reconcile, Reconcile::Walking(_) | Reconcile::Done) {
+            self.reconcile = Reconcile::Walking(0);
+        }
+        restarted
+    }
+
     async fn reconcile_step(
         &mut self,
         conn: &sluice_protocol::conn::RedisConn,
