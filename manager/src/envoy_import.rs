@@ -1338,7 +1338,7 @@ macro_rules! mirror_fence {
 /// refreshed (at least every quarter of stale_after, so a live owner's fence never goes stale).
 /// KEYS[1] = NS:envoy, KEYS[2] = the fence hash; ARGV = domain, term, epoch, stale_after,
 /// version, value, revision read. Returns `{1}` written, `{2}` unchanged, or a refusal.
-const MIRROR_SET_LUA: &str = concat!(
+pub const MIRROR_SET_LUA: &str = concat!(
     mirror_fence!(),
     include_str!("../../protocol/scripts/parts/mirror_set.lua"),
 );
@@ -1347,7 +1347,7 @@ const MIRROR_SET_LUA: &str = concat!(
 /// from a document of this epoch newer than the revision at which the leader saw the domain
 /// gone. KEYS as [`MIRROR_SET_LUA`]; ARGV = domain, term, epoch, stale_after, revision read.
 /// Returns `{1}` deleted, `{2}` nothing to delete, `{3}` newer, or a refusal.
-const MIRROR_DEL_LUA: &str = concat!(
+pub const MIRROR_DEL_LUA: &str = concat!(
     mirror_fence!(),
     include_str!("../../protocol/scripts/parts/mirror_del.lua"),
 );
@@ -1416,6 +1416,19 @@ pub async fn mirror_once(
     redis: &Redis,
 ) -> Result<MirrorPass> {
     let (docs, revision) = list(client, keys).await?;
+    mirror_docs(ctx, &docs, revision, keys, redis).await
+}
+
+/// The Redis half of [`mirror_once`]: makes `NS:envoy` equal to `docs` (each with its etcd
+/// version), read from etcd at `revision` (the deterministic simulation calls it with its own
+/// documents; the manager only through [`mirror_once`]).
+pub async fn mirror_docs(
+    ctx: &LeaderContext,
+    docs: &[(DomainDoc, i64)],
+    revision: i64,
+    keys: &Keys,
+    redis: &Redis,
+) -> Result<MirrorPass> {
     let hash = keys.envoy_routes();
     let fence_hash = keys.envoy_fence();
     let fence = ctx.fence();
@@ -1429,7 +1442,7 @@ pub async fn mirror_once(
         .await
         .map_err(crate::error::redis("envoy mirror read"))?;
     let mut pass = MirrorPass::default();
-    for (doc, version) in &docs {
+    for (doc, version) in docs {
         if !ctx.is_valid() {
             return Err(Error::NotLeader);
         }

@@ -161,12 +161,13 @@ fn report(o: &Outcome, wall_s: f64, sim_ms: u64) {
     // A closed pipe (`| head`) ends the output, not the run.
     let _ = writeln!(
         out,
-        "seed {} trace {:016x} · {} commands, {} permits granted, {} lock tokens, {} terms · faults: {} · lost Redis data cost {} permits · {:.0} simulated s per wall s · {}",
+        "seed {} trace {:016x} · {} commands, {} permits granted, {} lock tokens, {} envoy mirror writes, {} terms · faults: {} · lost Redis data cost {} permits · {:.0} simulated s per wall s · {}",
         o.seed,
         o.trace_hash,
         o.commands,
         o.granted,
         o.tokens,
+        o.mirror_writes,
         o.terms,
         if faults.is_empty() {
             "none".into()

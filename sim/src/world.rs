@@ -23,6 +23,12 @@
 //!   for that lock, across restarts and failovers (the protocol's floor at Redis `TIME`).
 //! * **liveness**: after the last fault, every task is rolled by the last leader at its
 //!   current spec (meta version, cap of the current slice) and grants again.
+//! * **retire** (the manager's roller): every deleted task is retired by the end, and in time —
+//!   15 s after the later of its deletion, the leadership's start and the last server fault.
+//! * **the Envoy mirror** (the manager's `envoy_import::mirror_docs`, run by this cluster's
+//!   leaders and by a second cluster on the namespace): no write or delete accepted over
+//!   another epoch's or a newer term's fresh fence; at the end every imported domain mirrored
+//!   at its owner's version, no other.
 //! * no panic anywhere (a panic fails the run with its seed).
 
 use std::collections::BTreeMap;
@@ -99,6 +105,8 @@ pub struct Outcome {
     pub lost_data_overgrant: u64,
     /// Lock tokens handed out.
     pub tokens: u64,
+    /// Envoy mirror writes and deletes accepted (both clusters).
+    pub mirror_writes: u64,
     /// Faults injected: restarts, failovers, sleeps, per-command faults.
     pub faults: BTreeMap<&'static str, u64>,
     /// Leader terms that ran.
@@ -125,6 +133,64 @@ struct Control {
     holder: Option<usize>,
     /// Epoch (etcd cluster id) of the current term.
     epoch: u64,
+    /// Per Envoy domain of [`A_DOMAINS`]: its document's version in etcd (`None`: deleted).
+    domains: Vec<Option<i64>>,
+    /// Per task: when it was last deleted (world ms).
+    deleted_at: Vec<i64>,
+    /// When the current holder began to lead (world ms).
+    holder_since: i64,
+    /// Until when the last whole-server fault (restart, failover, sleep, stop, new epoch)
+    /// lasted (world ms).
+    disrupted_until: i64,
+}
+
+/// A task deleted in etcd must be retired within this long of the later of its deletion, the
+/// current leadership's start and the last whole-server fault.
+const RETIRE_BOUND_MS: i64 = 6_000;
+
+/// The Envoy domains this cluster imports (`shared` is imported by the second cluster too).
+const A_DOMAINS: [&str; 3] = ["a0", "a1", "shared"];
+/// The second cluster's domains, always imported.
+const B_DOMAINS: [&str; 2] = ["b0", "shared"];
+/// The second manager cluster's epoch (another etcd on the same namespace): never one of
+/// this cluster's epochs (1, 2, …).
+const B_EPOCH: u64 = 1_000_001;
+
+/// A second manager cluster on the namespace (another etcd): one replica mirroring its own
+/// Envoy domains (the manager's `envoy_import::mirror_docs`) while it leads.
+#[derive(Debug)]
+struct Second {
+    term: i64,
+    leading: bool,
+    revision: i64,
+    /// Per domain of [`B_DOMAINS`], its version.
+    versions: Vec<i64>,
+}
+
+/// A domain's document as `envoy_import::list` reads it from etcd (its descriptors name the
+/// version, so a stale value is visible in the mirror).
+fn domain_doc(name: &str, version: i64) -> (sluice_manager::envoy_import::DomainDoc, i64) {
+    (
+        sluice_manager::envoy_import::DomainDoc {
+            domain: name.to_string(),
+            imported_ms: 0,
+            tasks: Vec::new(),
+            descriptors: vec![
+                serde_json::json!({"key": "k", "value": format!("{name}@{version}")}),
+            ],
+        },
+        version,
+    )
+}
+
+/// This cluster's domain documents and the etcd revision they were read at.
+fn a_docs(c: &Control) -> (Vec<(sluice_manager::envoy_import::DomainDoc, i64)>, i64) {
+    let docs = A_DOMAINS
+        .iter()
+        .zip(&c.domains)
+        .filter_map(|(name, v)| v.map(|v| domain_doc(name, v)))
+        .collect();
+    (docs, c.revision)
 }
 
 const SLICE_MS: u64 = 1000;
@@ -327,6 +393,14 @@ struct Checker {
     overgrant_pruned: u64,
     /// Meta key → (generation, epoch, term, fenced_ms) last seen.
     fences: BTreeMap<Vec<u8>, (u64, String, i64, i64)>,
+    mirror_set_sha: String,
+    mirror_del_sha: String,
+    /// `NS:envoy`'s fence hash.
+    envoy_fence: Vec<u8>,
+    /// Envoy domain → (generation, epoch, term, claimed ms) of its stored fence last seen.
+    mirror_fences: BTreeMap<String, (u64, String, i64, i64)>,
+    /// Mirror writes and deletes accepted.
+    mirror_writes: u64,
     /// Lock key → the highest token handed out and the owner it went to (a retry of the same
     /// acquisition, same owner, is answered with the same token).
     tokens: BTreeMap<Vec<u8>, (i64, Vec<u8>)>,
@@ -378,6 +452,75 @@ fn slice_start(key: &[u8]) -> Option<i64> {
 }
 
 impl Checker {
+    /// The Envoy mirror's fencing, per domain (`envoy_import::mirror_docs`'s scripts): within
+    /// one generation, a write or delete is accepted only over a fence that is this writer's
+    /// epoch at no newer term, or stale; and a fresh fence never goes to another epoch or back
+    /// to an older term (two manager clusters on one namespace keep their own domains).
+    fn observe_mirror(&mut self, e: &Event<'_>, now_ms: i64) {
+        // EVALSHA sha 2 NS:envoy <fence hash> domain term epoch stale …
+        let arg = |i: usize| {
+            e.args
+                .get(5 + i)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+        };
+        let (Some(domain), Some(term), Some(epoch)) =
+            (arg(0), arg(1).and_then(|t| t.parse::<i64>().ok()), arg(2))
+        else {
+            return;
+        };
+        let op = if e.args[1].eq_ignore_ascii_case(self.mirror_set_sha.as_bytes()) {
+            "write"
+        } else {
+            "delete"
+        };
+        let accepted = int_at(e.reply, 0) == Some(1);
+        if accepted {
+            self.mirror_writes += 1;
+        }
+        let fresh = self
+            .mirror_fences
+            .get(&domain)
+            .filter(|(g, _, _, f)| *g == e.generation && now_ms - f < self.stale_after_ms as i64)
+            .cloned();
+        if let Some((_, ep, t, f)) = &fresh
+            && accepted
+            && (epoch != *ep || term < *t)
+        {
+            self.violations.push(format!(
+                "envoy mirror fencing: a {op} of domain {domain} by term {term} epoch {epoch} was accepted over the fresh fence of term {t} epoch {ep} ({} ms old; generation {}, at {} µs)",
+                now_ms - f,
+                e.generation,
+                e.now_us
+            ));
+        }
+        let stored = field(e.keyspace, &self.envoy_fence, &domain, now_ms).and_then(|v| {
+            let mut it = v.split(' ');
+            let ep = it.next()?.to_string();
+            let t = it.next()?.parse::<i64>().ok()?;
+            let at = it.next()?.parse::<i64>().ok()?;
+            Some((ep, t, at))
+        });
+        match stored {
+            Some((ep2, t2, at2)) => {
+                if let Some((_, ep, t, f)) = &fresh
+                    && (ep2 != *ep || t2 < *t)
+                {
+                    self.violations.push(format!(
+                        "envoy mirror fencing: domain {domain}'s fence went from term {t} epoch {ep} to term {t2} epoch {ep2} while the old one was {} ms old (a {op} by term {term} epoch {epoch}; generation {}, at {} µs)",
+                        now_ms - f,
+                        e.generation,
+                        e.now_us
+                    ));
+                }
+                self.mirror_fences
+                    .insert(domain, (e.generation, ep2, t2, at2));
+            }
+            None => {
+                self.mirror_fences.remove(&domain);
+            }
+        }
+    }
+
     /// Forgets slices that ended more than a minute ago (their grants are final), so a long
     /// run's memory stays flat; what lost data cost them is kept as a sum.
     fn prune(&mut self, now_ms: i64) {
@@ -497,6 +640,8 @@ impl Checker {
             self.observe_kpull(e, key);
         } else if sha == self.lease_sha {
             self.observe_lease(e, now_ms);
+        } else if sha == self.mirror_set_sha || sha == self.mirror_del_sha {
+            self.observe_mirror(e, now_ms);
         } else if sha == self.lock_renew_sha {
             self.observe_lock(e, now_ms, LockOp::Renew);
         } else if sha == self.lock_release_sha {
@@ -1094,6 +1239,59 @@ async fn manager_leader(
                 leading = None;
             }
         }
+        // The Envoy mirror (the manager runs it beside the roller, at the same period): a
+        // deposed replica that has not noticed yet keeps passing, and meets the fence.
+        if let Some((_, ctx, _, _)) = &leading {
+            let (docs, revision) = a_docs(&control.lock().unwrap_or_else(|e| e.into_inner()));
+            let _ = sluice_manager::envoy_import::mirror_docs(ctx, &docs, revision, &keys, &redis)
+                .await;
+        }
+        sleep_ms(TICK_MS).await;
+    }
+}
+
+/// The second manager cluster's replica: mirrors [`B_DOMAINS`] into `NS:envoy` every tick
+/// while it leads (its own etcd, epoch [`B_EPOCH`]; a new term now and then, sometimes after a
+/// gap in which its fences go stale).
+async fn second_cluster(w: SharedRef, second: Arc<Mutex<Second>>, end_ms: i64, seed: u64) {
+    let keys = Keys::new(NS).expect("namespace");
+    let mut rng = Rng::new(seed);
+    let conn = w.redis.conn().reconnecting().with_faults(Faults {
+        rng: Rng::new(rng.next_u64()),
+        on: w.faults_on.clone(),
+        log: w.log.clone(),
+        clock: w.clock.clone(),
+        start_ms: w.start_ms,
+    });
+    let redis = sluice_protocol::conn::Redis::shared(conn);
+    let mut leading: Option<(i64, sluice_manager::election::LeaderContext)> = None;
+    loop {
+        if w.clock.now_us() / 1000 >= end_ms {
+            return;
+        }
+        let (term, on, docs, revision) = {
+            let b = second.lock().unwrap_or_else(|e| e.into_inner());
+            let docs: Vec<_> = B_DOMAINS
+                .iter()
+                .zip(&b.versions)
+                .map(|(name, v)| domain_doc(name, *v))
+                .collect();
+            (b.term, b.leading, docs, b.revision)
+        };
+        if !on {
+            leading = None;
+        } else if leading.as_ref().map(|l| l.0) != Some(term) {
+            let (ctx, _) = sluice_manager::election::LeaderContext::for_test(
+                term,
+                B_EPOCH,
+                Duration::from_secs(86_400),
+            );
+            leading = Some((term, ctx));
+        }
+        if let Some((_, ctx)) = &leading {
+            let _ = sluice_manager::envoy_import::mirror_docs(ctx, &docs, revision, &keys, &redis)
+                .await;
+        }
         sleep_ms(TICK_MS).await;
     }
 }
@@ -1228,6 +1426,7 @@ async fn chaos(
     mut rng: Rng,
     redis: SimRedis,
     control: Arc<Mutex<Control>>,
+    second: Arc<Mutex<Second>>,
     faults_on: Arc<Mutex<bool>>,
     log: SharedLog,
     clock: Arc<TokioClock>,
@@ -1259,6 +1458,12 @@ async fn chaos(
             if c.holder.is_none() {
                 c.term += 1;
                 c.holder = Some(0);
+                c.holder_since = now;
+            }
+            let mut b = second.lock().unwrap_or_else(|e| e.into_inner());
+            if !b.leading {
+                b.term += 1;
+                b.leading = true;
             }
             return;
         }
@@ -1272,6 +1477,7 @@ async fn chaos(
         }
         let wait = rng.range_i(200, 4000) as u64;
         sleep_ms(wait).await;
+        let now = clock.now_us() / 1000;
         match rng.below(100) {
             // Elections: leadership moves (a new term), sometimes through a gap.
             0..=11 => {
@@ -1285,11 +1491,22 @@ async fn chaos(
                 if let Some(g) = gap {
                     // A gap ends by the quiet tail (whose liveness checks need a leader).
                     let left = (quiet_from - clock.now_us() / 1000).max(0) as u64;
-                    sleep_ms(g.min(left)).await;
+                    let g = g.min(left);
+                    // etcd still takes writes while no leader runs: a spec written, a task
+                    // deleted (a new leadership must find what it owes).
+                    if rng.chance(0.7) {
+                        sleep_ms(g / 2).await;
+                        count("spec change in a gap");
+                        spec_step(&mut rng, &control, &cfg, &clock, 0.6);
+                        sleep_ms(g - g / 2).await;
+                    } else {
+                        sleep_ms(g).await;
+                    }
                 }
                 let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
                 c.term += 1;
                 c.holder = Some(next);
+                c.holder_since = clock.now_us() / 1000;
                 if cfg.verbose {
                     eprintln!(
                         "{} world: election: term {} epoch {} replica {next}",
@@ -1300,7 +1517,7 @@ async fn chaos(
                 }
             }
             // Another etcd cluster (a rebuilt one): a new epoch, terms start low again.
-            12 if cfg.faults && rng.chance(0.3) => {
+            12 | 48 if cfg.faults => {
                 let term = rng.range_i(1, 3);
                 let holder = rng.below(cfg.leaders as u64) as usize;
                 if admit(
@@ -1311,49 +1528,62 @@ async fn chaos(
                     c.epoch += 1;
                     c.term = term;
                     c.holder = Some(holder);
+                    c.holder_since = now;
+                    c.disrupted_until = now;
                 }
             }
             // A spec change: a new version with another threshold.
             13..=22 => {
                 count("spec change");
+                spec_step(&mut rng, &control, &cfg, &clock, 0.25);
+            }
+            // Envoy: a domain imported again (a new version), deleted, or imported after its
+            // deletion (with the manager's roller: the mirror is its code).
+            38..=43 if cfg.manager_roller => {
+                count("envoy import");
                 let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
-                let i = rng.below(c.specs.len() as u64) as usize;
+                let i = rng.below(A_DOMAINS.len() as u64) as usize;
                 c.revision += 1;
                 let rev = c.revision;
-                // With the manager's roller: a task deleted now and then (a retire is owed,
-                // also when no leader runs), and created again later (a new incarnation).
-                if cfg.manager_roller && rng.chance(0.25) {
-                    if c.deleted[i] {
-                        c.deleted[i] = false;
-                        c.created[i] = rev;
-                        c.specs[i].0 = rev;
-                    } else {
-                        c.deleted[i] = true;
-                    }
-                } else {
-                    // A spec written for a deleted name creates it again (a new incarnation).
-                    if c.deleted[i] {
-                        c.deleted[i] = false;
-                        c.created[i] = rev;
-                    }
-                    c.specs[i].0 = rev;
-                    c.specs[i].1 = rng.range_i(5, 60) as u64;
-                }
+                c.domains[i] = match c.domains[i] {
+                    Some(_) if rng.chance(0.3) => None,
+                    _ => Some(rev),
+                };
                 if cfg.verbose {
                     eprintln!(
-                        "{} world: t{i} {} at revision {rev} (term {}, epoch {}, holder {:?})",
+                        "{} world: envoy domain {} {}",
                         clock.now_us(),
-                        if c.deleted[i] { "deleted" } else { "spec" },
-                        c.term,
-                        c.epoch,
-                        c.holder
+                        A_DOMAINS[i],
+                        c.domains[i].map_or("deleted".to_string(), |v| format!("at version {v}"))
                     );
+                }
+            }
+            // The second cluster: a re-import, or a new term (sometimes after a gap longer
+            // than its fences stay fresh).
+            44..=47 if cfg.manager_roller => {
+                count("second cluster");
+                if rng.chance(0.5) {
+                    let mut b = second.lock().unwrap_or_else(|e| e.into_inner());
+                    let i = rng.below(B_DOMAINS.len() as u64) as usize;
+                    b.revision += 1;
+                    b.versions[i] = b.revision;
+                } else {
+                    let gap = rng.chance(0.5).then(|| rng.range_i(100, 15_000) as u64);
+                    second.lock().unwrap_or_else(|e| e.into_inner()).leading = false;
+                    if let Some(g) = gap {
+                        let left = (quiet_from - clock.now_us() / 1000).max(0) as u64;
+                        sleep_ms(g.min(left)).await;
+                    }
+                    let mut b = second.lock().unwrap_or_else(|e| e.into_inner());
+                    b.term += 1;
+                    b.leading = true;
                 }
             }
             // (A fault's arm asks the log whether it may apply; when not, the `_` arm does
             // nothing, and nothing else differs.)
             23..=25 if cfg.faults && admit("restart empty", "restart empty".into()) => {
                 redis.restart(None);
+                disrupted(&control, now);
             }
             26..=28 if cfg.faults => {
                 let i = rng.below(snapshots.len() as u64) as usize;
@@ -1363,6 +1593,7 @@ async fn chaos(
                     format!("restart from a dump {age} ms old"),
                 ) {
                     redis.restart(Some(&snapshots[i].1));
+                    disrupted(&control, now);
                 }
             }
             29..=31 if cfg.faults => {
@@ -1373,12 +1604,14 @@ async fn chaos(
                     format!("failover to a replica {age} ms behind"),
                 ) {
                     redis.failover(&snapshots[i].1);
+                    disrupted(&control, now);
                 }
             }
             32..=35 if cfg.faults => {
                 let ms = rng.range_i(50, 3000);
                 if admit("DEBUG SLEEP", format!("DEBUG SLEEP {ms} ms")) {
                     redis.sleep_for(ms * 1000);
+                    disrupted(&control, now + ms);
                 }
             }
             36..=37 if cfg.faults => {
@@ -1387,10 +1620,122 @@ async fn chaos(
                     redis.stop();
                     sleep_ms(ms).await;
                     redis.start();
+                    disrupted(&control, now + ms as i64);
                 }
             }
             _ => {}
         }
+    }
+}
+
+/// A whole-server fault lasts until `until` (world ms).
+fn disrupted(control: &Mutex<Control>, until: i64) {
+    let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+    c.disrupted_until = c.disrupted_until.max(until);
+}
+
+/// Retire in time (with the manager's roller): every second, a task deleted in etcd must be
+/// retired — its meta a tombstone or gone, or another epoch's (not this cluster's to judge) —
+/// once [`RETIRE_BOUND_MS`] have passed since the later of its deletion, the current
+/// leadership's start and the last whole-server fault. The roller's own retire list covers a
+/// deletion it saw; a new leadership's registry walk one made while no leader ran (a restart's
+/// walk would otherwise hide a missing one until the end of the run).
+async fn retire_watch(
+    redis: SimRedis,
+    control: Arc<Mutex<Control>>,
+    checker: Arc<Mutex<Checker>>,
+    clock: Arc<TokioClock>,
+    end_ms: i64,
+) {
+    let keys = Keys::new(NS).expect("namespace");
+    let mut reported = std::collections::BTreeSet::new();
+    loop {
+        sleep_ms(1000).await;
+        let now = clock.now_us() / 1000;
+        if now >= end_ms {
+            return;
+        }
+        let c = control.lock().unwrap_or_else(|e| e.into_inner());
+        if c.holder.is_none() {
+            continue;
+        }
+        for i in 0..c.specs.len() {
+            let from = c.deleted_at[i].max(c.holder_since).max(c.disrupted_until);
+            if !c.deleted[i]
+                || now - from < RETIRE_BOUND_MS
+                || reported.contains(&(i, c.deleted_at[i]))
+            {
+                continue;
+            }
+            let meta = keys.meta(&task_name(i));
+            let (live, epoch) = redis.read(|ks, now_ms| {
+                (
+                    ks.get(meta.as_bytes(), now_ms).is_some()
+                        && field(ks, meta.as_bytes(), "retired", now_ms).is_none(),
+                    field(ks, meta.as_bytes(), "epoch", now_ms),
+                )
+            });
+            if live && epoch.is_none_or(|e| e == c.epoch.to_string()) {
+                reported.insert((i, c.deleted_at[i]));
+                checker
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .violations
+                    .push(format!(
+                        "retire: t{i}, deleted at {} ms, is still live {} ms later (term {} leading since {} ms, no server fault since {} ms)",
+                        c.deleted_at[i],
+                        now - c.deleted_at[i],
+                        c.term,
+                        c.holder_since,
+                        c.disrupted_until
+                    ));
+            }
+        }
+    }
+}
+
+/// A spec step of the workload: a task's spec written anew (another threshold), or — with the
+/// manager's roller — the task deleted, or created again after its deletion.
+fn spec_step(
+    rng: &mut Rng,
+    control: &Mutex<Control>,
+    cfg: &Config,
+    clock: &TokioClock,
+    p_delete: f64,
+) {
+    let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+    let i = rng.below(c.specs.len() as u64) as usize;
+    c.revision += 1;
+    let rev = c.revision;
+    // With the manager's roller: a task deleted now and then (a retire is owed,
+    // also when no leader runs), and created again later (a new incarnation).
+    if cfg.manager_roller && rng.chance(p_delete) {
+        if c.deleted[i] {
+            c.deleted[i] = false;
+            c.created[i] = rev;
+            c.specs[i].0 = rev;
+        } else {
+            c.deleted[i] = true;
+            c.deleted_at[i] = clock.now_us() / 1000;
+        }
+    } else {
+        // A spec written for a deleted name creates it again (a new incarnation).
+        if c.deleted[i] {
+            c.deleted[i] = false;
+            c.created[i] = rev;
+        }
+        c.specs[i].0 = rev;
+        c.specs[i].1 = rng.range_i(5, 60) as u64;
+    }
+    if cfg.verbose {
+        eprintln!(
+            "{} world: t{i} {} at revision {rev} (term {}, epoch {}, holder {:?})",
+            clock.now_us(),
+            if c.deleted[i] { "deleted" } else { "spec" },
+            c.term,
+            c.epoch,
+            c.holder
+        );
     }
 }
 
@@ -1443,6 +1788,11 @@ async fn run_in(cfg: Config) -> Outcome {
         across: BTreeMap::new(),
         overgrant_pruned: 0,
         fences: BTreeMap::new(),
+        mirror_set_sha: sha1_hex(sluice_manager::envoy_import::MIRROR_SET_LUA),
+        mirror_del_sha: sha1_hex(sluice_manager::envoy_import::MIRROR_DEL_LUA),
+        envoy_fence: Keys::new(NS).expect("namespace").envoy_fence().into_bytes(),
+        mirror_fences: BTreeMap::new(),
+        mirror_writes: 0,
         tokens: BTreeMap::new(),
         tokens_issued: 0,
         granted: 0,
@@ -1464,6 +1814,16 @@ async fn run_in(cfg: Config) -> Outcome {
         term: 1,
         holder: Some(0),
         epoch: 1,
+        domains: vec![Some(1); A_DOMAINS.len()],
+        deleted_at: vec![0; cfg.tasks],
+        holder_since: start_us / 1000,
+        disrupted_until: 0,
+    }));
+    let second = Arc::new(Mutex::new(Second {
+        term: 1,
+        leading: true,
+        revision: 1,
+        versions: vec![1; B_DOMAINS.len()],
     }));
     let faults_on = Arc::new(Mutex::new(cfg.faults));
     let log = Arc::new(Mutex::new(FaultLog {
@@ -1530,10 +1890,26 @@ async fn run_in(cfg: Config) -> Outcome {
         let link = Link::new(&shared, rng.next_u64());
         handles.push(tokio::spawn(locker(host, link, clock.clone(), end_ms)));
     }
+    if cfg.manager_roller {
+        handles.push(tokio::spawn(retire_watch(
+            redis.clone(),
+            control.clone(),
+            checker.clone(),
+            clock.clone(),
+            end_ms,
+        )));
+        handles.push(tokio::spawn(second_cluster(
+            shared.clone(),
+            second.clone(),
+            end_ms,
+            rng.next_u64(),
+        )));
+    }
     handles.push(tokio::spawn(chaos(
         Rng::new(rng.next_u64()),
         redis.clone(),
         control.clone(),
+        second.clone(),
         faults_on.clone(),
         log.clone(),
         clock.clone(),
@@ -1612,6 +1988,10 @@ async fn run_in(cfg: Config) -> Outcome {
             ));
         }
     }
+    if cfg.manager_roller {
+        check_mirror(&ks, now_ms, &control, &second, &mut outcome.violations);
+    }
+    outcome.mirror_writes = c.mirror_writes;
     outcome.trace_hash = c.hash;
     outcome.commands = c.commands;
     outcome.granted = c.granted + c.key_granted;
@@ -1629,6 +2009,63 @@ async fn run_in(cfg: Config) -> Outcome {
     }
     outcome.terms = control.lock().unwrap_or_else(|e| e.into_inner()).term;
     outcome
+}
+
+/// At the end (after a quiet tail): `NS:envoy` holds every domain some cluster imports, at
+/// the version of the cluster whose fence holds it, and nothing else (this cluster's deleted
+/// domains are gone).
+fn check_mirror(
+    ks: &crate::redis::Keyspace,
+    now_ms: i64,
+    control: &Mutex<Control>,
+    second: &Mutex<Second>,
+    violations: &mut Vec<String>,
+) {
+    let keys = Keys::new(NS).expect("namespace");
+    let (routes, fences) = (keys.envoy_routes(), keys.envoy_fence());
+    let c = control.lock().unwrap_or_else(|e| e.into_inner());
+    let b = second.lock().unwrap_or_else(|e| e.into_inner());
+    let mut names: Vec<&str> = A_DOMAINS.iter().chain(B_DOMAINS.iter()).copied().collect();
+    names.sort_unstable();
+    names.dedup();
+    for name in names {
+        let a = A_DOMAINS
+            .iter()
+            .position(|d| *d == name)
+            .and_then(|i| c.domains[i]);
+        let bv = B_DOMAINS
+            .iter()
+            .position(|d| *d == name)
+            .map(|i| b.versions[i]);
+        let stored = field(ks, routes.as_bytes(), name, now_ms);
+        let fence = field(ks, fences.as_bytes(), name, now_ms);
+        let owner = fence
+            .as_deref()
+            .and_then(|f| f.split(' ').next())
+            .map(str::to_string);
+        let want = match owner.as_deref() {
+            Some(e) if e == B_EPOCH.to_string() => bv,
+            Some(e) if e == c.epoch.to_string() => a,
+            _ => a.or(bv),
+        };
+        let got = stored.as_deref().and_then(|v| {
+            serde_json::from_str::<serde_json::Value>(v)
+                .ok()?
+                .get("version")?
+                .as_i64()
+        });
+        let ok = match (a.or(bv), want) {
+            (None, _) => stored.is_none(),
+            (Some(_), Some(w)) => got == Some(w),
+            (Some(_), None) => false,
+        };
+        if !ok {
+            violations.push(format!(
+                "envoy mirror: domain {name} holds version {got:?} at the end (fence {fence:?}); this cluster (epoch {}) imports it at {a:?}, the second cluster at {bv:?}",
+                c.epoch
+            ));
+        }
+    }
 }
 
 /// Looks for the fewest faults of a failing run that still make it fail (ddmin over the fault

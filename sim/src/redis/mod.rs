@@ -298,6 +298,13 @@ impl SimRedis {
         self.lock().ks.clone()
     }
 
+    /// Reads the live keys now without copying them (and without running a command: no
+    /// observer sees it, nothing in the trace changes).
+    pub fn read<T>(&self, f: impl FnOnce(&Keyspace, i64) -> T) -> T {
+        let now_ms = self.clock.now_us().div_euclid(1000);
+        f(&self.lock().ks, now_ms)
+    }
+
     /// Counters so far.
     pub fn stats(&self) -> Stats {
         self.lock().stats
