@@ -2013,11 +2013,6 @@ impl Roller {
         }
     }
 
-    /// One step of a new leadership's reconciliation: learn whether the registry is complete,
-    /// else fill it with one page of a `SCAN` of the metas (a single Redis server only: on a
-    /// Redis Cluster a `SCAN` sees one node, so the registry is marked complete without it and
-    /// tasks only older managers rolled stay unknown, as docs/architecture.md says), then walk
-    /// it one page per tick.
     /// `INFO server` on a single server (not while the ACL refuses it, asked again every
     /// [`INFO_RETRY_MS`]), for [`Self::note_run_id`]; `None` when not asked.
     fn ask_run_id(
@@ -2052,7 +2047,9 @@ impl Roller {
     /// registry is walked again from its start, as a new leadership does, and every task etcd
     /// no longer has is retired again. Not the fill from the metas (a SCAN of every key): a dump
     /// holds the registry as complete as it was; not after a FLUSHALL alone (nothing survived
-    /// it); and a check or fill under way goes on (a walk follows it).
+    /// it). A check under way goes on (a walk follows it); a fill under way starts again from
+    /// the check (its `SCAN` cursor meant something to the old process only: going on with it
+    /// could skip metas and then mark the registry complete).
     fn note_run_id(
         &mut self,
         info: Option<std::result::Result<redis::RedisResult<String>, tokio::time::error::Elapsed>>,
@@ -2091,12 +2088,20 @@ impl Roller {
         if run_id.is_some() {
             self.redis_run_id = run_id;
         }
-        if restarted && matches!(self.reconcile, Reconcile::Walking(_) | Reconcile::Done) {
-            self.reconcile = Reconcile::Walking(0);
+        if restarted {
+            self.reconcile = match self.reconcile {
+                Reconcile::Unknown | Reconcile::Filling(_) => Reconcile::Unknown,
+                Reconcile::Walking(_) | Reconcile::Done => Reconcile::Walking(0),
+            };
         }
         restarted
     }
 
+    /// One step of a new leadership's reconciliation: learn whether the registry is complete,
+    /// else fill it with one page of a `SCAN` of the metas (a single Redis server only: on a
+    /// Redis Cluster a `SCAN` sees one node, so the registry is marked complete without it and
+    /// tasks only older managers rolled stay unknown, as docs/architecture.md says), then walk
+    /// it one page per tick.
     async fn reconcile_step(
         &mut self,
         conn: &sluice_protocol::conn::RedisConn,
@@ -2664,6 +2669,44 @@ mod tests {
             tick: Duration::from_millis(500),
             fence_stale_after: Duration::from_secs(10),
         }
+    }
+
+    /// A new `run_id` (a restart from a dump, a failover) walks the registry again from its
+    /// start; a fill under way starts again from the check (its SCAN cursor was the old
+    /// process's); the first `run_id` seen changes nothing.
+    #[test]
+    fn a_new_run_id_restarts_the_registry_walk_and_a_fill_from_the_check() {
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let (alerts, _rx) = crate::alerts::channel(metrics.clone());
+        let redis = Arc::new(Redis::new(
+            sluice_protocol::conn::RedisTarget::Single("redis://127.0.0.1:1".into()),
+            sluice_protocol::conn::ConnOptions::default(),
+        ));
+        let mut r = Roller::new(Keys::new("t").unwrap(), redis, cfg(), metrics, alerts);
+        let info = |id: &str| Some(Ok(Ok(format!("# Server\r\nrun_id:{id}\r\n"))));
+        r.reconcile = Reconcile::Done;
+        assert!(!r.note_run_id(info("a"), 0), "the first run_id seen");
+        assert_eq!(r.reconcile, Reconcile::Done);
+        assert!(!r.note_run_id(info("a"), 0));
+        for (before, after) in [
+            (Reconcile::Done, Reconcile::Walking(0)),
+            (Reconcile::Walking(42), Reconcile::Walking(0)),
+            (Reconcile::Filling(7), Reconcile::Unknown),
+            (Reconcile::Unknown, Reconcile::Unknown),
+        ] {
+            r.reconcile = before;
+            let next = if r.redis_run_id.as_deref() == Some("a") {
+                "b"
+            } else {
+                "a"
+            };
+            assert!(r.note_run_id(info(next), 0), "{before:?}");
+            assert_eq!(r.reconcile, after, "from {before:?}");
+        }
+        // No answer (refused, timed out) is not a restart.
+        r.reconcile = Reconcile::Done;
+        assert!(!r.note_run_id(None, 0));
+        assert_eq!(r.reconcile, Reconcile::Done);
     }
 
     #[test]

@@ -244,7 +244,7 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
-    /// Starts `redis-server` without persistence and waits until it answers PING.
+    /// Starts `redis-server` without persistence and waits until it answers (itself, not another server on the port).
     pub fn start() -> Self {
         Self::start_with(&[])
     }
@@ -285,7 +285,7 @@ impl RedisServer {
         }
     }
 
-    /// (Re)starts the server on the same port; waits until it answers PING.
+    /// (Re)starts the server on the same port; waits until it answers (itself, not another server on the port).
     pub fn restart(&mut self) {
         if let Err(log) = self.try_restart() {
             panic!("redis-server did not start:\n{log}");
@@ -324,9 +324,12 @@ impl RedisServer {
         loop {
             match self
                 .try_admin_conn(Duration::from_millis(200))
-                .and_then(|mut c| redis::cmd("PING").query::<String>(&mut c))
+                .and_then(|mut c| redis::cmd("INFO").arg("server").query::<String>(&mut c))
             {
-                Ok(_) => return Ok(()),
+                // Ours, not another server that won the port (ours then exits: "Address
+                // already in use", handled below).
+                Ok(info) if info_pid(&info) == self.proc.as_ref().map(Proc::pid) => return Ok(()),
+                Ok(_) => {}
                 // Up, with `--requirepass`: the password goes in the client's URL.
                 Err(e) if e.to_string().contains("NOAUTH") => return Ok(()),
                 Err(_) => {}
@@ -1081,6 +1084,13 @@ fn cluster_args(more: &'static [&'static str]) -> impl Fn() -> Vec<String> {
         args.extend(["--cluster-port".to_string(), free_port().to_string()]);
         args
     }
+}
+
+/// `process_id` of an `INFO server` answer.
+fn info_pid(info: &str) -> Option<u32> {
+    info.lines()
+        .find_map(|l| l.strip_prefix("process_id:"))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 /// A private Redis Cluster of `n` primaries (no replicas) on free ports.
