@@ -25,6 +25,8 @@
 //!   current spec (meta version, cap of the current slice) and grants again.
 //! * **retire** (the manager's roller): every deleted task is retired by the end, and in time —
 //!   10 s after the later of its deletion, the leadership's start and the last server fault.
+//! * **another cluster's task** (`u0`, rolled by the second cluster's own `Roller`) is never
+//!   retired, and holds its last spec at the end.
 //! * **the Envoy mirror** (the manager's `envoy_import::mirror_docs`, run by this cluster's
 //!   leaders and by a second cluster on the namespace): no write or delete accepted over
 //!   another epoch's or a newer term's fresh fence; at the end every imported domain mirrored
@@ -165,6 +167,52 @@ struct Second {
     revision: i64,
     /// Per domain of [`B_DOMAINS`], its version.
     versions: Vec<i64>,
+    /// Its own task [`B_TASK`]: (version, threshold), rolled by its own `Roller`.
+    task: (i64, u64),
+}
+
+/// The second cluster's task (its etcd holds no other; this cluster's etcd does not hold it).
+const B_TASK: &str = "u0";
+
+/// etcd's current revision for the second cluster's roller.
+struct SecondRevisions(Arc<Mutex<Second>>);
+
+impl sluice_manager::roller::CurrentRevision for SecondRevisions {
+    async fn current_revision(&self) -> sluice_manager::error::Result<i64> {
+        let b = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(b.revision.max(b.term))
+    }
+}
+
+/// The second cluster's task snapshot.
+fn second_snapshot(b: &Second) -> Arc<sluice_manager::tasks::TaskSnapshot> {
+    use sluice_manager::tasks::{TaskEntry, TaskSnapshot};
+    let (version, threshold) = b.task;
+    let spec = sluice_manager::spec::parse_stored(
+        B_TASK,
+        format!(r#"{{"threshold":{threshold},"slice_ms":{SLICE_MS}}}"#).as_bytes(),
+    )
+    .unwrap_or_else(|e| panic!("the second cluster's spec is invalid: {e:?}"));
+    let schedule = Arc::new(sluice_manager::schedule::CompiledSchedule::new(
+        &spec.schedules,
+    ));
+    let mut tasks = BTreeMap::new();
+    tasks.insert(
+        B_TASK.to_string(),
+        Arc::new(TaskEntry {
+            name: B_TASK.to_string(),
+            spec,
+            version,
+            created: 1,
+            schedule,
+        }),
+    );
+    Arc::new(TaskSnapshot {
+        tasks,
+        invalid: BTreeMap::new(),
+        revision: b.revision,
+        loaded: true,
+    })
 }
 
 /// A domain's document as `envoy_import::list` reads it from etcd (its descriptors name the
@@ -1280,9 +1328,10 @@ async fn manager_leader(
     }
 }
 
-/// The second manager cluster's replica: mirrors [`B_DOMAINS`] into `NS:envoy` every tick
-/// while it leads (its own etcd, epoch [`B_EPOCH`]; a new term now and then, sometimes after a
-/// gap in which its fences go stale).
+/// The second manager cluster's replica: while it leads (its own etcd, epoch [`B_EPOCH`]; a new
+/// term now and then, sometimes after a gap in which its fences go stale), every tick it rolls
+/// its own task [`B_TASK`] with the manager's `Roller` (this cluster's registry walk must leave
+/// it alone: another epoch's task) and mirrors [`B_DOMAINS`] into `NS:envoy`.
 async fn second_cluster(w: SharedRef, second: Arc<Mutex<Second>>, end_ms: i64, seed: u64) {
     let keys = Keys::new(NS).expect("namespace");
     let mut rng = Rng::new(seed);
@@ -1293,20 +1342,33 @@ async fn second_cluster(w: SharedRef, second: Arc<Mutex<Second>>, end_ms: i64, s
         clock: w.clock.clone(),
         start_ms: w.start_ms,
     });
-    let redis = sluice_protocol::conn::Redis::shared(conn);
-    let mut leading: Option<(i64, sluice_manager::election::LeaderContext)> = None;
+    let redis = Arc::new(sluice_protocol::conn::Redis::shared(conn));
+    let metrics = Arc::new(sluice_manager::metrics::Metrics::new());
+    let (alerts, _alert_rx) = sluice_manager::alerts::channel(metrics.clone());
+    let cfg = sluice_manager::roller::RollConfig {
+        horizon: Duration::from_millis(HORIZON_MS as u64),
+        retention: Duration::from_millis(RETENTION_MS as u64),
+        tick: Duration::from_millis(TICK_MS),
+        fence_stale_after: Duration::from_millis(MANAGER_STALE_AFTER_MS),
+    };
+    let revisions = SecondRevisions(second.clone());
+    let mut leading: Option<(
+        i64,
+        sluice_manager::election::LeaderContext,
+        sluice_manager::roller::Roller,
+    )> = None;
     loop {
         if w.clock.now_us() / 1000 >= end_ms {
             return;
         }
-        let (term, on, docs, revision) = {
+        let (term, on, docs, revision, snap) = {
             let b = second.lock().unwrap_or_else(|e| e.into_inner());
             let docs: Vec<_> = B_DOMAINS
                 .iter()
                 .zip(&b.versions)
                 .map(|(name, v)| domain_doc(name, *v))
                 .collect();
-            (b.term, b.leading, docs, b.revision)
+            (b.term, b.leading, docs, b.revision, second_snapshot(&b))
         };
         if !on {
             leading = None;
@@ -1316,9 +1378,24 @@ async fn second_cluster(w: SharedRef, second: Arc<Mutex<Second>>, end_ms: i64, s
                 B_EPOCH,
                 Duration::from_secs(86_400),
             );
-            leading = Some((term, ctx));
+            let roller = sluice_manager::roller::Roller::new(
+                keys.clone(),
+                redis.clone(),
+                cfg,
+                metrics.clone(),
+                alerts.clone(),
+            );
+            leading = Some((term, ctx, roller));
         }
-        if let Some((_, ctx)) = &leading {
+        if let Some((_, ctx, roller)) = &mut leading {
+            if let Err(sluice_manager::error::Error::Fenced { .. }) = roller
+                .tick(ctx, &revisions, &snap, &std::collections::HashMap::new())
+                .await
+            {
+                leading = None;
+            }
+        }
+        if let Some((_, ctx, _)) = &leading {
             let _ = sluice_manager::envoy_import::mirror_docs(ctx, &docs, revision, &keys, &redis)
                 .await;
         }
@@ -1597,6 +1674,9 @@ async fn chaos(
                     let i = rng.below(B_DOMAINS.len() as u64) as usize;
                     b.revision += 1;
                     b.versions[i] = b.revision;
+                    if rng.chance(0.5) {
+                        b.task = (b.revision, rng.range_i(5, 60) as u64);
+                    }
                 } else {
                     let gap = rng.chance(0.5).then(|| rng.range_i(100, 15_000) as u64);
                     second.lock().unwrap_or_else(|e| e.into_inner()).leading = false;
@@ -1684,6 +1764,23 @@ async fn retire_watch(
         let now = clock.now_us() / 1000;
         if now >= end_ms {
             return;
+        }
+        // The second cluster's task is never deleted: nobody may retire it (this cluster's
+        // registry walk leaves another epoch's task alone, even while its leader is away).
+        let b_meta = keys.meta(B_TASK);
+        if !reported.contains(&(usize::MAX, 0))
+            && redis
+                .read(|ks, now_ms| field(ks, b_meta.as_bytes(), "retired", now_ms))
+                .is_some()
+        {
+            reported.insert((usize::MAX, 0));
+            checker
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .violations
+                .push(format!(
+                    "retire: the second cluster's task {B_TASK} was retired at {now} ms (it is never deleted)"
+                ));
         }
         let c = control.lock().unwrap_or_else(|e| e.into_inner());
         if c.holder.is_none() {
@@ -1854,6 +1951,7 @@ async fn run_in(cfg: Config) -> Outcome {
         leading: true,
         revision: 1,
         versions: vec![1; B_DOMAINS.len()],
+        task: (1, 20),
     }));
     let faults_on = Arc::new(Mutex::new(cfg.faults));
     let log = Arc::new(Mutex::new(FaultLog {
@@ -2022,6 +2120,24 @@ async fn run_in(cfg: Config) -> Outcome {
     // runs skip it: a foreign fence from the last fault may still hold a domain).
     if cfg.manager_roller && cfg.duration_ms * 3 / 10 >= MANAGER_STALE_AFTER_MS + 5_000 {
         check_mirror(&ks, now_ms, &control, &second, &mut outcome.violations);
+    }
+    if cfg.manager_roller {
+        // The second cluster's task: rolled at its last spec, never retired by this cluster.
+        let (version, threshold) = second.lock().unwrap_or_else(|e| e.into_inner()).task;
+        let meta = keys.meta(B_TASK);
+        let stored = field(&ks, meta.as_bytes(), "version", now_ms);
+        let retired = field(&ks, meta.as_bytes(), "retired", now_ms);
+        let last = now_ms - 1500;
+        let slice = keys.slice(B_TASK, last - last.rem_euclid(SLICE_MS as i64));
+        let cap = field(&ks, slice.as_bytes(), "cap", now_ms);
+        if stored.as_deref() != Some(&version.to_string())
+            || retired.is_some()
+            || cap.as_deref() != Some(&threshold.to_string())
+        {
+            outcome.violations.push(format!(
+                "second cluster: its task {B_TASK} holds version {stored:?} (retired {retired:?}) and cap {cap:?} at the end; its spec is version {version}, threshold {threshold}"
+            ));
+        }
     }
     outcome.mirror_writes = c.mirror_writes;
     outcome.trace_hash = c.hash;
