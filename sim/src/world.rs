@@ -1387,13 +1387,12 @@ async fn second_cluster(w: SharedRef, second: Arc<Mutex<Second>>, end_ms: i64, s
             );
             leading = Some((term, ctx, roller));
         }
-        if let Some((_, ctx, roller)) = &mut leading {
-            if let Err(sluice_manager::error::Error::Fenced { .. }) = roller
+        if let Some((_, ctx, roller)) = &mut leading
+            && let Err(sluice_manager::error::Error::Fenced { .. }) = roller
                 .tick(ctx, &revisions, &snap, &std::collections::HashMap::new())
                 .await
-            {
-                leading = None;
-            }
+        {
+            leading = None;
         }
         if let Some((_, ctx, _)) = &leading {
             let _ = sluice_manager::envoy_import::mirror_docs(ctx, &docs, revision, &keys, &redis)
