@@ -1072,6 +1072,13 @@ struct Shared {
     start_ms: i64,
 }
 
+tokio::task_local! {
+    /// A manager replica's clock offset from the world's (ms): `unix_ms()` in the manager's
+    /// code adds it while that replica's task runs (skewed at start, jumped by faults, set
+    /// right at the quiet tail, as NTP would).
+    static SKEW: Arc<std::sync::atomic::AtomicI64>;
+}
+
 async fn sleep_ms(ms: u64) {
     tokio::time::sleep(Duration::from_millis(ms)).await;
 }
@@ -1533,6 +1540,7 @@ async fn chaos(
     redis: SimRedis,
     control: Arc<Mutex<Control>>,
     second: Arc<Mutex<Second>>,
+    skews: Vec<Arc<std::sync::atomic::AtomicI64>>,
     faults_on: Arc<Mutex<bool>>,
     log: SharedLog,
     clock: Arc<TokioClock>,
@@ -1570,6 +1578,10 @@ async fn chaos(
             if !b.leading {
                 b.term += 1;
                 b.leading = true;
+            }
+            // Clocks set right (NTP) for the quiet tail.
+            for s in &skews {
+                s.store(0, std::sync::atomic::Ordering::Relaxed);
             }
             return;
         }
@@ -1686,6 +1698,17 @@ async fn chaos(
                     let mut b = second.lock().unwrap_or_else(|e| e.into_inner());
                     b.term += 1;
                     b.leading = true;
+                }
+            }
+            // A manager replica's clock jumps (forward or back), up to a second.
+            49..=50 if cfg.faults && !skews.is_empty() => {
+                let i = rng.below(skews.len() as u64) as usize;
+                let to = rng.range_i(-1000, 1000);
+                if admit(
+                    "clock jump",
+                    format!("replica {i}'s clock jumps to {to:+} ms off"),
+                ) {
+                    skews[i].store(to, std::sync::atomic::Ordering::Relaxed);
                 }
             }
             // (A fault's arm asks the log whether it may apply; when not, the `_` arm does
@@ -1967,7 +1990,13 @@ async fn run_in(cfg: Config) -> Outcome {
     });
     // The manager's code reads `unix_ms()`: on this thread, the world's clock.
     let world_clock = clock.clone();
-    sluice_protocol::sim_clock::set(Some(Arc::new(move || world_clock.now_us() / 1000)));
+    sluice_protocol::sim_clock::set(Some(Arc::new(move || {
+        world_clock.now_us() / 1000
+            + SKEW
+                .try_with(|s| s.load(std::sync::atomic::Ordering::Relaxed))
+                .unwrap_or(0)
+    })));
+    let mut skews: Vec<Arc<std::sync::atomic::AtomicI64>> = Vec::new();
     let end_ms = start_ms + cfg.duration_ms as i64;
     let mut handles = Vec::new();
     for id in 0..cfg.leaders {
@@ -1979,12 +2008,11 @@ async fn run_in(cfg: Config) -> Outcome {
         };
         if cfg.manager_roller {
             let seed = link.rng.clone().next_u64();
-            handles.push(tokio::spawn(manager_leader(
-                id,
-                shared.clone(),
-                control.clone(),
-                end_ms,
-                seed,
+            let offset = Arc::new(std::sync::atomic::AtomicI64::new(skew));
+            skews.push(offset.clone());
+            handles.push(tokio::spawn(SKEW.scope(
+                offset,
+                manager_leader(id, shared.clone(), control.clone(), end_ms, seed),
             )));
             continue;
         }
@@ -2037,6 +2065,7 @@ async fn run_in(cfg: Config) -> Outcome {
         redis.clone(),
         control.clone(),
         second.clone(),
+        skews,
         faults_on.clone(),
         log.clone(),
         clock.clone(),
