@@ -1287,11 +1287,16 @@ impl Roller {
                 self.forgotten.remove(&n);
                 self.state.entry(n).or_default();
             }
-            self.state
+            // In name order: the same retires in the same order every run (the deterministic
+            // simulation replays a seed bit for bit; a hash map's order is the process's).
+            let mut gone: Vec<String> = self
+                .state
                 .keys()
                 .filter(|n| !snap.contains(n))
                 .cloned()
-                .collect()
+                .collect();
+            gone.sort_unstable();
+            gone
         } else {
             Vec::new()
         };
@@ -2211,7 +2216,9 @@ impl Roller {
             .into_iter()
             .filter(|n| sluice_protocol::validate_task_name(n).is_ok())
             .filter(|n| !snap.contains(n) && !self.state.contains_key(n))
-            .collect::<HashSet<_>>()
+            // Deduplicated (SSCAN may repeat a name) in name order: the same calls in the same
+            // order every run (the deterministic simulation replays a seed bit for bit).
+            .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
             .collect();
         let keys = &self.keys;

@@ -1249,12 +1249,58 @@ fn snapshot(c: &Control) -> Arc<sluice_manager::tasks::TaskSnapshot> {
     })
 }
 
+/// A manager replica's connection: [`Faults`], and now and then a **crash** — the command
+/// never answers (applied or not), the replica's task is told, and drops its tick or mirror
+/// pass at that await point (the process died there).
+struct CrashPlan {
+    inner: Faults,
+    rng: Rng,
+    crash: Arc<tokio::sync::Notify>,
+}
+
+impl FaultPlan for CrashPlan {
+    fn on_command(&mut self, args: &[Vec<u8>]) -> Fault {
+        let f = self.inner.on_command(args);
+        if f != Fault::Deliver || !*self.inner.on.lock().unwrap_or_else(|e| e.into_inner()) {
+            return f;
+        }
+        if self.rng.below(1000) >= 2 {
+            return Fault::Deliver;
+        }
+        let applied = self.rng.chance(0.5);
+        let at_ms = self.inner.clock.now_us() / 1000 - self.inner.start_ms;
+        let cmd = String::from_utf8_lossy(args.first().map(Vec::as_slice).unwrap_or_default())
+            .into_owned();
+        let admitted = self
+            .inner
+            .log
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admit(at_ms, "crash", || {
+                format!(
+                    "a manager replica crashed at `{cmd}` ({} the server ran it)",
+                    if applied { "after" } else { "before" }
+                )
+            });
+        if !admitted {
+            return Fault::Deliver;
+        }
+        self.crash.notify_one();
+        if applied {
+            Fault::HangAfterApply
+        } else {
+            Fault::Hang
+        }
+    }
+}
+
 /// A manager replica running the manager's own roller (`Roller::tick`, unchanged) over a
 /// simulated connection: a new `Roller` per leadership, as the manager makes one; a tick every
 /// 500 ms; stepping down when fenced. Its clock is the world's (`unix_ms` reads it on this
 /// thread), without skew.
 async fn manager_leader(
     id: usize,
+    leaders: usize,
     w: SharedRef,
     control: Arc<Mutex<Control>>,
     end_ms: i64,
@@ -1265,12 +1311,17 @@ async fn manager_leader(
     let metrics = Arc::new(sluice_manager::metrics::Metrics::new());
     let (alerts, _alert_rx) = sluice_manager::alerts::channel(metrics.clone());
     let mut rng = Rng::new(seed);
-    let conn = w.redis.conn().reconnecting().with_faults(Faults {
+    let crash = Arc::new(tokio::sync::Notify::new());
+    let conn = w.redis.conn().reconnecting().with_faults(CrashPlan {
+        inner: Faults {
+            rng: Rng::new(rng.next_u64()),
+            on: w.faults_on.clone(),
+            log: w.log.clone(),
+            clock: w.clock.clone(),
+            start_ms: w.start_ms,
+        },
         rng: Rng::new(rng.next_u64()),
-        on: w.faults_on.clone(),
-        log: w.log.clone(),
-        clock: w.clock.clone(),
-        start_ms: w.start_ms,
+        crash: crash.clone(),
     });
     let redis = Arc::new(sluice_protocol::conn::Redis::shared(conn));
     let cfg = RollConfig {
@@ -1314,22 +1365,47 @@ async fn manager_leader(
                 leading = None;
             }
         }
+        let mut crashed = false;
+        let mut fenced = false;
+        let dynamic = std::collections::HashMap::new();
         if let Some((roller, ctx, _, _)) = &mut leading {
             // Fenced: a newer leader of this history holds a task — step down (the manager's
             // `Roller::run` does the same). Other errors end the tick; the next one retries.
-            if let Err(sluice_manager::error::Error::Fenced { .. }) = roller
-                .tick(ctx, &revisions, &snap, &std::collections::HashMap::new())
-                .await
-            {
-                leading = None;
+            // `biased`: tokio picks among ready branches at random otherwise (a replay must
+            // not depend on it).
+            tokio::select! {
+                biased;
+                _ = crash.notified() => crashed = true,
+                r = roller.tick(ctx, &revisions, &snap, &dynamic) => {
+                    fenced = matches!(r, Err(sluice_manager::error::Error::Fenced { .. }));
+                }
             }
+        }
+        if fenced {
+            leading = None;
         }
         // The Envoy mirror (the manager runs it beside the roller, at the same period): a
         // deposed replica that has not noticed yet keeps passing, and meets the fence.
-        if let Some((_, ctx, _, _)) = &leading {
+        if !crashed && let Some((_, ctx, _, _)) = &leading {
             let (docs, revision) = a_docs(&control.lock().unwrap_or_else(|e| e.into_inner()));
-            let _ = sluice_manager::envoy_import::mirror_docs(ctx, &docs, revision, &keys, &redis)
-                .await;
+            tokio::select! {
+                biased;
+                _ = crash.notified() => crashed = true,
+                _ = sluice_manager::envoy_import::mirror_docs(ctx, &docs, revision, &keys, &redis) => {}
+            }
+        }
+        if crashed {
+            // The process died mid-call: its memory is gone; it comes back after a restart,
+            // and its leadership (its lease expired meanwhile) goes to whoever wins next.
+            leading = None;
+            sleep_ms(rng.range_i(500, 5000) as u64).await;
+            let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+            if c.holder == Some(id) {
+                c.term += 1;
+                c.holder = Some(rng.below(leaders as u64) as usize);
+                c.holder_since = w.clock.now_us() / 1000;
+            }
+            continue;
         }
         sleep_ms(TICK_MS).await;
     }
@@ -2012,7 +2088,14 @@ async fn run_in(cfg: Config) -> Outcome {
             skews.push(offset.clone());
             handles.push(tokio::spawn(SKEW.scope(
                 offset,
-                manager_leader(id, shared.clone(), control.clone(), end_ms, seed),
+                manager_leader(
+                    id,
+                    cfg.leaders,
+                    shared.clone(),
+                    control.clone(),
+                    end_ms,
+                    seed,
+                ),
             )));
             continue;
         }

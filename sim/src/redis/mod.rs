@@ -121,6 +121,11 @@ pub enum Fault {
     DelayRequest(Duration),
     /// Applied at once; the reply waits this long.
     DelayReply(Duration),
+    /// Never applied, never answered: the caller waits for ever (its process crashed while
+    /// this command was on its way; the world drops the caller's future).
+    Hang,
+    /// Applied, never answered (the process crashed while the reply was on its way).
+    HangAfterApply,
 }
 
 /// Chooses each command's [`Fault`] (a seeded plan in a simulation).
@@ -551,6 +556,9 @@ impl SimConn {
         if let Fault::DelayRequest(d) = fault {
             tokio::time::sleep(d).await;
         }
+        if fault == Fault::Hang {
+            std::future::pending::<()>().await;
+        }
         // DEBUG SLEEP: wait (in simulated time) until the server is awake.
         loop {
             let until = self.redis.lock().sleep_until_us;
@@ -580,6 +588,10 @@ impl SimConn {
         };
         match fault {
             Fault::LoseReply => Err(io_error("reply lost")),
+            Fault::HangAfterApply => {
+                std::future::pending::<()>().await;
+                Err(io_error("never answered"))
+            }
             Fault::DelayReply(d) => {
                 tokio::time::sleep(d).await;
                 Ok(reply)
