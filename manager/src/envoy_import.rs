@@ -1332,18 +1332,18 @@ macro_rules! mirror_fence {
     };
 }
 
-/// Writes a domain's compiled JSON, fenced ([`mirror_fence!`]), unless the stored one is as
+/// Writes a domain's compiled JSON, fenced (`parts/mirror_fence.lua`), unless the stored one is as
 /// new or newer of this epoch's history (a stored version above the revision the leader just
 /// read comes from another history). A document already as new only gets its fence claimed or
 /// refreshed (at least every quarter of stale_after, so a live owner's fence never goes stale).
-/// KEYS[1] = NS:envoy, KEYS[2] = the fence hash; ARGV = domain, term, epoch, stale_after,
+/// `KEYS[1]` = NS:envoy, `KEYS[2]` = the fence hash; ARGV = domain, term, epoch, stale_after,
 /// version, value, revision read. Returns `{1}` written, `{2}` unchanged, or a refusal.
 pub const MIRROR_SET_LUA: &str = concat!(
     mirror_fence!(),
     include_str!("../../protocol/scripts/parts/mirror_set.lua"),
 );
 
-/// Deletes a domain's field (and its fence), fenced ([`mirror_fence!`]), unless it was written
+/// Deletes a domain's field (and its fence), fenced (`parts/mirror_fence.lua`), unless it was written
 /// from a document of this epoch newer than the revision at which the leader saw the domain
 /// gone. KEYS as [`MIRROR_SET_LUA`]; ARGV = domain, term, epoch, stale_after, revision read.
 /// Returns `{1}` deleted, `{2}` nothing to delete, `{3}` newer, or a refusal.

@@ -1256,15 +1256,23 @@ struct CrashPlan {
     inner: Faults,
     rng: Rng,
     crash: Arc<tokio::sync::Notify>,
+    /// Dead since a crash, until the replica restarts: every command (one issued beside the
+    /// crashing one in the same poll, too) never answers, and no second crash is decided.
+    dead: Arc<std::sync::atomic::AtomicBool>,
+    /// No crash decided after this (world ms): the quiet tail starts with live replicas.
+    until_ms: i64,
 }
 
 impl FaultPlan for CrashPlan {
     fn on_command(&mut self, args: &[Vec<u8>]) -> Fault {
+        if self.dead.load(std::sync::atomic::Ordering::Relaxed) {
+            return Fault::Hang;
+        }
         let f = self.inner.on_command(args);
         if f != Fault::Deliver || !*self.inner.on.lock().unwrap_or_else(|e| e.into_inner()) {
             return f;
         }
-        if self.rng.below(1000) >= 2 {
+        if self.rng.below(1000) >= 2 || self.inner.clock.now_us() / 1000 >= self.until_ms {
             return Fault::Deliver;
         }
         let applied = self.rng.chance(0.5);
@@ -1285,6 +1293,7 @@ impl FaultPlan for CrashPlan {
         if !admitted {
             return Fault::Deliver;
         }
+        self.dead.store(true, std::sync::atomic::Ordering::Relaxed);
         self.crash.notify_one();
         if applied {
             Fault::HangAfterApply
@@ -1297,13 +1306,14 @@ impl FaultPlan for CrashPlan {
 /// A manager replica running the manager's own roller (`Roller::tick`, unchanged) over a
 /// simulated connection: a new `Roller` per leadership, as the manager makes one; a tick every
 /// 500 ms; stepping down when fenced. Its clock is the world's (`unix_ms` reads it on this
-/// thread), without skew.
+/// thread) plus its own offset (the task-local `SKEW`).
 async fn manager_leader(
     id: usize,
     leaders: usize,
     w: SharedRef,
     control: Arc<Mutex<Control>>,
     end_ms: i64,
+    quiet_from: i64,
     seed: u64,
 ) {
     use sluice_manager::roller::{RollConfig, Roller};
@@ -1312,6 +1322,7 @@ async fn manager_leader(
     let (alerts, _alert_rx) = sluice_manager::alerts::channel(metrics.clone());
     let mut rng = Rng::new(seed);
     let crash = Arc::new(tokio::sync::Notify::new());
+    let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let conn = w.redis.conn().reconnecting().with_faults(CrashPlan {
         inner: Faults {
             rng: Rng::new(rng.next_u64()),
@@ -1322,6 +1333,8 @@ async fn manager_leader(
         },
         rng: Rng::new(rng.next_u64()),
         crash: crash.clone(),
+        dead: dead.clone(),
+        until_ms: quiet_from - 5_000,
     });
     let redis = Arc::new(sluice_protocol::conn::Redis::shared(conn));
     let cfg = RollConfig {
@@ -1398,9 +1411,19 @@ async fn manager_leader(
             // The process died mid-call: its memory is gone; it comes back after a restart,
             // and its leadership (its lease expired meanwhile) goes to whoever wins next.
             leading = None;
+            // It leads no more from now (its lease lapses); a new term once it is back, unless
+            // an election of the world's came first.
+            let term = {
+                let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
+                if c.holder == Some(id) {
+                    c.holder = None;
+                }
+                c.term
+            };
             sleep_ms(rng.range_i(500, 5000) as u64).await;
+            dead.store(false, std::sync::atomic::Ordering::Relaxed);
             let mut c = control.lock().unwrap_or_else(|e| e.into_inner());
-            if c.holder == Some(id) {
+            if c.holder.is_none() && c.term == term {
                 c.term += 1;
                 c.holder = Some(rng.below(leaders as u64) as usize);
                 c.holder_since = w.clock.now_us() / 1000;
@@ -2094,6 +2117,7 @@ async fn run_in(cfg: Config) -> Outcome {
                     shared.clone(),
                     control.clone(),
                     end_ms,
+                    start_ms + cfg.duration_ms as i64 * 7 / 10,
                     seed,
                 ),
             )));
