@@ -205,59 +205,43 @@ async fn a_task_deleted_then_restored_from_an_older_dump_is_retired_again() {
     // The dump a restart will come back with: the task alive.
     let _: () = redis::cmd("SAVE").query(&mut conn).unwrap();
     assert_eq!(m.delete("/api/v1/tasks/gone").await, 204);
-    let retired = |conn: &mut redis::Connection| -> Option<String> {
-        redis::cmd("HGET")
-            .arg(keys.meta("gone"))
-            .arg(meta_field::RETIRED)
-            .query(conn)
-            .unwrap()
-    };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while retired(&mut conn).is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "the deleted task was not retired"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_retired(&mut conn, &keys, "gone", Duration::from_secs(10)).await;
     // The API tombstones the meta itself; the leader's roller forgets the task at its next
     // tick (its own retire): wait until it has, or the restart below would meet a roller
     // that still remembers the task (and retires it without walking the registry).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !m.proc.log().contains("task deleted: meta retired") {
-        assert!(
-            Instant::now() < deadline,
-            "the roller never retired the deleted task"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_log(&m.proc, ROLLER_RETIRED, Duration::from_secs(10)).await;
     redis_srv.kill();
     redis_srv.restart();
     let mut conn = redis_conn(&redis_srv.url());
     // The restart came back with the dump's live meta; the leader walks the registry again and
     // finds it (this line is logged only for a live meta of its own epoch).
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !m
-        .proc
-        .log()
-        .contains("task in Redis but not in etcd (deleted while no leader ran): retiring it")
-    {
-        assert!(
-            Instant::now() < deadline,
-            "the leader never walked the registry after the restart; manager log:\n{}",
-            m.proc.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while retired(&mut conn).is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "the task restored from the older dump was never retired again; manager log:\n{}",
-            m.proc.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_log(&m.proc, WALK_RETIRES, Duration::from_secs(15)).await;
+    wait_retired(&mut conn, &keys, "gone", Duration::from_secs(15)).await;
+}
+
+/// The roller's line for a task it retired.
+const ROLLER_RETIRED: &str = "task deleted: meta retired";
+/// The registry walk's line for a live meta of a task etcd does not have.
+const WALK_RETIRES: &str =
+    "task in Redis but not in etcd (deleted while no leader ran): retiring it";
+
+/// Waits until `task`'s meta is a tombstone.
+async fn wait_retired(conn: &mut redis::Connection, keys: &Keys, task: &str, timeout: Duration) {
+    let meta = keys.meta(task);
+    wait_until(
+        &format!("{task}'s meta retired"),
+        timeout,
+        Duration::from_millis(50),
+        || {
+            let r: Option<String> = redis::cmd("HGET")
+                .arg(&meta)
+                .arg(meta_field::RETIRED)
+                .query(conn)
+                .unwrap();
+            async move { r.map(|_| ()) }
+        },
+    )
+    .await
 }
 
 /// The same with no task left at all: the leader, rolling nothing, still watches which Redis
@@ -290,42 +274,15 @@ async fn a_leader_with_no_task_retires_a_task_restored_from_an_older_dump() {
     .await;
     let _: () = redis::cmd("SAVE").query(&mut conn).unwrap();
     assert_eq!(m.delete("/api/v1/tasks/gone").await, 204);
-    let retired = |conn: &mut redis::Connection| -> Option<String> {
-        redis::cmd("HGET")
-            .arg(keys.meta("gone"))
-            .arg(meta_field::RETIRED)
-            .query(conn)
-            .unwrap()
-    };
     // The roller forgets the task at its own retire (then it rolls nothing at all).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !m.proc.log().contains("task deleted: meta retired") {
-        assert!(
-            Instant::now() < deadline,
-            "the roller never retired the deleted task"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(retired(&mut conn).is_some(), "retired before the restart");
+    wait_for_log(&m.proc, ROLLER_RETIRED, Duration::from_secs(10)).await;
+    wait_retired(&mut conn, &keys, "gone", Duration::from_secs(1)).await;
     redis_srv.kill();
     redis_srv.restart();
     let mut conn = redis_conn(&redis_srv.url());
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while retired(&mut conn).is_none() {
-        assert!(
-            Instant::now() < deadline,
-            "a leader with no task never retired the task an older dump brought back; manager log:\n{}",
-            m.proc.log()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert!(
-        m.proc
-            .log()
-            .contains("task in Redis but not in etcd (deleted while no leader ran): retiring it"),
-        "retired by the registry walk; manager log:\n{}",
-        m.proc.log()
-    );
+    // A leader with no task walks the registry again and retires what the dump brought back.
+    wait_retired(&mut conn, &keys, "gone", Duration::from_secs(15)).await;
+    wait_for_log(&m.proc, WALK_RETIRES, Duration::from_secs(1)).await;
 }
 
 /// A task the roller stops remembering while it is still in etcd — here because Redis holds a
