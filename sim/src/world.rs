@@ -186,27 +186,11 @@ impl sluice_manager::roller::CurrentRevision for SecondRevisions {
 
 /// The second cluster's task snapshot.
 fn second_snapshot(b: &Second) -> Arc<sluice_manager::tasks::TaskSnapshot> {
-    use sluice_manager::tasks::{TaskEntry, TaskSnapshot};
+    use sluice_manager::tasks::TaskSnapshot;
     let (version, threshold) = b.task;
-    let spec = sluice_manager::spec::parse_stored(
-        B_TASK,
-        format!(r#"{{"threshold":{threshold},"slice_ms":{SLICE_MS}}}"#).as_bytes(),
-    )
-    .unwrap_or_else(|e| panic!("the second cluster's spec is invalid: {e:?}"));
-    let schedule = Arc::new(sluice_manager::schedule::CompiledSchedule::new(
-        &spec.schedules,
-    ));
+    let json = format!(r#"{{"threshold":{threshold},"slice_ms":{SLICE_MS}}}"#);
     let mut tasks = BTreeMap::new();
-    tasks.insert(
-        B_TASK.to_string(),
-        Arc::new(TaskEntry {
-            name: B_TASK.to_string(),
-            spec,
-            version,
-            created: 1,
-            schedule,
-        }),
-    );
+    tasks.insert(B_TASK.to_string(), task_entry(B_TASK, &json, version, 1));
     Arc::new(TaskSnapshot {
         tasks,
         invalid: BTreeMap::new(),
@@ -1030,13 +1014,7 @@ struct Link {
 impl Link {
     fn new(w: &Shared, seed: u64) -> Self {
         let mut rng = Rng::new(seed);
-        let conn = w.redis.conn().with_faults(Faults {
-            rng: Rng::new(rng.next_u64()),
-            on: w.faults_on.clone(),
-            log: w.log.clone(),
-            clock: w.clock.clone(),
-            start_ms: w.start_ms,
-        });
+        let conn = w.redis.conn().with_faults(w.faults(rng.next_u64()));
         Self {
             redis: w.redis.clone(),
             conn,
@@ -1070,6 +1048,50 @@ struct Shared {
     log: SharedLog,
     clock: Arc<TokioClock>,
     start_ms: i64,
+}
+
+impl Shared {
+    /// A connection's per-command faults, seeded by `seed`.
+    fn faults(&self, seed: u64) -> Faults {
+        Faults {
+            rng: Rng::new(seed),
+            on: self.faults_on.clone(),
+            log: self.log.clone(),
+            clock: self.clock.clone(),
+            start_ms: self.start_ms,
+        }
+    }
+}
+
+/// The roll settings of every replica in the world (both clusters).
+fn roll_config() -> sluice_manager::roller::RollConfig {
+    sluice_manager::roller::RollConfig {
+        horizon: Duration::from_millis(HORIZON_MS as u64),
+        retention: Duration::from_millis(RETENTION_MS as u64),
+        tick: Duration::from_millis(TICK_MS),
+        fence_stale_after: Duration::from_millis(MANAGER_STALE_AFTER_MS),
+    }
+}
+
+/// A task as the manager's store holds it: `json` parsed by the manager's own `parse_stored`.
+fn task_entry(
+    name: &str,
+    json: &str,
+    version: i64,
+    created: i64,
+) -> Arc<sluice_manager::tasks::TaskEntry> {
+    let spec = sluice_manager::spec::parse_stored(name, json.as_bytes())
+        .unwrap_or_else(|e| panic!("the world's spec of {name} is invalid: {e:?}"));
+    let schedule = Arc::new(sluice_manager::schedule::CompiledSchedule::new(
+        &spec.schedules,
+    ));
+    Arc::new(sluice_manager::tasks::TaskEntry {
+        name: name.to_string(),
+        spec,
+        version,
+        created,
+        schedule,
+    })
 }
 
 tokio::task_local! {
@@ -1218,28 +1240,15 @@ fn spec_json(i: usize, threshold: u64) -> String {
 
 /// The task snapshot a leader rolls: what etcd holds now.
 fn snapshot(c: &Control) -> Arc<sluice_manager::tasks::TaskSnapshot> {
-    use sluice_manager::tasks::{TaskEntry, TaskSnapshot};
+    use sluice_manager::tasks::TaskSnapshot;
     let mut tasks = BTreeMap::new();
     for (i, (version, threshold)) in c.specs.iter().enumerate() {
         if c.deleted[i] {
             continue;
         }
         let name = task_name(i);
-        let spec = sluice_manager::spec::parse_stored(&name, spec_json(i, *threshold).as_bytes())
-            .unwrap_or_else(|e| panic!("the world's spec of {name} is invalid: {e:?}"));
-        let schedule = Arc::new(sluice_manager::schedule::CompiledSchedule::new(
-            &spec.schedules,
-        ));
-        tasks.insert(
-            name.clone(),
-            Arc::new(TaskEntry {
-                name,
-                spec,
-                version: *version,
-                created: c.created[i],
-                schedule,
-            }),
-        );
+        let entry = task_entry(&name, &spec_json(i, *threshold), *version, c.created[i]);
+        tasks.insert(name, entry);
     }
     Arc::new(TaskSnapshot {
         tasks,
@@ -1316,7 +1325,7 @@ async fn manager_leader(
     quiet_from: i64,
     seed: u64,
 ) {
-    use sluice_manager::roller::{RollConfig, Roller};
+    use sluice_manager::roller::Roller;
     let keys = Keys::new(NS).expect("namespace");
     let metrics = Arc::new(sluice_manager::metrics::Metrics::new());
     let (alerts, _alert_rx) = sluice_manager::alerts::channel(metrics.clone());
@@ -1324,25 +1333,14 @@ async fn manager_leader(
     let crash = Arc::new(tokio::sync::Notify::new());
     let dead = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let conn = w.redis.conn().reconnecting().with_faults(CrashPlan {
-        inner: Faults {
-            rng: Rng::new(rng.next_u64()),
-            on: w.faults_on.clone(),
-            log: w.log.clone(),
-            clock: w.clock.clone(),
-            start_ms: w.start_ms,
-        },
+        inner: w.faults(rng.next_u64()),
         rng: Rng::new(rng.next_u64()),
         crash: crash.clone(),
         dead: dead.clone(),
         until_ms: quiet_from - 5_000,
     });
     let redis = Arc::new(sluice_protocol::conn::Redis::shared(conn));
-    let cfg = RollConfig {
-        horizon: Duration::from_millis(HORIZON_MS as u64),
-        retention: Duration::from_millis(RETENTION_MS as u64),
-        tick: Duration::from_millis(TICK_MS),
-        fence_stale_after: Duration::from_millis(MANAGER_STALE_AFTER_MS),
-    };
+    let cfg = roll_config();
     let notice_ms = rng.range_i(0, 3000);
     let mut lost_since: Option<i64> = None;
     let mut leading: Option<(Roller, sluice_manager::election::LeaderContext, i64, u64)> = None;
@@ -1441,22 +1439,15 @@ async fn manager_leader(
 async fn second_cluster(w: SharedRef, second: Arc<Mutex<Second>>, end_ms: i64, seed: u64) {
     let keys = Keys::new(NS).expect("namespace");
     let mut rng = Rng::new(seed);
-    let conn = w.redis.conn().reconnecting().with_faults(Faults {
-        rng: Rng::new(rng.next_u64()),
-        on: w.faults_on.clone(),
-        log: w.log.clone(),
-        clock: w.clock.clone(),
-        start_ms: w.start_ms,
-    });
+    let conn = w
+        .redis
+        .conn()
+        .reconnecting()
+        .with_faults(w.faults(rng.next_u64()));
     let redis = Arc::new(sluice_protocol::conn::Redis::shared(conn));
     let metrics = Arc::new(sluice_manager::metrics::Metrics::new());
     let (alerts, _alert_rx) = sluice_manager::alerts::channel(metrics.clone());
-    let cfg = sluice_manager::roller::RollConfig {
-        horizon: Duration::from_millis(HORIZON_MS as u64),
-        retention: Duration::from_millis(RETENTION_MS as u64),
-        tick: Duration::from_millis(TICK_MS),
-        fence_stale_after: Duration::from_millis(MANAGER_STALE_AFTER_MS),
-    };
+    let cfg = roll_config();
     let revisions = SecondRevisions(second.clone());
     let mut leading: Option<(
         i64,
